@@ -1,0 +1,113 @@
+//! Mirrors of `bpf/include/agent_abi.h`. The agent-integration test
+//! `abi_layout` compiles the header natively and compares every size and
+//! offset below with the C compiler's; the const asserts catch the rest at
+//! build time.
+
+use std::mem::size_of;
+
+pub const HIST_SUB_BITS: u32 = 3;
+pub const HIST_SUB: u32 = 1 << HIST_SUB_BITS;
+pub const HIST_MAX_LOG2: u32 = 38;
+pub const HIST_BUCKETS: usize = ((HIST_MAX_LOG2 - HIST_SUB_BITS + 2) * HIST_SUB) as usize;
+
+pub const BLK_NR_OPS: usize = 5;
+pub const BLK_NR_SEGS: usize = 3;
+pub const DEFAULT_MAX_DISKS: u32 = 32;
+pub const RQ_SLOTS: u32 = 1 << 15;
+
+pub const RQ_F_PARTIAL: u8 = 1 << 1;
+pub const RQ_F_REQUEUED: u8 = 1 << 2;
+pub const RQ_F_NO_START: u8 = 1 << 3;
+pub const RQ_F_NO_ISSUE: u8 = 1 << 4;
+pub const RQ_F_ERROR: u8 = 1 << 5;
+
+pub const EVENT_BLK_IO: u16 = 1;
+
+/// Indices of the per-CPU array `counters` (enum counter).
+pub mod counter {
+    pub const RINGBUF_DROPS: u32 = 0;
+    pub const DISK_CONFLICTS: u32 = 1;
+    pub const SLOT_CONFLICTS: u32 = 2;
+    pub const NO_START: u32 = 3;
+    pub const NO_ISSUE: u32 = 4;
+    pub const PARTIAL_PIECES: u32 = 5;
+    pub const REQUEUES: u32 = 6;
+    pub const SAMPLED: u32 = 7;
+    pub const NR: u32 = 8;
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlkStats {
+    pub busy: u32,
+    pub _pad: u32,
+    pub ios: u64,
+    pub bytes: u64,
+    pub errors: u64,
+    pub requeued: u64,
+    pub partial: u64,
+    pub sum_ns: [u64; BLK_NR_SEGS],
+    pub max_ns: [u64; BLK_NR_SEGS],
+    pub hist: [[u64; HIST_BUCKETS]; BLK_NR_SEGS],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DiskSlot {
+    pub queue: u64,
+    pub dev: u32,
+    pub _pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RqSlot {
+    pub rq: u64,
+    pub start_ns: u64,
+    pub issue_ns: u64,
+    pub done_bytes: u32,
+    pub requeues: u16,
+    pub flags: u16,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlkIoEvent {
+    pub kind: u16,
+    pub op: u8,
+    pub flags: u8,
+    pub dev: u32,
+    pub start_ns: u64,
+    pub issue_ns: u64,
+    pub done_ns: u64,
+    pub sector: u64,
+    pub bytes: u32,
+    pub requeues: u16,
+    pub cpu_lo: u8,
+    pub _pad: u8,
+}
+
+const _: () = assert!(size_of::<BlkIoEvent>() == 48);
+const _: () = assert!(size_of::<RqSlot>() == 32);
+const _: () = assert!(size_of::<DiskSlot>() == 16);
+const _: () = assert!(size_of::<BlkStats>() == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS));
+
+// SAFETY: plain-old-data, `repr(C)`, no padding the kernel could leave
+// uninitialised that we would read as anything but integers.
+unsafe impl aya::Pod for BlkStats {}
+unsafe impl aya::Pod for DiskSlot {}
+unsafe impl aya::Pod for RqSlot {}
+unsafe impl aya::Pod for BlkIoEvent {}
+
+impl BlkIoEvent {
+    /// Decodes one ring-buffer record; `None` if its length or kind is not
+    /// a `BlkIoEvent` (the caller counts those).
+    pub fn from_bytes(buf: &[u8]) -> Option<Self> {
+        if buf.len() != size_of::<Self>() {
+            return None;
+        }
+        // SAFETY: length checked; every bit pattern is a valid BlkIoEvent.
+        let ev: Self = unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) };
+        (ev.kind == EVENT_BLK_IO).then_some(ev)
+    }
+}

@@ -1,0 +1,196 @@
+//! Host block-layer probes (`bpf/block.bpf.c`).
+
+use std::collections::BTreeMap;
+
+use aya::{
+    maps::{Array, MapData, PerCpuArray, RingBuf},
+    Btf, Ebpf, EbpfLoader,
+};
+use serde::{Deserialize, Serialize};
+
+use super::{attach, Attachment, Flavour, LoadError};
+use crate::{
+    abi::{counter, BlkStats, DiskSlot, BLK_NR_OPS, DEFAULT_MAX_DISKS},
+    disks::Dev,
+    model::{DiskOpStats, Op},
+};
+
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/block.bpf.o"));
+
+#[derive(Clone, Debug)]
+pub struct BlockConfig {
+    /// Disk slots in the kernel tables; more disks than this are counted
+    /// as `disk_conflicts`, not measured.
+    pub max_disks: u32,
+    /// Stream one request in N through the ring buffer (0: none).
+    pub sample_every: u32,
+    /// Stream every request at least this slow (0: off).
+    pub slower_than_ns: u64,
+}
+
+impl Default for BlockConfig {
+    fn default() -> Self {
+        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0 }
+    }
+}
+
+/// Lost or degraded events, summed over CPUs. Every one of them is shown.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    /// Per-request records the ring buffer had no room for.
+    pub ringbuf_drops: u64,
+    /// Requests of a disk whose slot another disk owns (raise --max-disks).
+    pub disk_conflicts: u64,
+    /// Requests whose in-flight slot was taken by another request.
+    pub slot_conflicts: u64,
+    /// Requests with no start time: queue unknown, total measured from issue.
+    pub no_start: u64,
+    /// Requests with no issue time (e.g. in flight when tracing began).
+    pub no_issue: u64,
+    /// Program invocations the kernel skipped because the program was
+    /// already running on that CPU.
+    pub bpf_recursion_misses: u64,
+    /// Not losses: partial-completion pieces, requeue events and records
+    /// streamed, for context.
+    pub partial_pieces: u64,
+    pub requeue_events: u64,
+    pub records_streamed: u64,
+}
+
+impl Counters {
+    pub fn lost(&self) -> u64 {
+        self.ringbuf_drops + self.disk_conflicts + self.slot_conflicts + self.no_issue + self.bpf_recursion_misses
+    }
+}
+
+/// One read of the kernel's aggregates: cumulative since load.
+#[derive(Clone, Debug, Default)]
+pub struct BlockSnapshot {
+    pub stats: BTreeMap<(Dev, Op), DiskOpStats>,
+    pub counters: Counters,
+}
+
+pub struct BlockProbes {
+    ebpf: Ebpf,
+    pub attachments: Vec<Attachment>,
+    max_disks: u32,
+}
+
+impl BlockProbes {
+    /// Loads and attaches every block program on tp_btf, or, if any of
+    /// them will not, all of them on raw_tp: the two flavours key in-flight
+    /// requests the same way, but one flavour for all keeps cost and
+    /// behaviour uniform.
+    pub fn load(cfg: &BlockConfig) -> Result<Self, LoadError> {
+        let btf = Btf::from_sys_fs().ok();
+        match Self::load_flavour(cfg, btf.as_ref(), Flavour::TpBtf) {
+            Ok(p) => Ok(p),
+            Err(e) => {
+                log::info!("tp_btf block probes unavailable ({}); using raw_tp", super::error_chain(&e));
+                Self::load_flavour(cfg, btf.as_ref(), Flavour::RawTp)
+            }
+        }
+    }
+
+    fn load_flavour(cfg: &BlockConfig, btf: Option<&Btf>, flavour: Flavour) -> Result<Self, LoadError> {
+        let max_disks = cfg.max_disks.max(1);
+        let mut ebpf = EbpfLoader::new()
+            .btf(btf)
+            .override_global("targ_max_disks", &max_disks, true)
+            .override_global("targ_sample_every", &cfg.sample_every, true)
+            .override_global("targ_slower_than_ns", &cfg.slower_than_ns, true)
+            .map_max_entries("blk_latency", max_disks * BLK_NR_OPS as u32)
+            .map_max_entries("blk_latency_nested", max_disks * BLK_NR_OPS as u32)
+            .map_max_entries("disk_queues", max_disks)
+            .load(OBJECT)
+            .map_err(|source| LoadError::Object { object: "block.bpf.o", source })?;
+
+        let mut attachments = Vec::new();
+        // The start stamp is only needed where the kernel keeps no
+        // start_time_ns; block_io_start appeared in v6.5 (5a80bd075f3b),
+        // before it the insert is the closest point.
+        match attach(&mut ebpf, btf, "block_io_start", flavour) {
+            Ok(a) => attachments.push(a),
+            Err(e) => {
+                log::info!("{}; using block_rq_insert for start stamps", super::error_chain(&e));
+                attachments.push(attach(&mut ebpf, btf, "block_rq_insert", flavour)?);
+            }
+        }
+        for tp in ["block_rq_issue", "block_rq_requeue", "block_rq_complete"] {
+            attachments.push(attach(&mut ebpf, btf, tp, flavour)?);
+        }
+        Ok(Self { ebpf, attachments, max_disks })
+    }
+
+    /// The ring buffer of per-request records, for one consumer.
+    pub fn take_events(&mut self) -> Result<RingBuf<MapData>, LoadError> {
+        let map = self.ebpf.take_map("events").ok_or(LoadError::Map { map: "events", source: None })?;
+        RingBuf::try_from(map).map_err(|e| LoadError::Map { map: "events", source: Some(e) })
+    }
+
+    pub fn snapshot(&self) -> Result<BlockSnapshot, LoadError> {
+        let map_err = |map: &'static str| move |e| LoadError::Map { map, source: Some(e) };
+        let disks: Array<_, DiskSlot> = Array::try_from(
+            self.ebpf.map("disk_queues").ok_or(LoadError::Map { map: "disk_queues", source: None })?,
+        )
+        .map_err(map_err("disk_queues"))?;
+        let latency: PerCpuArray<_, BlkStats> = PerCpuArray::try_from(
+            self.ebpf.map("blk_latency").ok_or(LoadError::Map { map: "blk_latency", source: None })?,
+        )
+        .map_err(map_err("blk_latency"))?;
+        let nested: Array<_, BlkStats> = Array::try_from(
+            self.ebpf.map("blk_latency_nested").ok_or(LoadError::Map { map: "blk_latency_nested", source: None })?,
+        )
+        .map_err(map_err("blk_latency_nested"))?;
+
+        let mut snap = BlockSnapshot::default();
+        for slot in 0..self.max_disks {
+            let d = disks.get(&slot, 0).map_err(map_err("disk_queues"))?;
+            if d.queue == 0 || d.dev == 0 {
+                continue;
+            }
+            for (i, op) in Op::ALL.iter().enumerate() {
+                let idx = slot * BLK_NR_OPS as u32 + i as u32;
+                let per_cpu = latency.get(&idx, 0).map_err(map_err("blk_latency"))?;
+                let mut s = DiskOpStats::default();
+                for cpu in per_cpu.iter() {
+                    s.add_cpu(cpu);
+                }
+                s.add_cpu(&nested.get(&idx, 0).map_err(map_err("blk_latency_nested"))?);
+                if s.ios > 0 || s.bytes > 0 {
+                    snap.stats.insert((Dev(d.dev), *op), s);
+                }
+            }
+        }
+        snap.counters = self.counters()?;
+        Ok(snap)
+    }
+
+    fn counters(&self) -> Result<Counters, LoadError> {
+        let counters: PerCpuArray<_, u64> =
+            PerCpuArray::try_from(self.ebpf.map("counters").ok_or(LoadError::Map { map: "counters", source: None })?)
+                .map_err(|e| LoadError::Map { map: "counters", source: Some(e) })?;
+        let sum = |i: u32| -> Result<u64, LoadError> {
+            Ok(counters
+                .get(&i, 0)
+                .map_err(|e| LoadError::Map { map: "counters", source: Some(e) })?
+                .iter()
+                .sum())
+        };
+        Ok(Counters {
+            ringbuf_drops: sum(counter::RINGBUF_DROPS)?,
+            disk_conflicts: sum(counter::DISK_CONFLICTS)?,
+            slot_conflicts: sum(counter::SLOT_CONFLICTS)?,
+            no_start: sum(counter::NO_START)?,
+            no_issue: sum(counter::NO_ISSUE)?,
+            bpf_recursion_misses: self.program_stats().iter().map(|p| p.recursion_misses).sum(),
+            partial_pieces: sum(counter::PARTIAL_PIECES)?,
+            requeue_events: sum(counter::REQUEUES)?,
+            records_streamed: sum(counter::SAMPLED)?,
+        })
+    }
+
+    pub fn program_stats(&self) -> Vec<super::progstats::ProgStats> {
+        super::program_stats(&self.ebpf)
+    }
+}

@@ -1,0 +1,152 @@
+//! What this kernel lets us attach, found by loading and attaching one
+//! trivial program per type (`bpf/features.bpf.c`) and seeing it fire.
+
+use std::{process::Command, time::Duration};
+
+use aya::{
+    maps::Array,
+    programs::{BtfTracePoint, FEntry, KProbe, RawTracePoint, TracePoint, UProbe},
+    Btf, Ebpf, EbpfLoader,
+};
+use serde::Serialize;
+
+use super::error_chain;
+
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/features.bpf.o"));
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbeType {
+    TpBtf,
+    RawTp,
+    Tracepoint,
+    Kprobe,
+    Fentry,
+    Uprobe,
+}
+
+impl ProbeType {
+    pub const ALL: [ProbeType; 6] =
+        [Self::TpBtf, Self::RawTp, Self::Tracepoint, Self::Kprobe, Self::Fentry, Self::Uprobe];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::TpBtf => "tp_btf",
+            Self::RawTp => "raw_tp",
+            Self::Tracepoint => "tracepoint",
+            Self::Kprobe => "kprobe",
+            Self::Fentry => "fentry",
+            Self::Uprobe => "uprobe",
+        }
+    }
+
+    fn program(self) -> &'static str {
+        match self {
+            Self::TpBtf => "probe_tp_btf",
+            Self::RawTp => "probe_raw_tp",
+            Self::Tracepoint => "probe_tracepoint",
+            Self::Kprobe => "probe_kprobe",
+            Self::Fentry => "probe_fentry",
+            Self::Uprobe => "probe_uprobe",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ProbeResult {
+    pub probe: ProbeType,
+    pub works: bool,
+    /// Why not, when it does not work: the failing step and the kernel's error.
+    pub reason: Option<String>,
+}
+
+/// Target of the uprobe check: a function of this very binary, so the
+/// check needs nothing else on the machine.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn iospan_uprobe_target(x: u64) -> u64 {
+    std::hint::black_box(x.wrapping_mul(31))
+}
+
+pub fn probe_all() -> Vec<ProbeResult> {
+    let btf = Btf::from_sys_fs().ok();
+    ProbeType::ALL
+        .iter()
+        .map(|&probe| {
+            // A fresh object per type: one type's failure cannot affect another.
+            let outcome = EbpfLoader::new()
+                .btf(btf.as_ref())
+                .load(OBJECT)
+                .map_err(|e| format!("loading the probe object: {}", error_chain(&e)))
+                .and_then(|mut ebpf| try_probe(&mut ebpf, btf.as_ref(), probe));
+            match outcome {
+                Ok(()) => ProbeResult { probe, works: true, reason: None },
+                Err(reason) => ProbeResult { probe, works: false, reason: Some(reason) },
+            }
+        })
+        .collect()
+}
+
+fn try_probe(ebpf: &mut Ebpf, btf: Option<&Btf>, probe: ProbeType) -> Result<(), String> {
+    let name = probe.program();
+    let prog = ebpf.program_mut(name).ok_or_else(|| format!("program {name} missing"))?;
+    let step = |what: &str, e: &dyn std::error::Error| format!("{what}: {}", error_chain(e));
+    let no_btf = || "no kernel BTF (/sys/kernel/btf/vmlinux)".to_string();
+    match probe {
+        ProbeType::TpBtf => {
+            let p: &mut BtfTracePoint = prog.try_into().map_err(|e| step("type", &e))?;
+            p.load("sched_process_exec", btf.ok_or_else(no_btf)?).map_err(|e| step("load", &e))?;
+            p.attach().map_err(|e| step("attach", &e))?;
+        }
+        ProbeType::RawTp => {
+            let p: &mut RawTracePoint = prog.try_into().map_err(|e| step("type", &e))?;
+            p.load().map_err(|e| step("load", &e))?;
+            p.attach("sched_process_exec").map_err(|e| step("attach", &e))?;
+        }
+        ProbeType::Tracepoint => {
+            let p: &mut TracePoint = prog.try_into().map_err(|e| step("type", &e))?;
+            p.load().map_err(|e| step("load", &e))?;
+            p.attach("sched", "sched_process_exec").map_err(|e| step("attach", &e))?;
+        }
+        ProbeType::Kprobe => {
+            let p: &mut KProbe = prog.try_into().map_err(|e| step("type", &e))?;
+            p.load().map_err(|e| step("load", &e))?;
+            p.attach("do_nanosleep", 0).map_err(|e| step("attach", &e))?;
+        }
+        ProbeType::Fentry => {
+            let p: &mut FEntry = prog.try_into().map_err(|e| step("type", &e))?;
+            p.load("do_nanosleep", btf.ok_or_else(no_btf)?).map_err(|e| step("load", &e))?;
+            p.attach().map_err(|e| step("attach", &e))?;
+        }
+        ProbeType::Uprobe => {
+            let p: &mut UProbe = prog.try_into().map_err(|e| step("type", &e))?;
+            p.load().map_err(|e| step("load", &e))?;
+            let exe = std::env::current_exe().map_err(|e| format!("finding our own binary: {e}"))?;
+            p.attach("iospan_uprobe_target", &exe, aya::programs::uprobe::UProbeScope::CallingProcess).map_err(|e| step("attach", &e))?;
+        }
+    }
+    trigger(probe);
+    let hits = read_hits(ebpf)?;
+    if hits == 0 {
+        return Err("attached, but did not fire when triggered".into());
+    }
+    Ok(())
+}
+
+fn trigger(probe: ProbeType) {
+    match probe {
+        ProbeType::TpBtf | ProbeType::RawTp | ProbeType::Tracepoint => {
+            let _ = Command::new("/bin/true").status();
+        }
+        ProbeType::Kprobe | ProbeType::Fentry => std::thread::sleep(Duration::from_millis(1)),
+        ProbeType::Uprobe => {
+            iospan_uprobe_target(7);
+        }
+    }
+}
+
+fn read_hits(ebpf: &Ebpf) -> Result<u64, String> {
+    let map = ebpf.map(".bss").ok_or("no .bss map")?;
+    let bss: Array<_, u64> = Array::try_from(map).map_err(|e| error_chain(&e))?;
+    bss.get(&0, 0).map_err(|e| error_chain(&e))
+}

@@ -1,0 +1,109 @@
+//! The only module that talks to aya: loading, attaching, reading maps.
+//! Everything above it sees `model` types.
+
+pub mod block;
+pub mod features;
+pub mod progstats;
+
+use std::os::fd::AsFd;
+
+use aya::{
+    programs::{BtfTracePoint, Program, RawTracePoint},
+    Btf, Ebpf,
+};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum LoadError {
+    #[error("failed to load the eBPF object `{object}`")]
+    Object { object: &'static str, #[source] source: aya::EbpfError },
+    #[error("program `{program}` is missing from the eBPF object")]
+    MissingProgram { program: String },
+    #[error("map `{map}` is missing from the eBPF object or has the wrong type")]
+    Map { map: &'static str, #[source] source: Option<aya::maps::MapError> },
+    #[error("failed to attach {flavour} program to tracepoint `{tracepoint}`: {reason}")]
+    Attach { tracepoint: String, flavour: &'static str, reason: String },
+}
+
+/// How a tracepoint was attached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Flavour {
+    TpBtf,
+    RawTp,
+}
+
+impl Flavour {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Flavour::TpBtf => "tp_btf",
+            Flavour::RawTp => "raw_tp",
+        }
+    }
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Attachment {
+    pub tracepoint: String,
+    pub flavour: Flavour,
+    pub program: String,
+}
+
+/// Loads and attaches the program for `tracepoint` in the given flavour:
+/// `{tracepoint}_btf` on tp_btf, `{tracepoint}` on raw_tp.
+pub(crate) fn attach(
+    ebpf: &mut Ebpf,
+    btf: Option<&Btf>,
+    tracepoint: &str,
+    flavour: Flavour,
+) -> Result<Attachment, LoadError> {
+    let name = match flavour {
+        Flavour::TpBtf => format!("{tracepoint}_btf"),
+        Flavour::RawTp => tracepoint.to_string(),
+    };
+    let result = program(ebpf, &name).and_then(|p| match flavour {
+        Flavour::TpBtf => {
+            let btf = btf.ok_or("no kernel BTF (/sys/kernel/btf/vmlinux)")?;
+            let p: &mut BtfTracePoint = p.try_into().map_err(|e| format!("{e:#}"))?;
+            p.load(tracepoint, btf).map_err(|e| error_chain(&e))?;
+            p.attach().map_err(|e| error_chain(&e))?;
+            Ok(())
+        }
+        Flavour::RawTp => {
+            let p: &mut RawTracePoint = p.try_into().map_err(|e| format!("{e:#}"))?;
+            p.load().map_err(|e| error_chain(&e))?;
+            p.attach(tracepoint).map_err(|e| error_chain(&e))?;
+            Ok(())
+        }
+    });
+    match result {
+        Ok(()) => Ok(Attachment { tracepoint: tracepoint.into(), flavour, program: name }),
+        Err(reason) => Err(LoadError::Attach { tracepoint: tracepoint.into(), flavour: flavour.as_str(), reason }),
+    }
+}
+
+fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut Program, String> {
+    ebpf.program_mut(name).ok_or_else(|| format!("program `{name}` not in object"))
+}
+
+/// `e: source: source…` on one line, for errors kept as strings.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// Run-time statistics of every loaded program of an object.
+pub(crate) fn program_stats(ebpf: &Ebpf) -> Vec<progstats::ProgStats> {
+    ebpf.programs()
+        .filter_map(|(name, p)| {
+            let fd = p.fd().ok()?;
+            progstats::read(fd.as_fd()).ok().map(|s| progstats::ProgStats { name: name.to_string(), ..s })
+        })
+        .collect()
+}

@@ -1,0 +1,105 @@
+//! Block device identity: the kernel's internal dev_t (major << 20 | minor)
+//! as the eBPF programs report it, and the names users type.
+
+use std::{fmt, fs, path::Path};
+
+use thiserror::Error;
+
+const MINORBITS: u32 = 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Dev(pub u32);
+
+impl Dev {
+    pub fn new(major: u32, minor: u32) -> Self {
+        Dev((major << MINORBITS) | minor)
+    }
+    pub fn major(self) -> u32 {
+        self.0 >> MINORBITS
+    }
+    pub fn minor(self) -> u32 {
+        self.0 & ((1 << MINORBITS) - 1)
+    }
+}
+
+impl fmt::Display for Dev {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.major(), self.minor())
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum DiskError {
+    #[error("unknown disk `{name}`: no /sys/class/block/{name} (block devices here: {known})")]
+    Unknown { name: String, known: String },
+    #[error("`{name}` is a partition of `{disk}`: requests are attributed to whole disks; use `--disk {disk}`")]
+    Partition { name: String, disk: String },
+    #[error("reading {path}")]
+    Sysfs { path: String, #[source] source: std::io::Error },
+}
+
+fn parse_dev(s: &str) -> Option<Dev> {
+    let (maj, min) = s.trim().split_once(':')?;
+    Some(Dev::new(maj.parse().ok()?, min.parse().ok()?))
+}
+
+/// The whole-disk device a user-given name (`loop0`, `/dev/loop0`) stands for.
+pub fn resolve(name: &str) -> Result<Dev, DiskError> {
+    let short = name.strip_prefix("/dev/").unwrap_or(name);
+    let base = Path::new("/sys/class/block").join(short);
+    if !base.exists() {
+        return Err(DiskError::Unknown { name: name.to_string(), known: whole_disks().join(", ") });
+    }
+    if base.join("partition").exists() {
+        let disk = fs::canonicalize(&base)
+            .ok()
+            .and_then(|p| p.parent().and_then(|d| d.file_name()).map(|d| d.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "its disk".into());
+        return Err(DiskError::Partition { name: name.to_string(), disk });
+    }
+    let path = base.join("dev");
+    let text = fs::read_to_string(&path)
+        .map_err(|source| DiskError::Sysfs { path: path.display().to_string(), source })?;
+    parse_dev(&text).ok_or_else(|| DiskError::Sysfs {
+        path: path.display().to_string(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("not MAJ:MIN: {text:?}")),
+    })
+}
+
+/// The name of a device, or its MAJ:MIN when it has gone away.
+pub fn name_of(dev: Dev) -> String {
+    let uevent = format!("/sys/dev/block/{}:{}/uevent", dev.major(), dev.minor());
+    fs::read_to_string(uevent)
+        .ok()
+        .and_then(|t| t.lines().find_map(|l| l.strip_prefix("DEVNAME=").map(str::to_string)))
+        .unwrap_or_else(|| dev.to_string())
+}
+
+pub fn whole_disks() -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir("/sys/block")
+        .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dev_packs_like_the_kernel() {
+        let d = Dev::new(259, 3);
+        assert_eq!(d.0, (259 << 20) | 3);
+        assert_eq!((d.major(), d.minor()), (259, 3));
+        assert_eq!(d.to_string(), "259:3");
+        assert_eq!(parse_dev("7:0\n"), Some(Dev::new(7, 0)));
+        assert_eq!(parse_dev("garbage"), None);
+    }
+
+    #[test]
+    fn unknown_disk_names_the_input_and_the_choices() {
+        let e = resolve("no-such-disk-xyz").unwrap_err().to_string();
+        assert!(e.contains("no-such-disk-xyz") && e.contains("block devices here"), "{e}");
+    }
+}

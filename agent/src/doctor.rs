@@ -1,0 +1,159 @@
+//! `iospan doctor`: what this kernel lets iospan measure, found by trying.
+
+use std::{fmt::Write as _, path::Path};
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::{
+    bpf::features::{self, ProbeResult, ProbeType},
+    preflight,
+};
+
+#[derive(Debug, Serialize)]
+pub struct Doctor {
+    pub kernel: String,
+    pub btf: bool,
+    pub privileged: bool,
+    pub probes: Vec<ProbeResult>,
+    pub kvm_tracepoints: bool,
+    pub segments: Vec<SegmentSupport>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SegmentSupport {
+    pub segment: &'static str,
+    pub measurable: Support,
+    pub how: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Support {
+    Yes,
+    Partial,
+    No,
+}
+
+impl Support {
+    fn as_str(self) -> &'static str {
+        match self {
+            Support::Yes => "yes",
+            Support::Partial => "partial",
+            Support::No => "no",
+        }
+    }
+}
+
+pub fn examine() -> Result<Doctor> {
+    let privileged = preflight::has_bpf_privileges();
+    let probes = if privileged { features::probe_all() } else { Vec::new() };
+    let works = |t: ProbeType| probes.iter().any(|p| p.probe == t && p.works);
+    let kvm_tracepoints = Path::new("/sys/kernel/tracing/events/kvm").exists()
+        || Path::new("/sys/kernel/debug/tracing/events/kvm").exists();
+    let tp = works(ProbeType::TpBtf) || works(ProbeType::RawTp);
+    let fn_probes = works(ProbeType::Kprobe) || works(ProbeType::Fentry);
+
+    let mut segments = Vec::new();
+    segments.push(SegmentSupport {
+        segment: "device",
+        measurable: if tp { Support::Yes } else { Support::No },
+        how: if tp {
+            format!(
+                "host block tracepoints via {} (queue and service per request)",
+                if works(ProbeType::TpBtf) { "tp_btf" } else { "raw_tp" }
+            )
+        } else {
+            "needs tp_btf or raw_tp programs, neither loads here".into()
+        },
+    });
+    segments.push(SegmentSupport {
+        segment: "engine",
+        measurable: match (works(ProbeType::Uprobe), tp) {
+            (true, true) => Support::Yes,
+            (false, true) => Support::Partial,
+            _ => Support::No,
+        },
+        how: if works(ProbeType::Uprobe) {
+            "uprobes on the storage engine's exported functions plus io_uring/syscall tracepoints".into()
+        } else {
+            "no uprobes: only the engine's syscalls are visible, not which virtqueue request they serve".into()
+        },
+    });
+    segments.push(SegmentSupport {
+        segment: "hypervisor",
+        measurable: match (tp, kvm_tracepoints, fn_probes) {
+            (true, true, true) => Support::Yes,
+            (true, _, _) => Support::Partial,
+            _ => Support::No,
+        },
+        how: {
+            let mut s = String::from("kick and notify via eventfd syscall and sched tracepoints");
+            s.push_str(if kvm_tracepoints {
+                "; KVM exits and interrupt injection via kvm tracepoints"
+            } else {
+                "; no kvm tracepoints (kvm module not loaded): injection into KVM guests is not visible"
+            });
+            if !fn_probes {
+                s.push_str("; no kprobe/fentry: irqfd wakeup → injection delay is bounded by tracepoints, not measured at irqfd_wakeup");
+            }
+            s
+        },
+    });
+    segments.push(SegmentSupport {
+        segment: "guest",
+        measurable: Support::No,
+        how: "not visible from the host: needs iospan running inside the guest".into(),
+    });
+
+    Ok(Doctor {
+        kernel: kernel_release(),
+        btf: Path::new("/sys/kernel/btf/vmlinux").exists(),
+        privileged,
+        probes,
+        kvm_tracepoints,
+        segments,
+    })
+}
+
+fn kernel_release() -> String {
+    // SAFETY: uname fills the struct we pass.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return "unknown".into();
+    }
+    let field = |f: &[libc::c_char]| {
+        let bytes: Vec<u8> = f.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    format!("{} {} {}", field(&u.sysname), field(&u.release), field(&u.machine))
+}
+
+impl Doctor {
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let yes = |b: bool| if b { "yes" } else { "no" };
+        let _ = writeln!(out, "kernel        {}", self.kernel);
+        let _ = writeln!(out, "BTF           {}", if self.btf { "yes (/sys/kernel/btf/vmlinux)" } else { "no" });
+        let _ = writeln!(out, "privileges    {}", if self.privileged { "yes" } else { "no: run as root or grant CAP_BPF + CAP_PERFMON" });
+        let _ = writeln!(out, "kvm events    {}", yes(self.kvm_tracepoints));
+        let _ = writeln!(out, "\nprogram types (loaded, attached and fired here):");
+        if self.probes.is_empty() {
+            let _ = writeln!(out, "  not tried: no privileges");
+        }
+        for p in &self.probes {
+            let _ = writeln!(
+                out,
+                "  {:<11} {:<4} {}",
+                p.probe.as_str(),
+                if p.works { "ok" } else { "no" },
+                p.reason.as_deref().unwrap_or("")
+            );
+        }
+        let _ = writeln!(out, "\nsegments this host can measure:");
+        for s in &self.segments {
+            let _ = writeln!(out, "  {:<11} {:<8} {}", s.segment, s.measurable.as_str(), s.how);
+        }
+        out
+    }
+}

@@ -1,0 +1,16 @@
+//! iospan: where each guest I/O's latency goes.
+//!
+//! Layers, bottom up: `abi` (records shared with the eBPF programs), `bpf`
+//! (the only module using aya), `model` (what is measured, no I/O), then the
+//! commands: `run`, `doctor`, `demo`, with `report` rendering results.
+
+pub mod abi;
+pub mod bpf;
+pub mod demo;
+pub mod disks;
+pub mod doctor;
+pub mod model;
+pub mod preflight;
+pub mod report;
+pub mod run;
+pub mod scratch;

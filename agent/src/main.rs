@@ -1,0 +1,147 @@
+use std::{path::PathBuf, process::ExitCode, time::Duration};
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+
+use iospan::{abi::DEFAULT_MAX_DISKS, demo, doctor, run};
+
+/// Where each guest I/O's latency goes: eBPF latency attribution for KVM hosts.
+#[derive(Parser)]
+#[command(name = "iospan", version, propagate_version = true)]
+struct Cli {
+    /// More log output (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Report what this kernel lets iospan measure: program types tried here, and segments.
+    Doctor {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Trace block I/O while CMD runs (or for --duration, or until Ctrl-C), then report
+    /// IOPS, MB/s and latency percentiles per disk and op, split into queue and service.
+    Run(RunArgs),
+    /// Built-in default job: fio on a scratch loop device, traced, with the table printed.
+    Demo {
+        /// Also write the report as JSON (schema iospan.run/v1).
+        #[arg(long, value_name = "FILE")]
+        json_out: Option<PathBuf>,
+    },
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// Stop after this long (e.g. 30s, 2m); with CMD, CMD is terminated then.
+    #[arg(short, long, value_parser = humantime::parse_duration, value_name = "D")]
+    duration: Option<Duration>,
+    /// Report only this disk (e.g. nvme0n1, loop0); repeatable. Default: all disks.
+    #[arg(long = "disk", value_name = "NAME")]
+    disks: Vec<String>,
+    /// Write the report as JSON (schema iospan.run/v1) to FILE.
+    #[arg(long, value_name = "FILE")]
+    json_out: Option<PathBuf>,
+    /// Write per-request records as JSON lines to FILE (all requests unless
+    /// --sample or --slower-than narrow it).
+    #[arg(long, value_name = "FILE")]
+    events_out: Option<PathBuf>,
+    /// With --events-out: stream one request in N (histograms still count all).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    sample: u32,
+    /// With --events-out: stream every request at least this slow (e.g. 5ms).
+    #[arg(long, value_parser = humantime::parse_duration, value_name = "D")]
+    slower_than: Option<Duration>,
+    /// Disk slots in the kernel tables (requests of disks beyond them are counted as lost).
+    #[arg(long, default_value_t = DEFAULT_MAX_DISKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    max_disks: u32,
+    /// Measure the eBPF programs' own run time (kernel BPF stats) and add it to the JSON report.
+    #[arg(long)]
+    bpf_stats: bool,
+    /// No progress line on stderr.
+    #[arg(short, long)]
+    quiet: bool,
+    /// Command to trace, after `--`.
+    #[arg(last = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let level = match cli.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level)).init();
+    match real_main(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            if let Some(hint) = hint_for(&e) {
+                eprintln!("hint: {hint}");
+            }
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn real_main(cli: Cli) -> Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the runtime")?;
+    match cli.command {
+        Cmd::Doctor { json } => {
+            let d = doctor::examine()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&d)?);
+            } else {
+                print!("{}", d.render());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Run(a) => {
+            let outcome = rt.block_on(run::run(run::RunOptions {
+                duration: a.duration,
+                disks: a.disks,
+                json_out: a.json_out,
+                events_out: a.events_out,
+                sample_every: a.sample,
+                slower_than: a.slower_than,
+                max_disks: a.max_disks,
+                bpf_stats: a.bpf_stats,
+                quiet: a.quiet,
+                command: a.command,
+            }))?;
+            print!("{}", outcome.report.table());
+            // A traced command's failure is the run's failure, for scripts.
+            Ok(match outcome.child_status.and_then(|s| s.code()) {
+                Some(0) | None => ExitCode::SUCCESS,
+                Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
+            })
+        }
+        Cmd::Demo { json_out } => {
+            let outcome = rt.block_on(demo::demo(json_out))?;
+            print!("{}", outcome.report.table());
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// One hint for failures with a known cause.
+fn hint_for(e: &anyhow::Error) -> Option<&'static str> {
+    for cause in e.chain() {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::PermissionDenied {
+                return Some("run as root or grant CAP_BPF and CAP_PERFMON");
+            }
+        }
+        let text = cause.to_string();
+        if text.contains("Operation not permitted") {
+            return Some("run as root or grant CAP_BPF and CAP_PERFMON");
+        }
+    }
+    None
+}

@@ -1,0 +1,157 @@
+//! The run report: the `iospan.run/v1` JSON contract and its terminal table.
+
+use std::{collections::BTreeMap, fmt::Write as _};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    bpf::{block::Counters, progstats::ProgStats, Attachment},
+    disks::{self, Dev},
+    model::{BlkSegment, DiskOpStats, Op, Summary},
+};
+
+pub const SCHEMA: &str = "iospan.run/v1";
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunReport {
+    pub schema: String,
+    pub duration_s: f64,
+    /// The traced command, when there was one, and how it ended.
+    pub command: Option<Vec<String>>,
+    pub exit_code: Option<i32>,
+    /// Everything lost or degraded; see `Counters`.
+    pub lost: Counters,
+    pub probes: Vec<Attachment>,
+    pub agent: AgentCost,
+    pub entries: Vec<Entry>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AgentCost {
+    /// The agent process's own CPU over the run.
+    pub cpu_user_s: f64,
+    pub cpu_sys_s: f64,
+    /// Kernel-side cost of the eBPF programs, when run-time stats were on.
+    pub bpf: Option<Vec<ProgStats>>,
+}
+
+/// One (vm, disk, op).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Entry {
+    pub vm: Option<String>,
+    pub disk: String,
+    pub op: Op,
+    pub ios: u64,
+    pub bytes: u64,
+    pub iops: f64,
+    pub mb_per_s: f64,
+    pub errors: u64,
+    pub requeued: u64,
+    pub partial: u64,
+    pub total: Summary,
+    pub segments: BTreeMap<String, Summary>,
+}
+
+impl Entry {
+    pub fn from_stats(vm: Option<String>, disk: String, op: Op, s: &DiskOpStats, duration_s: f64) -> Self {
+        let per_s = |v: f64| if duration_s > 0.0 { round3(v / duration_s) } else { 0.0 };
+        let mut segments = BTreeMap::new();
+        segments.insert("queue".to_string(), s.segment(BlkSegment::Queue).summary());
+        segments.insert("service".to_string(), s.segment(BlkSegment::Service).summary());
+        Entry {
+            vm,
+            disk,
+            op,
+            ios: s.ios,
+            bytes: s.bytes,
+            iops: per_s(s.ios as f64),
+            mb_per_s: per_s(s.bytes as f64 / 1e6),
+            errors: s.errors,
+            requeued: s.requeued,
+            partial: s.partial,
+            total: s.segment(BlkSegment::Total).summary(),
+            segments,
+        }
+    }
+}
+
+fn round3(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
+}
+
+/// Entries for the disks asked for (all when `only` is empty), sorted by
+/// disk name then op.
+pub fn entries(stats: &BTreeMap<(Dev, Op), DiskOpStats>, only: &[Dev], duration_s: f64) -> Vec<Entry> {
+    let mut v: Vec<Entry> = stats
+        .iter()
+        .filter(|((dev, _), _)| only.is_empty() || only.contains(dev))
+        .map(|((dev, op), s)| Entry::from_stats(None, disks::name_of(*dev), *op, s, duration_s))
+        .collect();
+    v.sort_by(|a, b| (&a.disk, a.op).cmp(&(&b.disk, b.op)));
+    v
+}
+
+impl RunReport {
+    /// The terminal table: a row per (disk, op, segment), latencies in µs.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{:<10} {:<7} {:>9} {:>10} {:>8}  {:<8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "DISK", "OP", "IOS", "IOPS", "MB/s", "SEGMENT", "MEAN", "P50", "P90", "P99", "P99.9", "MAX"
+        );
+        if self.entries.is_empty() {
+            let _ = writeln!(out, "(no block I/O completed on the traced disks)");
+        }
+        for e in &self.entries {
+            let rows = std::iter::once(("total", &e.total))
+                .chain(e.segments.iter().map(|(k, v)| (k.as_str(), v)));
+            for (i, (seg, s)) in rows.enumerate() {
+                let (disk, op, ios, iops, mbs) = if i == 0 {
+                    (e.disk.as_str(), e.op.as_str(), e.ios.to_string(), format!("{:.1}", e.iops), format!("{:.2}", e.mb_per_s))
+                } else {
+                    ("", "", String::new(), String::new(), String::new())
+                };
+                let _ = writeln!(
+                    out,
+                    "{:<10} {:<7} {:>9} {:>10} {:>8}  {:<8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                    disk, op, ios, iops, mbs, seg,
+                    us(s.mean_us), us(s.p50_us), us(s.p90_us), us(s.p99_us), us(s.p999_us), us(s.max_us)
+                );
+            }
+        }
+        let _ = writeln!(out, "latencies in µs over {:.2} s; {}", self.duration_s, self.lost_line());
+        out
+    }
+
+    pub fn lost_line(&self) -> String {
+        let c = &self.lost;
+        let parts: Vec<String> = [
+            ("ring buffer drops", c.ringbuf_drops),
+            ("disk table conflicts", c.disk_conflicts),
+            ("in-flight slot conflicts", c.slot_conflicts),
+            ("no issue time", c.no_issue),
+            ("no start time", c.no_start),
+            ("skipped by the kernel (recursion)", c.bpf_recursion_misses),
+        ]
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(what, n)| format!("{what}: {n}"))
+        .collect();
+        if parts.is_empty() {
+            "lost: none".to_string()
+        } else {
+            format!("lost/degraded: {}", parts.join(", "))
+        }
+    }
+}
+
+fn us(v: f64) -> String {
+    if v >= 100_000.0 {
+        format!("{v:.0}")
+    } else if v >= 100.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}

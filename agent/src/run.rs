@@ -1,0 +1,277 @@
+//! `iospan run`: trace while a command runs (or for a duration, or until
+//! Ctrl-C), show progress, then report per disk and op.
+
+use std::{
+    io::{IsTerminal, Write},
+    path::PathBuf,
+    process::ExitStatus,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use tokio::{io::unix::AsyncFd, process::Command, sync::watch};
+
+use crate::{
+    abi::{BlkIoEvent, RQ_F_NO_ISSUE, RQ_F_NO_START},
+    bpf::block::{BlockConfig, BlockProbes},
+    disks::{self, Dev},
+    model::Op,
+    preflight,
+    report::{self, AgentCost, RunReport, SCHEMA},
+};
+
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    pub duration: Option<Duration>,
+    pub disks: Vec<String>,
+    pub json_out: Option<PathBuf>,
+    pub events_out: Option<PathBuf>,
+    pub sample_every: u32,
+    pub slower_than: Option<Duration>,
+    pub max_disks: u32,
+    pub bpf_stats: bool,
+    pub quiet: bool,
+    pub command: Vec<String>,
+}
+
+pub struct RunOutcome {
+    pub report: RunReport,
+    pub child_status: Option<ExitStatus>,
+}
+
+pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
+    preflight::require_bpf_privileges()?;
+    let only: Vec<Dev> = opts
+        .disks
+        .iter()
+        .map(|d| disks::resolve(d).with_context(|| format!("--disk {d}")))
+        .collect::<Result<_>>()?;
+    if let Some(cmd) = opts.command.first() {
+        preflight::require_command(cmd)?;
+    }
+    if opts.events_out.is_none() && (opts.sample_every > 0 || opts.slower_than.is_some()) {
+        bail!("--sample and --slower-than choose which requests go to --events-out FILE; add --events-out");
+    }
+
+    let cfg = BlockConfig {
+        max_disks: opts.max_disks,
+        sample_every: if opts.events_out.is_some() && opts.slower_than.is_none() && opts.sample_every == 0 {
+            1
+        } else {
+            opts.sample_every
+        },
+        slower_than_ns: opts.slower_than.map(|d| d.as_nanos() as u64).unwrap_or(0),
+    };
+    let _stats = if opts.bpf_stats {
+        Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling BPF run-time statistics")?)
+    } else {
+        None
+    };
+    let mut probes = BlockProbes::load(&cfg).context("loading the block-layer probes")?;
+    for a in &probes.attachments {
+        log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
+    }
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let events_task = match &opts.events_out {
+        Some(path) => {
+            let ring = probes.take_events()?;
+            let file = std::fs::File::create(path).with_context(|| format!("creating --events-out {}", path.display()))?;
+            Some(tokio::spawn(drain_events(ring, std::io::BufWriter::new(file), stop_rx)))
+        }
+        None => None,
+    };
+
+    let cpu0 = preflight::self_cpu();
+    let t0 = Instant::now();
+    let mut child = match opts.command.split_first() {
+        Some((prog, args)) => Some(
+            Command::new(prog)
+                .args(args)
+                .kill_on_drop(true)
+                .spawn()
+                .with_context(|| format!("starting `{}`", opts.command.join(" ")))?,
+        ),
+        None => None,
+    };
+
+    let progress = Progress::new(opts.quiet);
+    let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.tick().await;
+    let mut child_status = None;
+    loop {
+        tokio::select! {
+            status = async { child.as_mut().expect("guarded").wait().await }, if child.is_some() && child_status.is_none() => {
+                child_status = Some(status.context("waiting for the traced command")?);
+                break;
+            }
+            _ = tokio::signal::ctrl_c() => {
+                // The terminal sent SIGINT to the whole process group; let
+                // the command finish its own way, then report.
+                if let Some(c) = child.as_mut() {
+                    child_status = c.wait().await.ok();
+                }
+                break;
+            }
+            _ = sleep_until(deadline) => {
+                if let Some(c) = child.as_mut() {
+                    terminate(c).await;
+                    child_status = c.wait().await.ok();
+                }
+                break;
+            }
+            _ = tick.tick() => {
+                let ios = probes.snapshot().map(|s| s.stats.iter()
+                    .filter(|((d, _), _)| only.is_empty() || only.contains(d))
+                    .map(|(_, s)| s.ios).sum::<u64>()).unwrap_or(0);
+                progress.show(t0.elapsed(), ios);
+            }
+        }
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let snap = probes.snapshot().context("reading the block-layer statistics")?;
+    progress.done();
+
+    let _ = stop_tx.send(true);
+    let mut events_written = 0;
+    if let Some(t) = events_task {
+        events_written = t.await.context("event writer")?.context("writing --events-out")?;
+    }
+    let cpu1 = preflight::self_cpu();
+    let report = RunReport {
+        schema: SCHEMA.into(),
+        duration_s: (elapsed * 1000.0).round() / 1000.0,
+        command: (!opts.command.is_empty()).then(|| opts.command.clone()),
+        exit_code: child_status.and_then(|s| s.code()),
+        lost: snap.counters.clone(),
+        probes: probes.attachments.clone(),
+        agent: AgentCost {
+            cpu_user_s: cpu1.0 - cpu0.0,
+            cpu_sys_s: cpu1.1 - cpu0.1,
+            bpf: opts.bpf_stats.then(|| probes.program_stats()),
+        },
+        entries: report::entries(&snap.stats, &only, elapsed),
+    };
+    if let Some(path) = &opts.json_out {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing --json-out {}", path.display()))?;
+    }
+    if opts.events_out.is_some() {
+        log::info!("{events_written} per-request records written");
+    }
+    Ok(RunOutcome { report, child_status })
+}
+
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// SIGTERM, then SIGKILL if it has not gone after a grace period.
+async fn terminate(child: &mut tokio::process::Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: plain kill(2) on our own child.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    }
+    if tokio::time::timeout(Duration::from_secs(5), child.wait()).await.is_err() {
+        let _ = child.kill().await;
+    }
+}
+
+/// Drains the ring buffer into JSON lines until told to stop. The kernel
+/// side wakes us only past a backlog threshold, so a timer drains too.
+async fn drain_events<W: Write>(
+    ring: aya::maps::RingBuf<aya::maps::MapData>,
+    mut out: W,
+    mut stop: watch::Receiver<bool>,
+) -> Result<u64> {
+    // SAFETY: the ring buffer owns its fd and outlives the registration
+    // (AsyncFd owns the ring buffer).
+    let mut fd = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
+        .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
+    let mut timer = tokio::time::interval(Duration::from_millis(100));
+    let mut written = 0u64;
+    let mut malformed = 0u64;
+    loop {
+        let stopping = tokio::select! {
+            r = fd.readable_mut() => { if let Ok(mut g) = r { g.clear_ready(); } false }
+            _ = timer.tick() => false,
+            _ = stop.changed() => true,
+        };
+        let ring = fd.get_mut();
+        while let Some(item) = ring.next() {
+            match BlkIoEvent::from_bytes(&item) {
+                Some(ev) => {
+                    serde_json::to_writer(&mut out, &event_json(&ev))?;
+                    out.write_all(b"\n")?;
+                    written += 1;
+                }
+                None => malformed += 1,
+            }
+        }
+        if stopping {
+            break;
+        }
+    }
+    out.flush()?;
+    if malformed > 0 {
+        log::warn!("{malformed} ring-buffer records of unexpected size or kind were dropped");
+    }
+    Ok(written)
+}
+
+fn event_json(ev: &BlkIoEvent) -> serde_json::Value {
+    let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1000.0;
+    let start = (ev.flags & RQ_F_NO_START == 0).then_some(ev.start_ns);
+    let issue = (ev.flags & RQ_F_NO_ISSUE == 0).then_some(ev.issue_ns);
+    serde_json::json!({
+        "disk": disks::name_of(Dev(ev.dev)),
+        "op": Op::from_index(ev.op as usize).unwrap_or(Op::Other),
+        "sector": ev.sector,
+        "bytes": ev.bytes,
+        "start_ns": start,
+        "issue_ns": issue,
+        "done_ns": ev.done_ns,
+        "total_us": start.or(issue).map(|s| us(s, ev.done_ns)),
+        "queue_us": start.zip(issue).map(|(s, i)| us(s, i)),
+        "service_us": issue.map(|i| us(i, ev.done_ns)),
+        "requeues": ev.requeues,
+        "flags": ev.flags,
+    })
+}
+
+struct Progress {
+    tty: bool,
+    quiet: bool,
+    last_line: std::cell::Cell<Option<Instant>>,
+}
+
+impl Progress {
+    fn new(quiet: bool) -> Self {
+        Self { tty: std::io::stderr().is_terminal(), quiet, last_line: std::cell::Cell::new(None) }
+    }
+
+    fn show(&self, elapsed: Duration, ios: u64) {
+        if self.quiet {
+            return;
+        }
+        let secs = elapsed.as_secs_f64();
+        let line = format!("iospan: {secs:6.1} s  {ios:>12} I/Os  {:>10.0} IOPS", ios as f64 / secs.max(1e-9));
+        if self.tty {
+            eprint!("\r{line}");
+        } else if self.last_line.get().is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+            // Logs and CI get a line every ten seconds, not a carriage-return stream.
+            eprintln!("{line}");
+            self.last_line.set(Some(Instant::now()));
+        }
+    }
+
+    fn done(&self) {
+        if self.tty && !self.quiet {
+            eprintln!();
+        }
+    }
+}

@@ -1,0 +1,137 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+/*
+ * Records and constants shared by the eBPF programs and the agent.
+ *
+ * Every struct here is mirrored in agent/src/abi.rs; the agent-integration
+ * test `abi_layout` compiles this header natively and fails on any size or
+ * offset drift. Rules: fixed-width types only, no bool, no pointers, explicit
+ * padding, a leading `kind` on records that travel through the ring buffer.
+ */
+#ifndef IOSPAN_AGENT_ABI_H
+#define IOSPAN_AGENT_ABI_H
+
+#ifndef __VMLINUX_H__
+#include <linux/types.h>
+#endif
+
+/* Latency histograms: log-linear, 2^HIST_SUB_BITS linear buckets per power
+ * of two, exact below 2 * HIST_SUB ns, up to 2^HIST_MAX_LOG2 ns (~275 s);
+ * everything above lands in the last bucket (max_ns keeps the true value). */
+#define HIST_SUB_BITS 3
+#define HIST_SUB (1 << HIST_SUB_BITS)
+#define HIST_MAX_LOG2 38
+#define HIST_BUCKETS ((HIST_MAX_LOG2 - HIST_SUB_BITS + 2) * HIST_SUB)
+
+/* Operation classes, as reported. */
+enum blk_op_class {
+	BLK_OP_READ = 0,
+	BLK_OP_WRITE = 1,
+	BLK_OP_FLUSH = 2,
+	BLK_OP_DISCARD = 3,
+	BLK_OP_OTHER = 4,
+	BLK_NR_OPS = 5,
+};
+
+/* Host block-layer segments of one request. */
+enum blk_segment {
+	BLK_SEG_TOTAL = 0,   /* start (allocation/accounting) -> complete */
+	BLK_SEG_QUEUE = 1,   /* start -> (last) issue to the driver */
+	BLK_SEG_SERVICE = 2, /* (last) issue -> complete */
+	BLK_NR_SEGS = 3,
+};
+
+/* Default number of disk slots; the agent may resize `blk_latency` and
+ * `disk_queues` at load time and passes the value as `targ_max_disks`. */
+#define DEFAULT_MAX_DISKS 32
+
+/* Value of the per-CPU array `blk_latency`, indexed by
+ * disk_slot * BLK_NR_OPS + op. Counts are per CPU; the agent sums CPUs.
+ *
+ * A program can nest on one CPU across contexts (task, softirq, hardirq), so
+ * an update in progress is marked `busy`; a nested update finds it busy and
+ * goes, atomically, to the same index of the shared array
+ * `blk_latency_nested`, which the agent adds in. */
+struct blk_stats {
+	__u32 busy;
+	__u32 _pad;
+	__u64 ios;                   /* completed requests */
+	__u64 bytes;                 /* bytes completed, partial completions included */
+	__u64 errors;                /* requests that completed with an error */
+	__u64 requeued;              /* requests that were requeued at least once */
+	__u64 partial;               /* requests completed in more than one piece */
+	__u64 sum_ns[BLK_NR_SEGS];
+	__u64 max_ns[BLK_NR_SEGS];
+	__u64 hist[BLK_NR_SEGS][HIST_BUCKETS]; /* a segment whose ends are unknown is not counted */
+};
+
+/* Value of the array `disk_queues`, indexed by disk slot (request_queue id
+ * modulo targ_max_disks): which disk owns the slot. */
+struct disk_slot {
+	__u64 queue;  /* owner: 1 << 32 | dev; 0 = free */
+	__u32 dev;    /* major << 20 | minor, the kernel's internal dev_t */
+	__u32 _pad;
+};
+
+/* In-flight request state, array `inflight`, for what the kernel does not
+ * keep itself: the issue time (blk-stat's is coarse or absent), bytes of
+ * partial completions, requeues. Addressed by a hash of the request's key. */
+struct rq_slot {
+	__u64 rq;          /* rq_key() of the request; 0 = free */
+	__u64 start_ns;    /* our start stamp, only when the kernel keeps none */
+	__u64 issue_ns;    /* last issue to the driver */
+	__u32 done_bytes;  /* bytes of earlier partial completions */
+	__u16 requeues;
+	__u16 flags;       /* RQ_F_* */
+};
+
+#define RQ_SLOT_BITS 15
+#define RQ_SLOTS (1 << RQ_SLOT_BITS)
+
+/* rq_slot.flags and blk_io_event.flags */
+#define RQ_F_REQUEUE_PENDING (1 << 0) /* requeued, not yet re-issued */
+#define RQ_F_PARTIAL (1 << 1)         /* completed in more than one piece */
+#define RQ_F_REQUEUED (1 << 2)        /* requeued at least once */
+#define RQ_F_NO_START (1 << 3)        /* no start time known: queue unknown, total from issue */
+#define RQ_F_NO_ISSUE (1 << 4)        /* no issue time known: queue and service unknown */
+#define RQ_F_ERROR (1 << 5)
+
+/* Global counters, per-CPU array `counters`: everything lost or degraded. */
+enum counter {
+	CNT_RINGBUF_DROPS = 0,   /* per-I/O records the ring buffer had no room for */
+	CNT_DISK_CONFLICTS = 1,  /* requests whose disk found its slot owned by another queue */
+	CNT_SLOT_CONFLICTS = 2,  /* requests whose in-flight slot was taken by another request */
+	CNT_NO_START = 3,        /* requests without a start time (total measured from issue) */
+	CNT_NO_ISSUE = 4,        /* requests without an issue time (queue/service unknown) */
+	CNT_PARTIAL_PIECES = 5,  /* partial completion events */
+	CNT_REQUEUES = 6,        /* requeue events */
+	CNT_SAMPLED = 7,         /* per-I/O records submitted */
+	NR_COUNTERS = 8,
+};
+
+enum event_kind {
+	EVENT_BLK_IO = 1,
+};
+
+/* One completed host block request, streamed through the ring buffer
+ * `events` when sampling or a latency threshold asks for it. */
+struct blk_io_event {
+	__u16 kind;      /* EVENT_BLK_IO */
+	__u8 op;         /* enum blk_op_class */
+	__u8 flags;      /* RQ_F_* */
+	__u32 dev;       /* major << 20 | minor */
+	__u64 start_ns;  /* CLOCK_MONOTONIC; 0 when unknown */
+	__u64 issue_ns;  /* 0 when unknown */
+	__u64 done_ns;
+	__u64 sector;    /* first sector at the final completion */
+	__u32 bytes;
+	__u16 requeues;
+	__u8 cpu_lo;     /* low byte of the completing CPU, a hint only */
+	__u8 _pad;
+};
+
+_Static_assert(sizeof(struct blk_io_event) == 48, "abi: blk_io_event");
+_Static_assert(sizeof(struct rq_slot) == 32, "abi: rq_slot");
+_Static_assert(sizeof(struct disk_slot) == 16, "abi: disk_slot");
+_Static_assert(sizeof(struct blk_stats) == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS), "abi: blk_stats");
+
+#endif /* IOSPAN_AGENT_ABI_H */

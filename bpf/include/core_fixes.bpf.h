@@ -1,0 +1,46 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+/* Kernel layout differences, one getter each, named after the commit that
+ * made them. Only here may a program look at two layouts of one struct. */
+#ifndef IOSPAN_CORE_FIXES_BPF_H
+#define IOSPAN_CORE_FIXES_BPF_H
+
+#include <bpf/bpf_core_read.h>
+
+/* f3fa33acca9f ("block: remove the ->rq_disk field in struct request"),
+ * v5.17: the disk is reached through the queue from then on. */
+struct request___rq_disk {
+	struct gendisk *rq_disk;
+} __attribute__((preserve_access_index));
+
+#define MINORBITS 20
+
+static __always_inline __u32 rq_dev(struct request *rq)
+{
+	struct gendisk *disk;
+
+	if (bpf_core_field_exists(struct request___rq_disk, rq_disk))
+		disk = BPF_CORE_READ((struct request___rq_disk *)rq, rq_disk);
+	else
+		disk = BPF_CORE_READ(rq, q, disk);
+	if (!disk)
+		return 0;
+	return ((__u32)BPF_CORE_READ(disk, major) << MINORBITS) |
+	       (__u32)BPF_CORE_READ(disk, first_minor);
+}
+
+/* The same for tp_btf programs, whose request pointer is BTF-typed and
+ * read directly. */
+static __always_inline __u32 rq_dev_btf(struct request *rq)
+{
+	struct gendisk *disk;
+
+	if (bpf_core_field_exists(struct request___rq_disk, rq_disk))
+		disk = ((struct request___rq_disk *)rq)->rq_disk;
+	else
+		disk = rq->q->disk;
+	if (!disk)
+		return 0;
+	return ((__u32)disk->major << MINORBITS) | (__u32)disk->first_minor;
+}
+
+#endif /* IOSPAN_CORE_FIXES_BPF_H */

@@ -1,0 +1,26 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+#ifndef IOSPAN_MAPS_BPF_H
+#define IOSPAN_MAPS_BPF_H
+
+#include <bpf/bpf_helpers.h>
+#include "agent_abi.h"
+
+/* Lost and degraded events, per CPU; see enum counter. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, NR_COUNTERS);
+	__type(key, __u32);
+	__type(value, __u64);
+} counters SEC(".maps");
+
+/* Programs of different contexts (task, softirq, hardirq) share a CPU's
+ * counters, hence the atomic add even on per-CPU values. */
+static __always_inline void count(__u32 which)
+{
+	__u64 *c = bpf_map_lookup_elem(&counters, &which);
+
+	if (c)
+		__sync_fetch_and_add(c, 1);
+}
+
+#endif /* IOSPAN_MAPS_BPF_H */

@@ -1,0 +1,140 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+/*
+ * Per-request accounting across issue, requeue, partial and final
+ * completion. Pure functions over struct rq_slot so the same code runs in
+ * bpf/block.bpf.c and, compiled natively, in the synthetic-stream tests
+ * (tests/native/shim.c).
+ *
+ * Timestamps: the kernel keeps rq->start_time_ns whenever iostats or an I/O
+ * scheduler is on, and rq->io_start_time_ns whenever blk-stat is on; both are
+ * zeroed when a request is set up. The start comes from the kernel when it
+ * has one, else from our stamp; the issue from our stamp at block_rq_issue,
+ * else from the kernel's.
+ */
+#ifndef IOSPAN_RQ_ACCOUNT_H
+#define IOSPAN_RQ_ACCOUNT_H
+
+#include "agent_abi.h"
+
+#ifndef __always_inline
+#define __always_inline inline __attribute__((always_inline))
+#endif
+
+/* What a completion tracepoint tells us about the request. */
+struct rq_completion {
+	__u64 rq;           /* rq_key() of the request */
+	__u64 kstart_ns;    /* rq->start_time_ns, 0 if the kernel keeps none */
+	__u64 kissue_ns;    /* rq->io_start_time_ns, 0 if the kernel keeps none */
+	__u64 now_ns;
+	__u32 remaining;    /* rq->__data_len before this completion */
+	__u32 nr_bytes;     /* bytes completed by this event */
+};
+
+/* One finished request, as the histograms and the ring buffer see it. */
+struct rq_outcome {
+	__u64 start_ns;
+	__u64 issue_ns;
+	__u32 bytes;
+	__u16 requeues;
+	__u16 flags;
+};
+
+static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
+{
+	s->rq = rq;
+	s->start_ns = 0;
+	s->issue_ns = 0;
+	s->done_bytes = 0;
+	s->requeues = 0;
+	s->flags = 0;
+}
+
+/* block_io_start, only called when the kernel keeps no start time. */
+static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now)
+{
+	rq_slot_reset(s, rq);
+	s->start_ns = now;
+}
+
+/* block_rq_issue. A slot already holding this request belongs to the same
+ * I/O only if it was stamped at start and not issued yet, or was requeued;
+ * otherwise it is a leftover of an earlier I/O of the same preallocated
+ * request (e.g. one whose completion we did not see) and starts afresh. */
+static __always_inline void rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now)
+{
+	if (s->rq != rq || (s->issue_ns && !(s->flags & RQ_F_REQUEUE_PENDING)))
+		rq_slot_reset(s, rq);
+	s->flags &= ~RQ_F_REQUEUE_PENDING;
+	s->issue_ns = now;
+}
+
+/* block_rq_requeue: the request goes back to the queue and will be issued
+ * again; its queue segment grows by the failed attempt. */
+static __always_inline void rq_on_requeue(struct rq_slot *s, __u64 rq)
+{
+	if (s->rq != rq)
+		return;
+	s->requeues++;
+	s->flags |= RQ_F_REQUEUE_PENDING | RQ_F_REQUEUED;
+}
+
+/* block_rq_complete. Returns 0 for a partial completion (more bytes remain:
+ * the request stays in flight) and 1 for the final one, filling *out and
+ * freeing the slot. `s` may be NULL when no slot could be found. */
+static __always_inline int rq_on_complete(struct rq_slot *s,
+					  const struct rq_completion *c,
+					  struct rq_outcome *out)
+{
+	int mine = s && s->rq == c->rq && s->rq != 0;
+
+	if (c->nr_bytes < c->remaining) {
+		if (mine) {
+			s->done_bytes += c->nr_bytes;
+			s->flags |= RQ_F_PARTIAL;
+		}
+		return 0;
+	}
+
+	out->bytes = c->nr_bytes;
+	out->start_ns = c->kstart_ns;
+	out->issue_ns = c->kissue_ns;
+	out->requeues = 0;
+	out->flags = 0;
+	if (mine) {
+		out->bytes += s->done_bytes;
+		if (!out->start_ns)
+			out->start_ns = s->start_ns;
+		/* Ours first: inside a plug the kernel's io_start_time_ns is the
+		 * plug's cached clock (blk_time_get_ns), often equal to the start
+		 * time however long the request waited. */
+		if (s->issue_ns)
+			out->issue_ns = s->issue_ns;
+		out->requeues = s->requeues;
+		out->flags = s->flags & (RQ_F_PARTIAL | RQ_F_REQUEUED);
+		s->rq = 0;
+	}
+	/* Stamps from the future are another request's: distrust them. */
+	if (out->issue_ns > c->now_ns)
+		out->issue_ns = 0;
+	if (out->start_ns > c->now_ns || (out->issue_ns && out->start_ns > out->issue_ns))
+		out->start_ns = 0;
+	if (!out->issue_ns)
+		out->flags |= RQ_F_NO_ISSUE;
+	if (!out->start_ns)
+		out->flags |= RQ_F_NO_START;
+	return 1;
+}
+
+/* Segment durations of a finished request; a segment whose ends are unknown
+ * gets ~0 (not counted). Total falls back to issue -> complete. */
+static __always_inline void rq_segments(const struct rq_outcome *o, __u64 now,
+					__u64 seg[BLK_NR_SEGS])
+{
+	__u64 from = o->start_ns ? o->start_ns : o->issue_ns;
+
+	seg[BLK_SEG_TOTAL] = from ? now - from : ~0ULL;
+	seg[BLK_SEG_QUEUE] = (o->start_ns && o->issue_ns) ? o->issue_ns - o->start_ns : ~0ULL;
+	seg[BLK_SEG_SERVICE] = o->issue_ns ? now - o->issue_ns : ~0ULL;
+}
+
+#endif /* IOSPAN_RQ_ACCOUNT_H */
