@@ -8,6 +8,7 @@ pub mod abi;
 pub mod bpf;
 pub mod demo;
 pub mod disks;
+pub mod diskstats;
 pub mod doctor;
 pub mod model;
 pub mod preflight;

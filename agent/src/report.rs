@@ -5,6 +5,7 @@ use std::{collections::BTreeMap, fmt::Write as _};
 use serde::{Deserialize, Serialize};
 
 use crate::{
+    diskstats::{DiskStat, KernelCount},
     bpf::{block::Counters, progstats::ProgStats, Attachment},
     disks::{self, Dev},
     model::{BlkSegment, DiskOpStats, Op, Summary},
@@ -48,6 +49,9 @@ pub struct Entry {
     pub errors: u64,
     pub requeued: u64,
     pub partial: u64,
+    /// The kernel's own count for this disk and op over the run, where it
+    /// keeps one (iostats on); `ios` below it means requests went unseen.
+    pub kernel: Option<KernelCount>,
     pub total: Summary,
     pub segments: BTreeMap<String, Summary>,
 }
@@ -69,6 +73,7 @@ impl Entry {
             errors: s.errors,
             requeued: s.requeued,
             partial: s.partial,
+            kernel: None,
             total: s.segment(BlkSegment::Total).summary(),
             segments,
         }
@@ -80,15 +85,49 @@ fn round3(v: f64) -> f64 {
 }
 
 /// Entries for the disks asked for (all when `only` is empty), sorted by
-/// disk name then op.
-pub fn entries(stats: &BTreeMap<(Dev, Op), DiskOpStats>, only: &[Dev], duration_s: f64) -> Vec<Entry> {
+/// disk name then op, each with the kernel's own count beside it.
+pub fn entries(
+    stats: &BTreeMap<(Dev, Op), DiskOpStats>,
+    kernel: &BTreeMap<Dev, DiskStat>,
+    only: &[Dev],
+    duration_s: f64,
+) -> Vec<Entry> {
     let mut v: Vec<Entry> = stats
         .iter()
         .filter(|((dev, _), _)| only.is_empty() || only.contains(dev))
-        .map(|((dev, op), s)| Entry::from_stats(None, disks::name_of(*dev), *op, s, duration_s))
+        .map(|((dev, op), s)| {
+            let mut e = Entry::from_stats(None, disks::name_of(*dev), *op, s, duration_s);
+            e.kernel = kernel.get(dev).and_then(|k| k.for_op(*op));
+            e
+        })
         .collect();
     v.sort_by(|a, b| (&a.disk, a.op).cmp(&(&b.disk, b.op)));
     v
+}
+
+/// Requests the kernel completed on the traced disks that no completion
+/// event brought us, summed over (disk, op). Ops we never saw on a disk
+/// count too.
+pub fn unseen(
+    stats: &BTreeMap<(Dev, Op), DiskOpStats>,
+    kernel: &BTreeMap<Dev, DiskStat>,
+    only: &[Dev],
+) -> u64 {
+    kernel
+        .iter()
+        .filter(|(dev, _)| only.is_empty() || only.contains(dev))
+        .flat_map(|(dev, k)| {
+            Op::ALL.iter().filter_map(move |op| {
+                let theirs = k.for_op(*op)?.ios;
+                let mut ours = stats.get(&(*dev, *op)).map_or(0, |s| s.ios);
+                if *op == Op::Write {
+                    // The kernel files write-zeroes under writes.
+                    ours += stats.get(&(*dev, Op::Other)).map_or(0, |s| s.ios);
+                }
+                Some(theirs.saturating_sub(ours))
+            })
+        })
+        .sum()
 }
 
 impl RunReport {
@@ -133,6 +172,7 @@ impl RunReport {
             ("no issue time", c.no_issue),
             ("no start time", c.no_start),
             ("skipped by the kernel (recursion)", c.bpf_recursion_misses),
+            ("completed but never delivered by the tracepoints", c.unseen),
         ]
         .iter()
         .filter(|(_, n)| *n > 0)

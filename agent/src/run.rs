@@ -15,6 +15,7 @@ use crate::{
     abi::{BlkIoEvent, RQ_F_NO_ISSUE, RQ_F_NO_START},
     bpf::block::{BlockConfig, BlockProbes},
     disks::{self, Dev},
+    diskstats,
     model::Op,
     preflight,
     report::{self, AgentCost, RunReport, SCHEMA},
@@ -82,6 +83,11 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         None => None,
     };
 
+    // Baseline after attaching (and a moment for completions already under
+    // way to land): any request the kernel counts from here on has passed
+    // our completion tracepoint first.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let kernel0 = diskstats::read_all();
     let cpu0 = preflight::self_cpu();
     let t0 = Instant::now();
     let mut child = match opts.command.split_first() {
@@ -130,7 +136,12 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         }
     }
     let elapsed = t0.elapsed().as_secs_f64();
-    let snap = probes.snapshot().context("reading the block-layer statistics")?;
+    // The kernel's counters first, then ours: a request the kernel has
+    // counted has already been through our tracepoint, so a shortfall is
+    // real, never a race of the two reads.
+    let kernel = diskstats::delta(&kernel0, &diskstats::read_all());
+    let mut snap = probes.snapshot().context("reading the block-layer statistics")?;
+    snap.counters.unseen = report::unseen(&snap.stats, &kernel, &only);
     progress.done();
 
     let _ = stop_tx.send(true);
@@ -151,7 +162,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             cpu_sys_s: cpu1.1 - cpu0.1,
             bpf: opts.bpf_stats.then(|| probes.program_stats()),
         },
-        entries: report::entries(&snap.stats, &only, elapsed),
+        entries: report::entries(&snap.stats, &kernel, &only, elapsed),
     };
     if let Some(path) = &opts.json_out {
         let text = serde_json::to_string_pretty(&report)?;

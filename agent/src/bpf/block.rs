@@ -50,6 +50,10 @@ pub struct Counters {
     /// Program invocations the kernel skipped because the program was
     /// already running on that CPU.
     pub bpf_recursion_misses: u64,
+    /// Requests the kernel's own disk accounting completed but no
+    /// completion tracepoint delivered to us (filled in by the run).
+    #[serde(default)]
+    pub unseen: u64,
     /// Not losses: partial-completion pieces, requeue events and records
     /// streamed, for context.
     pub partial_pieces: u64,
@@ -59,7 +63,12 @@ pub struct Counters {
 
 impl Counters {
     pub fn lost(&self) -> u64 {
-        self.ringbuf_drops + self.disk_conflicts + self.slot_conflicts + self.no_issue + self.bpf_recursion_misses
+        self.ringbuf_drops
+            + self.disk_conflicts
+            + self.slot_conflicts
+            + self.no_issue
+            + self.bpf_recursion_misses
+            + self.unseen
     }
 }
 
@@ -184,6 +193,7 @@ impl BlockProbes {
             no_start: sum(counter::NO_START)?,
             no_issue: sum(counter::NO_ISSUE)?,
             bpf_recursion_misses: self.program_stats().iter().map(|p| p.recursion_misses).sum(),
+            unseen: 0,
             partial_pieces: sum(counter::PARTIAL_PIECES)?,
             requeue_events: sum(counter::REQUEUES)?,
             records_streamed: sum(counter::SAMPLED)?,
