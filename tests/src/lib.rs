@@ -1,1 +1,157 @@
+//! Integration tests of iospan against real kernels, real block devices and
+//! the eBPF side's own C logic. These tests need root: they load eBPF
+//! programs and create loop devices. They run with `cargo xtask test`.
 
+use std::{
+    ffi::CStr,
+    os::raw::c_char,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+pub use iospan::abi::RqSlot;
+
+/// `struct rq_completion`
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RqCompletion {
+    pub rq: u64,
+    pub kstart_ns: u64,
+    pub kissue_ns: u64,
+    pub now_ns: u64,
+    pub remaining: u32,
+    pub nr_bytes: u32,
+}
+
+/// `struct rq_outcome`
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RqOutcome {
+    pub start_ns: u64,
+    pub issue_ns: u64,
+    pub bytes: u32,
+    pub requeues: u16,
+    pub flags: u16,
+}
+
+#[repr(C)]
+pub struct ShimField {
+    pub name: *const c_char,
+    pub offset: usize,
+    pub size: usize,
+}
+
+#[repr(C)]
+#[derive(Default, Debug)]
+pub struct ShimConsts {
+    pub hist_buckets: u32,
+    pub nr_ops: u32,
+    pub nr_segs: u32,
+    pub default_max_disks: u32,
+    pub rq_slots: u32,
+    pub f_partial: u32,
+    pub f_requeued: u32,
+    pub f_no_start: u32,
+    pub f_no_issue: u32,
+    pub f_error: u32,
+    pub nr_counters: u32,
+    pub event_blk_io: u32,
+}
+
+extern "C" {
+    fn shim_hist_bucket(v: u64) -> u32;
+    fn shim_rq_on_start(s: *mut RqSlot, rq: u64, now: u64);
+    fn shim_rq_on_issue(s: *mut RqSlot, rq: u64, now: u64);
+    fn shim_rq_on_requeue(s: *mut RqSlot, rq: u64);
+    fn shim_rq_on_complete(s: *mut RqSlot, c: *const RqCompletion, o: *mut RqOutcome) -> i32;
+    fn shim_rq_segments(o: *const RqOutcome, now: u64, seg: *mut u64);
+    fn shim_layout() -> *const ShimField;
+    fn shim_consts(c: *mut ShimConsts);
+}
+
+/// The C side's bucket for `v`.
+pub fn c_hist_bucket(v: u64) -> usize {
+    // SAFETY: pure function.
+    unsafe { shim_hist_bucket(v) as usize }
+}
+
+/// The C side's request accounting, over slots the test owns.
+pub mod rq {
+    use super::*;
+
+    pub fn start(s: &mut RqSlot, rq: u64, now: u64) {
+        // SAFETY: `s` is a valid, exclusive slot.
+        unsafe { shim_rq_on_start(s, rq, now) }
+    }
+    pub fn issue(s: &mut RqSlot, rq: u64, now: u64) {
+        // SAFETY: as above.
+        unsafe { shim_rq_on_issue(s, rq, now) }
+    }
+    pub fn requeue(s: &mut RqSlot, rq: u64) {
+        // SAFETY: as above.
+        unsafe { shim_rq_on_requeue(s, rq) }
+    }
+    /// `None` for a partial completion.
+    pub fn complete(s: Option<&mut RqSlot>, c: &RqCompletion) -> Option<RqOutcome> {
+        let mut o = RqOutcome::default();
+        let p = s.map_or(std::ptr::null_mut(), |s| s as *mut RqSlot);
+        // SAFETY: `p` is null or a valid slot; `c` and `o` are live.
+        (unsafe { shim_rq_on_complete(p, c, &mut o) } != 0).then_some(o)
+    }
+    /// [total, queue, service]; u64::MAX where unknown.
+    pub fn segments(o: &RqOutcome, now: u64) -> [u64; 3] {
+        let mut seg = [0u64; 3];
+        // SAFETY: `seg` holds BLK_NR_SEGS values.
+        unsafe { shim_rq_segments(o, now, seg.as_mut_ptr()) };
+        seg
+    }
+}
+
+/// (name, offset, size) of every field the C compiler laid out.
+pub fn c_layout() -> Vec<(String, usize, usize)> {
+    let mut out = Vec::new();
+    // SAFETY: a static, NULL-name-terminated table.
+    unsafe {
+        let mut p = shim_layout();
+        while !(*p).name.is_null() {
+            let name = CStr::from_ptr((*p).name).to_string_lossy().into_owned();
+            out.push((name, (*p).offset, (*p).size));
+            p = p.add(1);
+        }
+    }
+    out
+}
+
+pub fn c_consts() -> ShimConsts {
+    let mut c = ShimConsts::default();
+    // SAFETY: fills the struct.
+    unsafe { shim_consts(&mut c) };
+    c
+}
+
+/// The `iospan` binary of this build (target/<profile>/iospan).
+pub fn iospan_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
+    let bin = profile_dir.join("iospan");
+    assert!(
+        bin.exists(),
+        "{} not built: run `cargo build -p iospan` with the same profile first (cargo xtask test does)",
+        bin.display()
+    );
+    bin
+}
+
+/// Runs a command, panicking with its output if it cannot start.
+pub fn run(cmd: &mut Command) -> std::process::Output {
+    cmd.output().unwrap_or_else(|e| panic!("running {cmd:?}: {e}"))
+}
+
+/// fio's JSON for one job: (total_ios, clat mean µs, clat p99 µs) for `dir`.
+pub fn fio_numbers(json: &serde_json::Value, dir: &str) -> (u64, f64, f64) {
+    let d = &json["jobs"][0][dir];
+    let ios = d["total_ios"].as_u64().expect("fio total_ios");
+    let mean = d["clat_ns"]["mean"].as_f64().expect("fio clat mean") / 1000.0;
+    let p99 = d["clat_ns"]["percentile"]["99.000000"].as_f64().expect("fio clat p99") / 1000.0;
+    (ios, mean, p99)
+}

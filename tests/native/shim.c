@@ -1,0 +1,75 @@
+/* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
+/*
+ * The eBPF side's pure logic and record layouts, compiled natively so the
+ * Rust tests drive the very same code with synthetic event streams and
+ * compare layouts with the C compiler's.
+ */
+#include <stddef.h>
+#include <linux/types.h>
+#include "agent_abi.h"
+#include "hist.h"
+#include "rq_account.h"
+
+__u32 shim_hist_bucket(__u64 v) { return hist_bucket(v); }
+
+void shim_rq_on_start(struct rq_slot *s, __u64 rq, __u64 now) { rq_on_start(s, rq, now); }
+void shim_rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now) { rq_on_issue(s, rq, now); }
+void shim_rq_on_requeue(struct rq_slot *s, __u64 rq) { rq_on_requeue(s, rq); }
+int shim_rq_on_complete(struct rq_slot *s, const struct rq_completion *c, struct rq_outcome *o)
+{
+	return rq_on_complete(s, c, o);
+}
+void shim_rq_segments(const struct rq_outcome *o, __u64 now, __u64 *seg) { rq_segments(o, now, seg); }
+
+/* Layout table: name, offset, size. */
+struct shim_field {
+	const char *name;
+	size_t offset;
+	size_t size;
+};
+
+#define F(type, field) { #type "." #field, offsetof(struct type, field), sizeof(((struct type *)0)->field) }
+#define S(type) { #type, 0, sizeof(struct type) }
+
+static const struct shim_field fields[] = {
+	S(blk_io_event), F(blk_io_event, kind), F(blk_io_event, op), F(blk_io_event, flags),
+	F(blk_io_event, dev), F(blk_io_event, start_ns), F(blk_io_event, issue_ns),
+	F(blk_io_event, done_ns), F(blk_io_event, sector), F(blk_io_event, bytes),
+	F(blk_io_event, requeues), F(blk_io_event, cpu_lo),
+	S(rq_slot), F(rq_slot, rq), F(rq_slot, start_ns), F(rq_slot, issue_ns),
+	F(rq_slot, done_bytes), F(rq_slot, requeues), F(rq_slot, flags),
+	S(disk_slot), F(disk_slot, queue), F(disk_slot, dev),
+	S(blk_stats), F(blk_stats, busy), F(blk_stats, ios), F(blk_stats, bytes), F(blk_stats, errors),
+	F(blk_stats, requeued), F(blk_stats, partial), F(blk_stats, sum_ns), F(blk_stats, max_ns),
+	F(blk_stats, hist),
+	S(rq_completion), F(rq_completion, rq), F(rq_completion, kstart_ns), F(rq_completion, kissue_ns),
+	F(rq_completion, now_ns), F(rq_completion, remaining), F(rq_completion, nr_bytes),
+	S(rq_outcome), F(rq_outcome, start_ns), F(rq_outcome, issue_ns), F(rq_outcome, bytes),
+	F(rq_outcome, requeues), F(rq_outcome, flags),
+	{ 0, 0, 0 },
+};
+
+const struct shim_field *shim_layout(void) { return fields; }
+
+/* Constants the Rust side mirrors. */
+struct shim_consts {
+	__u32 hist_buckets, nr_ops, nr_segs, default_max_disks, rq_slots;
+	__u32 f_partial, f_requeued, f_no_start, f_no_issue, f_error;
+	__u32 nr_counters, event_blk_io;
+};
+
+void shim_consts(struct shim_consts *c)
+{
+	c->hist_buckets = HIST_BUCKETS;
+	c->nr_ops = BLK_NR_OPS;
+	c->nr_segs = BLK_NR_SEGS;
+	c->default_max_disks = DEFAULT_MAX_DISKS;
+	c->rq_slots = RQ_SLOTS;
+	c->f_partial = RQ_F_PARTIAL;
+	c->f_requeued = RQ_F_REQUEUED;
+	c->f_no_start = RQ_F_NO_START;
+	c->f_no_issue = RQ_F_NO_ISSUE;
+	c->f_error = RQ_F_ERROR;
+	c->nr_counters = NR_COUNTERS;
+	c->event_blk_io = EVENT_BLK_IO;
+}

@@ -1,0 +1,88 @@
+//! The records shared by the eBPF programs and the agent must not drift:
+//! every size and offset the C compiler chose equals Rust's.
+
+use std::mem::{offset_of, size_of};
+
+use agent_integration::{c_consts, c_hist_bucket, c_layout, RqCompletion, RqOutcome};
+use iospan::{
+    abi::{self, BlkIoEvent, BlkStats, DiskSlot, RqSlot},
+    model::hist,
+};
+
+macro_rules! rust_layout {
+    ($($cname:literal => $ty:ty { $($field:ident),* })*) => {{
+        let mut v: Vec<(String, usize, usize)> = Vec::new();
+        $(
+            v.push(($cname.to_string(), 0, size_of::<$ty>()));
+            $(
+                let size = {
+                    let probe = std::mem::MaybeUninit::<$ty>::uninit();
+                    // SAFETY: only the field's address is taken, never read.
+                    let p = unsafe { std::ptr::addr_of!((*probe.as_ptr()).$field) };
+                    fn size_of_pointee<T>(_: *const T) -> usize { size_of::<T>() }
+                    size_of_pointee(p)
+                };
+                v.push((format!("{}.{}", $cname, stringify!($field)), offset_of!($ty, $field), size));
+            )*
+        )*
+        v
+    }};
+}
+
+#[test]
+fn abi_layout() {
+    let rust = rust_layout! {
+        "blk_io_event" => BlkIoEvent { kind, op, flags, dev, start_ns, issue_ns, done_ns, sector, bytes, requeues, cpu_lo }
+        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags }
+        "disk_slot" => DiskSlot { queue, dev }
+        "blk_stats" => BlkStats { busy, ios, bytes, errors, requeued, partial, sum_ns, max_ns, hist }
+        "rq_completion" => RqCompletion { rq, kstart_ns, kissue_ns, now_ns, remaining, nr_bytes }
+        "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags }
+    };
+    let c = c_layout();
+    assert_eq!(c.len(), rust.len(), "the C table and the Rust table list different fields");
+    for (c, r) in c.iter().zip(&rust) {
+        assert_eq!(c, r, "layout drift (name, offset, size): C {c:?} vs Rust {r:?}");
+    }
+}
+
+#[test]
+fn abi_constants() {
+    let c = c_consts();
+    assert_eq!(c.hist_buckets as usize, abi::HIST_BUCKETS);
+    assert_eq!(c.nr_ops as usize, abi::BLK_NR_OPS);
+    assert_eq!(c.nr_segs as usize, abi::BLK_NR_SEGS);
+    assert_eq!(c.default_max_disks, abi::DEFAULT_MAX_DISKS);
+    assert_eq!(c.rq_slots, abi::RQ_SLOTS);
+    assert_eq!(c.f_partial, abi::RQ_F_PARTIAL as u32);
+    assert_eq!(c.f_requeued, abi::RQ_F_REQUEUED as u32);
+    assert_eq!(c.f_no_start, abi::RQ_F_NO_START as u32);
+    assert_eq!(c.f_no_issue, abi::RQ_F_NO_ISSUE as u32);
+    assert_eq!(c.f_error, abi::RQ_F_ERROR as u32);
+    assert_eq!(c.nr_counters, abi::counter::NR);
+    assert_eq!(c.event_blk_io, abi::EVENT_BLK_IO as u32);
+}
+
+/// Histogram buckets: the kernel's `hist_bucket` and the agent's
+/// `bucket_of` agree on every power of two, its neighbours, and a sweep.
+#[test]
+fn hist_buckets() {
+    let mut values: Vec<u64> = (0..4096).collect();
+    for e in 0..64 {
+        let p = 1u64 << e;
+        values.extend([p - 1, p, p + 1, p + p / 3, p.saturating_mul(3) / 2]);
+    }
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    for _ in 0..100_000 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        values.push(x >> (x % 40));
+    }
+    values.push(u64::MAX);
+    for v in values {
+        assert_eq!(c_hist_bucket(v), hist::bucket_of(v), "bucket of {v}");
+        let (lo, hi) = hist::bucket_bounds(hist::bucket_of(v));
+        assert!(v >= lo && (v < hi || hist::bucket_of(v) == abi::HIST_BUCKETS - 1), "{v} outside [{lo}, {hi})");
+    }
+}

@@ -1,0 +1,256 @@
+//! Requeues, partial completions and slot reuse, driven through the exact C
+//! the eBPF program runs (bpf/include/rq_account.h), with synthetic event
+//! streams.
+
+use std::collections::HashMap;
+
+use agent_integration::{rq, RqCompletion, RqOutcome, RqSlot};
+use iospan::abi::{RQ_F_NO_ISSUE, RQ_F_NO_START, RQ_F_PARTIAL, RQ_F_REQUEUED};
+
+const K: u64 = (1 << 63) | 0x1234;
+const UNKNOWN: u64 = u64::MAX;
+
+fn done(rq: u64, kstart: u64, kissue: u64, now: u64, remaining: u32, nr: u32) -> RqCompletion {
+    RqCompletion { rq, kstart_ns: kstart, kissue_ns: kissue, now_ns: now, remaining, nr_bytes: nr }
+}
+
+fn flags(o: &RqOutcome) -> u8 {
+    o.flags as u8
+}
+
+#[test]
+fn issue_then_complete_splits_queue_and_service() {
+    let mut s = RqSlot::default();
+    rq::issue(&mut s, K, 150);
+    let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).expect("final");
+    assert_eq!((o.start_ns, o.issue_ns, o.bytes, o.requeues, flags(&o)), (100, 150, 4096, 0, 0));
+    assert_eq!(rq::segments(&o, 400), [300, 50, 250]);
+    assert_eq!(s.rq, 0, "the slot is freed at the final completion");
+}
+
+#[test]
+fn our_issue_stamp_wins_over_the_kernels_plug_cached_one() {
+    let mut s = RqSlot::default();
+    rq::issue(&mut s, K, 180);
+    // blk-stat's io_start_time_ns inside a plug can equal the start time.
+    let o = rq::complete(Some(&mut s), &done(K, 100, 100, 400, 4096, 4096)).unwrap();
+    assert_eq!(o.issue_ns, 180);
+    // Without our stamp (slot lost), the kernel's is used.
+    let o = rq::complete(None, &done(K, 100, 120, 400, 4096, 4096)).unwrap();
+    assert_eq!((o.issue_ns, flags(&o)), (120, 0));
+}
+
+#[test]
+fn requeue_moves_the_failed_attempt_into_the_queue_segment() {
+    let mut s = RqSlot::default();
+    rq::issue(&mut s, K, 150);
+    rq::requeue(&mut s, K);
+    rq::issue(&mut s, K, 300);
+    let o = rq::complete(Some(&mut s), &done(K, 100, 0, 500, 4096, 4096)).unwrap();
+    assert_eq!((o.issue_ns, o.requeues, flags(&o)), (300, 1, RQ_F_REQUEUED));
+    assert_eq!(rq::segments(&o, 500), [400, 200, 200]);
+}
+
+#[test]
+fn twice_requeued_counts_both() {
+    let mut s = RqSlot::default();
+    for t in [150, 200, 260] {
+        rq::issue(&mut s, K, t);
+        if t != 260 {
+            rq::requeue(&mut s, K);
+        }
+    }
+    let o = rq::complete(Some(&mut s), &done(K, 100, 0, 300, 512, 512)).unwrap();
+    assert_eq!((o.issue_ns, o.requeues), (260, 2));
+}
+
+#[test]
+fn partial_completions_add_up_to_one_request() {
+    let mut s = RqSlot::default();
+    rq::issue(&mut s, K, 150);
+    assert!(rq::complete(Some(&mut s), &done(K, 100, 0, 300, 12288, 4096)).is_none());
+    assert!(rq::complete(Some(&mut s), &done(K, 100, 0, 350, 8192, 4096)).is_none());
+    assert_eq!(s.rq, K, "still in flight after partial completions");
+    let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
+    assert_eq!((o.bytes, flags(&o)), (12288, RQ_F_PARTIAL));
+    assert_eq!(rq::segments(&o, 400), [300, 50, 250]);
+}
+
+#[test]
+fn short_read_then_requeue_as_the_loop_driver_does() {
+    // lo_complete_rq: blk_update_request(rq, OK, short) then requeue.
+    let mut s = RqSlot::default();
+    rq::issue(&mut s, K, 150);
+    assert!(rq::complete(Some(&mut s), &done(K, 100, 0, 200, 8192, 3072)).is_none());
+    rq::requeue(&mut s, K);
+    rq::issue(&mut s, K, 250);
+    let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 5120, 5120)).unwrap();
+    assert_eq!((o.bytes, o.issue_ns, o.requeues), (8192, 250, 1));
+    assert_eq!(flags(&o), RQ_F_PARTIAL | RQ_F_REQUEUED);
+}
+
+#[test]
+fn start_stamp_fills_in_when_the_kernel_keeps_none() {
+    let mut s = RqSlot::default();
+    rq::start(&mut s, K, 90);
+    rq::issue(&mut s, K, 150);
+    let o = rq::complete(Some(&mut s), &done(K, 0, 0, 400, 4096, 4096)).unwrap();
+    assert_eq!((o.start_ns, flags(&o)), (90, 0));
+    assert_eq!(rq::segments(&o, 400), [310, 60, 250]);
+}
+
+#[test]
+fn no_start_time_at_all_is_flagged_and_total_falls_back_to_issue() {
+    let mut s = RqSlot::default();
+    rq::issue(&mut s, K, 150);
+    let o = rq::complete(Some(&mut s), &done(K, 0, 0, 400, 4096, 4096)).unwrap();
+    assert_eq!(flags(&o), RQ_F_NO_START);
+    assert_eq!(rq::segments(&o, 400), [250, UNKNOWN, 250]);
+}
+
+#[test]
+fn request_in_flight_before_tracing_has_no_issue_time() {
+    let o = rq::complete(None, &done(K, 100, 0, 400, 4096, 4096)).unwrap();
+    assert_eq!(flags(&o), RQ_F_NO_ISSUE);
+    assert_eq!(rq::segments(&o, 400), [300, UNKNOWN, UNKNOWN]);
+}
+
+#[test]
+fn a_leftover_slot_of_the_same_request_starts_afresh() {
+    // The same preallocated request (same key) comes back for a new I/O
+    // while the slot still holds the old one's state: no requeue was seen,
+    // so nothing carries over.
+    let mut s = RqSlot { rq: K, start_ns: 10, issue_ns: 20, done_bytes: 512, requeues: 3, flags: 0 };
+    rq::issue(&mut s, K, 150);
+    let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
+    assert_eq!((o.start_ns, o.issue_ns, o.bytes, o.requeues, flags(&o)), (100, 150, 4096, 0, 0));
+}
+
+#[test]
+fn another_requests_slot_is_neither_used_nor_disturbed() {
+    let other = K + 1;
+    let mut s = RqSlot::default();
+    rq::issue(&mut s, other, 150);
+    let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
+    assert_eq!(flags(&o), RQ_F_NO_ISSUE);
+    assert_eq!((s.rq, s.issue_ns), (other, 150));
+    rq::requeue(&mut s, K);
+    assert_eq!(s.requeues, 0, "a requeue of another request leaves this slot alone");
+}
+
+#[test]
+fn stamps_from_the_future_are_distrusted() {
+    let mut s = RqSlot::default();
+    rq::issue(&mut s, K, 900);
+    let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
+    assert_eq!(flags(&o), RQ_F_NO_ISSUE);
+    let o = rq::complete(None, &done(K, 950, 0, 400, 4096, 4096)).unwrap();
+    assert_eq!(flags(&o), RQ_F_NO_ISSUE | RQ_F_NO_START);
+}
+
+/// Many requests on many queues, events interleaved in random order while
+/// each request's own events stay in order, with partial completions,
+/// requeues and tags reused for new I/Os: every I/O ends exactly once, with
+/// its bytes, its last issue time, and segments that tile its lifetime.
+#[test]
+fn interleaved_streams_over_many_queues_and_reused_tags() {
+    #[derive(Clone, Debug)]
+    enum Ev {
+        Issue,
+        Requeue,
+        Partial(u32),
+        Final(u32),
+    }
+    let mut seed: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut rnd = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut slots: HashMap<u64, RqSlot> = HashMap::new();
+    let mut now = 1_000u64;
+    let mut ended = 0u32;
+    for round in 0..200 {
+        // 4 queues x 8 hardware contexts x 16 tags in flight at once.
+        struct Io {
+            key: u64,
+            start: u64,
+            size: u32,
+            script: Vec<Ev>,
+            next: usize,
+            last_issue: u64,
+            requeues: u16,
+        }
+        let mut ios: Vec<Io> = Vec::new();
+        for q in 0..4u64 {
+            for h in 0..8u64 {
+                for t in 0..16u64 {
+                    let key = (1 << 63) | (q << 36) | (h << 21) | t;
+                    let size = 4096 * (1 + rnd(8) as u32);
+                    let mut script = vec![Ev::Issue];
+                    let mut left = size;
+                    for _ in 0..rnd(3) {
+                        if rnd(2) == 0 && left > 512 {
+                            let piece = 512 * (1 + rnd((left / 512 - 1).max(1) as u64) as u32).min(left / 512 - 1).max(1);
+                            script.push(Ev::Partial(piece));
+                            left -= piece;
+                        }
+                        if rnd(2) == 0 {
+                            script.push(Ev::Requeue);
+                            script.push(Ev::Issue);
+                        }
+                    }
+                    script.push(Ev::Final(left));
+                    ios.push(Io { key, start: now, size, script, next: 0, last_issue: 0, requeues: 0 });
+                }
+            }
+        }
+        let mut remaining: Vec<usize> = (0..ios.len()).collect();
+        while !remaining.is_empty() {
+            let pick = rnd(remaining.len() as u64) as usize;
+            let i = remaining[pick];
+            now += 1 + rnd(50);
+            let io = &mut ios[i];
+            let slot = slots.entry(io.key).or_default();
+            let ev = io.script[io.next].clone();
+            io.next += 1;
+            let left_before: u32 = io.script[io.next - 1..]
+                .iter()
+                .map(|e| match e {
+                    Ev::Partial(n) | Ev::Final(n) => *n,
+                    _ => 0,
+                })
+                .sum();
+            match ev {
+                Ev::Issue => {
+                    rq::issue(slot, io.key, now);
+                    io.last_issue = now;
+                }
+                Ev::Requeue => {
+                    rq::requeue(slot, io.key);
+                    io.requeues += 1;
+                }
+                Ev::Partial(n) => {
+                    let c = done(io.key, io.start, 0, now, left_before, n);
+                    assert!(rq::complete(Some(slot), &c).is_none(), "round {round}: partial ended the I/O");
+                }
+                Ev::Final(n) => {
+                    let c = done(io.key, io.start, 0, now, n, n);
+                    let o = rq::complete(Some(slot), &c).expect("final completion ends the I/O");
+                    assert_eq!(o.bytes, io.size, "round {round}: bytes of {:#x}", io.key);
+                    assert_eq!(o.issue_ns, io.last_issue);
+                    assert_eq!(o.requeues, io.requeues);
+                    let seg = rq::segments(&o, now);
+                    assert_eq!(seg[1] + seg[2], seg[0], "queue + service tile the total");
+                    ended += 1;
+                }
+            }
+            if io.next == io.script.len() {
+                remaining.swap_remove(pick);
+            }
+        }
+        assert!(slots.values().all(|s| s.rq == 0), "round {round}: every slot freed");
+    }
+    assert_eq!(ended, 200 * 4 * 8 * 16);
+}
