@@ -32,6 +32,10 @@ const volatile __u32 targ_max_disks = DEFAULT_MAX_DISKS;
 const volatile __u32 targ_sample_every = 0;     /* stream 1 in N requests; 0: none */
 const volatile __u64 targ_slower_than_ns = 0;   /* stream requests at least this slow; 0: off */
 const volatile __u64 targ_wakeup_bytes = 256 << 10; /* wake the reader past this backlog */
+/* Stream only requests of these disks (all when targ_nr_stream_devs is 0);
+ * histograms always cover every disk. */
+const volatile __u32 targ_nr_stream_devs = 0;
+const volatile __u32 targ_stream_devs[MAX_STREAM_DEVS] = {};
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -223,6 +227,18 @@ static __always_inline void stream(const struct rq_outcome *o, const struct rq_f
 		count(CNT_SAMPLED);
 }
 
+static __always_inline int stream_wanted(__u32 dev)
+{
+	int i;
+
+	if (!targ_nr_stream_devs)
+		return 1;
+	for (i = 0; i < MAX_STREAM_DEVS; i++)
+		if (i < targ_nr_stream_devs && targ_stream_devs[i] == dev)
+			return 1;
+	return 0;
+}
+
 #define PLAIN_ADD(dst, v) ((dst) += (v))
 #define ATOMIC_ADD(dst, v) __sync_fetch_and_add(&(dst), (v))
 #define PLAIN_MAX(dst, v) do { if ((v) > (dst)) (dst) = (v); } while (0)
@@ -351,7 +367,8 @@ static __always_inline void on_complete(const struct rq_fields *f,
 
 	if (final && ((targ_sample_every && bpf_get_prandom_u32() % targ_sample_every == 0) ||
 		      (targ_slower_than_ns && seg[BLK_SEG_TOTAL] != ~0ULL &&
-		       seg[BLK_SEG_TOTAL] >= targ_slower_than_ns)))
+		       seg[BLK_SEG_TOTAL] >= targ_slower_than_ns)) &&
+	    stream_wanted(f->dev))
 		stream(&o, f, op, c.now_ns);
 }
 

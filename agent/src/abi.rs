@@ -13,6 +13,7 @@ pub const HIST_BUCKETS: usize = ((HIST_MAX_LOG2 - HIST_SUB_BITS + 2) * HIST_SUB)
 pub const BLK_NR_OPS: usize = 5;
 pub const BLK_NR_SEGS: usize = 3;
 pub const DEFAULT_MAX_DISKS: u32 = 32;
+pub const MAX_STREAM_DEVS: usize = 16;
 pub const RQ_SLOTS: u32 = 1 << 15;
 
 pub const RQ_F_PARTIAL: u8 = 1 << 1;

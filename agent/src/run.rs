@@ -62,6 +62,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             opts.sample_every
         },
         slower_than_ns: opts.slower_than.map(|d| d.as_nanos() as u64).unwrap_or(0),
+        stream_devs: only.clone(),
     };
     let _stats = if opts.bpf_stats {
         Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling BPF run-time statistics")?)

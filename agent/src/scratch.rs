@@ -3,6 +3,7 @@
 
 use std::{
     fs,
+    sync::atomic::{AtomicU32, Ordering},
     path::{Path, PathBuf},
     process::Command,
 };
@@ -19,7 +20,8 @@ impl ScratchLoop {
     /// Creates `size_mib` MiB in `dir` (written, not sparse, so every read
     /// reaches the backing store) and attaches it with direct I/O.
     pub fn create(dir: &Path, size_mib: u64) -> Result<Self> {
-        let file = dir.join(format!("iospan-scratch-{}.img", std::process::id()));
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let file = dir.join(format!("iospan-scratch-{}-{}.img", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
         let chunk = vec![0x5au8; 1 << 20];
         {
             use std::io::Write;

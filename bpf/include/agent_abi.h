@@ -44,6 +44,9 @@ enum blk_segment {
  * `disk_queues` at load time and passes the value as `targ_max_disks`. */
 #define DEFAULT_MAX_DISKS 32
 
+/* Disks a per-request stream can be narrowed to (`targ_stream_devs`). */
+#define MAX_STREAM_DEVS 16
+
 /* Value of the per-CPU array `blk_latency`, indexed by
  * disk_slot * BLK_NR_OPS + op. Counts are per CPU; the agent sums CPUs.
  *

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{attach, Attachment, Flavour, LoadError};
 use crate::{
-    abi::{counter, BlkStats, DiskSlot, BLK_NR_OPS, DEFAULT_MAX_DISKS},
+    abi::{counter, BlkStats, DiskSlot, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS},
     disks::Dev,
     model::{DiskOpStats, Op},
 };
@@ -26,11 +26,13 @@ pub struct BlockConfig {
     pub sample_every: u32,
     /// Stream every request at least this slow (0: off).
     pub slower_than_ns: u64,
+    /// Stream only these disks' requests (all when empty).
+    pub stream_devs: Vec<Dev>,
 }
 
 impl Default for BlockConfig {
     fn default() -> Self {
-        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0 }
+        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new() }
     }
 }
 
@@ -103,11 +105,21 @@ impl BlockProbes {
 
     fn load_flavour(cfg: &BlockConfig, btf: Option<&Btf>, flavour: Flavour) -> Result<Self, LoadError> {
         let max_disks = cfg.max_disks.max(1);
+        if cfg.stream_devs.len() > MAX_STREAM_DEVS {
+            return Err(LoadError::TooManyStreamDisks { given: cfg.stream_devs.len(), max: MAX_STREAM_DEVS });
+        }
+        let mut stream_devs = [0u32; MAX_STREAM_DEVS];
+        for (slot, d) in stream_devs.iter_mut().zip(&cfg.stream_devs) {
+            *slot = d.0;
+        }
+        let nr_stream_devs = cfg.stream_devs.len() as u32;
         let mut ebpf = EbpfLoader::new()
             .btf(btf)
             .override_global("targ_max_disks", &max_disks, true)
             .override_global("targ_sample_every", &cfg.sample_every, true)
             .override_global("targ_slower_than_ns", &cfg.slower_than_ns, true)
+            .override_global("targ_nr_stream_devs", &nr_stream_devs, true)
+            .override_global("targ_stream_devs", &stream_devs[..], true)
             .map_max_entries("blk_latency", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("blk_latency_nested", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("disk_queues", max_disks)

@@ -21,6 +21,8 @@ pub enum LoadError {
     MissingProgram { program: String },
     #[error("map `{map}` is missing from the eBPF object or has the wrong type")]
     Map { map: &'static str, #[source] source: Option<aya::maps::MapError> },
+    #[error("{given} disks to stream; at most {max} can be named")]
+    TooManyStreamDisks { given: usize, max: usize },
     #[error("failed to attach {flavour} program to tracepoint `{tracepoint}`: {reason}")]
     Attach { tracepoint: String, flavour: &'static str, reason: String },
 }

@@ -1,0 +1,149 @@
+//! The `iospan` binary as users meet it: doctor, errors that name the cause
+//! and the fix, the JSON contract, the per-request stream (root).
+
+use std::{path::Path, process::Command, time::Instant};
+
+use agent_integration::{iospan_bin, run};
+use iospan::scratch::ScratchLoop;
+use serde_json::Value;
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn doctor_tries_each_program_type_and_names_what_is_missing() {
+    let out = run(Command::new(iospan_bin()).args(["doctor", "--json"]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let d: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let probe = |name: &str| {
+        d["probes"].as_array().unwrap().iter().find(|p| p["probe"] == name).cloned().unwrap_or_else(|| panic!("{name} not probed: {d:#}"))
+    };
+    // What this kernel has and lacks (see the brief: no kprobe PMU, fentry EPERM).
+    for ok in ["tp_btf", "raw_tp", "tracepoint", "uprobe"] {
+        assert_eq!(probe(ok)["works"], true, "{ok}: {}", probe(ok));
+    }
+    for missing in ["kprobe", "fentry"] {
+        let p = probe(missing);
+        assert_eq!(p["works"], false, "{missing}: {p}");
+        assert!(p["reason"].as_str().is_some_and(|r| !r.is_empty()), "{missing} has no reason: {p}");
+    }
+    let seg = |name: &str| d["segments"].as_array().unwrap().iter().find(|s| s["segment"] == name).cloned().unwrap();
+    assert_eq!(seg("device")["measurable"], "yes");
+    assert_eq!(seg("guest")["measurable"], "no");
+    assert!(seg("hypervisor")["how"].as_str().unwrap().contains("kprobe"), "{}", seg("hypervisor"));
+
+    let text = run(Command::new(iospan_bin()).arg("doctor"));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("kprobe") && text.contains("segments this host can measure"), "{text}");
+}
+
+#[test]
+fn unknown_disk_is_named_with_the_choices() {
+    let out = run(Command::new(iospan_bin()).args(["run", "--disk", "nosuchdisk0", "--duration", "1s"]));
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(e.contains("nosuchdisk0") && e.contains("block devices here"), "{e}");
+}
+
+#[test]
+fn missing_command_is_named() {
+    let out = run(Command::new(iospan_bin()).args(["run", "--", "no-such-benchmark-tool", "-x"]));
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(e.contains("no-such-benchmark-tool") && e.contains("not found"), "{e}");
+}
+
+#[test]
+fn without_privileges_it_says_which_and_how() {
+    // Root with an empty capability bounding set has no CAP_BPF/CAP_PERFMON.
+    let out = run(Command::new("setpriv").args(["--bounding-set=-all", "--inh-caps=-all"]).arg(iospan_bin()).args(["run", "--duration", "1s"]));
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(e.contains("CAP_BPF") && e.contains("hint"), "{e}");
+}
+
+#[test]
+fn sampling_without_an_output_is_refused() {
+    let out = run(Command::new(iospan_bin()).args(["run", "--sample", "10", "--duration", "1s"]));
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--events-out"), "{}", stderr(&out));
+}
+
+#[test]
+fn duration_bounds_a_run_and_progress_is_shown() {
+    let t = Instant::now();
+    let out = run(Command::new(iospan_bin()).args(["run", "--duration", "1500ms"]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let secs = t.elapsed().as_secs_f64();
+    assert!((1.4..10.0).contains(&secs), "took {secs} s");
+    assert!(stderr(&out).contains("I/Os"), "no progress line: {}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("SEGMENT"), "no table");
+}
+
+#[test]
+fn the_commands_exit_status_is_the_runs() {
+    let out = run(Command::new(iospan_bin()).args(["run", "--quiet", "--", "sh", "-c", "exit 7"]));
+    assert_eq!(out.status.code(), Some(7));
+}
+
+#[test]
+fn json_report_and_per_request_stream_agree() {
+    let dev = ScratchLoop::create(Path::new("/dev/shm"), 64).unwrap();
+    let dir = std::env::temp_dir().join(format!("iospan-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (report, events) = (dir.join("r.json"), dir.join("ev.jsonl"));
+    let out = run(Command::new(iospan_bin())
+        .args(["run", "--quiet", "--disk", &dev.name, "--sample", "10", "--json-out"])
+        .arg(&report)
+        .arg("--events-out")
+        .arg(&events)
+        .args(["--", "fio", "--name=s", "--ioengine=psync", "--direct=1", "--bs=4k", "--rw=randrw", "--number_ios=4000", "--size=32M", "--output=/dev/null"])
+        .arg(format!("--filename={}", dev.dev_path())));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(r["schema"], "iospan.run/v1");
+    assert!(r["duration_s"].as_f64().unwrap() > 0.0);
+    assert!(r["probes"].as_array().unwrap().iter().all(|p| p["flavour"] == "tp_btf"), "{}", r["probes"]);
+    let ios: u64 = r["entries"].as_array().unwrap().iter().map(|e| e["ios"].as_u64().unwrap()).sum();
+    assert_eq!(ios, 4000);
+    for e in r["entries"].as_array().unwrap() {
+        for k in ["mean_us", "p50_us", "p90_us", "p99_us", "p999_us", "max_us"] {
+            assert!(e["total"][k].is_number() && e["segments"]["queue"][k].is_number() && e["segments"]["service"][k].is_number(), "{k} in {e}");
+        }
+        for k in ["iops", "mb_per_s", "bytes"] {
+            assert!(e[k].is_number(), "{k} in {e}");
+        }
+    }
+
+    let lines: Vec<Value> = std::fs::read_to_string(&events).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let streamed = r["lost"]["records_streamed"].as_u64().unwrap();
+    assert_eq!(lines.len() as u64, streamed, "every streamed record written");
+    // 1 in 10, at random: well inside 5%..15% of 4000.
+    assert!((200..=600).contains(&lines.len()), "{} sampled of 4000", lines.len());
+    for ev in &lines {
+        assert_eq!(ev["disk"], dev.name.as_str());
+        assert_eq!(ev["bytes"], 4096);
+        let (t, q, s) = (ev["total_us"].as_f64().unwrap(), ev["queue_us"].as_f64().unwrap(), ev["service_us"].as_f64().unwrap());
+        assert!((q + s - t).abs() < 0.01, "{ev}");
+        assert!(ev["sector"].as_u64().unwrap() < 32 * 2048);
+    }
+}
+
+#[test]
+fn slower_than_streams_only_slow_requests() {
+    let dev = ScratchLoop::create(Path::new("/dev/shm"), 64).unwrap();
+    let events = std::env::temp_dir().join(format!("iospan-slow-{}.jsonl", std::process::id()));
+    let out = run(Command::new(iospan_bin())
+        .args(["run", "--quiet", "--disk", &dev.name, "--slower-than", "20us", "--events-out"])
+        .arg(&events)
+        .args(["--", "fio", "--name=s", "--ioengine=io_uring", "--direct=1", "--bs=4k", "--rw=randread", "--iodepth=16", "--number_ios=4000", "--size=32M", "--output=/dev/null"])
+        .arg(format!("--filename={}", dev.dev_path())));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lines: Vec<Value> = std::fs::read_to_string(&events).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(!lines.is_empty(), "at QD16 some requests take over 20 µs");
+    assert!(lines.len() < 4000);
+    for ev in &lines {
+        assert!(ev["total_us"].as_f64().unwrap() >= 20.0, "{ev}");
+    }
+}
