@@ -1,1 +1,78 @@
-fn main() {}
+//! `cargo xtask …`: set-up, tests, the demo and benchmarks.
+//!
+//! xtask depends on nothing of the agent, so it builds on a machine that
+//! still lacks clang and libbpf: `setup` is what installs them.
+
+mod bench;
+mod setup;
+mod sh;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what this machine lacks to build and test iospan (Debian packages).
+    Setup {
+        /// Also install what the benchmarks compare against (bpftrace).
+        #[arg(long)]
+        bench: bool,
+    },
+    /// Set up, build, and run every test: unit tests and the root-only integration suite.
+    Test {
+        /// Extra arguments for the test harness (e.g. a test name filter).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Set up, build, and run the built-in demo (`iospan demo`).
+    Demo,
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCmd,
+    },
+    /// Regenerate bpf/include/vmlinux/<arch>/vmlinux.h from this kernel's BTF.
+    Vmlinux,
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// CPU cost per I/O of tracing: no tracing vs `iospan run` vs a biolatency-style
+    /// bpftrace one-liner, interleaved, on a scratch loop device at saturation.
+    Overhead(bench::OverheadArgs),
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Setup { bench } => setup::ensure(bench),
+        Cmd::Test { args } => test(&args),
+        Cmd::Demo => {
+            setup::ensure(false)?;
+            sh::cargo(&["build", "--release", "-p", "iospan"])?;
+            sh::run(std::process::Command::new(sh::root().join("target/release/iospan")).arg("demo"))
+        }
+        Cmd::Bench { which: BenchCmd::Overhead(a) } => {
+            setup::ensure(true)?;
+            bench::overhead(&a)
+        }
+        Cmd::Vmlinux => setup::vmlinux(),
+    }
+}
+
+fn test(args: &[String]) -> Result<()> {
+    setup::ensure(false)?;
+    sh::cargo(&["build", "--release", "-p", "iospan"])?;
+    // One test thread: the integration tests share the kernel's tracepoints
+    // and the machine's two CPUs, and compare latencies.
+    let mut cmd = vec!["test", "--release", "--workspace", "--", "--test-threads=1"];
+    cmd.extend(args.iter().map(String::as_str));
+    sh::cargo(&cmd)
+}

@@ -1,0 +1,401 @@
+//! `cargo xtask bench overhead`: what tracing costs per I/O, three arms
+//! interleaved in one run — no tracing, `iospan run`, and a biolatency-style
+//! bpftrace one-liner as the reference — on a scratch loop device over
+//! /dev/shm driven to saturation by fio. Medians of the repetitions.
+
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::sh;
+
+#[derive(clap::Args, Clone)]
+pub struct OverheadArgs {
+    /// Repetitions of each arm (the table shows medians).
+    #[arg(long, default_value_t = 3)]
+    reps: u32,
+    /// Seconds of fio per arm and repetition.
+    #[arg(long, default_value_t = 5)]
+    seconds: u32,
+    /// fio queue depth per job.
+    #[arg(long, default_value_t = 64)]
+    iodepth: u32,
+    /// fio jobs.
+    #[arg(long, default_value_t = 2)]
+    jobs: u32,
+}
+
+const BPFTRACE_BIOLATENCY: &str = "tracepoint:block:block_rq_issue { @start[args->dev, args->sector] = nsecs; } \
+tracepoint:block:block_rq_complete /@start[args->dev, args->sector]/ { \
+@usecs = hist((nsecs - @start[args->dev, args->sector]) / 1000); delete(@start[args->dev, args->sector]); }";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Arm {
+    None,
+    Iospan,
+    Bpftrace,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Sample {
+    arm: Arm,
+    rep: u32,
+    ios: u64,
+    iops: f64,
+    /// Busy CPU (user+nice+system+irq+softirq, all CPUs) per I/O.
+    cpu_ns_per_io: f64,
+    /// Kernel-measured run time of the tracer's eBPF programs per I/O.
+    bpf_ns_per_io: Option<f64>,
+    /// The tracer's own process CPU per I/O (iospan only).
+    agent_ns_per_io: Option<f64>,
+    /// Records lost by iospan (must be 0).
+    lost: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct Summary {
+    arm: Arm,
+    iops: f64,
+    cpu_ns_per_io: f64,
+    added_ns_per_io: f64,
+    bpf_ns_per_io: Option<f64>,
+    agent_ns_per_io: Option<f64>,
+    /// iospan's measured cost (BPF run time + agent CPU) per I/O.
+    tracer_ns_per_io: Option<f64>,
+}
+
+pub fn overhead(a: &OverheadArgs) -> Result<()> {
+    sh::cargo(&["build", "--release", "-p", "iospan"])?;
+    let iospan = sh::root().join("target/release/iospan");
+    let out_dir = sh::root().join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let dev = LoopDev::create(512)?;
+    let _stats = BpfStats::enable()?;
+
+    let arms = [Arm::None, Arm::Iospan, Arm::Bpftrace];
+    let mut samples = Vec::new();
+    for rep in 0..a.reps {
+        // Rotate the order so no arm always follows another.
+        for i in 0..arms.len() {
+            let arm = arms[(i + rep as usize) % arms.len()];
+            eprintln!("xtask: bench overhead: rep {}/{} arm {arm:?}", rep + 1, a.reps);
+            let s = measure(arm, rep, a, &dev, &iospan, &out_dir)?;
+            eprintln!("        {:.0} IOPS, {:.0} ns CPU/IO", s.iops, s.cpu_ns_per_io);
+            samples.push(s);
+        }
+    }
+
+    let median = |v: Vec<f64>| -> f64 {
+        let mut v = v;
+        v.sort_by(|a, b| a.total_cmp(b));
+        if v.is_empty() {
+            f64::NAN
+        } else if v.len() % 2 == 1 {
+            v[v.len() / 2]
+        } else {
+            (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
+        }
+    };
+    let of = |arm: Arm| samples.iter().filter(move |s| s.arm == arm);
+    // Added cost per repetition against that repetition's untraced run.
+    let added = |arm: Arm| {
+        median(
+            (0..a.reps)
+                .filter_map(|r| {
+                    let base = samples.iter().find(|s| s.arm == Arm::None && s.rep == r)?;
+                    let s = samples.iter().find(|s| s.arm == arm && s.rep == r)?;
+                    Some(s.cpu_ns_per_io - base.cpu_ns_per_io)
+                })
+                .collect(),
+        )
+    };
+    let opt_median = |v: Vec<Option<f64>>| -> Option<f64> {
+        let v: Vec<f64> = v.into_iter().flatten().collect();
+        (!v.is_empty()).then(|| median(v))
+    };
+    let summaries: Vec<Summary> = arms
+        .iter()
+        .map(|&arm| {
+            let bpf = opt_median(of(arm).map(|s| s.bpf_ns_per_io).collect());
+            let agent = opt_median(of(arm).map(|s| s.agent_ns_per_io).collect());
+            Summary {
+                arm,
+                iops: median(of(arm).map(|s| s.iops).collect()),
+                cpu_ns_per_io: median(of(arm).map(|s| s.cpu_ns_per_io).collect()),
+                added_ns_per_io: if arm == Arm::None { 0.0 } else { added(arm) },
+                bpf_ns_per_io: bpf,
+                agent_ns_per_io: agent,
+                tracer_ns_per_io: bpf.map(|b| b + agent.unwrap_or(0.0)),
+            }
+        })
+        .collect();
+
+    let get = |arm: Arm| summaries.iter().find(|s| s.arm == arm).expect("every arm measured");
+    let (io, bt) = (get(Arm::Iospan), get(Arm::Bpftrace));
+    let lost: u64 = of(Arm::Iospan).filter_map(|s| s.lost).sum();
+    let table = render(&summaries, io, bt, lost, a);
+    print!("{table}");
+    let machine = machine();
+    let json = serde_json::json!({
+        "date": chrono_free_date(),
+        "machine": machine,
+        "params": {"reps": a.reps, "seconds": a.seconds, "iodepth": a.iodepth, "jobs": a.jobs, "device": "loop over /dev/shm, direct-io"},
+        "reference": BPFTRACE_BIOLATENCY,
+        "summary": summaries,
+        "ratios": {
+            "added_cpu_iospan_over_bpftrace": io.added_ns_per_io / bt.added_ns_per_io,
+            "bpf_run_time_iospan_over_bpftrace": io.bpf_ns_per_io.zip(bt.bpf_ns_per_io).map(|(a, b)| a / b),
+        },
+        "iospan_lost": lost,
+        "samples": samples,
+    });
+    let path = out_dir.join("overhead.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
+    eprintln!("xtask: wrote {}", path.display());
+    if lost > 0 {
+        bail!("iospan lost {lost} events at saturation");
+    }
+    Ok(())
+}
+
+fn render(summaries: &[Summary], io: &Summary, bt: &Summary, lost: u64, a: &OverheadArgs) -> String {
+    use std::fmt::Write;
+    let mut t = String::new();
+    let o = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
+    let _ = writeln!(
+        t,
+        "fio 4k randread io_uring QD{}x{} on a loop device over /dev/shm, {} s per arm, medians of {}\n",
+        a.iodepth, a.jobs, a.seconds, a.reps
+    );
+    let _ = writeln!(t, "{:<10} {:>10} {:>12} {:>12} {:>12} {:>12} {:>12}", "arm", "IOPS", "CPU ns/IO", "added ns/IO", "BPF ns/IO", "agent ns/IO", "tracer ns/IO");
+    for s in summaries {
+        let _ = writeln!(
+            t,
+            "{:<10} {:>10.0} {:>12.0} {:>12.0} {:>12} {:>12} {:>12}",
+            format!("{:?}", s.arm).to_lowercase(),
+            s.iops,
+            s.cpu_ns_per_io,
+            s.added_ns_per_io,
+            o(s.bpf_ns_per_io),
+            o(s.agent_ns_per_io),
+            o(s.tracer_ns_per_io)
+        );
+    }
+    let _ = writeln!(
+        t,
+        "\niospan / bpftrace: added CPU {:.2}x, BPF run time {}; iospan lost events: {lost}",
+        io.added_ns_per_io / bt.added_ns_per_io,
+        io.bpf_ns_per_io.zip(bt.bpf_ns_per_io).map_or("-".into(), |(a, b)| format!("{:.2}x", a / b)),
+    );
+    t
+}
+
+fn measure(arm: Arm, rep: u32, a: &OverheadArgs, dev: &LoopDev, iospan: &Path, out_dir: &Path) -> Result<Sample> {
+    let report = out_dir.join("overhead-iospan.json");
+    let mut tracer = match arm {
+        Arm::None => None,
+        Arm::Iospan => {
+            let _ = std::fs::remove_file(&report);
+            let mut c = Command::new(iospan)
+                .args(["-v", "run", "--quiet", "--bpf-stats", "--disk", &dev.name, "--duration", "1h", "--json-out"])
+                .arg(&report)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .context("starting iospan")?;
+            wait_for_line(&mut c, false, "attached block_rq_complete")?;
+            Some(c)
+        }
+        Arm::Bpftrace => {
+            let mut c = Command::new("bpftrace")
+                .args(["-e", BPFTRACE_BIOLATENCY])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("starting bpftrace")?;
+            wait_for_line(&mut c, true, "Attaching")?;
+            Some(c)
+        }
+    };
+    // Let attach-time work settle before the window opens.
+    std::thread::sleep(Duration::from_millis(500));
+    let fio_json = out_dir.join("overhead-fio.json");
+    let cpu0 = busy_cpu_ns()?;
+    let status = Command::new("fio")
+        .args(["--name=bench", "--ioengine=io_uring", "--direct=1", "--rw=randread", "--bs=4k", "--time_based", "--group_reporting"])
+        .arg(format!("--filename={}", dev.path()))
+        .arg(format!("--iodepth={}", a.iodepth))
+        .arg(format!("--numjobs={}", a.jobs))
+        .arg(format!("--runtime={}", a.seconds))
+        .arg("--output-format=json")
+        .arg(format!("--output={}", fio_json.display()))
+        .status()
+        .context("running fio")?;
+    let cpu1 = busy_cpu_ns()?;
+    if !status.success() {
+        bail!("fio failed ({status})");
+    }
+    let bpftrace_bpf_ns = if arm == Arm::Bpftrace { Some(bpf_run_time_ns("tracepoint")?) } else { None };
+    if let Some(c) = tracer.as_mut() {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
+        c.wait()?;
+    }
+    let fio: Value = serde_json::from_slice(&std::fs::read(&fio_json)?)?;
+    let ios = fio["jobs"][0]["read"]["total_ios"].as_u64().context("fio total_ios")?;
+    let iops = fio["jobs"][0]["read"]["iops"].as_f64().context("fio iops")?;
+    let per_io = |ns: f64| ns / ios as f64;
+    let mut s = Sample {
+        arm,
+        rep,
+        ios,
+        iops,
+        cpu_ns_per_io: per_io((cpu1 - cpu0) as f64),
+        bpf_ns_per_io: bpftrace_bpf_ns.map(|n| per_io(n as f64)),
+        agent_ns_per_io: None,
+        lost: None,
+    };
+    if arm == Arm::Iospan {
+        let r: Value = serde_json::from_slice(&std::fs::read(&report).context("iospan's report")?)?;
+        let bpf: u64 = r["agent"]["bpf"].as_array().context("bpf stats")?.iter().filter_map(|p| p["run_time_ns"].as_u64()).sum();
+        let agent = (r["agent"]["cpu_user_s"].as_f64().unwrap_or(0.0) + r["agent"]["cpu_sys_s"].as_f64().unwrap_or(0.0)) * 1e9;
+        let traced: u64 = r["entries"].as_array().context("entries")?.iter().filter_map(|e| e["ios"].as_u64()).sum();
+        if traced < ios {
+            bail!("iospan traced {traced} requests, fio did {ios}");
+        }
+        s.bpf_ns_per_io = Some(per_io(bpf as f64));
+        s.agent_ns_per_io = Some(per_io(agent));
+        let lost = &r["lost"];
+        s.lost = Some(
+            ["ringbuf_drops", "disk_conflicts", "slot_conflicts", "no_issue", "bpf_recursion_misses", "unseen"]
+                .iter()
+                .filter_map(|k| lost[k].as_u64())
+                .sum(),
+        );
+    }
+    Ok(s)
+}
+
+fn wait_for_line(c: &mut Child, stdout: bool, needle: &str) -> Result<()> {
+    let pipe: Box<dyn std::io::Read + Send> = if stdout {
+        Box::new(c.stdout.take().context("tracer stdout")?)
+    } else {
+        Box::new(c.stderr.take().context("tracer stderr")?)
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let needle = needle.to_string();
+    std::thread::spawn(move || {
+        let mut found = false;
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            if !found && line.contains(&needle) {
+                found = true;
+                let _ = tx.send(());
+            }
+        }
+    });
+    let t = Instant::now();
+    rx.recv_timeout(Duration::from_secs(60)).with_context(|| format!("tracer not ready after {:?}", t.elapsed()))
+}
+
+/// Sum of run time of loaded programs of a type, while stats are on.
+fn bpf_run_time_ns(prog_type: &str) -> Result<u64> {
+    let out = sh::output(Command::new("bpftool").args(["-j", "prog", "show"]))?;
+    let v: Value = serde_json::from_slice(&out.stdout).context("bpftool -j prog show")?;
+    Ok(v.as_array()
+        .context("program list")?
+        .iter()
+        .filter(|p| p["type"] == prog_type)
+        .filter_map(|p| p["run_time_ns"].as_u64())
+        .sum())
+}
+
+/// Busy CPU time of all CPUs, from /proc/stat.
+fn busy_cpu_ns() -> Result<u64> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let line = stat.lines().next().context("/proc/stat is empty")?;
+    let f: Vec<u64> = line.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+    // user nice system idle iowait irq softirq …
+    let ticks = f[0] + f[1] + f[2] + f.get(5).copied().unwrap_or(0) + f.get(6).copied().unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Ok(ticks * 1_000_000_000 / hz)
+}
+
+struct LoopDev {
+    file: PathBuf,
+    name: String,
+}
+
+impl LoopDev {
+    fn create(mib: u64) -> Result<Self> {
+        let file = PathBuf::from(format!("/dev/shm/iospan-bench-{}.img", std::process::id()));
+        let chunk = vec![0xa5u8; 1 << 20];
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&file)?;
+            for _ in 0..mib {
+                f.write_all(&chunk)?;
+            }
+        }
+        let out = sh::output(Command::new("losetup").args(["--find", "--show", "--direct-io=on"]).arg(&file))?;
+        if !out.status.success() {
+            let _ = std::fs::remove_file(&file);
+            bail!("losetup: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let name = String::from_utf8_lossy(&out.stdout).trim().trim_start_matches("/dev/").to_string();
+        Ok(Self { file, name })
+    }
+    fn path(&self) -> String {
+        format!("/dev/{}", self.name)
+    }
+}
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(self.path()).status();
+        let _ = std::fs::remove_file(&self.file);
+    }
+}
+
+/// kernel.bpf_stats_enabled on for the run, restored after.
+struct BpfStats(String);
+
+impl BpfStats {
+    const PATH: &'static str = "/proc/sys/kernel/bpf_stats_enabled";
+    fn enable() -> Result<Self> {
+        let old = std::fs::read_to_string(Self::PATH).unwrap_or_else(|_| "0".into());
+        std::fs::write(Self::PATH, "1").context("enabling kernel.bpf_stats_enabled (needs root)")?;
+        Ok(Self(old.trim().to_string()))
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        let _ = std::fs::write(Self::PATH, &self.0);
+    }
+}
+
+fn machine() -> Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| c.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())));
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    serde_json::json!({
+        "kernel": kernel.trim(),
+        "cpu": cpu,
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+    })
+}
+
+fn chrono_free_date() -> String {
+    let out = Command::new("date").args(["-u", "+%Y-%m-%d"]).output();
+    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
+}

@@ -1,0 +1,69 @@
+//! What a fresh Debian-like machine needs, installed only when missing.
+
+use std::{path::Path, process::Command};
+
+use anyhow::{bail, Result};
+
+use crate::sh;
+
+/// (what to look for, the package that brings it)
+const BUILD: &[(Need, &str)] = &[
+    (Need::Tool("clang"), "clang"),
+    (Need::Tool("llvm-strip"), "llvm"),
+    (Need::File("/usr/include/bpf/bpf_helpers.h"), "libbpf-dev"),
+    (Need::File("/usr/include/linux/types.h"), "linux-libc-dev"),
+    (Need::Tool("bpftool"), "bpftool"),
+    (Need::Tool("fio"), "fio"),
+    (Need::Tool("losetup"), "mount"),
+    (Need::Tool("setpriv"), "util-linux"),
+    (Need::Tool("cc"), "gcc"),
+];
+const BENCH: &[(Need, &str)] = &[(Need::Tool("bpftrace"), "bpftrace")];
+
+#[derive(Clone, Copy)]
+enum Need {
+    Tool(&'static str),
+    File(&'static str),
+}
+
+impl Need {
+    fn present(self) -> bool {
+        match self {
+            Need::Tool(t) => sh::which(t) || Path::new("/usr/sbin").join(t).exists() || Path::new("/sbin").join(t).exists(),
+            Need::File(f) => Path::new(f).exists(),
+        }
+    }
+}
+
+pub fn ensure(bench: bool) -> Result<()> {
+    let mut missing: Vec<&str> = BUILD.iter().chain(if bench { BENCH } else { &[] }).filter(|(n, _)| !n.present()).map(|(_, p)| *p).collect();
+    missing.sort();
+    missing.dedup();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("missing packages: {}\nhint: run as root, or `sudo apt-get install -y {}`", missing.join(" "), missing.join(" "));
+    }
+    eprintln!("xtask: installing {}", missing.join(" "));
+    sh::run(Command::new("apt-get").args(["update", "-qq"]))?;
+    sh::run(Command::new("apt-get").args(["install", "-y", "-qq", "--no-install-recommends"]).args(&missing).env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+pub fn vmlinux() -> Result<()> {
+    ensure(false)?;
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "x86",
+        "aarch64" => "arm64",
+        a => bail!("no vmlinux.h directory for {a}"),
+    };
+    let out = sh::output(Command::new("bpftool").args(["btf", "dump", "file", "/sys/kernel/btf/vmlinux", "format", "c"]))?;
+    if !out.status.success() {
+        bail!("bpftool failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let path = sh::root().join("bpf/include/vmlinux").join(arch).join("vmlinux.h");
+    std::fs::write(&path, &out.stdout)?;
+    eprintln!("xtask: wrote {} ({} bytes)", path.display(), out.stdout.len());
+    Ok(())
+}
