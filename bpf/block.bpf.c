@@ -151,19 +151,22 @@ static __always_inline __u8 op_class(__u32 cmd_flags)
 }
 
 /* Two candidate slots per request key (a 2-way set), so two requests
- * rarely evict each other; a miss is counted, never guessed. */
+ * rarely evict each other; a miss is counted, never guessed. The second
+ * slot is only looked at when the first is not ours. */
 static __always_inline struct rq_slot *rq_slot_of(__u64 key, int claim)
 {
 	__u32 idx = (__u32)((key * 0x9E3779B97F4A7C15ULL) >> (64 - RQ_SLOT_BITS));
-	__u32 alt = idx ^ 1;
 	struct rq_slot *s, *t;
 
 	s = bpf_map_lookup_elem(&inflight, &idx);
-	t = bpf_map_lookup_elem(&inflight, &alt);
-	if (!s || !t)
+	if (!s)
 		return 0;
 	if (s->rq == key)
 		return s;
+	idx ^= 1;
+	t = bpf_map_lookup_elem(&inflight, &idx);
+	if (!t)
+		return 0;
 	if (t->rq == key)
 		return t;
 	if (!claim)

@@ -49,8 +49,10 @@ pub fn examine() -> Result<Doctor> {
     let privileged = preflight::has_bpf_privileges();
     let probes = if privileged { features::probe_all() } else { Vec::new() };
     let works = |t: ProbeType| probes.iter().any(|p| p.probe == t && p.works);
-    let kvm_tracepoints = Path::new("/sys/kernel/tracing/events/kvm").exists()
-        || Path::new("/sys/kernel/debug/tracing/events/kvm").exists();
+    // The kvm tracepoints exist while the kvm module is loaded (or built in),
+    // whether or not tracefs is mounted.
+    let kvm_tracepoints = Path::new("/sys/module/kvm").exists()
+        || Path::new("/sys/kernel/tracing/events/kvm").exists();
     let tp = works(ProbeType::TpBtf) || works(ProbeType::RawTp);
     let fn_probes = works(ProbeType::Kprobe) || works(ProbeType::Fentry);
 

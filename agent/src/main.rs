@@ -62,6 +62,11 @@ struct RunArgs {
     /// Measure the eBPF programs' own run time (kernel BPF stats) and add it to the JSON report.
     #[arg(long)]
     bpf_stats: bool,
+    /// Stamp request starts with our own probe even where the kernel keeps
+    /// start times (it does when iostats or an I/O scheduler is on; disks
+    /// without either get the probe automatically).
+    #[arg(long)]
+    start_stamps: bool,
     /// No progress line on stderr.
     #[arg(short, long)]
     quiet: bool,
@@ -112,6 +117,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 slower_than: a.slower_than,
                 max_disks: a.max_disks,
                 bpf_stats: a.bpf_stats,
+                start_stamps: a.start_stamps,
                 quiet: a.quiet,
                 command: a.command,
             }))?;

@@ -31,6 +31,7 @@ pub struct RunOptions {
     pub slower_than: Option<Duration>,
     pub max_disks: u32,
     pub bpf_stats: bool,
+    pub start_stamps: bool,
     pub quiet: bool,
     pub command: Vec<String>,
 }
@@ -63,6 +64,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         },
         slower_than_ns: opts.slower_than.map(|d| d.as_nanos() as u64).unwrap_or(0),
         stream_devs: only.clone(),
+        start_stamps: opts.start_stamps,
     };
     let _stats = if opts.bpf_stats {
         Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling BPF run-time statistics")?)

@@ -28,11 +28,14 @@ pub struct BlockConfig {
     pub slower_than_ns: u64,
     /// Stream only these disks' requests (all when empty).
     pub stream_devs: Vec<Dev>,
+    /// Stamp request starts ourselves even if every disk's requests carry
+    /// the kernel's start time.
+    pub start_stamps: bool,
 }
 
 impl Default for BlockConfig {
     fn default() -> Self {
-        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new() }
+        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false }
     }
 }
 
@@ -81,6 +84,24 @@ pub struct BlockSnapshot {
     pub counters: Counters,
 }
 
+/// Request-based (blk-mq) disks whose requests get no start_time_ns from
+/// the kernel: it is kept when iostats is on or an I/O scheduler (or
+/// blk-stat) is in use (blk_mq_need_time_stamp), so these have iostats off
+/// and no scheduler. Bio-based disks (zram, dm-linear) have no requests.
+pub fn disks_without_start_time() -> Vec<String> {
+    let read = |d: &str, f: &str| std::fs::read_to_string(format!("/sys/block/{d}/queue/{f}")).unwrap_or_default();
+    crate::disks::whole_disks()
+        .into_iter()
+        .filter(|d| {
+            if !std::path::Path::new(&format!("/sys/block/{d}/mq")).exists() {
+                return false;
+            }
+            let sched = read(d, "scheduler");
+            read(d, "iostats").trim() == "0" && (sched.trim().is_empty() || sched.contains("[none]"))
+        })
+        .collect()
+}
+
 pub struct BlockProbes {
     ebpf: Ebpf,
     pub attachments: Vec<Attachment>,
@@ -127,14 +148,18 @@ impl BlockProbes {
             .map_err(|source| LoadError::Object { object: "block.bpf.o", source })?;
 
         let mut attachments = Vec::new();
-        // The start stamp is only needed where the kernel keeps no
-        // start_time_ns; block_io_start appeared in v6.5 (5a80bd075f3b),
-        // before it the insert is the closest point.
-        match attach(&mut ebpf, btf, "block_io_start", flavour) {
-            Ok(a) => attachments.push(a),
-            Err(e) => {
-                log::info!("{}; using block_rq_insert for start stamps", super::error_chain(&e));
-                attachments.push(attach(&mut ebpf, btf, "block_rq_insert", flavour)?);
+        // Our own start stamp costs a program run per request, and is only
+        // needed for disks whose requests carry no start_time_ns. Requests
+        // of such disks added later are counted as `no_start`.
+        if cfg.start_stamps || !disks_without_start_time().is_empty() {
+            // block_io_start appeared in v6.5 (5a80bd075f3b); before it the
+            // insert is the closest point.
+            match attach(&mut ebpf, btf, "block_io_start", flavour) {
+                Ok(a) => attachments.push(a),
+                Err(e) => {
+                    log::info!("{}; using block_rq_insert for start stamps", super::error_chain(&e));
+                    attachments.push(attach(&mut ebpf, btf, "block_rq_insert", flavour)?);
+                }
             }
         }
         for tp in ["block_rq_issue", "block_rq_requeue", "block_rq_complete"] {
