@@ -147,3 +147,24 @@ fn slower_than_streams_only_slow_requests() {
         assert!(ev["total_us"].as_f64().unwrap() >= 20.0, "{ev}");
     }
 }
+
+#[test]
+fn demo_traces_fio_on_a_scratch_disk_and_prints_the_table() {
+    let json = std::env::temp_dir().join(format!("iospan-demo-{}.json", std::process::id()));
+    let out = run(Command::new(iospan_bin()).args(["demo", "--json-out"]).arg(&json));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("SEGMENT") && table.contains("service"), "{table}");
+    let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let entries = r["entries"].as_array().unwrap();
+    let ops: Vec<&str> = entries.iter().map(|e| e["op"].as_str().unwrap()).collect();
+    assert_eq!(ops, ["read", "write"], "the demo's 70/30 mix: {entries:#?}");
+    for e in entries {
+        assert!(e["ios"].as_u64().unwrap() > 1000, "{e}");
+        assert!(table.contains(e["disk"].as_str().unwrap()));
+    }
+    // The scratch disk is gone afterwards.
+    let disk = entries[0]["disk"].as_str().unwrap();
+    let backing = std::fs::read_to_string(format!("/sys/block/{disk}/loop/backing_file")).unwrap_or_default();
+    assert!(!backing.contains("iospan-scratch"), "{disk} still attached to {backing}");
+}
