@@ -72,7 +72,13 @@ fn test(args: &[String]) -> Result<()> {
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
     // One test thread: the integration tests share the kernel's tracepoints
     // and the machine's two CPUs, and compare latencies.
-    let mut cmd = vec!["test", "--release", "--workspace", "--", "--test-threads=1"];
+    let mut cmd = vec!["test", "--release", "--workspace", "--lib", "--bins", "--tests", "--", "--test-threads=1"];
     cmd.extend(args.iter().map(String::as_str));
-    sh::cargo(&cmd)
+    let (passed, failed) = sh::cargo_test(&cmd)?;
+    // One closing line for the whole suite, after the per-binary ones.
+    println!("{passed} passed, {failed} failed");
+    if failed > 0 || passed == 0 {
+        anyhow::bail!("{failed} tests failed, {passed} passed");
+    }
+    Ok(())
 }
