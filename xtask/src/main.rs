@@ -4,6 +4,7 @@
 //! still lacks clang and libbpf: `setup` is what installs them.
 
 mod bench;
+mod guest;
 mod setup;
 mod sh;
 
@@ -38,6 +39,12 @@ enum Cmd {
         #[command(subcommand)]
         which: BenchCmd,
     },
+    /// The guest rig: a distribution kernel booted under QEMU (TCG) with a
+    /// virtio-blk or NVMe disk and an O_DIRECT workload inside.
+    Guest {
+        #[command(subcommand)]
+        cmd: guest::GuestCmd,
+    },
     /// Regenerate bpf/include/vmlinux/<arch>/vmlinux.h from this kernel's BTF.
     Vmlinux,
 }
@@ -63,6 +70,7 @@ fn main() -> Result<()> {
             setup::ensure(true)?;
             bench::overhead(&a)
         }
+        Cmd::Guest { cmd } => guest::main(cmd),
         Cmd::Vmlinux => setup::vmlinux(),
     }
 }

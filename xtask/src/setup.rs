@@ -19,6 +19,12 @@ const BUILD: &[(Need, &str)] = &[
     (Need::Tool("cc"), "gcc"),
 ];
 const BENCH: &[(Need, &str)] = &[(Need::Tool("bpftrace"), "bpftrace")];
+const RIG: &[(Need, &str)] = &[
+    (Need::Tool("qemu-system-x86_64"), "qemu-system-x86"),
+    (Need::File("/bin/busybox"), "busybox-static"),
+    (Need::Tool("cpio"), "cpio"),
+    (Need::File("/usr/lib/x86_64-linux-gnu/libc.a"), "libc6-dev"),
+];
 
 #[derive(Clone, Copy)]
 enum Need {
@@ -36,7 +42,16 @@ impl Need {
 }
 
 pub fn ensure(bench: bool) -> Result<()> {
-    let mut missing: Vec<&str> = BUILD.iter().chain(if bench { BENCH } else { &[] }).filter(|(n, _)| !n.present()).map(|(_, p)| *p).collect();
+    install(BUILD.iter().chain(if bench { BENCH } else { &[] }))
+}
+
+/// What the guest rig needs besides the build: QEMU, a static busybox.
+pub fn ensure_rig() -> Result<()> {
+    install(BUILD.iter().chain(RIG))
+}
+
+fn install<'a>(needs: impl Iterator<Item = &'a (Need, &'static str)>) -> Result<()> {
+    let mut missing: Vec<&str> = needs.filter(|(n, _)| !n.present()).map(|(_, p)| *p).collect();
     missing.sort();
     missing.dedup();
     if missing.is_empty() {

@@ -1,0 +1,170 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * The rig guest's workload: O_DIRECT 4 KiB random I/O on a block device at
+ * a fixed queue depth, through Linux AIO (raw syscalls, so it links
+ * statically with nothing but libc). Prints one line:
+ *   IOSPAN-WORKLOAD {"dev":…,"rw":…,"qd":…,"ios":…,"errors":…,"mean_us":…,
+ *                    "p50_us":…,"p90_us":…,"p99_us":…,"p999_us":…,"max_us":…}
+ * where ios is the exact number of I/Os completed and the latencies are
+ * per I/O, submission to reaped completion, as the guest observed them.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/aio_abi.h>
+#include <linux/fs.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define BS 4096
+#define MAX_QD 256
+
+static long io_setup_(unsigned n, aio_context_t *ctx) { return syscall(SYS_io_setup, n, ctx); }
+static long io_submit_(aio_context_t ctx, long n, struct iocb **iocbs) { return syscall(SYS_io_submit, ctx, n, iocbs); }
+static long io_getevents_(aio_context_t ctx, long min, long max, struct io_event *ev)
+{
+	return syscall(SYS_io_getevents, ctx, min, max, ev, NULL);
+}
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint64_t next_rand(void)
+{
+	rng ^= rng << 13;
+	rng ^= rng >> 7;
+	rng ^= rng << 17;
+	return rng;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+	return x < y ? -1 : x > y;
+}
+
+static double pct(const uint64_t *v, long n, double q)
+{
+	long i = (long)(q * n);
+
+	if (i >= n)
+		i = n - 1;
+	return v[i] / 1000.0;
+}
+
+int main(int argc, char **argv)
+{
+	const char *dev = "/dev/vda", *rw = "randread";
+	long qd = 1, ios = 1000;
+	int opt;
+
+	while ((opt = getopt(argc, argv, "d:q:n:w:")) != -1) {
+		switch (opt) {
+		case 'd': dev = optarg; break;
+		case 'q': qd = atol(optarg); break;
+		case 'n': ios = atol(optarg); break;
+		case 'w': rw = optarg; break;
+		default:
+			fprintf(stderr, "usage: %s -d DEV -q QD -n IOS -w randread|randwrite\n", argv[0]);
+			return 2;
+		}
+	}
+	if (qd < 1 || qd > MAX_QD || ios < 1) {
+		fprintf(stderr, "workload: qd must be 1..%d and ios >= 1\n", MAX_QD);
+		return 2;
+	}
+	int write = strcmp(rw, "randwrite") == 0;
+	int fd = open(dev, (write ? O_RDWR : O_RDONLY) | O_DIRECT);
+	if (fd < 0) {
+		fprintf(stderr, "workload: open %s: %s\n", dev, strerror(errno));
+		return 1;
+	}
+	uint64_t size = 0;
+	if (ioctl(fd, BLKGETSIZE64, &size) || size < 16 * BS) {
+		fprintf(stderr, "workload: %s: size %llu too small\n", dev, (unsigned long long)size);
+		return 1;
+	}
+	uint64_t blocks = size / BS;
+	aio_context_t ctx = 0;
+	if (io_setup_(qd, &ctx)) {
+		fprintf(stderr, "workload: io_setup: %s\n", strerror(errno));
+		return 1;
+	}
+	static struct iocb cbs[MAX_QD];
+	static struct io_event evs[MAX_QD];
+	static uint64_t started[MAX_QD];
+	char *bufs;
+	if (posix_memalign((void **)&bufs, BS, (size_t)qd * BS))
+		return 1;
+	memset(bufs, 0x5a, (size_t)qd * BS);
+	uint64_t *lat = calloc(ios, sizeof(*lat));
+	long submitted = 0, done = 0, errors = 0;
+
+	for (;;) {
+		/* Keep qd in flight until ios have been submitted. */
+		struct iocb *batch[MAX_QD];
+		long n = 0;
+		for (long slot = 0; slot < qd && submitted + n < ios; slot++) {
+			if (cbs[slot].aio_data)
+				continue;
+			struct iocb *cb = &cbs[slot];
+			memset(cb, 0, sizeof(*cb));
+			cb->aio_data = slot + 1;
+			cb->aio_fildes = fd;
+			cb->aio_lio_opcode = write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
+			cb->aio_buf = (uint64_t)(uintptr_t)(bufs + slot * BS);
+			cb->aio_nbytes = BS;
+			cb->aio_offset = (int64_t)((next_rand() % blocks) * BS);
+			started[slot] = now_ns();
+			batch[n++] = cb;
+		}
+		if (n) {
+			long r = io_submit_(ctx, n, batch);
+			if (r != n) {
+				fprintf(stderr, "workload: io_submit: %ld of %ld (%s)\n", r, n, strerror(errno));
+				return 1;
+			}
+			submitted += n;
+		}
+		if (done == ios)
+			break;
+		long got = io_getevents_(ctx, 1, qd, evs);
+		if (got < 0) {
+			if (errno == EINTR)
+				continue;
+			fprintf(stderr, "workload: io_getevents: %s\n", strerror(errno));
+			return 1;
+		}
+		uint64_t t = now_ns();
+		for (long i = 0; i < got; i++) {
+			long slot = (long)evs[i].data - 1;
+			if (evs[i].res != BS)
+				errors++;
+			lat[done++] = t - started[slot];
+			cbs[slot].aio_data = 0;
+		}
+	}
+	qsort(lat, ios, sizeof(*lat), cmp_u64);
+	double sum = 0;
+	for (long i = 0; i < ios; i++)
+		sum += lat[i];
+	printf("IOSPAN-WORKLOAD {\"dev\":\"%s\",\"rw\":\"%s\",\"qd\":%ld,\"ios\":%ld,\"errors\":%ld,"
+	       "\"mean_us\":%.3f,\"p50_us\":%.3f,\"p90_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":%.3f,\"max_us\":%.3f}\n",
+	       dev, rw, qd, done, errors, sum / ios / 1000.0, pct(lat, ios, 0.50), pct(lat, ios, 0.90),
+	       pct(lat, ios, 0.99), pct(lat, ios, 0.999), lat[ios - 1] / 1000.0);
+	fflush(stdout);
+	return errors ? 1 : 0;
+}

@@ -1,0 +1,386 @@
+//! `cargo xtask guest …`: the guest rig. A distribution kernel with BTF
+//! (Debian's cloud kernel), a busybox initramfs with the virtio modules and
+//! a static O_DIRECT workload, booted under QEMU with software emulation and
+//! a virtio-blk or NVMe disk. The guest prints the workload's own per-I/O
+//! latency and exact count, then its disk's /sys/block/DEV/stat: the ground
+//! truth for counts.
+
+use std::{
+    collections::BTreeSet,
+    io::{BufRead, BufReader, Write},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::{setup, sh};
+
+/// Modules the initramfs loads, with their dependencies (NVMe is built in).
+const MODULES: &[&str] = &["virtio_blk", "virtio_pci"];
+
+#[derive(clap::Subcommand)]
+pub enum GuestCmd {
+    /// Fetch the kernel and build the initramfs into target/rig (cached).
+    Build,
+    /// Boot the rig guest once and print what it measured.
+    Run(RunArgs),
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct RunArgs {
+    /// Virtual disk model.
+    #[arg(long, value_enum, default_value_t = DiskModel::VirtioBlk)]
+    pub disk: DiskModel,
+    /// QEMU's I/O engine for the image.
+    #[arg(long, value_enum, default_value_t = Aio::IoUring)]
+    pub aio: Aio,
+    /// Serve the disk from a dedicated iothread (virtio-blk only).
+    #[arg(long)]
+    pub iothread: bool,
+    /// Queue depth of the guest workload.
+    #[arg(long, default_value_t = 1)]
+    pub qd: u32,
+    /// Number of I/Os the guest workload does.
+    #[arg(long, default_value_t = 2000)]
+    pub ios: u64,
+    /// randread or randwrite.
+    #[arg(long, default_value = "randread")]
+    pub rw: String,
+    /// Disk image (raw, fully written); created at 256 MiB if missing.
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+    /// The VM's name, as libvirt passes it (-name guest=NAME).
+    #[arg(long, default_value = "iospan-rig")]
+    pub name: String,
+    /// The virtual disk's id.
+    #[arg(long, default_value = "vd0")]
+    pub disk_id: String,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DiskModel {
+    VirtioBlk,
+    Nvme,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Aio {
+    IoUring,
+    Native,
+    Threads,
+}
+
+impl Aio {
+    fn qemu(self) -> &'static str {
+        match self {
+            Aio::IoUring => "io_uring",
+            Aio::Native => "native",
+            Aio::Threads => "threads",
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct RigResult {
+    pub vm: String,
+    pub disk_id: String,
+    pub model: DiskModel,
+    pub aio: Aio,
+    pub iothread: bool,
+    pub guest_dev: String,
+    /// The workload's own line: exact I/O count and per-I/O latency.
+    pub workload: Value,
+    /// The guest disk's request counters at the end (since boot).
+    pub guest_reads: u64,
+    pub guest_writes: u64,
+    /// The same over the workload only.
+    pub workload_reads: u64,
+    pub workload_writes: u64,
+    pub seconds: f64,
+}
+
+pub fn dir() -> PathBuf {
+    sh::root().join("target/rig")
+}
+
+pub fn main(cmd: GuestCmd) -> Result<()> {
+    match cmd {
+        GuestCmd::Build => build().map(|_| ()),
+        GuestCmd::Run(a) => {
+            let r = run(&a)?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                let w = &r.workload;
+                println!(
+                    "{} {} ({:?}, aio={}{}) {} QD{}: {} I/Os, mean {} µs, p99 {} µs; guest /sys/block/{}/stat: {} reads, {} writes ({} and {} during the workload); {:.1} s",
+                    r.vm, r.disk_id, r.model, r.aio.qemu(), if r.iothread { ", iothread" } else { "" },
+                    w["rw"].as_str().unwrap_or("?"), w["qd"], w["ios"], w["mean_us"], w["p99_us"],
+                    r.guest_dev, r.guest_reads, r.guest_writes, r.workload_reads, r.workload_writes, r.seconds
+                );
+            }
+            Ok(())
+        }
+    }
+}
+
+pub struct Rig {
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+}
+
+/// Builds (or reuses) the rig's kernel and initramfs.
+pub fn build() -> Result<Rig> {
+    setup::ensure_rig()?;
+    let dir = dir();
+    std::fs::create_dir_all(&dir)?;
+    let kernel_dir = dir.join("kernel");
+    let kernel = dir.join("vmlinuz");
+    if !kernel.exists() {
+        fetch_kernel(&kernel_dir, &kernel)?;
+    }
+    let initrd = dir.join("initrd.cpio.gz");
+    let src = sh::root().join("xtask/rig");
+    let stamp = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let newest_src = ["workload.c", "init"].iter().filter_map(|f| stamp(&src.join(f))).max();
+    if stamp(&initrd).is_none() || newest_src > stamp(&initrd) {
+        build_initrd(&kernel_dir, &initrd)?;
+    }
+    Ok(Rig { kernel, initrd })
+}
+
+fn fetch_kernel(kernel_dir: &Path, kernel: &Path) -> Result<()> {
+    eprintln!("xtask: fetching Debian's cloud kernel");
+    let deps = sh::output(Command::new("apt-cache").args(["depends", "linux-image-cloud-amd64"]))?;
+    let pkg = String::from_utf8_lossy(&deps.stdout)
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Depends: ").filter(|p| p.starts_with("linux-image-")).map(str::to_string))
+        .context("apt-cache knows no linux-image-cloud-amd64 (run apt-get update)")?;
+    let dl = dir().join("deb");
+    std::fs::create_dir_all(&dl)?;
+    sh::run(Command::new("apt-get").args(["download", &pkg]).current_dir(&dl))?;
+    let deb = std::fs::read_dir(&dl)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&pkg)))
+        .context("downloaded kernel package not found")?;
+    let _ = std::fs::remove_dir_all(kernel_dir);
+    sh::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(kernel_dir))?;
+    let vmlinuz = std::fs::read_dir(kernel_dir.join("boot"))?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-")))
+        .context("no vmlinuz in the kernel package")?;
+    std::fs::copy(vmlinuz, kernel)?;
+    Ok(())
+}
+
+/// The modules to load, dependencies first. A package's modules.dep is
+/// made by depmod at install time, so dependencies are read from each
+/// module's own `.modinfo` (its `depends=` entry).
+fn module_order(kernel_dir: &Path) -> Result<Vec<PathBuf>> {
+    let base = std::fs::read_dir(kernel_dir.join("lib/modules"))?
+        .flatten()
+        .map(|e| e.path())
+        .next()
+        .context("no lib/modules in the kernel package")?;
+    let mut by_name = std::collections::HashMap::new();
+    let mut stack = vec![base.join("kernel")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d)?.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Some(n) = p.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".ko")) {
+                by_name.insert(n.replace('-', "_"), p.clone());
+            }
+        }
+    }
+    let depends = |p: &Path| -> Result<Vec<String>> {
+        let bytes = std::fs::read(p)?;
+        let key = b"depends=";
+        let at = bytes.windows(key.len()).position(|w| w == key).with_context(|| format!("no depends= in {}", p.display()))?;
+        let rest = &bytes[at + key.len()..];
+        let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
+        Ok(String::from_utf8_lossy(&rest[..end]).split(',').filter(|s| !s.is_empty()).map(|s| s.replace('-', "_")).collect())
+    };
+    fn visit(
+        name: &str,
+        by_name: &std::collections::HashMap<String, PathBuf>,
+        depends: &dyn Fn(&Path) -> Result<Vec<String>>,
+        seen: &mut BTreeSet<String>,
+        order: &mut Vec<PathBuf>,
+    ) -> Result<()> {
+        if !seen.insert(name.to_string()) {
+            return Ok(());
+        }
+        let path = by_name.get(name).with_context(|| format!("module {name} not in the kernel package"))?;
+        for d in depends(path)? {
+            visit(&d, by_name, depends, seen, order)?;
+        }
+        order.push(path.clone());
+        Ok(())
+    }
+    let mut order = Vec::new();
+    let mut seen = BTreeSet::new();
+    for name in MODULES {
+        visit(name, &by_name, &depends, &mut seen, &mut order)?;
+    }
+    Ok(order)
+}
+
+fn build_initrd(kernel_dir: &Path, initrd: &Path) -> Result<()> {
+    eprintln!("xtask: building the rig initramfs");
+    let stage = dir().join("initramfs");
+    let _ = std::fs::remove_dir_all(&stage);
+    for d in ["bin", "proc", "sys", "dev", "modules"] {
+        std::fs::create_dir_all(stage.join(d))?;
+    }
+    let src = sh::root().join("xtask/rig");
+    sh::run(Command::new("cc").args(["-static", "-O2", "-Wall", "-o"]).arg(stage.join("workload")).arg(src.join("workload.c")))?;
+    std::fs::copy("/bin/busybox", stage.join("bin/busybox")).context("copying /bin/busybox (busybox-static)")?;
+    std::fs::copy(src.join("init"), stage.join("init"))?;
+    let mut names = Vec::new();
+    for m in module_order(kernel_dir)? {
+        let name = m.file_name().context("module name")?.to_string_lossy().into_owned();
+        if m.extension().is_some_and(|e| e == "xz" || e == "zst") {
+            bail!("compressed module {name}: busybox insmod needs plain .ko");
+        }
+        std::fs::copy(&m, stage.join("modules").join(&name))?;
+        names.push(name);
+    }
+    std::fs::write(stage.join("modules.order"), names.join("\n") + "\n")?;
+    let mut perms = std::fs::metadata(stage.join("init"))?.permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+    std::fs::set_permissions(stage.join("init"), perms)?;
+    let cmd = format!("find . | cpio -o -H newc --quiet | gzip -1 > {}", initrd.display());
+    sh::run(Command::new("sh").arg("-c").arg(cmd).current_dir(&stage))
+}
+
+/// A fully written raw image: O_DIRECT reads of holes never reach the disk.
+pub fn ensure_image(path: &Path, mib: u64) -> Result<()> {
+    if path.exists() && std::fs::metadata(path)?.len() >= mib << 20 {
+        return Ok(());
+    }
+    if let Some(p) = path.parent() {
+        std::fs::create_dir_all(p)?;
+    }
+    let mut f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let chunk: Vec<u8> = (0..1u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    for _ in 0..mib {
+        f.write_all(&chunk)?;
+    }
+    f.sync_all()?;
+    Ok(())
+}
+
+/// The QEMU command line for one rig boot.
+pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
+    let guest_dev = match a.disk {
+        DiskModel::VirtioBlk => "vda",
+        DiskModel::Nvme => "nvme0n1",
+    };
+    let mut c = Command::new("qemu-system-x86_64");
+    c.args(["-accel", "tcg", "-m", "512", "-smp", "1", "-display", "none", "-serial", "stdio", "-monitor", "none", "-no-reboot"])
+        .args(["-name", &format!("guest={},debug-threads=on", a.name)])
+        .arg("-kernel")
+        .arg(&rig.kernel)
+        .arg("-initrd")
+        .arg(&rig.initrd)
+        .arg("-append")
+        .arg(format!(
+            "console=ttyS0 quiet panic=-1 iospan.dev={guest_dev} iospan.qd={} iospan.ios={} iospan.rw={}",
+            a.qd, a.ios, a.rw
+        ))
+        .arg("-drive")
+        .arg(format!("file={},if=none,id={},format=raw,cache=none,aio={}", image.display(), a.disk_id, a.aio.qemu()));
+    match a.disk {
+        DiskModel::VirtioBlk if a.iothread => {
+            c.args(["-object", "iothread,id=io0", "-device", &format!("virtio-blk-pci,drive={},iothread=io0", a.disk_id)]);
+        }
+        DiskModel::VirtioBlk => {
+            c.args(["-device", &format!("virtio-blk-pci,drive={}", a.disk_id)]);
+        }
+        DiskModel::Nvme => {
+            c.args(["-device", &format!("nvme,drive={},serial=iospan0", a.disk_id)]);
+        }
+    }
+    (c, guest_dev.to_string())
+}
+
+pub fn run(a: &RunArgs) -> Result<RigResult> {
+    if a.iothread && a.disk != DiskModel::VirtioBlk {
+        bail!("--iothread is for virtio-blk; NVMe in QEMU 7.2 has no iothread option");
+    }
+    if !matches!(a.rw.as_str(), "randread" | "randwrite") {
+        bail!("--rw {}: use randread or randwrite", a.rw);
+    }
+    let rig = build()?;
+    let image = a.image.clone().unwrap_or_else(|| dir().join("disk.img"));
+    ensure_image(&image, 256)?;
+    let (mut cmd, guest_dev) = qemu_command(&rig, a, &image);
+    eprintln!("xtask: {}", sh::show(&cmd));
+    let t = Instant::now();
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().context("starting qemu-system-x86_64")?;
+    let stdout = child.stdout.take().context("qemu stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut lines = Vec::new();
+    let deadline = Duration::from_secs(600);
+    loop {
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(l) => lines.push(l),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(_) if t.elapsed() > deadline => {
+                let _ = child.kill();
+                bail!("the rig guest did not finish within {deadline:?}; its console:\n{}", lines.join("\n"));
+            }
+            Err(_) => {}
+        }
+    }
+    let status = child.wait()?;
+    parse(&lines, a, guest_dev, t.elapsed().as_secs_f64())
+        .with_context(|| format!("qemu exited with {status}; the guest's console:\n{}", lines.join("\n")))
+}
+
+fn parse(lines: &[String], a: &RunArgs, guest_dev: String, seconds: f64) -> Result<RigResult> {
+    let find = |tag: &str| lines.iter().find_map(|l| l.find(tag).map(|i| l[i + tag.len()..].trim().to_string()));
+    if let Some(e) = find("IOSPAN-ERROR") {
+        bail!("guest: {e}");
+    }
+    let workload: Value = serde_json::from_str(&find("IOSPAN-WORKLOAD").context("no workload result")?)?;
+    let stat = |tag: &str| -> Result<(u64, u64)> {
+        let s = find(tag).with_context(|| format!("no {tag} line"))?;
+        let f: Vec<u64> = s.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+        Ok((*f.first().context("stat reads")?, *f.get(4).context("stat writes")?))
+    };
+    let (r0, w0) = stat("IOSPAN-BEFORE")?;
+    let (r1, w1) = stat("IOSPAN-STAT")?;
+    Ok(RigResult {
+        vm: a.name.clone(),
+        disk_id: a.disk_id.clone(),
+        model: a.disk,
+        aio: a.aio,
+        iothread: a.iothread,
+        guest_dev,
+        workload,
+        guest_reads: r1,
+        guest_writes: w1,
+        workload_reads: r1 - r0,
+        workload_writes: w1 - w0,
+        seconds,
+    })
+}
