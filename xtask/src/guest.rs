@@ -89,6 +89,23 @@ impl Aio {
     }
 }
 
+impl Default for RunArgs {
+    fn default() -> Self {
+        Self {
+            disk: DiskModel::VirtioBlk,
+            aio: Aio::IoUring,
+            iothread: false,
+            qd: 1,
+            ios: 2000,
+            rw: "randread".into(),
+            image: None,
+            name: "iospan-rig".into(),
+            disk_id: "vd0".into(),
+            json: false,
+        }
+    }
+}
+
 #[derive(Debug, Serialize)]
 pub struct RigResult {
     pub vm: String,
@@ -356,7 +373,8 @@ pub fn run(a: &RunArgs) -> Result<RigResult> {
         .with_context(|| format!("qemu exited with {status}; the guest's console:\n{}", lines.join("\n")))
 }
 
-fn parse(lines: &[String], a: &RunArgs, guest_dev: String, seconds: f64) -> Result<RigResult> {
+/// Reads the guest's console: the workload's line and the disk counters.
+pub fn parse(lines: &[String], a: &RunArgs, guest_dev: String, seconds: f64) -> Result<RigResult> {
     let find = |tag: &str| lines.iter().find_map(|l| l.find(tag).map(|i| l[i + tag.len()..].trim().to_string()));
     if let Some(e) = find("IOSPAN-ERROR") {
         bail!("guest: {e}");

@@ -3,10 +3,7 @@
 //! xtask depends on nothing of the agent, so it builds on a machine that
 //! still lacks clang and libbpf: `setup` is what installs them.
 
-mod bench;
-mod guest;
-mod setup;
-mod sh;
+use xtask::{bench, guest, setup, sh};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -77,6 +74,8 @@ fn main() -> Result<()> {
 
 fn test(args: &[String]) -> Result<()> {
     setup::ensure(false)?;
+    // The rig's kernel and initramfs, before the tests that boot it.
+    guest::build()?;
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
     // One test thread: the integration tests share the kernel's tracepoints
     // and the machine's two CPUs, and compare latencies.

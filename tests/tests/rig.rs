@@ -1,0 +1,64 @@
+//! The guest rig (a real guest kernel under QEMU) traced from the host:
+//! the guest's exact counts, and the host's block window inside the
+//! guest-observed latency (root).
+
+use std::{os::unix::fs::MetadataExt, process::Command};
+
+use agent_integration::{iospan_bin, run};
+use serde_json::Value;
+use xtask::guest::{self, Aio, DiskModel, RunArgs};
+
+/// The whole disk under a file, as iospan names it.
+fn host_disk_of(path: &std::path::Path) -> String {
+    let dev = std::fs::metadata(path).unwrap().dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let sys = std::fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).unwrap();
+    let disk = if sys.join("partition").exists() { sys.parent().unwrap().to_path_buf() } else { sys };
+    disk.file_name().unwrap().to_string_lossy().into_owned()
+}
+
+fn traced_boot(a: RunArgs) {
+    let rig = guest::build().expect("rig build");
+    let image = guest::dir().join("disk.img");
+    guest::ensure_image(&image, 256).unwrap();
+    let host = host_disk_of(&image);
+    let (qemu, guest_dev) = guest::qemu_command(&rig, &a, &image);
+    let report = std::env::temp_dir().join(format!("iospan-rig-{}-{:?}.json", std::process::id(), a.disk));
+    let mut cmd = Command::new(iospan_bin());
+    cmd.args(["run", "--quiet", "--disk", &host, "--json-out"]).arg(&report).arg("--").arg(qemu.get_program()).args(qemu.get_args());
+    let t = std::time::Instant::now();
+    let out = run(&mut cmd);
+    let console: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), console.join("\n"));
+    let r = guest::parse(&console, &a, guest_dev, t.elapsed().as_secs_f64()).unwrap_or_else(|e| panic!("{e:#}"));
+    let ctx = format!("{:?} QD{}: {r:#?}", a.disk, a.qd);
+
+    // The guest did exactly the I/Os asked for, without errors; its own
+    // disk counted them (fewer only where its block layer merged).
+    assert_eq!(r.workload["ios"].as_u64(), Some(a.ios), "{ctx}");
+    assert_eq!(r.workload["errors"].as_u64(), Some(0), "{ctx}");
+    if a.qd == 1 {
+        assert_eq!(r.workload_reads, a.ios, "{ctx}");
+    } else {
+        assert!(r.workload_reads <= a.ios && r.workload_reads * 100 >= a.ios * 95, "{ctx}");
+    }
+
+    // Every guest read reaches the host disk (cache=none), and the host's
+    // request lifetime is inside what the guest observed.
+    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let reads = rep["entries"].as_array().unwrap().iter().find(|e| e["op"] == "read").unwrap_or_else(|| panic!("no host reads: {rep:#}"));
+    assert!(reads["ios"].as_u64().unwrap() >= r.guest_reads, "host {reads} vs {ctx}");
+    let host_mean = reads["total"]["mean_us"].as_f64().unwrap();
+    let guest_mean = r.workload["mean_us"].as_f64().unwrap();
+    assert!(host_mean > 0.0 && host_mean <= guest_mean, "host mean {host_mean} µs vs guest {guest_mean} µs");
+}
+
+#[test]
+fn virtio_blk_io_uring_qd1() {
+    traced_boot(RunArgs { disk: DiskModel::VirtioBlk, aio: Aio::IoUring, qd: 1, ios: 2000, ..Default::default() });
+}
+
+#[test]
+fn nvme_native_qd16() {
+    traced_boot(RunArgs { disk: DiskModel::Nvme, aio: Aio::Native, qd: 16, ios: 2000, ..Default::default() });
+}

@@ -1,0 +1,8 @@
+//! The machinery behind `cargo xtask`, also used by the integration tests
+//! (the guest rig). Depends on nothing of the agent, so it builds on a
+//! machine that still lacks clang and libbpf.
+
+pub mod bench;
+pub mod guest;
+pub mod setup;
+pub mod sh;
