@@ -35,6 +35,10 @@ const volatile __u64 targ_wakeup_bytes = 256 << 10; /* wake the reader past this
 /* Stream only requests of these disks (all when targ_nr_stream_devs is 0);
  * histograms always cover every disk. */
 const volatile __u32 targ_nr_stream_devs = 0;
+/* Attribute requests to VMs (processes in vm_pids) and keep vm_latency. */
+const volatile __u32 targ_track_vms = 0;
+/* Next VM slot to hand out; the agent starts it past the VMs it found. */
+__u32 next_vm = 0;
 const volatile __u32 targ_stream_devs[MAX_STREAM_DEVS] = {};
 
 struct {
@@ -66,6 +70,29 @@ struct {
 	__type(key, __u32);
 	__type(value, struct rq_slot);
 } inflight SEC(".maps");
+
+/* Processes that are VMs: tgid -> VM slot. The agent adds the ones
+ * running when it starts; exec of a new one adds itself (below). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32);
+} vm_pids SEC(".maps");
+
+/* Requests VMs submitted, per (VM, host disk, op). Per-CPU entries, but
+ * updated atomically: this path is taken by VM I/O only, and atomics make
+ * nesting on one CPU harmless without a second table. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 128);
+	__type(key, struct vm_key);
+	__type(value, struct blk_stats);
+} vm_latency SEC(".maps");
+
+/* Source of a zeroed blk_stats for new vm_latency entries (too big for the
+ * stack). */
+const struct blk_stats zero_stats = {};
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -204,7 +231,7 @@ static __always_inline int disk_slot_of(const struct rq_fields *f)
 }
 
 static __always_inline void stream(const struct rq_outcome *o, const struct rq_fields *f,
-				   __u8 op, __u64 now)
+				   __u8 op, __u32 vm, __u64 now)
 {
 	struct blk_io_event ev = {};
 	__u64 flags = BPF_RB_NO_WAKEUP;
@@ -220,6 +247,8 @@ static __always_inline void stream(const struct rq_outcome *o, const struct rq_f
 	ev.bytes = o->bytes;
 	ev.requeues = o->requeues;
 	ev.cpu_lo = (__u8)bpf_get_smp_processor_id();
+	ev.tgid = o->tgid;
+	ev.vm = vm;
 	/* No wakeup per record: the reader drains on a timer, and is woken
 	 * only when the backlog grows past targ_wakeup_bytes. */
 	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= targ_wakeup_bytes)
@@ -310,12 +339,19 @@ static __always_inline void account(__u32 key, const struct rq_outcome *o,
 static __always_inline void on_start(__u64 key, __u64 kstart_ns)
 {
 	struct rq_slot *s;
+	__u32 tgid = 0;
 
-	if (kstart_ns)
+	if (targ_track_vms) {
+		tgid = bpf_get_current_pid_tgid() >> 32;
+		/* Only a VM's requests need their submitter remembered. */
+		if (!bpf_map_lookup_elem(&vm_pids, &tgid))
+			tgid = 0;
+	}
+	if (kstart_ns && !tgid)
 		return;
 	s = rq_slot_of(key, 1);
 	if (s)
-		rq_on_start(s, key, bpf_ktime_get_ns());
+		rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), tgid);
 }
 
 static __always_inline void on_issue(__u64 key)
@@ -335,6 +371,34 @@ static __always_inline void on_requeue(__u64 key)
 		rq_on_requeue(s, key);
 }
 
+/* A VM's request: also into vm_latency. Partial pieces of a VM's request
+ * count their bytes at the final completion (the slot carried them). */
+static __always_inline __u32 account_vm(const struct rq_outcome *o, const struct rq_fields *f,
+					__u8 op, const __u64 seg[BLK_NR_SEGS], __u32 nr_bytes)
+{
+	__u32 tgid = o->tgid;
+	__u32 *vm = bpf_map_lookup_elem(&vm_pids, &tgid);
+	struct vm_key k = {};
+	struct blk_stats *st;
+
+	if (!vm)
+		return 0;
+	k.vm = *vm;
+	k.dev = f->dev;
+	k.op = op;
+	st = bpf_map_lookup_elem(&vm_latency, &k);
+	if (!st) {
+		bpf_map_update_elem(&vm_latency, &k, &zero_stats, BPF_NOEXIST);
+		st = bpf_map_lookup_elem(&vm_latency, &k);
+		if (!st) {
+			count(CNT_VM_TABLE_FULL);
+			return k.vm;
+		}
+	}
+	account_atomic(st, o, seg, o->bytes, 1);
+	return k.vm;
+}
+
 static __always_inline void on_complete(const struct rq_fields *f,
 					int error, __u32 nr_bytes)
 {
@@ -349,6 +413,7 @@ static __always_inline void on_complete(const struct rq_fields *f,
 	struct rq_outcome o = {};
 	__u64 seg[BLK_NR_SEGS] = {};
 	__u8 op = op_class(f->cmd_flags);
+	__u32 vm = 0;
 	int disk, final;
 
 	disk = disk_slot_of(f);
@@ -367,12 +432,14 @@ static __always_inline void on_complete(const struct rq_fields *f,
 	if (disk < 0)
 		return;
 	account((__u32)disk * BLK_NR_OPS + op, &o, seg, nr_bytes, final);
+	if (final && o.tgid)
+		vm = account_vm(&o, f, op, seg, nr_bytes);
 
 	if (final && ((targ_sample_every && bpf_get_prandom_u32() % targ_sample_every == 0) ||
 		      (targ_slower_than_ns && seg[BLK_SEG_TOTAL] != ~0ULL &&
 		       seg[BLK_SEG_TOTAL] >= targ_slower_than_ns)) &&
 	    stream_wanted(f->dev))
-		stream(&o, f, op, c.now_ns);
+		stream(&o, f, op, vm, c.now_ns);
 }
 
 SEC("tp_btf/block_io_start")
@@ -449,6 +516,40 @@ int BPF_PROG(block_rq_complete, struct request *rq, int error, unsigned int nr_b
 
 	read_rq_raw(rq, &f);
 	on_complete(&f, error, nr_bytes);
+	return 0;
+}
+
+/* A new process whose command is a VM: give it a slot before its first
+ * request, so no request of it is ever attributed to the host. */
+static __always_inline void on_exec(void)
+{
+	const char prefix[] = VM_COMM_PREFIX;
+	char comm[16];
+	__u32 tgid, slot;
+	int i;
+
+	if (!targ_track_vms)
+		return;
+	bpf_get_current_comm(comm, sizeof(comm));
+	for (i = 0; i < sizeof(prefix) - 1; i++)
+		if (comm[i] != prefix[i])
+			return;
+	tgid = bpf_get_current_pid_tgid() >> 32;
+	slot = __sync_fetch_and_add(&next_vm, 1) + 1;
+	bpf_map_update_elem(&vm_pids, &tgid, &slot, BPF_NOEXIST);
+}
+
+SEC("tp_btf/sched_process_exec")
+int BPF_PROG(sched_process_exec_btf)
+{
+	on_exec();
+	return 0;
+}
+
+SEC("raw_tp/sched_process_exec")
+int BPF_PROG(sched_process_exec)
+{
+	on_exec();
 	return 0;
 }
 

@@ -34,7 +34,8 @@ pub mod counter {
     pub const PARTIAL_PIECES: u32 = 5;
     pub const REQUEUES: u32 = 6;
     pub const SAMPLED: u32 = 7;
-    pub const NR: u32 = 8;
+    pub const VM_TABLE_FULL: u32 = 8;
+    pub const NR: u32 = 9;
 }
 
 #[repr(C)]
@@ -69,6 +70,17 @@ pub struct RqSlot {
     pub done_bytes: u32,
     pub requeues: u16,
     pub flags: u16,
+    pub tgid: u32,
+    pub _pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VmKey {
+    pub vm: u32,
+    pub dev: u32,
+    pub op: u32,
+    pub _pad: u32,
 }
 
 #[repr(C)]
@@ -86,10 +98,13 @@ pub struct BlkIoEvent {
     pub requeues: u16,
     pub cpu_lo: u8,
     pub _pad: u8,
+    pub tgid: u32,
+    pub vm: u32,
 }
 
-const _: () = assert!(size_of::<BlkIoEvent>() == 48);
-const _: () = assert!(size_of::<RqSlot>() == 32);
+const _: () = assert!(size_of::<BlkIoEvent>() == 56);
+const _: () = assert!(size_of::<RqSlot>() == 40);
+const _: () = assert!(size_of::<VmKey>() == 16);
 const _: () = assert!(size_of::<DiskSlot>() == 16);
 const _: () = assert!(size_of::<BlkStats>() == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS));
 
@@ -99,6 +114,7 @@ unsafe impl aya::Pod for BlkStats {}
 unsafe impl aya::Pod for DiskSlot {}
 unsafe impl aya::Pod for RqSlot {}
 unsafe impl aya::Pod for BlkIoEvent {}
+unsafe impl aya::Pod for VmKey {}
 
 impl BlkIoEvent {
     /// Decodes one ring-buffer record; `None` if its length or kind is not

@@ -28,6 +28,7 @@ pub async fn demo(json_out: Option<std::path::PathBuf>) -> Result<run::RunOutcom
         json_out,
         max_disks: crate::abi::DEFAULT_MAX_DISKS,
         duration: Some(Duration::from_secs(30)),
+        vms: true,
         command,
         ..Default::default()
     })

@@ -18,6 +18,8 @@ pub struct Doctor {
     pub probes: Vec<ProbeResult>,
     pub kvm_tracepoints: bool,
     pub segments: Vec<SegmentSupport>,
+    /// QEMU processes running now, as iospan names them.
+    pub vms: Vec<crate::vms::Vm>,
 }
 
 #[derive(Debug, Serialize)]
@@ -115,6 +117,7 @@ pub fn examine() -> Result<Doctor> {
         probes,
         kvm_tracepoints,
         segments,
+        vms: crate::vms::scan(),
     })
 }
 
@@ -155,6 +158,20 @@ impl Doctor {
         let _ = writeln!(out, "\nsegments this host can measure:");
         for s in &self.segments {
             let _ = writeln!(out, "  {:<11} {:<8} {}", s.segment, s.measurable.as_str(), s.how);
+        }
+        let _ = writeln!(out, "\nQEMU processes ({}):", self.vms.len());
+        for vm in &self.vms {
+            let _ = writeln!(out, "  {} (pid {})", vm.name, vm.pid);
+            for d in &vm.disks {
+                let host = d.host_dev.map(crate::disks::name_of).unwrap_or_else(|| "no host disk".into());
+                let _ = writeln!(
+                    out,
+                    "    {:<16} {:<18} {} on {host}: host block requests attributed to the VM",
+                    d.id,
+                    d.model.as_deref().unwrap_or("-"),
+                    d.file.as_ref().map_or("-".into(), |f| f.display().to_string())
+                );
+            }
         }
         out
     }

@@ -67,6 +67,9 @@ struct RunArgs {
     /// without either get the probe automatically).
     #[arg(long)]
     start_stamps: bool,
+    /// Do not attribute requests to VMs (QEMU processes); block-layer only.
+    #[arg(long)]
+    no_vms: bool,
     /// No progress line on stderr.
     #[arg(short, long)]
     quiet: bool,
@@ -118,6 +121,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 max_disks: a.max_disks,
                 bpf_stats: a.bpf_stats,
                 start_stamps: a.start_stamps,
+                vms: !a.no_vms,
                 quiet: a.quiet,
                 command: a.command,
             }))?;

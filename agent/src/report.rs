@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     diskstats::{DiskStat, KernelCount},
+    vms::Vm,
     bpf::{block::Counters, progstats::ProgStats, Attachment},
     disks::{self, Dev},
     model::{BlkSegment, DiskOpStats, Op, Summary},
@@ -40,7 +41,14 @@ pub struct AgentCost {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Entry {
     pub vm: Option<String>,
+    /// The virtual disk's id for a VM's entry (ids joined by `+` when
+    /// several share one host disk; the host disk's name when the VM's
+    /// process read or wrote something that is none of its disks); the host
+    /// disk for a host entry.
     pub disk: String,
+    /// The host disk the requests went to.
+    #[serde(default)]
+    pub host_disk: String,
     pub op: Op,
     pub ios: u64,
     pub bytes: u64,
@@ -64,6 +72,7 @@ impl Entry {
         segments.insert("service".to_string(), s.segment(BlkSegment::Service).summary());
         Entry {
             vm,
+            host_disk: disk.clone(),
             disk,
             op,
             ios: s.ios,
@@ -105,6 +114,31 @@ pub fn entries(
     v
 }
 
+/// Entries for the requests VMs submitted, named by VM and virtual disk.
+pub fn vm_entries(
+    stats: &BTreeMap<(u32, Dev, Op), DiskOpStats>,
+    vms: &BTreeMap<u32, Vm>,
+    only: &[Dev],
+    duration_s: f64,
+) -> Vec<Entry> {
+    let mut v: Vec<Entry> = stats
+        .iter()
+        .filter(|((_, dev, _), _)| only.is_empty() || only.contains(dev))
+        .map(|((slot, dev, op), s)| {
+            let host = disks::name_of(*dev);
+            let (name, disk) = match vms.get(slot) {
+                Some(vm) => (vm.name.clone(), vm.disks_on(*dev).unwrap_or_else(|| host.clone())),
+                None => (format!("vm#{slot}"), host.clone()),
+            };
+            let mut e = Entry::from_stats(Some(name), disk, *op, s, duration_s);
+            e.host_disk = host;
+            e
+        })
+        .collect();
+    v.sort_by(|a, b| (&a.vm, &a.disk, a.op).cmp(&(&b.vm, &b.disk, b.op)));
+    v
+}
+
 /// Requests the kernel completed on the traced disks that no completion
 /// event brought us, summed over (disk, op). Ops we never saw on a disk
 /// count too.
@@ -136,8 +170,8 @@ impl RunReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:<10} {:<7} {:>9} {:>10} {:>8}  {:<8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-            "DISK", "OP", "IOS", "IOPS", "MB/s", "SEGMENT", "MEAN", "P50", "P90", "P99", "P99.9", "MAX"
+            "{:<14} {:<10} {:<7} {:>9} {:>10} {:>8}  {:<8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "VM", "DISK", "OP", "IOS", "IOPS", "MB/s", "SEGMENT", "MEAN", "P50", "P90", "P99", "P99.9", "MAX"
         );
         if self.entries.is_empty() {
             let _ = writeln!(out, "(no block I/O completed on the traced disks)");
@@ -146,15 +180,22 @@ impl RunReport {
             let rows = std::iter::once(("total", &e.total))
                 .chain(e.segments.iter().map(|(k, v)| (k.as_str(), v)));
             for (i, (seg, s)) in rows.enumerate() {
-                let (disk, op, ios, iops, mbs) = if i == 0 {
-                    (e.disk.as_str(), e.op.as_str(), e.ios.to_string(), format!("{:.1}", e.iops), format!("{:.2}", e.mb_per_s))
+                let (vm, disk, op, ios, iops, mbs) = if i == 0 {
+                    (
+                        e.vm.as_deref().unwrap_or("-"),
+                        e.disk.as_str(),
+                        e.op.as_str(),
+                        e.ios.to_string(),
+                        format!("{:.1}", e.iops),
+                        format!("{:.2}", e.mb_per_s),
+                    )
                 } else {
-                    ("", "", String::new(), String::new(), String::new())
+                    ("", "", "", String::new(), String::new(), String::new())
                 };
                 let _ = writeln!(
                     out,
-                    "{:<10} {:<7} {:>9} {:>10} {:>8}  {:<8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-                    disk, op, ios, iops, mbs, seg,
+                    "{:<14} {:<10} {:<7} {:>9} {:>10} {:>8}  {:<8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                    vm, disk, op, ios, iops, mbs, seg,
                     us(s.mean_us), us(s.p50_us), us(s.p90_us), us(s.p99_us), us(s.p999_us), us(s.max_us)
                 );
             }
@@ -173,6 +214,7 @@ impl RunReport {
             ("no start time", c.no_start),
             ("skipped by the kernel (recursion)", c.bpf_recursion_misses),
             ("completed but never delivered by the tracepoints", c.unseen),
+            ("VM table full", c.vm_table_full),
         ]
         .iter()
         .filter(|(_, n)| *n > 0)

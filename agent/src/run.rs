@@ -2,6 +2,7 @@
 //! Ctrl-C), show progress, then report per disk and op.
 
 use std::{
+    collections::BTreeMap,
     io::{IsTerminal, Write},
     path::PathBuf,
     process::ExitStatus,
@@ -19,6 +20,7 @@ use crate::{
     model::Op,
     preflight,
     report::{self, AgentCost, RunReport, SCHEMA},
+    vms::{self, Vm},
 };
 
 #[derive(Clone, Debug, Default)]
@@ -32,6 +34,8 @@ pub struct RunOptions {
     pub max_disks: u32,
     pub bpf_stats: bool,
     pub start_stamps: bool,
+    /// Attribute requests to the VMs that submitted them.
+    pub vms: bool,
     pub quiet: bool,
     pub command: Vec<String>,
 }
@@ -65,7 +69,14 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         slower_than_ns: opts.slower_than.map(|d| d.as_nanos() as u64).unwrap_or(0),
         stream_devs: only.clone(),
         start_stamps: opts.start_stamps,
+        track_vms: opts.vms,
+        vm_pids: Vec::new(),
     };
+    let running = if opts.vms { vms::scan() } else { Vec::new() };
+    let cfg = BlockConfig { vm_pids: running.iter().map(|v| v.pid).collect(), ..cfg };
+    // VM slot -> identity; slots 1.. are the VMs running now, later ones
+    // are named as they appear (while their /proc entry exists).
+    let mut known: BTreeMap<u32, Vm> = running.into_iter().enumerate().map(|(i, v)| (i as u32 + 1, v)).collect();
     let _stats = if opts.bpf_stats {
         Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling BPF run-time statistics")?)
     } else {
@@ -108,6 +119,8 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.tick().await;
+    // New VMs are named quickly, before a short-lived one can exit.
+    let mut vm_tick = tokio::time::interval(Duration::from_millis(100));
     let mut child_status = None;
     loop {
         tokio::select! {
@@ -130,6 +143,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
                 }
                 break;
             }
+            _ = vm_tick.tick(), if opts.vms => name_new_vms(&probes, &mut known),
             _ = tick.tick() => {
                 let ios = probes.snapshot().map(|s| s.stats.iter()
                     .filter(|((d, _), _)| only.is_empty() || only.contains(d))
@@ -144,6 +158,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // real, never a race of the two reads.
     let kernel = diskstats::delta(&kernel0, &diskstats::read_all());
     let mut snap = probes.snapshot().context("reading the block-layer statistics")?;
+    name_new_vms(&probes, &mut known);
     snap.counters.unseen = report::unseen(&snap.stats, &kernel, &only);
     progress.done();
 
@@ -165,7 +180,11 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             cpu_sys_s: cpu1.1 - cpu0.1,
             bpf: opts.bpf_stats.then(|| probes.program_stats()),
         },
-        entries: report::entries(&snap.stats, &kernel, &only, elapsed),
+        entries: {
+            let mut e = report::entries(&snap.stats, &kernel, &only, elapsed);
+            e.extend(report::vm_entries(&snap.vm_stats, &known, &only, elapsed));
+            e
+        },
     };
     if let Some(path) = &opts.json_out {
         let text = serde_json::to_string_pretty(&report)?;
@@ -175,6 +194,19 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         log::info!("{events_written} per-request records written");
     }
     Ok(RunOutcome { report, child_status })
+}
+
+/// Names VM slots the kernel side handed out since the last look.
+fn name_new_vms(probes: &BlockProbes, known: &mut BTreeMap<u32, Vm>) {
+    let Ok(pids) = probes.vm_pids() else { return };
+    for (tgid, slot) in pids {
+        if let std::collections::btree_map::Entry::Vacant(e) = known.entry(slot) {
+            if let Some(vm) = vms::identify(tgid) {
+                log::info!("VM {} (pid {tgid}) with disks {:?}", vm.name, vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>());
+                e.insert(vm);
+            }
+        }
+    }
 }
 
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {

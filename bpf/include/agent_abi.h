@@ -85,6 +85,8 @@ struct rq_slot {
 	__u32 done_bytes;  /* bytes of earlier partial completions */
 	__u16 requeues;
 	__u16 flags;       /* RQ_F_* */
+	__u32 tgid;        /* the submitting process, taken at submission (0: unknown) */
+	__u32 _pad;
 };
 
 #define RQ_SLOT_BITS 15
@@ -108,8 +110,22 @@ enum counter {
 	CNT_PARTIAL_PIECES = 5,  /* partial completion events */
 	CNT_REQUEUES = 6,        /* requeue events */
 	CNT_SAMPLED = 7,         /* per-I/O records submitted */
-	NR_COUNTERS = 8,
+	CNT_VM_TABLE_FULL = 8,   /* requests of a VM whose (vm, disk, op) found vm_latency full */
+	NR_COUNTERS = 9,
 };
+
+/* Key of the per-CPU hash `vm_latency`: requests a VM's process submitted,
+ * per VM slot (assigned in `vm_pids`), host disk and op. */
+struct vm_key {
+	__u32 vm;
+	__u32 dev;
+	__u32 op;
+	__u32 _pad;
+};
+
+/* The process names that make a process a VM (or a storage engine serving
+ * one), matched on the executable's file name at exec. */
+#define VM_COMM_PREFIX "qemu-system-"
 
 enum event_kind {
 	EVENT_BLK_IO = 1,
@@ -130,10 +146,13 @@ struct blk_io_event {
 	__u16 requeues;
 	__u8 cpu_lo;     /* low byte of the completing CPU, a hint only */
 	__u8 _pad;
+	__u32 tgid;      /* submitting process, 0 when unknown */
+	__u32 vm;        /* VM slot, 0 when not a VM's */
 };
 
-_Static_assert(sizeof(struct blk_io_event) == 48, "abi: blk_io_event");
-_Static_assert(sizeof(struct rq_slot) == 32, "abi: rq_slot");
+_Static_assert(sizeof(struct blk_io_event) == 56, "abi: blk_io_event");
+_Static_assert(sizeof(struct vm_key) == 16, "abi: vm_key");
+_Static_assert(sizeof(struct rq_slot) == 40, "abi: rq_slot");
 _Static_assert(sizeof(struct disk_slot) == 16, "abi: disk_slot");
 _Static_assert(sizeof(struct blk_stats) == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS), "abi: blk_stats");
 

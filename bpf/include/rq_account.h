@@ -37,6 +37,8 @@ struct rq_outcome {
 	__u32 bytes;
 	__u16 requeues;
 	__u16 flags;
+	__u32 tgid;
+	__u32 _pad;
 };
 
 static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
@@ -47,13 +49,18 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
 	s->done_bytes = 0;
 	s->requeues = 0;
 	s->flags = 0;
+	s->tgid = 0;
 }
 
-/* block_io_start, only called when the kernel keeps no start time. */
-static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now)
+/* block_io_start (block_rq_insert before v6.5), in the submitter's context:
+ * `now` is our start stamp (0 when the kernel keeps one), `tgid` who
+ * submitted — completions run in interrupt context under whatever task was
+ * there, so identity is only ever taken here. */
+static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 tgid)
 {
 	rq_slot_reset(s, rq);
 	s->start_ns = now;
+	s->tgid = tgid;
 }
 
 /* block_rq_issue. A slot already holding this request belongs to the same
@@ -100,6 +107,8 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 	out->issue_ns = c->kissue_ns;
 	out->requeues = 0;
 	out->flags = 0;
+	out->tgid = 0;
+	out->_pad = 0;
 	if (mine) {
 		out->bytes += s->done_bytes;
 		if (!out->start_ns)
@@ -111,6 +120,7 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 			out->issue_ns = s->issue_ns;
 		out->requeues = s->requeues;
 		out->flags = s->flags & (RQ_F_PARTIAL | RQ_F_REQUEUED);
+		out->tgid = s->tgid;
 		s->rq = 0;
 	}
 	/* Stamps from the future are another request's: distrust them. */

@@ -202,7 +202,7 @@ fn measure(arm: Arm, rep: u32, a: &OverheadArgs, dev: &LoopDev, iospan: &Path, o
         Arm::Iospan => {
             let _ = std::fs::remove_file(&report);
             let mut c = Command::new(iospan)
-                .args(["-v", "run", "--quiet", "--bpf-stats", "--disk", &dev.name, "--duration", "1h", "--json-out"])
+                .args(["-v", "run", "--quiet", "--no-vms", "--bpf-stats", "--disk", &dev.name, "--duration", "1h", "--json-out"])
                 .arg(&report)
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())

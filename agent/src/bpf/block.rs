@@ -3,14 +3,14 @@
 use std::collections::BTreeMap;
 
 use aya::{
-    maps::{Array, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
     Btf, Ebpf, EbpfLoader,
 };
 use serde::{Deserialize, Serialize};
 
 use super::{attach, Attachment, Flavour, LoadError};
 use crate::{
-    abi::{counter, BlkStats, DiskSlot, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS},
+    abi::{counter, BlkStats, DiskSlot, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS},
     disks::Dev,
     model::{DiskOpStats, Op},
 };
@@ -31,11 +31,15 @@ pub struct BlockConfig {
     /// Stamp request starts ourselves even if every disk's requests carry
     /// the kernel's start time.
     pub start_stamps: bool,
+    /// Attribute requests to the VMs that submitted them: these running
+    /// ones (tgids, given slots 1..) and any started later.
+    pub track_vms: bool,
+    pub vm_pids: Vec<u32>,
 }
 
 impl Default for BlockConfig {
     fn default() -> Self {
-        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false }
+        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false, track_vms: false, vm_pids: Vec::new() }
     }
 }
 
@@ -64,6 +68,9 @@ pub struct Counters {
     pub partial_pieces: u64,
     pub requeue_events: u64,
     pub records_streamed: u64,
+    /// Requests of VMs whose (VM, disk, op) found the VM table full.
+    #[serde(default)]
+    pub vm_table_full: u64,
 }
 
 impl Counters {
@@ -74,6 +81,7 @@ impl Counters {
             + self.no_issue
             + self.bpf_recursion_misses
             + self.unseen
+            + self.vm_table_full
     }
 }
 
@@ -81,6 +89,8 @@ impl Counters {
 #[derive(Clone, Debug, Default)]
 pub struct BlockSnapshot {
     pub stats: BTreeMap<(Dev, Op), DiskOpStats>,
+    /// Requests VMs submitted, by (VM slot, host disk, op).
+    pub vm_stats: BTreeMap<(u32, Dev, Op), DiskOpStats>,
     pub counters: Counters,
 }
 
@@ -134,6 +144,8 @@ impl BlockProbes {
             *slot = d.0;
         }
         let nr_stream_devs = cfg.stream_devs.len() as u32;
+        let track_vms = u32::from(cfg.track_vms);
+        let next_vm = cfg.vm_pids.len() as u32;
         let mut ebpf = EbpfLoader::new()
             .btf(btf)
             .override_global("targ_max_disks", &max_disks, true)
@@ -141,6 +153,8 @@ impl BlockProbes {
             .override_global("targ_slower_than_ns", &cfg.slower_than_ns, true)
             .override_global("targ_nr_stream_devs", &nr_stream_devs, true)
             .override_global("targ_stream_devs", &stream_devs[..], true)
+            .override_global("targ_track_vms", &track_vms, true)
+            .override_global("next_vm", &next_vm, true)
             .map_max_entries("blk_latency", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("blk_latency_nested", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("disk_queues", max_disks)
@@ -151,7 +165,19 @@ impl BlockProbes {
         // Our own start stamp costs a program run per request, and is only
         // needed for disks whose requests carry no start_time_ns. Requests
         // of such disks added later are counted as `no_start`.
-        if cfg.start_stamps || !disks_without_start_time().is_empty() {
+        if cfg.track_vms {
+            let mut pids: HashMap<_, u32, u32> = HashMap::try_from(
+                ebpf.map_mut("vm_pids").ok_or(LoadError::Map { map: "vm_pids", source: None })?,
+            )
+            .map_err(|e| LoadError::Map { map: "vm_pids", source: Some(e) })?;
+            for (i, pid) in cfg.vm_pids.iter().enumerate() {
+                pids.insert(pid, i as u32 + 1, 0).map_err(|e| LoadError::Map { map: "vm_pids", source: Some(e) })?;
+            }
+            attachments.push(attach(&mut ebpf, btf, "sched_process_exec", flavour)?);
+        }
+        // The submitter of each request is taken at its start, in the
+        // submitting task; completions run under unrelated tasks.
+        if cfg.track_vms || cfg.start_stamps || !disks_without_start_time().is_empty() {
             // block_io_start appeared in v6.5 (5a80bd075f3b); before it the
             // insert is the closest point.
             match attach(&mut ebpf, btf, "block_io_start", flavour) {
@@ -208,8 +234,29 @@ impl BlockProbes {
                 }
             }
         }
+        let vm_latency: PerCpuHashMap<_, VmKey, BlkStats> = PerCpuHashMap::try_from(
+            self.ebpf.map("vm_latency").ok_or(LoadError::Map { map: "vm_latency", source: None })?,
+        )
+        .map_err(map_err("vm_latency"))?;
+        for item in vm_latency.iter() {
+            let (k, per_cpu) = item.map_err(map_err("vm_latency"))?;
+            let mut s = DiskOpStats::default();
+            for cpu in per_cpu.iter() {
+                s.add_cpu(cpu);
+            }
+            let op = Op::from_index(k.op as usize).unwrap_or(Op::Other);
+            snap.vm_stats.insert((k.vm, Dev(k.dev), op), s);
+        }
         snap.counters = self.counters()?;
         Ok(snap)
+    }
+
+    /// (tgid, VM slot) of every process known as a VM so far.
+    pub fn vm_pids(&self) -> Result<Vec<(u32, u32)>, LoadError> {
+        let map: HashMap<_, u32, u32> =
+            HashMap::try_from(self.ebpf.map("vm_pids").ok_or(LoadError::Map { map: "vm_pids", source: None })?)
+                .map_err(|e| LoadError::Map { map: "vm_pids", source: Some(e) })?;
+        map.iter().map(|r| r.map_err(|e| LoadError::Map { map: "vm_pids", source: Some(e) })).collect()
     }
 
     fn counters(&self) -> Result<Counters, LoadError> {
@@ -234,6 +281,7 @@ impl BlockProbes {
             partial_pieces: sum(counter::PARTIAL_PIECES)?,
             requeue_events: sum(counter::REQUEUES)?,
             records_streamed: sum(counter::SAMPLED)?,
+            vm_table_full: sum(counter::VM_TABLE_FULL)?,
         })
     }
 

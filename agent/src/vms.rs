@@ -1,0 +1,272 @@
+//! VM identity from QEMU's command line: the VM's name (`-name guest=NAME`
+//! as libvirt passes it), its virtual disks (id, model, backing file) and
+//! the host disk each backing file lives on. Shown everywhere instead of
+//! pids.
+
+use std::{
+    fs,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::disks::Dev;
+
+/// The command-name prefix of a QEMU system emulator (its comm, and the
+/// file name it was executed as). Mirrors VM_COMM_PREFIX in agent_abi.h.
+pub const QEMU_PREFIX: &str = "qemu-system-";
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vm {
+    pub pid: u32,
+    pub name: String,
+    pub disks: Vec<VDisk>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VDisk {
+    /// The virtual disk's id: the device's `id=`, else its drive's id.
+    pub id: String,
+    /// virtio-blk-pci, nvme, scsi-hd, vhost-user-blk-pci, … (None: a bare -drive).
+    pub model: Option<String>,
+    pub file: Option<PathBuf>,
+    /// The whole host disk under the backing file, when it is on one.
+    #[serde(skip)]
+    pub host_dev: Option<Dev>,
+}
+
+/// `k=v,k=v` options as QEMU parses them (`,,` is a literal comma); a
+/// leading bare word is returned under the key "".
+fn options(s: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut chars = s.chars().peekable();
+    let mut parts = Vec::new();
+    while let Some(c) = chars.next() {
+        if c == ',' {
+            if chars.peek() == Some(&',') {
+                chars.next();
+                cur.push(',');
+            } else {
+                parts.push(std::mem::take(&mut cur));
+            }
+        } else {
+            cur.push(c);
+        }
+    }
+    parts.push(cur);
+    for (i, p) in parts.into_iter().enumerate() {
+        match p.split_once('=') {
+            Some((k, v)) => out.push((k.to_string(), v.to_string())),
+            None if i == 0 => out.push((String::new(), p)),
+            None => out.push((p, "on".into())),
+        }
+    }
+    out
+}
+
+fn get<'a>(opts: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    opts.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+}
+
+/// Identity from QEMU's arguments (argv without argv[0]).
+pub fn from_args(pid: u32, args: &[String]) -> Vm {
+    let mut name = None;
+    // drive/node id -> backing file
+    let mut files: Vec<(String, Option<PathBuf>, Option<String>)> = Vec::new(); // (id, file, child node)
+    let mut devices: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, drive)
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].trim_start_matches('-');
+        let v = args.get(i + 1).map(String::as_str).unwrap_or("");
+        let is_opt = args[i].starts_with('-');
+        match (is_opt, a) {
+            (true, "name") => {
+                let o = options(v);
+                name = get(&o, "guest").or_else(|| get(&o, "")).map(str::to_string);
+                i += 1;
+            }
+            (true, "drive") => {
+                let o = options(v);
+                if let Some(id) = get(&o, "id") {
+                    files.push((id.to_string(), get(&o, "file").map(PathBuf::from), None));
+                }
+                i += 1;
+            }
+            (true, "blockdev") => {
+                if let Ok(j) = serde_json::from_str::<serde_json::Value>(v) {
+                    if let Some(id) = j["node-name"].as_str() {
+                        let file = j["filename"].as_str().map(PathBuf::from);
+                        let child = j["file"].as_str().map(str::to_string);
+                        files.push((id.to_string(), file, child));
+                    }
+                } else {
+                    let o = options(v);
+                    if let Some(id) = get(&o, "node-name") {
+                        files.push((id.to_string(), get(&o, "filename").map(PathBuf::from), get(&o, "file").map(str::to_string)));
+                    }
+                }
+                i += 1;
+            }
+            (true, "device") => {
+                let o = options(v);
+                if let (Some(model), Some(drive)) = (get(&o, "").or_else(|| get(&o, "driver")), get(&o, "drive")) {
+                    devices.push((model.to_string(), get(&o, "id").map(str::to_string), drive.to_string()));
+                }
+                i += 1;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    // Follow format nodes down to the protocol node that names the file.
+    let file_of = |id: &str| {
+        let mut cur = id.to_string();
+        for _ in 0..8 {
+            let (_, file, child) = files.iter().find(|(n, _, _)| *n == cur)?;
+            if let Some(f) = file {
+                return Some(f.clone());
+            }
+            cur = child.clone()?;
+        }
+        None
+    };
+    let mut disks: Vec<VDisk> = devices
+        .iter()
+        .map(|(model, id, drive)| VDisk {
+            id: id.clone().unwrap_or_else(|| drive.clone()),
+            model: Some(model.clone()),
+            file: file_of(drive),
+            host_dev: None,
+        })
+        .collect();
+    // -drive with if=virtio (or default) and no -device: the drive is the disk.
+    for (id, file, _) in &files {
+        let used = devices.iter().any(|(_, _, d)| d == id) || files.iter().any(|(_, _, c)| c.as_deref() == Some(id));
+        if !used && file.is_some() {
+            disks.push(VDisk { id: id.clone(), model: None, file: file.clone(), host_dev: None });
+        }
+    }
+    for d in &mut disks {
+        d.host_dev = d.file.as_deref().and_then(host_disk_of);
+    }
+    Vm { pid, name: name.unwrap_or_else(|| format!("qemu-{pid}")), disks }
+}
+
+/// The whole disk a file lives on.
+pub fn host_disk_of(file: &Path) -> Option<Dev> {
+    let dev = fs::metadata(file).ok()?.dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let sys = fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).ok()?;
+    let disk = if sys.join("partition").exists() { sys.parent()?.to_path_buf() } else { sys };
+    let text = fs::read_to_string(disk.join("dev")).ok()?;
+    let (a, b) = text.trim().split_once(':')?;
+    Some(Dev::new(a.parse().ok()?, b.parse().ok()?))
+}
+
+/// A running process's identity, if it is a QEMU VM.
+pub fn identify(pid: u32) -> Option<Vm> {
+    let comm = fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    if !comm.starts_with(QEMU_PREFIX) {
+        return None;
+    }
+    let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<String> = raw.split(|&b| b == 0).skip(1).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+    Some(from_args(pid, &args))
+}
+
+/// Every QEMU VM running now.
+pub fn scan() -> Vec<Vm> {
+    let mut v: Vec<Vm> = fs::read_dir("/proc")
+        .map(|rd| rd.flatten().filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()).filter_map(identify).collect())
+        .unwrap_or_default();
+    v.sort_by_key(|vm| vm.pid);
+    v
+}
+
+impl Vm {
+    /// What to call this VM's I/O on a host disk: the virtual disks backed
+    /// there (ids joined by `+` when several share it), else None.
+    pub fn disks_on(&self, host: Dev) -> Option<String> {
+        let ids: Vec<&str> = self.disks.iter().filter(|d| d.host_dev == Some(host)).map(|d| d.id.as_str()).collect();
+        (!ids.is_empty()).then(|| ids.join("+"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &[&str]) -> Vec<String> {
+        s.iter().map(|a| a.to_string()).collect()
+    }
+
+    #[test]
+    fn libvirt_style_name_drive_and_device() {
+        let vm = from_args(
+            7,
+            &args(&[
+                "-name", "guest=web01,debug-threads=on",
+                "-drive", "file=/var/lib/libvirt/images/web01.img,if=none,id=drive-virtio-disk0,format=raw,cache=none,aio=io_uring",
+                "-device", "virtio-blk-pci,drive=drive-virtio-disk0,id=virtio-disk0,bootindex=1",
+                "-drive", "file=/data/db,,with,,commas.raw,if=none,id=d1",
+                "-device", "nvme,drive=d1,serial=abc",
+            ]),
+        );
+        assert_eq!(vm.name, "web01");
+        assert_eq!(vm.disks.len(), 2);
+        assert_eq!(vm.disks[0].id, "virtio-disk0");
+        assert_eq!(vm.disks[0].model.as_deref(), Some("virtio-blk-pci"));
+        assert_eq!(vm.disks[0].file.as_deref(), Some(Path::new("/var/lib/libvirt/images/web01.img")));
+        assert_eq!(vm.disks[1].id, "d1", "no device id: the drive's");
+        assert_eq!(vm.disks[1].file.as_deref(), Some(Path::new("/data/db,with,commas.raw")));
+    }
+
+    #[test]
+    fn blockdev_chains_json_and_keyval() {
+        let vm = from_args(
+            8,
+            &args(&[
+                "-name", "db",
+                "-blockdev", r#"{"driver":"file","filename":"/img/db.qcow2","node-name":"libvirt-1-storage"}"#,
+                "-blockdev", r#"{"node-name":"libvirt-1-format","driver":"qcow2","file":"libvirt-1-storage"}"#,
+                "-device", "virtio-blk-pci,drive=libvirt-1-format,id=virtio-disk0",
+                "-blockdev", "driver=file,node-name=f2,filename=/img/log.raw",
+                "-blockdev", "driver=raw,node-name=r2,file=f2",
+                "-device", "scsi-hd,drive=r2,id=scsi0-0-0-0",
+            ]),
+        );
+        assert_eq!(vm.name, "db");
+        let files: Vec<_> = vm.disks.iter().map(|d| (d.id.as_str(), d.file.clone())).collect();
+        assert_eq!(
+            files,
+            [("virtio-disk0", Some(PathBuf::from("/img/db.qcow2"))), ("scsi0-0-0-0", Some(PathBuf::from("/img/log.raw")))]
+        );
+    }
+
+    #[test]
+    fn bare_drive_and_unnamed_vm() {
+        let vm = from_args(9, &args(&["-m", "512", "-drive", "file=/tmp/a.img,id=hd0,if=virtio"]));
+        assert_eq!(vm.name, "qemu-9");
+        assert_eq!(vm.disks.len(), 1);
+        assert_eq!(vm.disks[0].id, "hd0");
+        assert_eq!(vm.disks[0].model, None);
+    }
+
+    #[test]
+    fn disks_on_a_host_disk_are_named_together() {
+        let d = Dev::new(253, 0);
+        let vm = Vm {
+            pid: 1,
+            name: "x".into(),
+            disks: vec![
+                VDisk { id: "a".into(), model: None, file: None, host_dev: Some(d) },
+                VDisk { id: "b".into(), model: None, file: None, host_dev: Some(d) },
+                VDisk { id: "c".into(), model: None, file: None, host_dev: Some(Dev::new(8, 0)) },
+            ],
+        };
+        assert_eq!(vm.disks_on(d).as_deref(), Some("a+b"));
+        assert_eq!(vm.disks_on(Dev::new(9, 9)), None);
+    }
+}
