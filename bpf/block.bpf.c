@@ -39,6 +39,9 @@ const volatile __u32 targ_nr_stream_devs = 0;
 const volatile __u32 targ_track_vms = 0;
 /* Next VM slot to hand out; the agent starts it past the VMs it found. */
 __u32 next_vm = 0;
+/* Addresses of iomap_dio_bio_end_io and blkdev_bio_end_io_async (from
+ * kallsyms; 0 when absent): bios they end carry their kiocb in bi_private. */
+const volatile __u64 targ_dio_end_io[NR_DIO_END_IO] = {};
 const volatile __u32 targ_stream_devs[MAX_STREAM_DEVS] = {};
 
 struct {
@@ -79,6 +82,14 @@ struct {
 	__type(key, __u32);
 	__type(value, __u32);
 } vm_pids SEC(".maps");
+
+/* Backing files of VMs' virtual disks -> virtual disk slot. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct file_key);
+	__type(value, __u32);
+} vdisk_files SEC(".maps");
 
 /* Requests VMs submitted, per (VM, host disk, op). Per-CPU entries, but
  * updated atomically: this path is taken by VM I/O only, and atomics make
@@ -336,22 +347,59 @@ static __always_inline void account(__u32 key, const struct rq_outcome *o,
 	st->busy = 0;
 }
 
-static __always_inline void on_start(__u64 key, __u64 kstart_ns)
+/* The virtual disk a VM's direct-I/O request is for: bio -> kiocb -> file
+ * -> (sb dev, inode) -> vdisk_files. Probe reads, but only on VM requests
+ * and only at their start. Buffered I/O (cache=writeback) and block-device
+ * images are not resolved here: 0. */
+static __always_inline __u32 vdisk_of(struct request *rq)
+{
+	struct bio *bio = BPF_CORE_READ(rq, bio);
+	struct kiocb *iocb = 0;
+	struct inode *inode;
+	struct file_key k = {};
+	__u64 end_io;
+	__u32 *slot;
+	int i, dio = 0;
+
+	if (!bio)
+		return 0;
+	end_io = (__u64)BPF_CORE_READ(bio, bi_end_io);
+	for (i = 0; i < NR_DIO_END_IO; i++)
+		if (targ_dio_end_io[i] && end_io == targ_dio_end_io[i])
+			dio = 1;
+	if (!dio)
+		return 0;
+	/* struct iomap_dio and struct blkdev_dio both begin with the kiocb. */
+	struct iomap_dio *dio_priv = BPF_CORE_READ(bio, bi_private);
+
+	iocb = BPF_CORE_READ(dio_priv, iocb);
+	if (!iocb)
+		return 0;
+	inode = BPF_CORE_READ(iocb, ki_filp, f_inode);
+	k.ino = BPF_CORE_READ(inode, i_ino);
+	k.dev = BPF_CORE_READ(inode, i_sb, s_dev);
+	slot = bpf_map_lookup_elem(&vdisk_files, &k);
+	return slot ? *slot : 0;
+}
+
+static __always_inline void on_start(struct request *rq, __u64 key, __u64 kstart_ns)
 {
 	struct rq_slot *s;
-	__u32 tgid = 0;
+	__u32 tgid = 0, vdisk = 0;
 
 	if (targ_track_vms) {
 		tgid = bpf_get_current_pid_tgid() >> 32;
 		/* Only a VM's requests need their submitter remembered. */
 		if (!bpf_map_lookup_elem(&vm_pids, &tgid))
 			tgid = 0;
+		else
+			vdisk = vdisk_of(rq);
 	}
 	if (kstart_ns && !tgid)
 		return;
 	s = rq_slot_of(key, 1);
 	if (s)
-		rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), tgid);
+		rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), tgid, vdisk);
 }
 
 static __always_inline void on_issue(__u64 key)
@@ -386,6 +434,7 @@ static __always_inline __u32 account_vm(const struct rq_outcome *o, const struct
 	k.vm = *vm;
 	k.dev = f->dev;
 	k.op = op;
+	k.vdisk = o->vdisk;
 	st = bpf_map_lookup_elem(&vm_latency, &k);
 	if (!st) {
 		bpf_map_update_elem(&vm_latency, &k, &zero_stats, BPF_NOEXIST);
@@ -445,14 +494,14 @@ static __always_inline void on_complete(const struct rq_fields *f,
 SEC("tp_btf/block_io_start")
 int BPF_PROG(block_io_start_btf, struct request *rq)
 {
-	on_start(rq_key_btf(rq), rq->start_time_ns);
+	on_start(rq, rq_key_btf(rq), rq->start_time_ns);
 	return 0;
 }
 
 SEC("raw_tp/block_io_start")
 int BPF_PROG(block_io_start, struct request *rq)
 {
-	on_start(rq_key_raw(rq), BPF_CORE_READ(rq, start_time_ns));
+	on_start(rq, rq_key_raw(rq), BPF_CORE_READ(rq, start_time_ns));
 	return 0;
 }
 
@@ -460,14 +509,14 @@ int BPF_PROG(block_io_start, struct request *rq)
 SEC("tp_btf/block_rq_insert")
 int BPF_PROG(block_rq_insert_btf, struct request *rq)
 {
-	on_start(rq_key_btf(rq), rq->start_time_ns);
+	on_start(rq, rq_key_btf(rq), rq->start_time_ns);
 	return 0;
 }
 
 SEC("raw_tp/block_rq_insert")
 int BPF_PROG(block_rq_insert, struct request *rq)
 {
-	on_start(rq_key_raw(rq), BPF_CORE_READ(rq, start_time_ns));
+	on_start(rq, rq_key_raw(rq), BPF_CORE_READ(rq, start_time_ns));
 	return 0;
 }
 

@@ -71,7 +71,7 @@ pub struct RqSlot {
     pub requeues: u16,
     pub flags: u16,
     pub tgid: u32,
-    pub _pad: u32,
+    pub vdisk: u32,
 }
 
 #[repr(C)]
@@ -80,8 +80,19 @@ pub struct VmKey {
     pub vm: u32,
     pub dev: u32,
     pub op: u32,
-    pub _pad: u32,
+    pub vdisk: u32,
 }
+
+/// A backing file, by the kernel's (superblock dev, inode).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FileKey {
+    pub dev: u32,
+    pub _pad: u32,
+    pub ino: u64,
+}
+
+pub const NR_DIO_END_IO: usize = 2;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -105,6 +116,7 @@ pub struct BlkIoEvent {
 const _: () = assert!(size_of::<BlkIoEvent>() == 56);
 const _: () = assert!(size_of::<RqSlot>() == 40);
 const _: () = assert!(size_of::<VmKey>() == 16);
+const _: () = assert!(size_of::<FileKey>() == 16);
 const _: () = assert!(size_of::<DiskSlot>() == 16);
 const _: () = assert!(size_of::<BlkStats>() == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS));
 
@@ -115,6 +127,7 @@ unsafe impl aya::Pod for DiskSlot {}
 unsafe impl aya::Pod for RqSlot {}
 unsafe impl aya::Pod for BlkIoEvent {}
 unsafe impl aya::Pod for VmKey {}
+unsafe impl aya::Pod for FileKey {}
 
 impl BlkIoEvent {
     /// Decodes one ring-buffer record; `None` if its length or kind is not

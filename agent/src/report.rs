@@ -6,8 +6,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     diskstats::{DiskStat, KernelCount},
-    vms::Vm,
-    bpf::{block::Counters, progstats::ProgStats, Attachment},
+    vms::Registry,
+    bpf::{
+        block::{Counters, VmStatKey},
+        progstats::ProgStats,
+        Attachment,
+    },
     disks::{self, Dev},
     model::{BlkSegment, DiskOpStats, Op, Summary},
 };
@@ -41,10 +45,10 @@ pub struct AgentCost {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Entry {
     pub vm: Option<String>,
-    /// The virtual disk's id for a VM's entry (ids joined by `+` when
-    /// several share one host disk; the host disk's name when the VM's
-    /// process read or wrote something that is none of its disks); the host
-    /// disk for a host entry.
+    /// The virtual disk's id for a VM's entry (the host disk's name for the
+    /// VM process's requests that are none of its disks' — firmware, kernel
+    /// images, buffered I/O not resolved to a file); the host disk for a
+    /// host entry.
     pub disk: String,
     /// The host disk the requests went to.
     #[serde(default)]
@@ -116,21 +120,18 @@ pub fn entries(
 
 /// Entries for the requests VMs submitted, named by VM and virtual disk.
 pub fn vm_entries(
-    stats: &BTreeMap<(u32, Dev, Op), DiskOpStats>,
-    vms: &BTreeMap<u32, Vm>,
+    stats: &BTreeMap<VmStatKey, DiskOpStats>,
+    vms: &Registry,
     only: &[Dev],
     duration_s: f64,
 ) -> Vec<Entry> {
     let mut v: Vec<Entry> = stats
         .iter()
-        .filter(|((_, dev, _), _)| only.is_empty() || only.contains(dev))
-        .map(|((slot, dev, op), s)| {
-            let host = disks::name_of(*dev);
-            let (name, disk) = match vms.get(slot) {
-                Some(vm) => (vm.name.clone(), vm.disks_on(*dev).unwrap_or_else(|| host.clone())),
-                None => (format!("vm#{slot}"), host.clone()),
-            };
-            let mut e = Entry::from_stats(Some(name), disk, *op, s, duration_s);
+        .filter(|(k, _)| only.is_empty() || only.contains(&k.dev))
+        .map(|(k, s)| {
+            let host = disks::name_of(k.dev);
+            let disk = vms.vdisk(k.vdisk).map_or_else(|| host.clone(), str::to_string);
+            let mut e = Entry::from_stats(Some(vms.name(k.vm)), disk, k.op, s, duration_s);
             e.host_disk = host;
             e
         })

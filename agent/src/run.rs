@@ -2,7 +2,6 @@
 //! Ctrl-C), show progress, then report per disk and op.
 
 use std::{
-    collections::BTreeMap,
     io::{IsTerminal, Write},
     path::PathBuf,
     process::ExitStatus,
@@ -20,7 +19,7 @@ use crate::{
     model::Op,
     preflight,
     report::{self, AgentCost, RunReport, SCHEMA},
-    vms::{self, Vm},
+    vms::{self, Registry},
 };
 
 #[derive(Clone, Debug, Default)]
@@ -71,12 +70,18 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         start_stamps: opts.start_stamps,
         track_vms: opts.vms,
         vm_pids: Vec::new(),
+        vdisk_files: Vec::new(),
     };
     let running = if opts.vms { vms::scan() } else { Vec::new() };
-    let cfg = BlockConfig { vm_pids: running.iter().map(|v| v.pid).collect(), ..cfg };
-    // VM slot -> identity; slots 1.. are the VMs running now, later ones
-    // are named as they appear (while their /proc entry exists).
-    let mut known: BTreeMap<u32, Vm> = running.into_iter().enumerate().map(|(i, v)| (i as u32 + 1, v)).collect();
+    // VM slots 1.. are the VMs running now; later ones are named as they
+    // appear (while their /proc entry exists).
+    let mut known = Registry::default();
+    let vm_pids: Vec<u32> = running.iter().map(|v| v.pid).collect();
+    let mut vdisk_files = Vec::new();
+    for (i, vm) in running.into_iter().enumerate() {
+        vdisk_files.extend(known.add(i as u32 + 1, vm));
+    }
+    let cfg = BlockConfig { vm_pids, vdisk_files, ..cfg };
     let _stats = if opts.bpf_stats {
         Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling BPF run-time statistics")?)
     } else {
@@ -143,7 +148,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
                 }
                 break;
             }
-            _ = vm_tick.tick(), if opts.vms => name_new_vms(&probes, &mut known),
+            _ = vm_tick.tick(), if opts.vms => name_new_vms(&mut probes, &mut known),
             _ = tick.tick() => {
                 let ios = probes.snapshot().map(|s| s.stats.iter()
                     .filter(|((d, _), _)| only.is_empty() || only.contains(d))
@@ -158,7 +163,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // real, never a race of the two reads.
     let kernel = diskstats::delta(&kernel0, &diskstats::read_all());
     let mut snap = probes.snapshot().context("reading the block-layer statistics")?;
-    name_new_vms(&probes, &mut known);
+    name_new_vms(&mut probes, &mut known);
     snap.counters.unseen = report::unseen(&snap.stats, &kernel, &only);
     progress.done();
 
@@ -196,14 +201,19 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     Ok(RunOutcome { report, child_status })
 }
 
-/// Names VM slots the kernel side handed out since the last look.
-fn name_new_vms(probes: &BlockProbes, known: &mut BTreeMap<u32, Vm>) {
+/// Names VM slots the kernel side handed out since the last look, and
+/// tells it their backing files.
+fn name_new_vms(probes: &mut BlockProbes, known: &mut Registry) {
     let Ok(pids) = probes.vm_pids() else { return };
     for (tgid, slot) in pids {
-        if let std::collections::btree_map::Entry::Vacant(e) = known.entry(slot) {
-            if let Some(vm) = vms::identify(tgid) {
-                log::info!("VM {} (pid {tgid}) with disks {:?}", vm.name, vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>());
-                e.insert(vm);
+        if known.vms.contains_key(&slot) {
+            continue;
+        }
+        if let Some(vm) = vms::identify(tgid) {
+            log::info!("VM {} (pid {tgid}) with disks {:?}", vm.name, vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>());
+            let files = known.add(slot, vm);
+            if let Err(e) = probes.add_vdisk_files(&files) {
+                log::warn!("VM pid {tgid}: {}", crate::bpf::error_chain(&e));
             }
         }
     }

@@ -185,13 +185,46 @@ pub fn scan() -> Vec<Vm> {
     v
 }
 
-impl Vm {
-    /// What to call this VM's I/O on a host disk: the virtual disks backed
-    /// there (ids joined by `+` when several share it), else None.
-    pub fn disks_on(&self, host: Dev) -> Option<String> {
-        let ids: Vec<&str> = self.disks.iter().filter(|d| d.host_dev == Some(host)).map(|d| d.id.as_str()).collect();
-        (!ids.is_empty()).then(|| ids.join("+"))
+/// The VMs a run knows, by the slots the kernel side attributes to, and
+/// their virtual disks by vdisk slot.
+#[derive(Debug, Default)]
+pub struct Registry {
+    pub vms: std::collections::BTreeMap<u32, Vm>,
+    /// vdisk slot -> (VM slot, virtual disk id)
+    pub vdisks: std::collections::BTreeMap<u32, (u32, String)>,
+}
+
+impl Registry {
+    /// Registers a VM under its slot; returns its backing files with the
+    /// vdisk slots given to them, for the kernel side.
+    pub fn add(&mut self, slot: u32, vm: Vm) -> Vec<(crate::abi::FileKey, u32)> {
+        let mut files = Vec::new();
+        for d in &vm.disks {
+            let vdisk = self.vdisks.len() as u32 + 1;
+            self.vdisks.insert(vdisk, (slot, d.id.clone()));
+            if let Some(k) = d.file.as_deref().and_then(file_key) {
+                files.push((k, vdisk));
+            }
+        }
+        self.vms.insert(slot, vm);
+        files
     }
+
+    pub fn name(&self, slot: u32) -> String {
+        self.vms.get(&slot).map_or_else(|| format!("vm#{slot}"), |v| v.name.clone())
+    }
+
+    pub fn vdisk(&self, vdisk: u32) -> Option<&str> {
+        self.vdisks.get(&vdisk).map(|(_, id)| id.as_str())
+    }
+}
+
+/// The kernel's identity of a file: its superblock's dev_t (major << 20 |
+/// minor) and inode number, as the eBPF side reads them from the inode.
+pub fn file_key(path: &Path) -> Option<crate::abi::FileKey> {
+    let m = fs::metadata(path).ok()?;
+    let dev = m.dev();
+    Some(crate::abi::FileKey { dev: (libc::major(dev) << 20) | libc::minor(dev), _pad: 0, ino: m.ino() })
 }
 
 #[cfg(test)]
@@ -255,18 +288,13 @@ mod tests {
     }
 
     #[test]
-    fn disks_on_a_host_disk_are_named_together() {
-        let d = Dev::new(253, 0);
-        let vm = Vm {
-            pid: 1,
-            name: "x".into(),
-            disks: vec![
-                VDisk { id: "a".into(), model: None, file: None, host_dev: Some(d) },
-                VDisk { id: "b".into(), model: None, file: None, host_dev: Some(d) },
-                VDisk { id: "c".into(), model: None, file: None, host_dev: Some(Dev::new(8, 0)) },
-            ],
-        };
-        assert_eq!(vm.disks_on(d).as_deref(), Some("a+b"));
-        assert_eq!(vm.disks_on(Dev::new(9, 9)), None);
+    fn file_key_uses_the_kernels_dev_encoding() {
+        let exe = std::env::current_exe().unwrap();
+        let k = file_key(&exe).unwrap();
+        let m = fs::metadata(&exe).unwrap();
+        assert_eq!(k.ino, m.ino());
+        assert_eq!(k.dev >> 20, libc::major(m.dev()));
+        assert_eq!(k.dev & 0xfffff, libc::minor(m.dev()));
+        assert!(file_key(Path::new("/nonexistent/file")).is_none());
     }
 }

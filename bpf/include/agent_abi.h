@@ -86,7 +86,7 @@ struct rq_slot {
 	__u16 requeues;
 	__u16 flags;       /* RQ_F_* */
 	__u32 tgid;        /* the submitting process, taken at submission (0: unknown) */
-	__u32 _pad;
+	__u32 vdisk;       /* virtual disk slot of the file the request is for (0: none) */
 };
 
 #define RQ_SLOT_BITS 15
@@ -120,8 +120,20 @@ struct vm_key {
 	__u32 vm;
 	__u32 dev;
 	__u32 op;
-	__u32 _pad;
+	__u32 vdisk;  /* 0: the VM process's I/O that is none of its disks */
 };
+
+/* Key of the hash `vdisk_files`: a backing file, by the kernel's
+ * (superblock dev, inode number). */
+struct file_key {
+	__u32 dev;
+	__u32 _pad;
+	__u64 ino;
+};
+
+/* Direct-I/O completion functions whose bio->bi_private leads to the
+ * kiocb (and so the file) a request is for: `targ_dio_end_io`. */
+#define NR_DIO_END_IO 2
 
 /* The process names that make a process a VM (or a storage engine serving
  * one), matched on the executable's file name at exec. */
@@ -152,6 +164,7 @@ struct blk_io_event {
 
 _Static_assert(sizeof(struct blk_io_event) == 56, "abi: blk_io_event");
 _Static_assert(sizeof(struct vm_key) == 16, "abi: vm_key");
+_Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct rq_slot) == 40, "abi: rq_slot");
 _Static_assert(sizeof(struct disk_slot) == 16, "abi: disk_slot");
 _Static_assert(sizeof(struct blk_stats) == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS), "abi: blk_stats");

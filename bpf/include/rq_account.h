@@ -38,7 +38,7 @@ struct rq_outcome {
 	__u16 requeues;
 	__u16 flags;
 	__u32 tgid;
-	__u32 _pad;
+	__u32 vdisk;
 };
 
 static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
@@ -50,17 +50,20 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
 	s->requeues = 0;
 	s->flags = 0;
 	s->tgid = 0;
+	s->vdisk = 0;
 }
 
 /* block_io_start (block_rq_insert before v6.5), in the submitter's context:
  * `now` is our start stamp (0 when the kernel keeps one), `tgid` who
  * submitted — completions run in interrupt context under whatever task was
  * there, so identity is only ever taken here. */
-static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 tgid)
+static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 tgid,
+					__u32 vdisk)
 {
 	rq_slot_reset(s, rq);
 	s->start_ns = now;
 	s->tgid = tgid;
+	s->vdisk = vdisk;
 }
 
 /* block_rq_issue. A slot already holding this request belongs to the same
@@ -108,7 +111,7 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 	out->requeues = 0;
 	out->flags = 0;
 	out->tgid = 0;
-	out->_pad = 0;
+	out->vdisk = 0;
 	if (mine) {
 		out->bytes += s->done_bytes;
 		if (!out->start_ns)
@@ -121,6 +124,7 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 		out->requeues = s->requeues;
 		out->flags = s->flags & (RQ_F_PARTIAL | RQ_F_REQUEUED);
 		out->tgid = s->tgid;
+		out->vdisk = s->vdisk;
 		s->rq = 0;
 	}
 	/* Stamps from the future are another request's: distrust them. */

@@ -12,7 +12,10 @@
 
 __u32 shim_hist_bucket(__u64 v) { return hist_bucket(v); }
 
-void shim_rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 tgid) { rq_on_start(s, rq, now, tgid); }
+void shim_rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 tgid, __u32 vdisk)
+{
+	rq_on_start(s, rq, now, tgid, vdisk);
+}
 void shim_rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now) { rq_on_issue(s, rq, now); }
 void shim_rq_on_requeue(struct rq_slot *s, __u64 rq) { rq_on_requeue(s, rq); }
 int shim_rq_on_complete(struct rq_slot *s, const struct rq_completion *c, struct rq_outcome *o)
@@ -37,16 +40,17 @@ static const struct shim_field fields[] = {
 	F(blk_io_event, done_ns), F(blk_io_event, sector), F(blk_io_event, bytes),
 	F(blk_io_event, requeues), F(blk_io_event, cpu_lo), F(blk_io_event, tgid), F(blk_io_event, vm),
 	S(rq_slot), F(rq_slot, rq), F(rq_slot, start_ns), F(rq_slot, issue_ns),
-	F(rq_slot, done_bytes), F(rq_slot, requeues), F(rq_slot, flags), F(rq_slot, tgid),
+	F(rq_slot, done_bytes), F(rq_slot, requeues), F(rq_slot, flags), F(rq_slot, tgid), F(rq_slot, vdisk),
 	S(disk_slot), F(disk_slot, queue), F(disk_slot, dev),
-	S(vm_key), F(vm_key, vm), F(vm_key, dev), F(vm_key, op),
+	S(vm_key), F(vm_key, vm), F(vm_key, dev), F(vm_key, op), F(vm_key, vdisk),
+	S(file_key), F(file_key, dev), F(file_key, ino),
 	S(blk_stats), F(blk_stats, busy), F(blk_stats, ios), F(blk_stats, bytes), F(blk_stats, errors),
 	F(blk_stats, requeued), F(blk_stats, partial), F(blk_stats, sum_ns), F(blk_stats, max_ns),
 	F(blk_stats, hist),
 	S(rq_completion), F(rq_completion, rq), F(rq_completion, kstart_ns), F(rq_completion, kissue_ns),
 	F(rq_completion, now_ns), F(rq_completion, remaining), F(rq_completion, nr_bytes),
 	S(rq_outcome), F(rq_outcome, start_ns), F(rq_outcome, issue_ns), F(rq_outcome, bytes),
-	F(rq_outcome, requeues), F(rq_outcome, flags), F(rq_outcome, tgid),
+	F(rq_outcome, requeues), F(rq_outcome, flags), F(rq_outcome, tgid), F(rq_outcome, vdisk),
 	{ 0, 0, 0 },
 };
 

@@ -33,7 +33,7 @@ pub struct RqOutcome {
     pub requeues: u16,
     pub flags: u16,
     pub tgid: u32,
-    pub _pad: u32,
+    pub vdisk: u32,
 }
 
 #[repr(C)]
@@ -62,7 +62,7 @@ pub struct ShimConsts {
 
 extern "C" {
     fn shim_hist_bucket(v: u64) -> u32;
-    fn shim_rq_on_start(s: *mut RqSlot, rq: u64, now: u64, tgid: u32);
+    fn shim_rq_on_start(s: *mut RqSlot, rq: u64, now: u64, tgid: u32, vdisk: u32);
     fn shim_rq_on_issue(s: *mut RqSlot, rq: u64, now: u64);
     fn shim_rq_on_requeue(s: *mut RqSlot, rq: u64);
     fn shim_rq_on_complete(s: *mut RqSlot, c: *const RqCompletion, o: *mut RqOutcome) -> i32;
@@ -81,9 +81,9 @@ pub fn c_hist_bucket(v: u64) -> usize {
 pub mod rq {
     use super::*;
 
-    pub fn start(s: &mut RqSlot, rq: u64, now: u64, tgid: u32) {
+    pub fn start(s: &mut RqSlot, rq: u64, now: u64, tgid: u32, vdisk: u32) {
         // SAFETY: `s` is a valid, exclusive slot.
-        unsafe { shim_rq_on_start(s, rq, now, tgid) }
+        unsafe { shim_rq_on_start(s, rq, now, tgid, vdisk) }
     }
     pub fn issue(s: &mut RqSlot, rq: u64, now: u64) {
         // SAFETY: as above.

@@ -5,7 +5,7 @@ use std::mem::{offset_of, size_of};
 
 use agent_integration::{c_consts, c_hist_bucket, c_layout, RqCompletion, RqOutcome};
 use iospan::{
-    abi::{self, BlkIoEvent, BlkStats, DiskSlot, RqSlot, VmKey},
+    abi::{self, BlkIoEvent, BlkStats, DiskSlot, FileKey, RqSlot, VmKey},
     model::hist,
 };
 
@@ -33,12 +33,13 @@ macro_rules! rust_layout {
 fn abi_layout() {
     let rust = rust_layout! {
         "blk_io_event" => BlkIoEvent { kind, op, flags, dev, start_ns, issue_ns, done_ns, sector, bytes, requeues, cpu_lo, tgid, vm }
-        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, tgid }
+        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, tgid, vdisk }
         "disk_slot" => DiskSlot { queue, dev }
-        "vm_key" => VmKey { vm, dev, op }
+        "vm_key" => VmKey { vm, dev, op, vdisk }
+        "file_key" => FileKey { dev, ino }
         "blk_stats" => BlkStats { busy, ios, bytes, errors, requeued, partial, sum_ns, max_ns, hist }
         "rq_completion" => RqCompletion { rq, kstart_ns, kissue_ns, now_ns, remaining, nr_bytes }
-        "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, tgid }
+        "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, tgid, vdisk }
     };
     let c = c_layout();
     assert_eq!(c.len(), rust.len(), "the C table and the Rust table list different fields");

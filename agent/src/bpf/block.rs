@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{attach, Attachment, Flavour, LoadError};
 use crate::{
-    abi::{counter, BlkStats, DiskSlot, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS},
+    abi::{counter, BlkStats, DiskSlot, FileKey, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS, NR_DIO_END_IO},
     disks::Dev,
     model::{DiskOpStats, Op},
 };
@@ -35,11 +35,13 @@ pub struct BlockConfig {
     /// ones (tgids, given slots 1..) and any started later.
     pub track_vms: bool,
     pub vm_pids: Vec<u32>,
+    /// Backing files of those VMs' virtual disks, with their vdisk slots.
+    pub vdisk_files: Vec<(FileKey, u32)>,
 }
 
 impl Default for BlockConfig {
     fn default() -> Self {
-        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false, track_vms: false, vm_pids: Vec::new() }
+        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false, track_vms: false, vm_pids: Vec::new(), vdisk_files: Vec::new() }
     }
 }
 
@@ -89,8 +91,8 @@ impl Counters {
 #[derive(Clone, Debug, Default)]
 pub struct BlockSnapshot {
     pub stats: BTreeMap<(Dev, Op), DiskOpStats>,
-    /// Requests VMs submitted, by (VM slot, host disk, op).
-    pub vm_stats: BTreeMap<(u32, Dev, Op), DiskOpStats>,
+    /// Requests VMs submitted, by VM, host disk, op and virtual disk.
+    pub vm_stats: BTreeMap<VmStatKey, DiskOpStats>,
     pub counters: Counters,
 }
 
@@ -110,6 +112,44 @@ pub fn disks_without_start_time() -> Vec<String> {
             read(d, "iostats").trim() == "0" && (sched.trim().is_empty() || sched.contains("[none]"))
         })
         .collect()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct VmStatKey {
+    /// VM slot (see `BlockProbes::vm_pids`).
+    pub vm: u32,
+    pub dev: Dev,
+    pub op: Op,
+    /// Virtual disk slot; 0 for the VM process's other I/O.
+    pub vdisk: u32,
+}
+
+/// Kernel addresses of the direct-I/O completion functions whose bios lead
+/// to their file (0 where a symbol is absent: those requests stay
+/// unresolved, never misattributed).
+fn dio_end_io_addresses() -> [u64; NR_DIO_END_IO] {
+    const NAMES: [&str; NR_DIO_END_IO] = ["iomap_dio_bio_end_io", "blkdev_bio_end_io_async"];
+    let mut out = [0u64; NR_DIO_END_IO];
+    if let Ok(text) = std::fs::read_to_string("/proc/kallsyms") {
+        for line in text.lines() {
+            let mut f = line.split_whitespace();
+            let (Some(addr), Some(_), Some(name)) = (f.next(), f.next(), f.next()) else { continue };
+            if let Some(i) = NAMES.iter().position(|n| *n == name) {
+                out[i] = u64::from_str_radix(addr, 16).unwrap_or(0);
+            }
+        }
+    }
+    out
+}
+
+fn add_vdisk_files(ebpf: &mut Ebpf, files: &[(FileKey, u32)]) -> Result<(), LoadError> {
+    let mut map: HashMap<_, FileKey, u32> =
+        HashMap::try_from(ebpf.map_mut("vdisk_files").ok_or(LoadError::Map { map: "vdisk_files", source: None })?)
+            .map_err(|e| LoadError::Map { map: "vdisk_files", source: Some(e) })?;
+    for (k, slot) in files {
+        map.insert(k, slot, 0).map_err(|e| LoadError::Map { map: "vdisk_files", source: Some(e) })?;
+    }
+    Ok(())
 }
 
 pub struct BlockProbes {
@@ -146,6 +186,7 @@ impl BlockProbes {
         let nr_stream_devs = cfg.stream_devs.len() as u32;
         let track_vms = u32::from(cfg.track_vms);
         let next_vm = cfg.vm_pids.len() as u32;
+        let dio_end_io = dio_end_io_addresses();
         let mut ebpf = EbpfLoader::new()
             .btf(btf)
             .override_global("targ_max_disks", &max_disks, true)
@@ -155,6 +196,7 @@ impl BlockProbes {
             .override_global("targ_stream_devs", &stream_devs[..], true)
             .override_global("targ_track_vms", &track_vms, true)
             .override_global("next_vm", &next_vm, true)
+            .override_global("targ_dio_end_io", &dio_end_io[..], true)
             .map_max_entries("blk_latency", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("blk_latency_nested", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("disk_queues", max_disks)
@@ -174,6 +216,7 @@ impl BlockProbes {
                 pids.insert(pid, i as u32 + 1, 0).map_err(|e| LoadError::Map { map: "vm_pids", source: Some(e) })?;
             }
             attachments.push(attach(&mut ebpf, btf, "sched_process_exec", flavour)?);
+            add_vdisk_files(&mut ebpf, &cfg.vdisk_files)?;
         }
         // The submitter of each request is taken at its start, in the
         // submitting task; completions run under unrelated tasks.
@@ -245,10 +288,15 @@ impl BlockProbes {
                 s.add_cpu(cpu);
             }
             let op = Op::from_index(k.op as usize).unwrap_or(Op::Other);
-            snap.vm_stats.insert((k.vm, Dev(k.dev), op), s);
+            snap.vm_stats.insert(VmStatKey { vm: k.vm, dev: Dev(k.dev), op, vdisk: k.vdisk }, s);
         }
         snap.counters = self.counters()?;
         Ok(snap)
+    }
+
+    /// Tells the kernel side about more virtual disks' backing files.
+    pub fn add_vdisk_files(&mut self, files: &[(FileKey, u32)]) -> Result<(), LoadError> {
+        add_vdisk_files(&mut self.ebpf, files)
     }
 
     /// (tgid, VM slot) of every process known as a VM so far.

@@ -89,7 +89,7 @@ fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut Program, String
 }
 
 /// `e: source: source…` on one line, for errors kept as strings.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {
