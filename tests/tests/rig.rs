@@ -110,3 +110,59 @@ fn doctor_names_a_running_vm_and_its_disks() {
     assert_eq!(disk["model"], "virtio-blk-pci");
     assert_eq!(disk["file"].as_str(), image.to_str());
 }
+
+/// A VM killed mid-run leaves its partial counts in the report; the next
+/// VM started during the same run is picked up, named, and counted.
+#[test]
+fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
+    let rig = guest::build().expect("rig build");
+    let image = guest::dir().join("disk.img");
+    guest::ensure_image(&image, 256).unwrap();
+    let host = host_disk_of(&image);
+    let report = std::env::temp_dir().join(format!("iospan-rig-kill-{}.json", std::process::id()));
+    let mut agent = Command::new(iospan_bin())
+        .args(["run", "--quiet", "--disk", &host, "--duration", "60s", "--json-out"])
+        .arg(&report)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(1));
+
+    // A: endless workload, killed once it is well into it.
+    let a = RunArgs { ios: 10_000_000, name: "victim".into(), disk_id: "va".into(), ..Default::default() };
+    let (mut qa, _) = guest::qemu_command(&rig, &a, &image);
+    let mut va = qa.stdout(std::process::Stdio::null()).spawn().unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(6));
+    va.kill().unwrap();
+    va.wait().unwrap();
+
+    // B: a normal run to completion.
+    let b = RunArgs { ios: 1000, name: "successor".into(), disk_id: "vb".into(), ..Default::default() };
+    let (mut qb, dev) = guest::qemu_command(&rig, &b, &image);
+    let t = std::time::Instant::now();
+    let out = qb.output().unwrap();
+    let console: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+    let rb = guest::parse(&console, &b, dev, t.elapsed().as_secs_f64()).unwrap();
+
+    // SAFETY: kill(2) on our own child: the agent reports on SIGINT.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGINT) };
+    assert!(agent.wait().unwrap().success());
+    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let entry = |vm: &str, disk: &str| {
+        rep["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["vm"] == vm && e["disk"] == disk && e["op"] == "read")
+            .cloned()
+            .unwrap_or_else(|| panic!("no {vm}/{disk} entry: {rep:#}"))
+    };
+    let victim = entry("victim", "va");
+    assert!(victim["ios"].as_u64().unwrap() > 100, "the killed VM's partial run: {victim}");
+    let successor = entry("successor", "vb");
+    let ios = successor["ios"].as_u64().unwrap();
+    assert!(ios >= rb.guest_reads && ios <= rb.guest_reads + 16, "successor {ios} vs guest {}", rb.guest_reads);
+    for k in ["disk_conflicts", "slot_conflicts", "vm_table_full", "bpf_recursion_misses"] {
+        assert_eq!(rep["lost"][k].as_u64(), Some(0), "lost.{k}: {}", rep["lost"]);
+    }
+}
