@@ -209,6 +209,10 @@ fn name_new_vms(probes: &mut BlockProbes, known: &mut Registry) {
         if known.vms.contains_key(&slot) {
             continue;
         }
+        // A VM's requests need their submitter taken at their start.
+        if let Err(e) = probes.ensure_start_probe() {
+            log::warn!("VM attribution off: {}", crate::bpf::error_chain(&e));
+        }
         if let Some(vm) = vms::identify(tgid) {
             log::info!("VM {} (pid {tgid}) with disks {:?}", vm.name, vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>());
             let files = known.add(slot, vm);

@@ -106,7 +106,7 @@ fn json_report_and_per_request_stream_agree() {
     assert!(r["duration_s"].as_f64().unwrap() > 0.0);
     assert!(r["probes"].as_array().unwrap().iter().all(|p| p["flavour"] == "tp_btf"), "{}", r["probes"]);
     let ios: u64 = r["entries"].as_array().unwrap().iter().map(|e| e["ios"].as_u64().unwrap()).sum();
-    assert_eq!(ios, 4000);
+    assert_eq!(ios + r["lost"]["unseen"].as_u64().unwrap(), 4000, "{}", r["lost"]);
     for e in r["entries"].as_array().unwrap() {
         for k in ["mean_us", "p50_us", "p90_us", "p99_us", "p999_us", "max_us"] {
             assert!(e["total"][k].is_number() && e["segments"]["queue"][k].is_number() && e["segments"]["service"][k].is_number(), "{k} in {e}");

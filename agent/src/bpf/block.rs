@@ -156,6 +156,9 @@ pub struct BlockProbes {
     ebpf: Ebpf,
     pub attachments: Vec<Attachment>,
     max_disks: u32,
+    flavour: Flavour,
+    btf: Option<Btf>,
+    start_probe: bool,
 }
 
 impl BlockProbes {
@@ -204,9 +207,8 @@ impl BlockProbes {
             .map_err(|source| LoadError::Object { object: "block.bpf.o", source })?;
 
         let mut attachments = Vec::new();
-        // Our own start stamp costs a program run per request, and is only
-        // needed for disks whose requests carry no start_time_ns. Requests
-        // of such disks added later are counted as `no_start`.
+        // VMs running now get slots 1..; a QEMU exec'd later takes the next
+        // slot itself, before its first request.
         if cfg.track_vms {
             let mut pids: HashMap<_, u32, u32> = HashMap::try_from(
                 ebpf.map_mut("vm_pids").ok_or(LoadError::Map { map: "vm_pids", source: None })?,
@@ -218,23 +220,20 @@ impl BlockProbes {
             attachments.push(attach(&mut ebpf, btf, "sched_process_exec", flavour)?);
             add_vdisk_files(&mut ebpf, &cfg.vdisk_files)?;
         }
-        // The submitter of each request is taken at its start, in the
-        // submitting task; completions run under unrelated tasks.
-        if cfg.track_vms || cfg.start_stamps || !disks_without_start_time().is_empty() {
-            // block_io_start appeared in v6.5 (5a80bd075f3b); before it the
-            // insert is the closest point.
-            match attach(&mut ebpf, btf, "block_io_start", flavour) {
-                Ok(a) => attachments.push(a),
-                Err(e) => {
-                    log::info!("{}; using block_rq_insert for start stamps", super::error_chain(&e));
-                    attachments.push(attach(&mut ebpf, btf, "block_rq_insert", flavour)?);
-                }
-            }
-        }
         for tp in ["block_rq_issue", "block_rq_requeue", "block_rq_complete"] {
             attachments.push(attach(&mut ebpf, btf, tp, flavour)?);
         }
-        Ok(Self { ebpf, attachments, max_disks })
+        let mut probes = Self { ebpf, attachments, max_disks, flavour, btf: btf.cloned(), start_probe: false };
+        // The start probe takes each request's submitter, in the submitting
+        // task (completions run under unrelated tasks), and stamps starts
+        // where the kernel keeps none. Needed once there is a VM (the run
+        // attaches it when the first one appears) or such a disk; until
+        // then each request costs one program run less. Disks without
+        // start times added later are counted as `no_start`.
+        if !cfg.vm_pids.is_empty() || cfg.start_stamps || !disks_without_start_time().is_empty() {
+            probes.ensure_start_probe()?;
+        }
+        Ok(probes)
     }
 
     /// The ring buffer of per-request records, for one consumer.
@@ -292,6 +291,28 @@ impl BlockProbes {
         }
         snap.counters = self.counters()?;
         Ok(snap)
+    }
+
+    /// Attaches the per-request start probe if it is not yet: stamps where
+    /// the kernel keeps no start time, and the submitter for VM attribution.
+    /// block_io_start appeared in v6.5 (5a80bd075f3b); before it the insert
+    /// is the closest point.
+    pub fn ensure_start_probe(&mut self) -> Result<(), LoadError> {
+        if self.start_probe {
+            return Ok(());
+        }
+        let btf = self.btf.as_ref();
+        let a = match attach(&mut self.ebpf, btf, "block_io_start", self.flavour) {
+            Ok(a) => a,
+            Err(e) => {
+                log::info!("{}; using block_rq_insert for start stamps", super::error_chain(&e));
+                attach(&mut self.ebpf, btf, "block_rq_insert", self.flavour)?
+            }
+        };
+        log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
+        self.attachments.push(a);
+        self.start_probe = true;
+        Ok(())
     }
 
     /// Tells the kernel side about more virtual disks' backing files.
