@@ -9,7 +9,12 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use tokio::{io::unix::AsyncFd, process::Command, sync::watch};
+use tokio::{
+    io::unix::AsyncFd,
+    process::Command,
+    signal::unix::{signal, SignalKind},
+    sync::watch,
+};
 
 use crate::{
     abi::{BlkIoEvent, RQ_F_NO_ISSUE, RQ_F_NO_START},
@@ -58,8 +63,18 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         bail!("--sample and --slower-than choose which requests go to --events-out FILE; add --events-out");
     }
 
+    // VM slots 1.. are the VMs running now; later ones are named as they
+    // appear (while their /proc entry exists).
+    let mut known = Registry::default();
+    let running = if opts.vms { vms::scan() } else { Vec::new() };
+    let vm_pids: Vec<u32> = running.iter().map(|v| v.pid).collect();
+    let mut vdisk_files = Vec::new();
+    for (i, vm) in running.into_iter().enumerate() {
+        vdisk_files.extend(known.add(i as u32 + 1, vm));
+    }
     let cfg = BlockConfig {
         max_disks: opts.max_disks,
+        // --events-out alone streams every request.
         sample_every: if opts.events_out.is_some() && opts.slower_than.is_none() && opts.sample_every == 0 {
             1
         } else {
@@ -69,19 +84,9 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         stream_devs: only.clone(),
         start_stamps: opts.start_stamps,
         track_vms: opts.vms,
-        vm_pids: Vec::new(),
-        vdisk_files: Vec::new(),
+        vm_pids,
+        vdisk_files,
     };
-    let running = if opts.vms { vms::scan() } else { Vec::new() };
-    // VM slots 1.. are the VMs running now; later ones are named as they
-    // appear (while their /proc entry exists).
-    let mut known = Registry::default();
-    let vm_pids: Vec<u32> = running.iter().map(|v| v.pid).collect();
-    let mut vdisk_files = Vec::new();
-    for (i, vm) in running.into_iter().enumerate() {
-        vdisk_files.extend(known.add(i as u32 + 1, vm));
-    }
-    let cfg = BlockConfig { vm_pids, vdisk_files, ..cfg };
     let _stats = if opts.bpf_stats {
         Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling BPF run-time statistics")?)
     } else {
@@ -127,16 +132,26 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // New VMs are named quickly, before a short-lived one can exit.
     let mut vm_tick = tokio::time::interval(Duration::from_millis(100));
     let mut child_status = None;
+    let mut sigint = signal(SignalKind::interrupt()).context("handling SIGINT")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("handling SIGTERM")?;
     loop {
         tokio::select! {
             status = async { child.as_mut().expect("guarded").wait().await }, if child.is_some() && child_status.is_none() => {
                 child_status = Some(status.context("waiting for the traced command")?);
                 break;
             }
-            _ = tokio::signal::ctrl_c() => {
-                // The terminal sent SIGINT to the whole process group; let
+            _ = sigint.recv() => {
+                // A terminal's Ctrl-C reaches the whole process group; let
                 // the command finish its own way, then report.
                 if let Some(c) = child.as_mut() {
+                    child_status = c.wait().await.ok();
+                }
+                break;
+            }
+            _ = sigterm.recv() => {
+                // Asked to stop by a supervisor: stop the command, report.
+                if let Some(c) = child.as_mut() {
+                    terminate(c).await;
                     child_status = c.wait().await.ok();
                 }
                 break;
