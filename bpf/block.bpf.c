@@ -91,15 +91,30 @@ struct {
 	__type(value, __u32);
 } vdisk_files SEC(".maps");
 
-/* Requests VMs submitted, per (VM, host disk, op). Per-CPU entries, but
- * updated atomically: this path is taken by VM I/O only, and atomics make
- * nesting on one CPU harmless without a second table. */
+/* Requests VMs submitted, per (VM, host disk, op, virtual disk). Per-CPU
+ * entries under the same busy flag as blk_latency; nested updates go,
+ * atomically, to the shared vm_latency_nested. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
 	__uint(max_entries, 128);
 	__type(key, struct vm_key);
 	__type(value, struct blk_stats);
 } vm_latency SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 128);
+	__type(key, struct vm_key);
+	__type(value, struct blk_stats);
+} vm_latency_nested SEC(".maps");
+
+/* (VM, host disk) -> the VM's virtual disk there, or VDISK_SEVERAL. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct vm_dev_key);
+	__type(value, __u32);
+} vm_disks SEC(".maps");
 
 /* Source of a zeroed blk_stats for new vm_latency entries (too big for the
  * stack). */
@@ -242,7 +257,7 @@ static __always_inline int disk_slot_of(const struct rq_fields *f)
 }
 
 static __always_inline void stream(const struct rq_outcome *o, const struct rq_fields *f,
-				   __u8 op, __u32 vm, __u64 now)
+				   __u8 op, __u64 now)
 {
 	struct blk_io_event ev = {};
 	__u64 flags = BPF_RB_NO_WAKEUP;
@@ -258,8 +273,8 @@ static __always_inline void stream(const struct rq_outcome *o, const struct rq_f
 	ev.bytes = o->bytes;
 	ev.requeues = o->requeues;
 	ev.cpu_lo = (__u8)bpf_get_smp_processor_id();
-	ev.tgid = o->tgid;
-	ev.vm = vm;
+	ev.vdisk = o->vdisk;
+	ev.vm = o->vm;
 	/* No wakeup per record: the reader drains on a timer, and is woken
 	 * only when the backlog grows past targ_wakeup_bytes. */
 	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= targ_wakeup_bytes)
@@ -347,14 +362,17 @@ static __always_inline void account(__u32 key, const struct rq_outcome *o,
 	st->busy = 0;
 }
 
-/* The virtual disk a VM's direct-I/O request is for: bio -> kiocb -> file
- * -> (sb dev, inode) -> vdisk_files. Probe reads, but only on VM requests
- * and only at their start. Buffered I/O (cache=writeback) and block-device
- * images are not resolved here: 0. */
-static __always_inline __u32 vdisk_of(struct request *rq)
+/* The virtual disk a VM's direct-I/O request is for. Where the VM has one
+ * virtual disk on this host disk, a direct-I/O bio of its process is that
+ * disk's; only where several share it is the file read (bio -> kiocb ->
+ * inode -> vdisk_files). Buffered I/O (cache=writeback, QEMU's own files)
+ * and block-device images are not resolved here: 0. */
+static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev)
 {
 	struct bio *bio = BPF_CORE_READ(rq, bio);
-	struct kiocb *iocb = 0;
+	struct vm_dev_key vk = { .vm = vm, .dev = dev };
+	struct iomap_dio *dio_priv;
+	struct kiocb *iocb;
 	struct inode *inode;
 	struct file_key k = {};
 	__u64 end_io;
@@ -369,9 +387,13 @@ static __always_inline __u32 vdisk_of(struct request *rq)
 			dio = 1;
 	if (!dio)
 		return 0;
+	slot = bpf_map_lookup_elem(&vm_disks, &vk);
+	if (!slot)
+		return 0;
+	if (*slot != VDISK_SEVERAL)
+		return *slot;
 	/* struct iomap_dio and struct blkdev_dio both begin with the kiocb. */
-	struct iomap_dio *dio_priv = BPF_CORE_READ(bio, bi_private);
-
+	dio_priv = BPF_CORE_READ(bio, bi_private);
 	iocb = BPF_CORE_READ(dio_priv, iocb);
 	if (!iocb)
 		return 0;
@@ -382,24 +404,26 @@ static __always_inline __u32 vdisk_of(struct request *rq)
 	return slot ? *slot : 0;
 }
 
-static __always_inline void on_start(struct request *rq, __u64 key, __u64 kstart_ns)
+static __always_inline void on_start(struct request *rq, __u64 key, __u64 kstart_ns, __u32 dev)
 {
 	struct rq_slot *s;
-	__u32 tgid = 0, vdisk = 0;
+	__u32 vm = 0, vdisk = 0;
 
 	if (targ_track_vms) {
-		tgid = bpf_get_current_pid_tgid() >> 32;
+		__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+		__u32 *v = bpf_map_lookup_elem(&vm_pids, &tgid);
+
 		/* Only a VM's requests need their submitter remembered. */
-		if (!bpf_map_lookup_elem(&vm_pids, &tgid))
-			tgid = 0;
-		else
-			vdisk = vdisk_of(rq);
+		if (v) {
+			vm = *v;
+			vdisk = vdisk_of(rq, vm, dev);
+		}
 	}
-	if (kstart_ns && !tgid)
+	if (kstart_ns && !vm)
 		return;
 	s = rq_slot_of(key, 1);
 	if (s)
-		rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), tgid, vdisk);
+		rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk);
 }
 
 static __always_inline void on_issue(__u64 key)
@@ -419,33 +443,41 @@ static __always_inline void on_requeue(__u64 key)
 		rq_on_requeue(s, key);
 }
 
-/* A VM's request: also into vm_latency. Partial pieces of a VM's request
- * count their bytes at the final completion (the slot carried them). */
-static __always_inline __u32 account_vm(const struct rq_outcome *o, const struct rq_fields *f,
-					__u8 op, const __u64 seg[BLK_NR_SEGS], __u32 nr_bytes)
+/* The entry of a map of blk_stats for `k`, created zeroed if missing. */
+static __always_inline struct blk_stats *vm_entry(void *map, struct vm_key *k)
 {
-	__u32 tgid = o->tgid;
-	__u32 *vm = bpf_map_lookup_elem(&vm_pids, &tgid);
-	struct vm_key k = {};
-	struct blk_stats *st;
+	struct blk_stats *st = bpf_map_lookup_elem(map, k);
 
-	if (!vm)
-		return 0;
-	k.vm = *vm;
-	k.dev = f->dev;
-	k.op = op;
-	k.vdisk = o->vdisk;
-	st = bpf_map_lookup_elem(&vm_latency, &k);
-	if (!st) {
-		bpf_map_update_elem(&vm_latency, &k, &zero_stats, BPF_NOEXIST);
-		st = bpf_map_lookup_elem(&vm_latency, &k);
-		if (!st) {
-			count(CNT_VM_TABLE_FULL);
-			return k.vm;
-		}
+	if (st)
+		return st;
+	bpf_map_update_elem(map, k, &zero_stats, BPF_NOEXIST);
+	st = bpf_map_lookup_elem(map, k);
+	if (!st)
+		count(CNT_VM_TABLE_FULL);
+	return st;
+}
+
+/* A VM's request: also into vm_latency, with its whole byte count (partial
+ * pieces were carried in the slot). */
+static __always_inline void account_vm(const struct rq_outcome *o, const struct rq_fields *f,
+				       __u8 op, const __u64 seg[BLK_NR_SEGS])
+{
+	struct vm_key k = { .vm = o->vm, .dev = f->dev, .op = op, .vdisk = o->vdisk };
+	struct blk_stats *st = vm_entry(&vm_latency, &k);
+
+	if (!st)
+		return;
+	if (st->busy) {
+		st = vm_entry(&vm_latency_nested, &k);
+		if (st)
+			account_atomic(st, o, seg, o->bytes, 1);
+		return;
 	}
-	account_atomic(st, o, seg, o->bytes, 1);
-	return k.vm;
+	st->busy = 1;
+	asm volatile("" ::: "memory");
+	account_plain(st, o, seg, o->bytes, 1);
+	asm volatile("" ::: "memory");
+	st->busy = 0;
 }
 
 static __always_inline void on_complete(const struct rq_fields *f,
@@ -462,7 +494,6 @@ static __always_inline void on_complete(const struct rq_fields *f,
 	struct rq_outcome o = {};
 	__u64 seg[BLK_NR_SEGS] = {};
 	__u8 op = op_class(f->cmd_flags);
-	__u32 vm = 0;
 	int disk, final;
 
 	disk = disk_slot_of(f);
@@ -481,27 +512,27 @@ static __always_inline void on_complete(const struct rq_fields *f,
 	if (disk < 0)
 		return;
 	account((__u32)disk * BLK_NR_OPS + op, &o, seg, nr_bytes, final);
-	if (final && o.tgid)
-		vm = account_vm(&o, f, op, seg, nr_bytes);
+	if (final && o.vm)
+		account_vm(&o, f, op, seg);
 
 	if (final && ((targ_sample_every && bpf_get_prandom_u32() % targ_sample_every == 0) ||
 		      (targ_slower_than_ns && seg[BLK_SEG_TOTAL] != ~0ULL &&
 		       seg[BLK_SEG_TOTAL] >= targ_slower_than_ns)) &&
 	    stream_wanted(f->dev))
-		stream(&o, f, op, vm, c.now_ns);
+		stream(&o, f, op, c.now_ns);
 }
 
 SEC("tp_btf/block_io_start")
 int BPF_PROG(block_io_start_btf, struct request *rq)
 {
-	on_start(rq, rq_key_btf(rq), rq->start_time_ns);
+	on_start(rq, rq_key_btf(rq), rq->start_time_ns, rq_dev_btf(rq));
 	return 0;
 }
 
 SEC("raw_tp/block_io_start")
 int BPF_PROG(block_io_start, struct request *rq)
 {
-	on_start(rq, rq_key_raw(rq), BPF_CORE_READ(rq, start_time_ns));
+	on_start(rq, rq_key_raw(rq), BPF_CORE_READ(rq, start_time_ns), rq_dev(rq));
 	return 0;
 }
 
@@ -509,14 +540,14 @@ int BPF_PROG(block_io_start, struct request *rq)
 SEC("tp_btf/block_rq_insert")
 int BPF_PROG(block_rq_insert_btf, struct request *rq)
 {
-	on_start(rq, rq_key_btf(rq), rq->start_time_ns);
+	on_start(rq, rq_key_btf(rq), rq->start_time_ns, rq_dev_btf(rq));
 	return 0;
 }
 
 SEC("raw_tp/block_rq_insert")
 int BPF_PROG(block_rq_insert, struct request *rq)
 {
-	on_start(rq, rq_key_raw(rq), BPF_CORE_READ(rq, start_time_ns));
+	on_start(rq, rq_key_raw(rq), BPF_CORE_READ(rq, start_time_ns), rq_dev(rq));
 	return 0;
 }
 

@@ -70,7 +70,7 @@ pub struct RqSlot {
     pub done_bytes: u32,
     pub requeues: u16,
     pub flags: u16,
-    pub tgid: u32,
+    pub vm: u32,
     pub vdisk: u32,
 }
 
@@ -94,6 +94,17 @@ pub struct FileKey {
 
 pub const NR_DIO_END_IO: usize = 2;
 
+/// Which of a VM's virtual disks a host disk backs (`vm_disks`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VmDevKey {
+    pub vm: u32,
+    pub dev: u32,
+}
+
+/// `vm_disks` value: several of the VM's disks share the host disk.
+pub const VDISK_SEVERAL: u32 = u32::MAX;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlkIoEvent {
@@ -109,7 +120,7 @@ pub struct BlkIoEvent {
     pub requeues: u16,
     pub cpu_lo: u8,
     pub _pad: u8,
-    pub tgid: u32,
+    pub vdisk: u32,
     pub vm: u32,
 }
 
@@ -117,6 +128,7 @@ const _: () = assert!(size_of::<BlkIoEvent>() == 56);
 const _: () = assert!(size_of::<RqSlot>() == 40);
 const _: () = assert!(size_of::<VmKey>() == 16);
 const _: () = assert!(size_of::<FileKey>() == 16);
+const _: () = assert!(size_of::<VmDevKey>() == 8);
 const _: () = assert!(size_of::<DiskSlot>() == 16);
 const _: () = assert!(size_of::<BlkStats>() == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS));
 
@@ -128,6 +140,7 @@ unsafe impl aya::Pod for RqSlot {}
 unsafe impl aya::Pod for BlkIoEvent {}
 unsafe impl aya::Pod for VmKey {}
 unsafe impl aya::Pod for FileKey {}
+unsafe impl aya::Pod for VmDevKey {}
 
 impl BlkIoEvent {
     /// Decodes one ring-buffer record; `None` if its length or kind is not

@@ -24,7 +24,7 @@ use crate::{
     model::Op,
     preflight,
     report::{self, AgentCost, RunReport, SCHEMA},
-    vms::{self, Registry},
+    vms::{self, Registry, VmMaps},
 };
 
 #[derive(Clone, Debug, Default)]
@@ -68,9 +68,9 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let mut known = Registry::default();
     let running = if opts.vms { vms::scan() } else { Vec::new() };
     let vm_pids: Vec<u32> = running.iter().map(|v| v.pid).collect();
-    let mut vdisk_files = Vec::new();
+    let mut vm_maps = VmMaps::default();
     for (i, vm) in running.into_iter().enumerate() {
-        vdisk_files.extend(known.add(i as u32 + 1, vm));
+        vm_maps.extend(known.add(i as u32 + 1, vm));
     }
     let cfg = BlockConfig {
         max_disks: opts.max_disks,
@@ -85,7 +85,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         start_stamps: opts.start_stamps,
         track_vms: opts.vms,
         vm_pids,
-        vdisk_files,
+        vm_maps,
     };
     let _stats = if opts.bpf_stats {
         Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling BPF run-time statistics")?)
@@ -230,8 +230,8 @@ fn name_new_vms(probes: &mut BlockProbes, known: &mut Registry) {
         }
         if let Some(vm) = vms::identify(tgid) {
             log::info!("VM {} (pid {tgid}) with disks {:?}", vm.name, vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>());
-            let files = known.add(slot, vm);
-            if let Err(e) = probes.add_vdisk_files(&files) {
+            let maps = known.add(slot, vm);
+            if let Err(e) = probes.add_vm_maps(&maps) {
                 log::warn!("VM pid {tgid}: {}", crate::bpf::error_chain(&e));
             }
         }

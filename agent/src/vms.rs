@@ -194,20 +194,44 @@ pub struct Registry {
     pub vdisks: std::collections::BTreeMap<u32, (u32, String)>,
 }
 
+/// What the kernel side needs to know of a VM's virtual disks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VmMaps {
+    /// Backing file -> vdisk slot.
+    pub files: Vec<(crate::abi::FileKey, u32)>,
+    /// (VM, host disk) -> its only vdisk there, or VDISK_SEVERAL.
+    pub disks: Vec<(crate::abi::VmDevKey, u32)>,
+}
+
+impl VmMaps {
+    pub fn extend(&mut self, other: VmMaps) {
+        self.files.extend(other.files);
+        self.disks.extend(other.disks);
+    }
+}
+
 impl Registry {
-    /// Registers a VM under its slot; returns its backing files with the
-    /// vdisk slots given to them, for the kernel side.
-    pub fn add(&mut self, slot: u32, vm: Vm) -> Vec<(crate::abi::FileKey, u32)> {
-        let mut files = Vec::new();
+    /// Registers a VM under its slot and gives its disks vdisk slots;
+    /// returns what the kernel side needs to resolve its requests.
+    pub fn add(&mut self, slot: u32, vm: Vm) -> VmMaps {
+        let mut maps = VmMaps::default();
+        let mut per_dev: std::collections::BTreeMap<Dev, Vec<u32>> = Default::default();
         for d in &vm.disks {
             let vdisk = self.vdisks.len() as u32 + 1;
             self.vdisks.insert(vdisk, (slot, d.id.clone()));
             if let Some(k) = d.file.as_deref().and_then(file_key) {
-                files.push((k, vdisk));
+                maps.files.push((k, vdisk));
+            }
+            if let Some(dev) = d.host_dev {
+                per_dev.entry(dev).or_default().push(vdisk);
             }
         }
+        for (dev, vdisks) in per_dev {
+            let v = if vdisks.len() == 1 { vdisks[0] } else { crate::abi::VDISK_SEVERAL };
+            maps.disks.push((crate::abi::VmDevKey { vm: slot, dev: dev.0 }, v));
+        }
         self.vms.insert(slot, vm);
-        files
+        maps
     }
 
     pub fn name(&self, slot: u32) -> String {
@@ -285,6 +309,22 @@ mod tests {
         assert_eq!(vm.disks.len(), 1);
         assert_eq!(vm.disks[0].id, "hd0");
         assert_eq!(vm.disks[0].model, None);
+    }
+
+    #[test]
+    fn registry_gives_disks_slots_and_marks_shared_host_disks() {
+        let (a, b) = (Dev::new(8, 0), Dev::new(259, 0));
+        let disk = |id: &str, dev| VDisk { id: id.into(), model: None, file: None, host_dev: Some(dev) };
+        let mut r = Registry::default();
+        let m1 = r.add(1, Vm { pid: 10, name: "one".into(), disks: vec![disk("x", a)] });
+        let m2 = r.add(2, Vm { pid: 11, name: "two".into(), disks: vec![disk("y", a), disk("z", a), disk("w", b)] });
+        assert_eq!(m1.disks, [(crate::abi::VmDevKey { vm: 1, dev: a.0 }, 1)]);
+        assert_eq!(
+            m2.disks,
+            [(crate::abi::VmDevKey { vm: 2, dev: a.0 }, crate::abi::VDISK_SEVERAL), (crate::abi::VmDevKey { vm: 2, dev: b.0 }, 4)]
+        );
+        assert_eq!((r.vdisk(1), r.vdisk(3), r.vdisk(4), r.vdisk(9)), (Some("x"), Some("z"), Some("w"), None));
+        assert_eq!((r.name(2), r.name(7)), ("two".to_string(), "vm#7".to_string()));
     }
 
     #[test]

@@ -85,7 +85,7 @@ struct rq_slot {
 	__u32 done_bytes;  /* bytes of earlier partial completions */
 	__u16 requeues;
 	__u16 flags;       /* RQ_F_* */
-	__u32 tgid;        /* the submitting process, taken at submission (0: unknown) */
+	__u32 vm;          /* VM slot of the submitting process, taken at submission (0: none) */
 	__u32 vdisk;       /* virtual disk slot of the file the request is for (0: none) */
 };
 
@@ -131,6 +131,16 @@ struct file_key {
 	__u64 ino;
 };
 
+/* Key of the hash `vm_disks`: which virtual disk of a VM a host disk
+ * backs. Value: the vdisk slot, or VDISK_SEVERAL when more than one of the
+ * VM's disks live there (then each request's file decides). */
+struct vm_dev_key {
+	__u32 vm;
+	__u32 dev;
+};
+
+#define VDISK_SEVERAL 0xffffffffu
+
 /* Direct-I/O completion functions whose bio->bi_private leads to the
  * kiocb (and so the file) a request is for: `targ_dio_end_io`. */
 #define NR_DIO_END_IO 2
@@ -158,13 +168,14 @@ struct blk_io_event {
 	__u16 requeues;
 	__u8 cpu_lo;     /* low byte of the completing CPU, a hint only */
 	__u8 _pad;
-	__u32 tgid;      /* submitting process, 0 when unknown */
+	__u32 vdisk;     /* virtual disk slot, 0 when none */
 	__u32 vm;        /* VM slot, 0 when not a VM's */
 };
 
 _Static_assert(sizeof(struct blk_io_event) == 56, "abi: blk_io_event");
 _Static_assert(sizeof(struct vm_key) == 16, "abi: vm_key");
 _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
+_Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");
 _Static_assert(sizeof(struct rq_slot) == 40, "abi: rq_slot");
 _Static_assert(sizeof(struct disk_slot) == 16, "abi: disk_slot");
 _Static_assert(sizeof(struct blk_stats) == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS), "abi: blk_stats");

@@ -37,7 +37,7 @@ struct rq_outcome {
 	__u32 bytes;
 	__u16 requeues;
 	__u16 flags;
-	__u32 tgid;
+	__u32 vm;
 	__u32 vdisk;
 };
 
@@ -49,20 +49,21 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
 	s->done_bytes = 0;
 	s->requeues = 0;
 	s->flags = 0;
-	s->tgid = 0;
+	s->vm = 0;
 	s->vdisk = 0;
 }
 
 /* block_io_start (block_rq_insert before v6.5), in the submitter's context:
- * `now` is our start stamp (0 when the kernel keeps one), `tgid` who
- * submitted — completions run in interrupt context under whatever task was
- * there, so identity is only ever taken here. */
-static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 tgid,
+ * `now` is our start stamp (0 when the kernel keeps one), `vm` and `vdisk`
+ * who submitted it and for which virtual disk — completions run in
+ * interrupt context under whatever task was there, so identity is only ever
+ * taken here. */
+static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 vm,
 					__u32 vdisk)
 {
 	rq_slot_reset(s, rq);
 	s->start_ns = now;
-	s->tgid = tgid;
+	s->vm = vm;
 	s->vdisk = vdisk;
 }
 
@@ -110,7 +111,7 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 	out->issue_ns = c->kissue_ns;
 	out->requeues = 0;
 	out->flags = 0;
-	out->tgid = 0;
+	out->vm = 0;
 	out->vdisk = 0;
 	if (mine) {
 		out->bytes += s->done_bytes;
@@ -123,7 +124,7 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 			out->issue_ns = s->issue_ns;
 		out->requeues = s->requeues;
 		out->flags = s->flags & (RQ_F_PARTIAL | RQ_F_REQUEUED);
-		out->tgid = s->tgid;
+		out->vm = s->vm;
 		out->vdisk = s->vdisk;
 		s->rq = 0;
 	}

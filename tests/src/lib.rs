@@ -32,7 +32,7 @@ pub struct RqOutcome {
     pub bytes: u32,
     pub requeues: u16,
     pub flags: u16,
-    pub tgid: u32,
+    pub vm: u32,
     pub vdisk: u32,
 }
 
@@ -58,11 +58,12 @@ pub struct ShimConsts {
     pub f_error: u32,
     pub nr_counters: u32,
     pub event_blk_io: u32,
+    pub vdisk_several: u32,
 }
 
 extern "C" {
     fn shim_hist_bucket(v: u64) -> u32;
-    fn shim_rq_on_start(s: *mut RqSlot, rq: u64, now: u64, tgid: u32, vdisk: u32);
+    fn shim_rq_on_start(s: *mut RqSlot, rq: u64, now: u64, vm: u32, vdisk: u32);
     fn shim_rq_on_issue(s: *mut RqSlot, rq: u64, now: u64);
     fn shim_rq_on_requeue(s: *mut RqSlot, rq: u64);
     fn shim_rq_on_complete(s: *mut RqSlot, c: *const RqCompletion, o: *mut RqOutcome) -> i32;
@@ -81,9 +82,9 @@ pub fn c_hist_bucket(v: u64) -> usize {
 pub mod rq {
     use super::*;
 
-    pub fn start(s: &mut RqSlot, rq: u64, now: u64, tgid: u32, vdisk: u32) {
+    pub fn start(s: &mut RqSlot, rq: u64, now: u64, vm: u32, vdisk: u32) {
         // SAFETY: `s` is a valid, exclusive slot.
-        unsafe { shim_rq_on_start(s, rq, now, tgid, vdisk) }
+        unsafe { shim_rq_on_start(s, rq, now, vm, vdisk) }
     }
     pub fn issue(s: &mut RqSlot, rq: u64, now: u64) {
         // SAFETY: as above.

@@ -36,6 +36,87 @@ const BPFTRACE_BIOLATENCY: &str = "tracepoint:block:block_rq_issue { @start[args
 tracepoint:block:block_rq_complete /@start[args->dev, args->sector]/ { \
 @usecs = hist((nsecs - @start[args->dev, args->sector]) / 1000); delete(@start[args->dev, args->sector]); }";
 
+#[derive(clap::Args, Clone)]
+pub struct GuestArgs {
+    /// Boots per arm (the table shows medians).
+    #[arg(long, default_value_t = 5)]
+    reps: u32,
+    /// I/Os per boot.
+    #[arg(long, default_value_t = 3000)]
+    ios: u64,
+    /// Guest queue depth.
+    #[arg(long, default_value_t = 1)]
+    qd: u32,
+}
+
+/// The guest arm: the rig guest's own latency with and without iospan on
+/// the host (VM attribution on), boots interleaved, and what iospan costs
+/// per guest I/O.
+pub fn guest(a: &GuestArgs) -> Result<()> {
+    use crate::guest::{self as rig, RunArgs};
+    sh::cargo(&["build", "--release", "-p", "iospan"])?;
+    let iospan = sh::root().join("target/release/iospan");
+    let out_dir = sh::root().join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let built = rig::build()?;
+    let image = rig::dir().join("disk.img");
+    rig::ensure_image(&image, 256)?;
+    let args = RunArgs { qd: a.qd, ios: a.ios, name: "bench-guest".into(), ..Default::default() };
+    let report = out_dir.join("guest-iospan.json");
+    let mut rows: Vec<(bool, f64, f64, f64, Option<f64>)> = Vec::new(); // traced, p50, mean, p99, bpf ns/IO
+    for rep in 0..a.reps {
+        for traced in [rep % 2 == 0, rep % 2 != 0] {
+            let (qemu, dev) = rig::qemu_command(&built, &args, &image);
+            let mut cmd = if traced {
+                let mut c = Command::new(&iospan);
+                c.args(["run", "--quiet", "--bpf-stats", "--json-out"]).arg(&report).arg("--").arg(qemu.get_program()).args(qemu.get_args());
+                c
+            } else {
+                qemu
+            };
+            let t = Instant::now();
+            let out = cmd.output().context("booting the rig guest")?;
+            let console: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+            let r = rig::parse(&console, &args, dev, t.elapsed().as_secs_f64())?;
+            let w = &r.workload;
+            let bpf = if traced {
+                let j: Value = serde_json::from_slice(&std::fs::read(&report)?)?;
+                let ns: u64 = j["agent"]["bpf"].as_array().into_iter().flatten().filter_map(|p| p["run_time_ns"].as_u64()).sum();
+                Some(ns as f64 / r.guest_reads.max(1) as f64)
+            } else {
+                None
+            };
+            eprintln!("xtask: bench guest: rep {} traced={traced}: p50 {} µs", rep + 1, w["p50_us"]);
+            rows.push((traced, w["p50_us"].as_f64().unwrap_or(0.0), w["mean_us"].as_f64().unwrap_or(0.0), w["p99_us"].as_f64().unwrap_or(0.0), bpf));
+        }
+    }
+    let med = |traced: bool, f: &dyn Fn(&(bool, f64, f64, f64, Option<f64>)) -> Option<f64>| {
+        let mut v: Vec<f64> = rows.iter().filter(|r| r.0 == traced).filter_map(f).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let (p50_off, p50_on) = (med(false, &|r| Some(r.1)), med(true, &|r| Some(r.1)));
+    let (mean_off, mean_on) = (med(false, &|r| Some(r.2)), med(true, &|r| Some(r.2)));
+    let (p99_off, p99_on) = (med(false, &|r| Some(r.3)), med(true, &|r| Some(r.3)));
+    let bpf = med(true, &|r| r.4);
+    println!("rig guest (TCG), virtio-blk aio=io_uring, 4k randread QD{} x {} I/Os, {} boots per arm, medians", a.qd, a.ios, a.reps);
+    println!("{:<16} {:>10} {:>10} {:>10}", "host", "p50 µs", "mean µs", "p99 µs");
+    println!("{:<16} {:>10.1} {:>10.1} {:>10.1}", "no tracing", p50_off, mean_off, p99_off);
+    println!("{:<16} {:>10.1} {:>10.1} {:>10.1}", "iospan run", p50_on, mean_on, p99_on);
+    println!("guest p50 added by iospan: {:+.1}%; iospan BPF time per guest I/O: {bpf:.0} ns; uprobe hits per I/O: 0", (p50_on / p50_off - 1.0) * 100.0);
+    let json = serde_json::json!({
+        "date": chrono_free_date(), "machine": machine(),
+        "params": {"reps": a.reps, "ios": a.ios, "qd": a.qd, "disk": "virtio-blk", "aio": "io_uring"},
+        "no_tracing": {"p50_us": p50_off, "mean_us": mean_off, "p99_us": p99_off},
+        "iospan": {"p50_us": p50_on, "mean_us": mean_on, "p99_us": p99_on, "bpf_ns_per_guest_io": bpf, "uprobe_hits_per_io": 0},
+        "p50_added": p50_on / p50_off - 1.0,
+    });
+    let path = out_dir.join("guest.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
+    eprintln!("xtask: wrote {}", path.display());
+    Ok(())
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 enum Arm {

@@ -51,6 +51,9 @@ enum BenchCmd {
     /// CPU cost per I/O of tracing: no tracing vs `iospan run` vs a biolatency-style
     /// bpftrace one-liner, interleaved, on a scratch loop device at saturation.
     Overhead(bench::OverheadArgs),
+    /// The rig guest's own latency with and without iospan on the host, and
+    /// iospan's cost per guest I/O.
+    Guest(bench::GuestArgs),
 }
 
 fn main() -> Result<()> {
@@ -67,6 +70,7 @@ fn main() -> Result<()> {
             setup::ensure(true)?;
             bench::overhead(&a)
         }
+        Cmd::Bench { which: BenchCmd::Guest(a) } => bench::guest(&a),
         Cmd::Guest { cmd } => guest::main(cmd),
         Cmd::Vmlinux => setup::vmlinux(),
     }

@@ -10,9 +10,10 @@ use serde::{Deserialize, Serialize};
 
 use super::{attach, Attachment, Flavour, LoadError};
 use crate::{
-    abi::{counter, BlkStats, DiskSlot, FileKey, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS, NR_DIO_END_IO},
+    abi::{counter, BlkStats, DiskSlot, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS, NR_DIO_END_IO},
     disks::Dev,
     model::{DiskOpStats, Op},
+    vms::VmMaps,
 };
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/block.bpf.o"));
@@ -35,13 +36,13 @@ pub struct BlockConfig {
     /// ones (tgids, given slots 1..) and any started later.
     pub track_vms: bool,
     pub vm_pids: Vec<u32>,
-    /// Backing files of those VMs' virtual disks, with their vdisk slots.
-    pub vdisk_files: Vec<(FileKey, u32)>,
+    /// What the kernel side needs to resolve those VMs' virtual disks.
+    pub vm_maps: VmMaps,
 }
 
 impl Default for BlockConfig {
     fn default() -> Self {
-        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false, track_vms: false, vm_pids: Vec::new(), vdisk_files: Vec::new() }
+        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false, track_vms: false, vm_pids: Vec::new(), vm_maps: VmMaps::default() }
     }
 }
 
@@ -142,14 +143,19 @@ fn dio_end_io_addresses() -> [u64; NR_DIO_END_IO] {
     out
 }
 
-fn add_vdisk_files(ebpf: &mut Ebpf, files: &[(FileKey, u32)]) -> Result<(), LoadError> {
-    let mut map: HashMap<_, FileKey, u32> =
-        HashMap::try_from(ebpf.map_mut("vdisk_files").ok_or(LoadError::Map { map: "vdisk_files", source: None })?)
-            .map_err(|e| LoadError::Map { map: "vdisk_files", source: Some(e) })?;
-    for (k, slot) in files {
-        map.insert(k, slot, 0).map_err(|e| LoadError::Map { map: "vdisk_files", source: Some(e) })?;
+fn insert_all<K: aya::Pod>(ebpf: &mut Ebpf, name: &'static str, items: &[(K, u32)]) -> Result<(), LoadError> {
+    let err = |e| LoadError::Map { map: name, source: Some(e) };
+    let mut map: HashMap<_, K, u32> =
+        HashMap::try_from(ebpf.map_mut(name).ok_or(LoadError::Map { map: name, source: None })?).map_err(err)?;
+    for (k, v) in items {
+        map.insert(k, v, 0).map_err(err)?;
     }
     Ok(())
+}
+
+fn add_vm_maps(ebpf: &mut Ebpf, maps: &VmMaps) -> Result<(), LoadError> {
+    insert_all(ebpf, "vdisk_files", &maps.files)?;
+    insert_all(ebpf, "vm_disks", &maps.disks)
 }
 
 pub struct BlockProbes {
@@ -218,7 +224,7 @@ impl BlockProbes {
                 pids.insert(pid, i as u32 + 1, 0).map_err(|e| LoadError::Map { map: "vm_pids", source: Some(e) })?;
             }
             attachments.push(attach(&mut ebpf, btf, "sched_process_exec", flavour)?);
-            add_vdisk_files(&mut ebpf, &cfg.vdisk_files)?;
+            add_vm_maps(&mut ebpf, &cfg.vm_maps)?;
         }
         for tp in ["block_rq_issue", "block_rq_requeue", "block_rq_complete"] {
             attachments.push(attach(&mut ebpf, btf, tp, flavour)?);
@@ -280,14 +286,26 @@ impl BlockProbes {
             self.ebpf.map("vm_latency").ok_or(LoadError::Map { map: "vm_latency", source: None })?,
         )
         .map_err(map_err("vm_latency"))?;
+        let vm_nested: HashMap<_, VmKey, BlkStats> = HashMap::try_from(
+            self.ebpf.map("vm_latency_nested").ok_or(LoadError::Map { map: "vm_latency_nested", source: None })?,
+        )
+        .map_err(map_err("vm_latency_nested"))?;
+        let key = |k: &VmKey| VmStatKey {
+            vm: k.vm,
+            dev: Dev(k.dev),
+            op: Op::from_index(k.op as usize).unwrap_or(Op::Other),
+            vdisk: k.vdisk,
+        };
         for item in vm_latency.iter() {
             let (k, per_cpu) = item.map_err(map_err("vm_latency"))?;
-            let mut s = DiskOpStats::default();
+            let s = snap.vm_stats.entry(key(&k)).or_default();
             for cpu in per_cpu.iter() {
                 s.add_cpu(cpu);
             }
-            let op = Op::from_index(k.op as usize).unwrap_or(Op::Other);
-            snap.vm_stats.insert(VmStatKey { vm: k.vm, dev: Dev(k.dev), op, vdisk: k.vdisk }, s);
+        }
+        for item in vm_nested.iter() {
+            let (k, v) = item.map_err(map_err("vm_latency_nested"))?;
+            snap.vm_stats.entry(key(&k)).or_default().add_cpu(&v);
         }
         snap.counters = self.counters()?;
         Ok(snap)
@@ -315,9 +333,9 @@ impl BlockProbes {
         Ok(())
     }
 
-    /// Tells the kernel side about more virtual disks' backing files.
-    pub fn add_vdisk_files(&mut self, files: &[(FileKey, u32)]) -> Result<(), LoadError> {
-        add_vdisk_files(&mut self.ebpf, files)
+    /// Tells the kernel side about a new VM's virtual disks.
+    pub fn add_vm_maps(&mut self, maps: &VmMaps) -> Result<(), LoadError> {
+        add_vm_maps(&mut self.ebpf, maps)
     }
 
     /// (tgid, VM slot) of every process known as a VM so far.
