@@ -63,7 +63,14 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
     rig::ensure_image(&image, 256)?;
     let args = RunArgs { qd: a.qd, ios: a.ios, name: "bench-guest".into(), ..Default::default() };
     let report = out_dir.join("guest-iospan.json");
-    let mut rows: Vec<(bool, f64, f64, f64, Option<f64>)> = Vec::new(); // traced, p50, mean, p99, bpf ns/IO
+    struct Row {
+        traced: bool,
+        p50: f64,
+        mean: f64,
+        p99: f64,
+        bpf_ns: Option<f64>,
+    }
+    let mut rows: Vec<Row> = Vec::new();
     for rep in 0..a.reps {
         for traced in [rep % 2 == 0, rep % 2 != 0] {
             let (qemu, dev) = rig::qemu_command(&built, &args, &image);
@@ -87,18 +94,19 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
                 None
             };
             eprintln!("xtask: bench guest: rep {} traced={traced}: p50 {} µs", rep + 1, w["p50_us"]);
-            rows.push((traced, w["p50_us"].as_f64().unwrap_or(0.0), w["mean_us"].as_f64().unwrap_or(0.0), w["p99_us"].as_f64().unwrap_or(0.0), bpf));
+            let num = |k: &str| w[k].as_f64().unwrap_or(f64::NAN);
+            rows.push(Row { traced, p50: num("p50_us"), mean: num("mean_us"), p99: num("p99_us"), bpf_ns: bpf });
         }
     }
-    let med = |traced: bool, f: &dyn Fn(&(bool, f64, f64, f64, Option<f64>)) -> Option<f64>| {
-        let mut v: Vec<f64> = rows.iter().filter(|r| r.0 == traced).filter_map(f).collect();
+    let med = |traced: bool, f: &dyn Fn(&Row) -> Option<f64>| {
+        let mut v: Vec<f64> = rows.iter().filter(|r| r.traced == traced).filter_map(f).collect();
         v.sort_by(|a, b| a.total_cmp(b));
         v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
     };
-    let (p50_off, p50_on) = (med(false, &|r| Some(r.1)), med(true, &|r| Some(r.1)));
-    let (mean_off, mean_on) = (med(false, &|r| Some(r.2)), med(true, &|r| Some(r.2)));
-    let (p99_off, p99_on) = (med(false, &|r| Some(r.3)), med(true, &|r| Some(r.3)));
-    let bpf = med(true, &|r| r.4);
+    let (p50_off, p50_on) = (med(false, &|r| Some(r.p50)), med(true, &|r| Some(r.p50)));
+    let (mean_off, mean_on) = (med(false, &|r| Some(r.mean)), med(true, &|r| Some(r.mean)));
+    let (p99_off, p99_on) = (med(false, &|r| Some(r.p99)), med(true, &|r| Some(r.p99)));
+    let bpf = med(true, &|r| r.bpf_ns);
     println!("rig guest (TCG), virtio-blk aio=io_uring, 4k randread QD{} x {} I/Os, {} boots per arm, medians", a.qd, a.ios, a.reps);
     println!("{:<16} {:>10} {:>10} {:>10}", "host", "p50 µs", "mean µs", "p99 µs");
     println!("{:<16} {:>10.1} {:>10.1} {:>10.1}", "no tracing", p50_off, mean_off, p99_off);

@@ -107,7 +107,8 @@ impl Hist {
     }
 
     pub fn summary(&self) -> Summary {
-        let us = |ns: f64| (ns / 1000.0 * 1000.0).round() / 1000.0;
+        // µs with ns precision.
+        let us = |ns: f64| ns.round() / 1000.0;
         Summary {
             count: self.count,
             mean_us: us(self.mean_ns()),
