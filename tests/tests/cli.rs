@@ -168,3 +168,35 @@ fn demo_traces_fio_on_a_scratch_disk_and_prints_the_table() {
     let backing = std::fs::read_to_string(format!("/sys/block/{disk}/loop/backing_file")).unwrap_or_default();
     assert!(!backing.contains("iospan-scratch"), "{disk} still attached to {backing}");
 }
+
+#[test]
+fn more_disks_than_slots_are_counted_not_mixed() {
+    // Two scratch disks, one disk slot: the second disk's requests must be
+    // counted as conflicts, never added to the first disk's numbers.
+    let a = ScratchLoop::create(Path::new("/dev/shm"), 32).unwrap();
+    let b = ScratchLoop::create(Path::new("/dev/shm"), 32).unwrap();
+    let report = std::env::temp_dir().join(format!("iospan-slots-{}.json", std::process::id()));
+    let script = format!(
+        "dd if={} of=/dev/null bs=4k count=500 iflag=direct status=none && dd if={} of=/dev/null bs=4k count=300 iflag=direct status=none",
+        a.dev_path(),
+        b.dev_path()
+    );
+    let out = run(Command::new(iospan_bin())
+        .args(["run", "--quiet", "--no-vms", "--max-disks", "1", "--disk", &a.name, "--disk", &b.name, "--json-out"])
+        .arg(&report)
+        .args(["--", "sh", "-c", &script]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let entries = r["entries"].as_array().unwrap();
+    let ios_of = |d: &str| entries.iter().filter(|e| e["disk"] == d).map(|e| e["ios"].as_u64().unwrap()).sum::<u64>();
+    let (ta, tb) = (ios_of(&a.name), ios_of(&b.name));
+    let conflicts = r["lost"]["disk_conflicts"].as_u64().unwrap();
+    // Whichever disk took the slot first (perhaps another disk of this
+    // machine), every other disk's requests are conflicts: a disk's count is
+    // all of its requests or none, and nothing is unaccounted for.
+    assert!(ta == 0 || ta == 500, "{entries:#?}");
+    assert!(tb == 0 || tb == 300, "{entries:#?}");
+    assert!(ta == 0 || tb == 0, "both disks in one slot: {entries:#?}");
+    assert!(ta + tb + conflicts >= 800, "traced {ta}+{tb}, conflicts {conflicts}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("disk table conflicts"), "the table says so");
+}

@@ -29,7 +29,8 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Set up, build, and run the built-in demo (`iospan demo`).
+    /// Set up, build, and run the main job: trace the VMs on this host for a
+    /// while, or, with none running, boot the rig guest and trace it.
     Demo,
     /// Benchmarks.
     Bench {
@@ -61,11 +62,7 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Setup { bench } => setup::ensure(bench),
         Cmd::Test { args } => test(&args),
-        Cmd::Demo => {
-            setup::ensure(false)?;
-            sh::cargo(&["build", "--release", "-p", "iospan"])?;
-            sh::run(std::process::Command::new(sh::root().join("target/release/iospan")).arg("demo"))
-        }
+        Cmd::Demo => demo(),
         Cmd::Bench { which: BenchCmd::Overhead(a) } => {
             setup::ensure(true)?;
             bench::overhead(&a)
@@ -74,6 +71,28 @@ fn main() -> Result<()> {
         Cmd::Guest { cmd } => guest::main(cmd),
         Cmd::Vmlinux => setup::vmlinux(),
     }
+}
+
+fn demo() -> Result<()> {
+    setup::ensure(false)?;
+    sh::cargo(&["build", "--release", "-p", "iospan"])?;
+    let iospan = sh::root().join("target/release/iospan");
+    let vms_running = std::fs::read_dir("/proc")?.flatten().any(|e| {
+        std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.starts_with("qemu-system-"))
+    });
+    if vms_running {
+        eprintln!("xtask: demo: tracing the VMs running on this host for 10 s");
+        return sh::run(std::process::Command::new(iospan).args(["run", "--duration", "10s"]));
+    }
+    eprintln!("xtask: demo: no VM running here; booting the rig guest (4k random reads, QD4) under iospan");
+    let rig = guest::build()?;
+    let image = guest::dir().join("disk.img");
+    guest::ensure_image(&image, 256)?;
+    let args = guest::RunArgs { qd: 4, ios: 5000, name: "demo-guest".into(), ..Default::default() };
+    let (qemu, _) = guest::qemu_command(&rig, &args, &image);
+    let mut cmd = std::process::Command::new(iospan);
+    cmd.args(["run", "--"]).arg(qemu.get_program()).args(qemu.get_args());
+    sh::run(&mut cmd)
 }
 
 fn test(args: &[String]) -> Result<()> {
