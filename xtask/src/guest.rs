@@ -177,11 +177,20 @@ pub fn build() -> Result<Rig> {
 
 fn fetch_kernel(kernel_dir: &Path, kernel: &Path) -> Result<()> {
     eprintln!("xtask: fetching Debian's cloud kernel");
-    let deps = sh::output(Command::new("apt-cache").args(["depends", "linux-image-cloud-amd64"]))?;
-    let pkg = String::from_utf8_lossy(&deps.stdout)
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("Depends: ").filter(|p| p.starts_with("linux-image-")).map(str::to_string))
-        .context("apt-cache knows no linux-image-cloud-amd64 (run apt-get update)")?;
+    let find = || -> Result<Option<String>> {
+        let deps = sh::output(Command::new("apt-cache").args(["depends", "linux-image-cloud-amd64"]))?;
+        Ok(String::from_utf8_lossy(&deps.stdout)
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("Depends: ").filter(|p| p.starts_with("linux-image-")).map(str::to_string)))
+    };
+    let pkg = match find()? {
+        Some(p) => p,
+        None => {
+            // A machine whose package lists were never fetched.
+            sh::run(Command::new("apt-get").args(["update", "-qq"]))?;
+            find()?.context("Debian's package lists have no linux-image-cloud-amd64")?
+        }
+    };
     let dl = dir().join("deb");
     std::fs::create_dir_all(&dl)?;
     sh::run(Command::new("apt-get").args(["download", &pkg]).current_dir(&dl))?;
