@@ -165,9 +165,14 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             }
             _ = vm_tick.tick(), if opts.vms => name_new_vms(&mut probes, &mut known),
             _ = tick.tick() => {
-                let ios = probes.snapshot().map(|s| s.stats.iter()
-                    .filter(|((d, _), _)| only.is_empty() || only.contains(d))
-                    .map(|(_, s)| s.ios).sum::<u64>()).unwrap_or(0);
+                // Progress from the kernel's own counters: reading our
+                // per-CPU histograms every second would cost more than the
+                // tracing on a many-CPU host.
+                let ios: u64 = diskstats::delta(&kernel0, &diskstats::read_all())
+                    .iter()
+                    .filter(|(d, _)| only.is_empty() || only.contains(d))
+                    .map(|(_, k)| k.reads + k.writes + k.discards + k.flushes)
+                    .sum();
                 progress.show(t0.elapsed(), ios);
             }
         }
