@@ -76,18 +76,6 @@ pub struct Counters {
     pub vm_table_full: u64,
 }
 
-impl Counters {
-    pub fn lost(&self) -> u64 {
-        self.ringbuf_drops
-            + self.disk_conflicts
-            + self.slot_conflicts
-            + self.no_issue
-            + self.bpf_recursion_misses
-            + self.unseen
-            + self.vm_table_full
-    }
-}
-
 /// One read of the kernel's aggregates: cumulative since load.
 #[derive(Clone, Debug, Default)]
 pub struct BlockSnapshot {
