@@ -3,6 +3,7 @@
 
 use std::{
     io::{IsTerminal, Write},
+    sync::{Arc, Mutex},
     path::PathBuf,
     process::ExitStatus,
     time::{Duration, Instant},
@@ -72,6 +73,8 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     for (i, vm) in running.into_iter().enumerate() {
         vm_maps.extend(known.add(i as u32 + 1, vm));
     }
+    // Shared with the per-request writer, which names VMs and vdisks.
+    let known = Arc::new(Mutex::new(known));
     let cfg = BlockConfig {
         max_disks: opts.max_disks,
         // --events-out alone streams every request.
@@ -102,7 +105,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         Some(path) => {
             let ring = probes.take_events()?;
             let file = std::fs::File::create(path).with_context(|| format!("creating --events-out {}", path.display()))?;
-            Some(tokio::spawn(drain_events(ring, std::io::BufWriter::new(file), stop_rx)))
+            Some(tokio::spawn(drain_events(ring, std::io::BufWriter::new(file), known.clone(), stop_rx)))
         }
         None => None,
     };
@@ -163,7 +166,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
                 }
                 break;
             }
-            _ = vm_tick.tick(), if opts.vms => name_new_vms(&mut probes, &mut known),
+            _ = vm_tick.tick(), if opts.vms => name_new_vms(&mut probes, &known),
             _ = tick.tick() => {
                 // Progress from the kernel's own counters: reading our
                 // per-CPU histograms every second would cost more than the
@@ -183,7 +186,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // real, never a race of the two reads.
     let kernel = diskstats::delta(&kernel0, &diskstats::read_all());
     let mut snap = probes.snapshot().context("reading the block-layer statistics")?;
-    name_new_vms(&mut probes, &mut known);
+    name_new_vms(&mut probes, &known);
     snap.counters.unseen = report::unseen(&snap.stats, &kernel, &only);
     progress.done();
 
@@ -207,7 +210,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         },
         entries: {
             let mut e = report::entries(&snap.stats, &kernel, &only, elapsed);
-            e.extend(report::vm_entries(&snap.vm_stats, &known, &only, elapsed));
+            e.extend(report::vm_entries(&snap.vm_stats, &known.lock().unwrap_or_else(|p| p.into_inner()), &only, elapsed));
             e
         },
     };
@@ -223,8 +226,9 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
 
 /// Names VM slots the kernel side handed out since the last look, and
 /// tells it their backing files.
-fn name_new_vms(probes: &mut BlockProbes, known: &mut Registry) {
+fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) {
     let Ok(pids) = probes.vm_pids() else { return };
+    let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
     for (tgid, slot) in pids {
         if known.vms.contains_key(&slot) {
             continue;
@@ -266,6 +270,7 @@ async fn terminate(child: &mut tokio::process::Child) {
 async fn drain_events<W: Write>(
     ring: aya::maps::RingBuf<aya::maps::MapData>,
     mut out: W,
+    known: Arc<Mutex<Registry>>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<u64> {
     // SAFETY: the ring buffer owns its fd and outlives the registration
@@ -285,7 +290,8 @@ async fn drain_events<W: Write>(
         while let Some(item) = ring.next() {
             match BlkIoEvent::from_bytes(&item) {
                 Some(ev) => {
-                    serde_json::to_writer(&mut out, &event_json(&ev))?;
+                    let json = event_json(&ev, &known.lock().unwrap_or_else(|p| p.into_inner()));
+                    serde_json::to_writer(&mut out, &json)?;
                     out.write_all(b"\n")?;
                     written += 1;
                 }
@@ -303,12 +309,14 @@ async fn drain_events<W: Write>(
     Ok(written)
 }
 
-fn event_json(ev: &BlkIoEvent) -> serde_json::Value {
+fn event_json(ev: &BlkIoEvent, known: &Registry) -> serde_json::Value {
     let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1000.0;
     let start = (ev.flags & RQ_F_NO_START == 0).then_some(ev.start_ns);
     let issue = (ev.flags & RQ_F_NO_ISSUE == 0).then_some(ev.issue_ns);
     serde_json::json!({
         "disk": disks::name_of(Dev(ev.dev)),
+        "vm": (ev.vm != 0).then(|| known.name(ev.vm)),
+        "vdisk": known.vdisk(ev.vdisk),
         "op": Op::from_index(ev.op as usize).unwrap_or(Op::Other),
         "sector": ev.sector,
         "bytes": ev.bytes,

@@ -24,8 +24,15 @@ fn traced_boot(a: RunArgs) {
     let host = host_disk_of(&image);
     let (qemu, guest_dev) = guest::qemu_command(&rig, &a, &image);
     let report = std::env::temp_dir().join(format!("iospan-rig-{}-{:?}.json", std::process::id(), a.disk));
+    let events = report.with_extension("jsonl");
     let mut cmd = Command::new(iospan_bin());
-    cmd.args(["run", "--quiet", "--disk", &host, "--json-out"]).arg(&report).arg("--").arg(qemu.get_program()).args(qemu.get_args());
+    cmd.args(["run", "--quiet", "--disk", &host, "--json-out"])
+        .arg(&report)
+        .arg("--events-out")
+        .arg(&events)
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args());
     let t = std::time::Instant::now();
     let out = run(&mut cmd);
     let console: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
@@ -73,6 +80,12 @@ fn traced_boot(a: RunArgs) {
     assert!(vm_ios <= r.guest_reads + 16, "VM {vm_ios} vs guest {} requests: {ctx}", r.guest_reads);
     assert!(vm_ios <= reads["ios"].as_u64().unwrap(), "VM {vm} above host {reads}");
     assert!(vm["total"]["mean_us"].as_f64().unwrap() <= guest_mean);
+
+    // Every one of those requests is in the per-request stream, named.
+    let records: Vec<Value> = std::fs::read_to_string(&events).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mine = records.iter().filter(|r| r["vm"] == a.name.as_str() && r["vdisk"] == a.disk_id.as_str() && r["op"] == "read").count();
+    assert_eq!(rep["lost"]["ringbuf_drops"].as_u64(), Some(0));
+    assert_eq!(mine as u64, vm_ios, "streamed records of {}/{}", a.name, a.disk_id);
 }
 
 #[test]
