@@ -182,3 +182,38 @@ fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
         assert_eq!(rep["lost"][k].as_u64(), Some(0), "lost.{k}: {}", rep["lost"]);
     }
 }
+
+/// A throttle in QEMU's block layer delays requests before they reach the
+/// host: the guest sees it, the host device window does not move.
+#[test]
+fn a_qemu_throttle_is_not_device_time() {
+    let rig = guest::build().expect("rig build");
+    let image = guest::dir().join("disk.img");
+    guest::ensure_image(&image, 256).unwrap();
+    let host = host_disk_of(&image);
+    let boot = |throttle: Option<u32>| {
+        let a = RunArgs { ios: 600, throttle_iops: throttle, name: "throttled".into(), ..Default::default() };
+        let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
+        let report = std::env::temp_dir().join(format!("iospan-throttle-{}-{}.json", std::process::id(), throttle.is_some()));
+        let t = std::time::Instant::now();
+        let out = run(Command::new(iospan_bin())
+            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .arg(&report)
+            .arg("--")
+            .arg(qemu.get_program())
+            .args(qemu.get_args()));
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let console: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+        let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64()).unwrap();
+        let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+        let vm = rep["entries"].as_array().unwrap().iter().find(|e| e["vm"] == "throttled" && e["disk"] == "vd0" && e["op"] == "read").cloned().unwrap();
+        (r.workload["mean_us"].as_f64().unwrap(), vm["total"]["mean_us"].as_f64().unwrap())
+    };
+    let (guest_free, device_free) = boot(None);
+    let (guest_slow, device_slow) = boot(Some(400));
+    let added = guest_slow - guest_free;
+    // 400 IOPS at QD1 means ~2.5 ms per I/O against a few hundred µs free.
+    assert!(added > 1000.0, "the throttle added only {added} µs (guest {guest_free} -> {guest_slow})");
+    let moved = (device_slow - device_free).abs();
+    assert!(moved <= 0.10 * added, "device moved {moved} µs of the {added} µs the throttle added");
+}

@@ -59,6 +59,9 @@ pub struct RunArgs {
     /// The virtual disk's id.
     #[arg(long, default_value = "vd0")]
     pub disk_id: String,
+    /// Throttle the drive in QEMU's block layer (throttling.iops-total).
+    #[arg(long, value_name = "IOPS")]
+    pub throttle_iops: Option<u32>,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -101,6 +104,7 @@ impl Default for RunArgs {
             image: None,
             name: "iospan-rig".into(),
             disk_id: "vd0".into(),
+            throttle_iops: None,
             json: false,
         }
     }
@@ -328,7 +332,13 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
             a.qd, a.ios, a.rw
         ))
         .arg("-drive")
-        .arg(format!("file={},if=none,id={},format=raw,cache=none,aio={}", image.display(), a.disk_id, a.aio.qemu()));
+        .arg(format!(
+            "file={},if=none,id={},format=raw,cache=none,aio={}{}",
+            image.display(),
+            a.disk_id,
+            a.aio.qemu(),
+            a.throttle_iops.map(|n| format!(",throttling.iops-total={n}")).unwrap_or_default()
+        ));
     match a.disk {
         DiskModel::VirtioBlk if a.iothread => {
             c.args(["-object", "iothread,id=io0", "-device", &format!("virtio-blk-pci,drive={},iothread=io0", a.disk_id)]);
