@@ -81,10 +81,26 @@ pub fn probe_all() -> Vec<ProbeResult> {
                 .and_then(|mut ebpf| try_probe(&mut ebpf, btf.as_ref(), probe));
             match outcome {
                 Ok(()) => ProbeResult { probe, works: true, reason: None },
-                Err(reason) => ProbeResult { probe, works: false, reason: Some(reason) },
+                Err(reason) => ProbeResult { probe, works: false, reason: Some(explain(probe, reason)) },
             }
         })
         .collect()
+}
+
+/// Puts the usual causes in words before the kernel's own message.
+fn explain(probe: ProbeType, reason: String) -> String {
+    let cause = match probe {
+        ProbeType::Kprobe if reason.contains("devices/kprobe") => Some("no kprobe PMU in this kernel (perf_kprobe)"),
+        ProbeType::Fentry if reason.contains("not permitted") => {
+            Some("the kernel refuses BPF trampolines here (EPERM at load; lockdown or no trampoline support)")
+        }
+        _ if reason.contains("Permission denied") => Some("not permitted (root or CAP_BPF + CAP_PERFMON needed)"),
+        _ => None,
+    };
+    match cause {
+        Some(c) => format!("{c}: {reason}"),
+        None => reason,
+    }
 }
 
 fn try_probe(ebpf: &mut Ebpf, btf: Option<&Btf>, probe: ProbeType) -> Result<(), String> {
