@@ -37,6 +37,9 @@ const volatile __u64 targ_wakeup_bytes = 256 << 10; /* wake the reader past this
 const volatile __u32 targ_nr_stream_devs = 0;
 /* Attribute requests to VMs (processes in vm_pids) and keep vm_latency. */
 const volatile __u32 targ_track_vms = 0;
+/* Follow VMs' notifications (eventfd kicks, pickups, signals) to split the
+ * host window of their requests; needs targ_track_vms. */
+const volatile __u32 targ_vm_segments = 0;
 /* Next VM slot to hand out; the agent starts it past the VMs it found. */
 __u32 next_vm = 0;
 /* Addresses of iomap_dio_bio_end_io and blkdev_bio_end_io_async (from
@@ -115,6 +118,34 @@ struct {
 	__type(key, struct vm_dev_key);
 	__type(value, __u32);
 } vm_disks SEC(".maps");
+
+/* A VM's eventfds with a kick written by a vCPU thread and not yet read:
+ * (tgid, fd) -> time of the first such write. */
+struct fd_key {
+	__u32 tgid;
+	__u32 fd;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct fd_key);
+	__type(value, __u64);
+} pending_kicks SEC(".maps");
+
+/* The last kick each engine thread picked up: tid -> {kick, pickup}. The
+ * requests that thread submits next belong to that notification. */
+struct pick {
+	__u64 kick_ns;
+	__u64 pick_ns;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, struct pick);
+} thread_picks SEC(".maps");
 
 /* Source of a zeroed blk_stats for new vm_latency entries (too big for the
  * stack). */
@@ -256,11 +287,19 @@ static __always_inline int disk_slot_of(const struct rq_fields *f)
 	return -1;
 }
 
+/* No wakeup per record: the reader drains on a timer, and is woken only
+ * when the backlog grows past targ_wakeup_bytes. */
+static __always_inline __u64 wakeup_flags(void)
+{
+	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= targ_wakeup_bytes)
+		return BPF_RB_FORCE_WAKEUP;
+	return BPF_RB_NO_WAKEUP;
+}
+
 static __always_inline void stream(const struct rq_outcome *o, const struct rq_fields *f,
 				   __u8 op, __u64 now)
 {
 	struct blk_io_event ev = {};
-	__u64 flags = BPF_RB_NO_WAKEUP;
 
 	ev.kind = EVENT_BLK_IO;
 	ev.op = op;
@@ -275,11 +314,7 @@ static __always_inline void stream(const struct rq_outcome *o, const struct rq_f
 	ev.cpu_lo = (__u8)bpf_get_smp_processor_id();
 	ev.vdisk = o->vdisk;
 	ev.vm = o->vm;
-	/* No wakeup per record: the reader drains on a timer, and is woken
-	 * only when the backlog grows past targ_wakeup_bytes. */
-	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= targ_wakeup_bytes)
-		flags = BPF_RB_FORCE_WAKEUP;
-	if (bpf_ringbuf_output(&events, &ev, sizeof(ev), flags))
+	if (bpf_ringbuf_output(&events, &ev, sizeof(ev), wakeup_flags()))
 		count(CNT_RINGBUF_DROPS);
 	else
 		count(CNT_SAMPLED);
@@ -409,21 +444,32 @@ static __always_inline void on_start(struct request *rq, __u64 key, __u64 kstart
 	struct rq_slot *s;
 	__u32 vm = 0, vdisk = 0;
 
+	__u64 kick_ns = 0, pick_ns = 0;
+
 	if (targ_track_vms) {
-		__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+		__u64 pid_tgid = bpf_get_current_pid_tgid();
+		__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
 		__u32 *v = bpf_map_lookup_elem(&vm_pids, &tgid);
 
 		/* Only a VM's requests need their submitter remembered. */
 		if (v) {
 			vm = *v;
 			vdisk = vdisk_of(rq, vm, dev);
+			if (targ_vm_segments) {
+				struct pick *p = bpf_map_lookup_elem(&thread_picks, &tid);
+
+				if (p) {
+					kick_ns = p->kick_ns;
+					pick_ns = p->pick_ns;
+				}
+			}
 		}
 	}
 	if (kstart_ns && !vm)
 		return;
 	s = rq_slot_of(key, 1);
 	if (s)
-		rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk);
+		rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns);
 }
 
 static __always_inline void on_issue(__u64 key)
@@ -441,6 +487,28 @@ static __always_inline void on_requeue(__u64 key)
 	count(CNT_REQUEUES);
 	if (s)
 		rq_on_requeue(s, key);
+}
+
+/* A VM's finished request, for the agent to split its host window. */
+static __always_inline void stream_vm_io(const struct rq_outcome *o, const struct rq_fields *f,
+					 __u8 op, __u64 now)
+{
+	struct vm_io_event ev = {};
+
+	ev.kind = EVENT_VM_IO;
+	ev.op = op;
+	ev.flags = (__u8)o->flags;
+	ev.dev = f->dev;
+	ev.kick_ns = o->kick_ns;
+	ev.pick_ns = o->pick_ns;
+	ev.start_ns = o->start_ns;
+	ev.issue_ns = o->issue_ns;
+	ev.done_ns = now;
+	ev.bytes = o->bytes;
+	ev.vm = o->vm;
+	ev.vdisk = o->vdisk;
+	if (bpf_ringbuf_output(&events, &ev, sizeof(ev), wakeup_flags()))
+		count(CNT_RINGBUF_DROPS);
 }
 
 /* The entry of a map of blk_stats for `k`, created zeroed if missing. */
@@ -512,8 +580,12 @@ static __always_inline void on_complete(const struct rq_fields *f,
 	if (disk < 0)
 		return;
 	account((__u32)disk * BLK_NR_OPS + op, &o, seg, nr_bytes, final);
-	if (final && o.vm)
+	if (final && o.vm) {
 		account_vm(&o, f, op, seg);
+		/* Only a virtual disk's requests have a host window to split. */
+		if (targ_vm_segments && o.vdisk)
+			stream_vm_io(&o, f, op, c.now_ns);
+	}
 
 	if (final && ((targ_sample_every && bpf_get_prandom_u32() % targ_sample_every == 0) ||
 		      (targ_slower_than_ns && seg[BLK_SEG_TOTAL] != ~0ULL &&
@@ -630,6 +702,91 @@ SEC("raw_tp/sched_process_exec")
 int BPF_PROG(sched_process_exec)
 {
 	on_exec();
+	return 0;
+}
+
+/* vCPU threads are named "CPU <n>/KVM" or "CPU <n>/TCG" (debug-threads=on,
+ * as libvirt runs QEMU). */
+static __always_inline int in_vcpu(void)
+{
+	char c[16];
+
+	bpf_get_current_comm(c, sizeof(c));
+	return c[0] == 'C' && c[1] == 'P' && c[2] == 'U' && c[3] == ' ';
+}
+
+/* The VM a read or write belongs to. An eventfd write moves exactly 8
+ * bytes; reads are made with larger buffers (QEMU drains an eventfd with a
+ * 512-byte read), so only writes are filtered on size. */
+static __always_inline __u32 vm_of_eventfd_io(const struct trace_event_raw_sys_enter *ctx, int write)
+{
+	__u32 tgid, *vm;
+
+	if (!targ_vm_segments || (write && ctx->args[2] != 8) || ctx->args[2] < 8)
+		return 0;
+	tgid = bpf_get_current_pid_tgid() >> 32;
+	vm = bpf_map_lookup_elem(&vm_pids, &tgid);
+	return vm ? *vm : 0;
+}
+
+/* A vCPU's eventfd write is the guest's kick; the first one not yet
+ * picked up counts. */
+SEC("tracepoint/syscalls/sys_enter_write")
+int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
+{
+	struct fd_key k;
+	__u64 now;
+
+	if (!vm_of_eventfd_io(ctx, 1) || !in_vcpu())
+		return 0;
+	now = bpf_ktime_get_ns();
+	k.tgid = bpf_get_current_pid_tgid() >> 32;
+	k.fd = (__u32)ctx->args[0];
+	bpf_map_update_elem(&pending_kicks, &k, &now, BPF_NOEXIST);
+	return 0;
+}
+
+/* QEMU raising an MSI-X interrupt (msix_notify, entered with a push, so
+ * the uprobe is not single-stepped): the engine signalling the guest, for
+ * every device model. One hit per interrupt, at most one per I/O. */
+SEC("uprobe")
+int msix_notify(void *ctx)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	__u32 *vm;
+	struct vm_signal_event ev = { .kind = EVENT_VM_SIGNAL };
+
+	if (!targ_vm_segments)
+		return 0;
+	vm = bpf_map_lookup_elem(&vm_pids, &tgid);
+	if (!vm)
+		return 0;
+	ev.vm = *vm;
+	ev.ts_ns = bpf_ktime_get_ns();
+	if (bpf_ringbuf_output(&events, &ev, sizeof(ev), wakeup_flags()))
+		count(CNT_RINGBUF_DROPS);
+	return 0;
+}
+
+/* An engine thread reading an eventfd a vCPU kicked picks the kick up. */
+SEC("tracepoint/syscalls/sys_enter_read")
+int sys_enter_read(struct trace_event_raw_sys_enter *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	struct fd_key k = { .tgid = pid_tgid >> 32, .fd = (__u32)ctx->args[0] };
+	struct pick p;
+	__u64 *kick;
+	__u32 tid = (__u32)pid_tgid;
+
+	if (!vm_of_eventfd_io(ctx, 0) || in_vcpu())
+		return 0;
+	kick = bpf_map_lookup_elem(&pending_kicks, &k);
+	if (!kick)
+		return 0;
+	p.kick_ns = *kick;
+	p.pick_ns = bpf_ktime_get_ns();
+	bpf_map_delete_elem(&pending_kicks, &k);
+	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
 	return 0;
 }
 

@@ -23,6 +23,8 @@ pub const RQ_F_NO_ISSUE: u8 = 1 << 4;
 pub const RQ_F_ERROR: u8 = 1 << 5;
 
 pub const EVENT_BLK_IO: u16 = 1;
+pub const EVENT_VM_IO: u16 = 2;
+pub const EVENT_VM_SIGNAL: u16 = 3;
 
 /// Indices of the per-CPU array `counters` (enum counter).
 pub mod counter {
@@ -72,6 +74,8 @@ pub struct RqSlot {
     pub flags: u16,
     pub vm: u32,
     pub vdisk: u32,
+    pub kick_ns: u64,
+    pub pick_ns: u64,
 }
 
 #[repr(C)]
@@ -125,7 +129,9 @@ pub struct BlkIoEvent {
 }
 
 const _: () = assert!(size_of::<BlkIoEvent>() == 56);
-const _: () = assert!(size_of::<RqSlot>() == 40);
+const _: () = assert!(size_of::<RqSlot>() == 56);
+const _: () = assert!(size_of::<VmIoEvent>() == 64);
+const _: () = assert!(size_of::<VmSignalEvent>() == 16);
 const _: () = assert!(size_of::<VmKey>() == 16);
 const _: () = assert!(size_of::<FileKey>() == 16);
 const _: () = assert!(size_of::<VmDevKey>() == 8);
@@ -141,16 +147,62 @@ unsafe impl aya::Pod for BlkIoEvent {}
 unsafe impl aya::Pod for VmKey {}
 unsafe impl aya::Pod for FileKey {}
 unsafe impl aya::Pod for VmDevKey {}
+unsafe impl aya::Pod for VmIoEvent {}
+unsafe impl aya::Pod for VmSignalEvent {}
 
-impl BlkIoEvent {
-    /// Decodes one ring-buffer record; `None` if its length or kind is not
-    /// a `BlkIoEvent` (the caller counts those).
+/// A VM's request at its final host completion, with the kick and pickup
+/// that led to it (`struct vm_io_event`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmIoEvent {
+    pub kind: u16,
+    pub op: u8,
+    pub flags: u8,
+    pub dev: u32,
+    pub kick_ns: u64,
+    pub pick_ns: u64,
+    pub start_ns: u64,
+    pub issue_ns: u64,
+    pub done_ns: u64,
+    pub bytes: u32,
+    pub vm: u32,
+    pub vdisk: u32,
+    pub _pad: u32,
+}
+
+/// An engine thread of a VM signalled the guest (`struct vm_signal_event`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmSignalEvent {
+    pub kind: u16,
+    pub _pad: u16,
+    pub vm: u32,
+    pub ts_ns: u64,
+}
+
+/// One ring-buffer record, by its leading kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Record {
+    BlkIo(BlkIoEvent),
+    VmIo(VmIoEvent),
+    VmSignal(VmSignalEvent),
+}
+
+impl Record {
+    /// `None` for a record whose kind is unknown or whose length does not
+    /// match its kind (the caller counts those).
     pub fn from_bytes(buf: &[u8]) -> Option<Self> {
-        if buf.len() != size_of::<Self>() {
-            return None;
+        fn read<T: Copy>(buf: &[u8]) -> Option<T> {
+            // SAFETY: length checked; every bit pattern is a valid T (plain integers).
+            (buf.len() == size_of::<T>()).then(|| unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) })
         }
-        // SAFETY: length checked; every bit pattern is a valid BlkIoEvent.
-        let ev: Self = unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) };
-        (ev.kind == EVENT_BLK_IO).then_some(ev)
+        let kind = u16::from_ne_bytes([*buf.first()?, *buf.get(1)?]);
+        match kind {
+            EVENT_BLK_IO => read(buf).map(Record::BlkIo),
+            EVENT_VM_IO => read(buf).map(Record::VmIo),
+            EVENT_VM_SIGNAL => read(buf).map(Record::VmSignal),
+            _ => None,
+        }
     }
 }
+

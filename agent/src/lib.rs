@@ -6,6 +6,7 @@
 
 pub mod abi;
 pub mod bpf;
+pub mod correlate;
 pub mod demo;
 pub mod disks;
 pub mod diskstats;

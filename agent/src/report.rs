@@ -5,6 +5,7 @@ use std::{collections::BTreeMap, fmt::Write as _};
 use serde::{Deserialize, Serialize};
 
 use crate::{
+    correlate::{HostSplit, SplitKey},
     diskstats::{DiskStat, KernelCount},
     vms::Registry,
     bpf::{
@@ -121,6 +122,7 @@ pub fn entries(
 /// Entries for the requests VMs submitted, named by VM and virtual disk.
 pub fn vm_entries(
     stats: &BTreeMap<VmStatKey, DiskOpStats>,
+    splits: &BTreeMap<SplitKey, HostSplit>,
     vms: &Registry,
     only: &[Dev],
     duration_s: f64,
@@ -133,6 +135,13 @@ pub fn vm_entries(
             let disk = vms.vdisk(k.vdisk).map_or_else(|| host.clone(), str::to_string);
             let mut e = Entry::from_stats(Some(vms.name(k.vm)), disk, k.op, s, duration_s);
             e.host_disk = host;
+            let split_key = SplitKey { vm: k.vm, dev: k.dev, op: k.op, vdisk: k.vdisk };
+            if let Some(h) = splits.get(&split_key) {
+                e.segments.insert("hypervisor".into(), h.hypervisor.summary());
+                e.segments.insert("engine".into(), h.engine.summary());
+                e.segments.insert("device".into(), h.device.summary());
+                e.segments.insert("host_window".into(), h.window.summary());
+            }
             e
         })
         .collect();
@@ -171,15 +180,17 @@ impl RunReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:<14} {:<10} {:<7} {:>9} {:>10} {:>8}  {:<8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "{:<14} {:<10} {:<7} {:>9} {:>10} {:>8}  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
             "VM", "DISK", "OP", "IOS", "IOPS", "MB/s", "SEGMENT", "MEAN", "P50", "P90", "P99", "P99.9", "MAX"
         );
         if self.entries.is_empty() {
             let _ = writeln!(out, "(no block I/O completed on the traced disks)");
         }
         for e in &self.entries {
+            // Block segments, then the host window's split, then the window.
+            const ORDER: [&str; 6] = ["queue", "service", "hypervisor", "engine", "device", "host_window"];
             let rows = std::iter::once(("total", &e.total))
-                .chain(e.segments.iter().map(|(k, v)| (k.as_str(), v)));
+                .chain(ORDER.iter().filter_map(|k| e.segments.get(*k).map(|v| (*k, v))));
             for (i, (seg, s)) in rows.enumerate() {
                 let (vm, disk, op, ios, iops, mbs) = if i == 0 {
                     (
@@ -195,7 +206,7 @@ impl RunReport {
                 };
                 let _ = writeln!(
                     out,
-                    "{:<14} {:<10} {:<7} {:>9} {:>10} {:>8}  {:<8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                    "{:<14} {:<10} {:<7} {:>9} {:>10} {:>8}  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
                     vm, disk, op, ios, iops, mbs, seg,
                     us(s.mean_us), us(s.p50_us), us(s.p90_us), us(s.p99_us), us(s.p999_us), us(s.max_us)
                 );
@@ -216,6 +227,10 @@ impl RunReport {
             ("skipped by the kernel (recursion)", c.bpf_recursion_misses),
             ("completed but never delivered by the tracepoints", c.unseen),
             ("VM table full", c.vm_table_full),
+            ("VM requests without a kick", c.host_split.no_kick),
+            ("VM requests without a signal", c.host_split.no_signal),
+            ("VM requests out of order", c.host_split.unordered),
+            ("VM requests of disks not followed", c.host_split.not_followed),
         ]
         .iter()
         .filter(|(_, n)| *n > 0)

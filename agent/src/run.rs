@@ -18,7 +18,8 @@ use tokio::{
 };
 
 use crate::{
-    abi::{BlkIoEvent, RQ_F_NO_ISSUE, RQ_F_NO_START},
+    abi::{BlkIoEvent, Record, RQ_F_NO_ISSUE, RQ_F_NO_START},
+    correlate::Correlator,
     bpf::block::{BlockConfig, BlockProbes},
     disks::{self, Dev},
     diskstats,
@@ -87,6 +88,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         stream_devs: only.clone(),
         start_stamps: opts.start_stamps,
         track_vms: opts.vms,
+        vm_segments: opts.vms,
         vm_pids,
         vm_maps,
     };
@@ -96,18 +98,32 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         None
     };
     let mut probes = BlockProbes::load(&cfg).context("loading the block-layer probes")?;
+    for vm in known.lock().unwrap_or_else(|p| p.into_inner()).vms.values() {
+        if let Some(exe) = &vm.exe {
+            if let Err(e) = probes.attach_signal_probe(exe) {
+                log::warn!("VM {}: no host-window split: {}", vm.name, crate::bpf::error_chain(&e));
+            }
+        }
+    }
     for a in &probes.attachments {
         log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
     }
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let events_task = match &opts.events_out {
-        Some(path) => {
-            let ring = probes.take_events()?;
-            let file = std::fs::File::create(path).with_context(|| format!("creating --events-out {}", path.display()))?;
-            Some(tokio::spawn(drain_events(ring, std::io::BufWriter::new(file), known.clone(), stop_rx)))
-        }
-        None => None,
+    // VM requests' host windows are split from records in the ring buffer;
+    // a request waits up to 50 ms of stream time for the guest's signal.
+    let correlator = Arc::new(Mutex::new(Correlator::new(50_000_000)));
+    let events_task = if opts.events_out.is_some() || opts.vms {
+        let ring = probes.take_events()?;
+        let out = match &opts.events_out {
+            Some(path) => Some(std::io::BufWriter::new(
+                std::fs::File::create(path).with_context(|| format!("creating --events-out {}", path.display()))?,
+            )),
+            None => None,
+        };
+        Some(tokio::spawn(drain_events(ring, out, known.clone(), correlator.clone(), stop_rx)))
+    } else {
+        None
     };
 
     // Baseline after attaching (and a moment for completions already under
@@ -196,6 +212,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         events_written = t.await.context("event writer")?.context("writing --events-out")?;
     }
     let cpu1 = preflight::self_cpu();
+    snap.counters.host_split = correlator.lock().unwrap_or_else(|p| p.into_inner()).counters.clone();
     let report = RunReport {
         schema: SCHEMA.into(),
         duration_s: (elapsed * 1000.0).round() / 1000.0,
@@ -210,7 +227,14 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         },
         entries: {
             let mut e = report::entries(&snap.stats, &kernel, &only, elapsed);
-            e.extend(report::vm_entries(&snap.vm_stats, &known.lock().unwrap_or_else(|p| p.into_inner()), &only, elapsed));
+            let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
+            e.extend(report::vm_entries(
+                &snap.vm_stats,
+                &corr.splits,
+                &known.lock().unwrap_or_else(|p| p.into_inner()),
+                &only,
+                elapsed,
+            ));
             e
         },
     };
@@ -233,12 +257,18 @@ fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) {
         if known.vms.contains_key(&slot) {
             continue;
         }
-        // A VM's requests need their submitter taken at their start.
-        if let Err(e) = probes.ensure_start_probe() {
+        // A VM's requests need their submitter taken at their start, and
+        // its notifications followed.
+        if let Err(e) = probes.ensure_vm_probes() {
             log::warn!("VM attribution off: {}", crate::bpf::error_chain(&e));
         }
         if let Some(vm) = vms::identify(tgid) {
             log::info!("VM {} (pid {tgid}) with disks {:?}", vm.name, vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>());
+            if let Some(exe) = &vm.exe {
+                if let Err(e) = probes.attach_signal_probe(exe) {
+                    log::warn!("VM {}: no host-window split: {}", vm.name, crate::bpf::error_chain(&e));
+                }
+            }
             let maps = known.add(slot, vm);
             if let Err(e) = probes.add_vm_maps(&maps) {
                 log::warn!("VM pid {tgid}: {}", crate::bpf::error_chain(&e));
@@ -269,8 +299,9 @@ async fn terminate(child: &mut tokio::process::Child) {
 /// side wakes us only past a backlog threshold, so a timer drains too.
 async fn drain_events<W: Write>(
     ring: aya::maps::RingBuf<aya::maps::MapData>,
-    mut out: W,
+    mut out: Option<W>,
     known: Arc<Mutex<Registry>>,
+    correlator: Arc<Mutex<Correlator>>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<u64> {
     // SAFETY: the ring buffer owns its fd and outlives the registration
@@ -287,22 +318,33 @@ async fn drain_events<W: Write>(
             _ = stop.changed() => true,
         };
         let ring = fd.get_mut();
+        let mut corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
         while let Some(item) = ring.next() {
-            match BlkIoEvent::from_bytes(&item) {
-                Some(ev) => {
-                    let json = event_json(&ev, &known.lock().unwrap_or_else(|p| p.into_inner()));
-                    serde_json::to_writer(&mut out, &json)?;
-                    out.write_all(b"\n")?;
-                    written += 1;
+            match Record::from_bytes(&item) {
+                Some(Record::BlkIo(ev)) => {
+                    if let Some(out) = out.as_mut() {
+                        let json = event_json(&ev, &known.lock().unwrap_or_else(|p| p.into_inner()));
+                        serde_json::to_writer(&mut *out, &json)?;
+                        out.write_all(b"\n")?;
+                        written += 1;
+                    }
                 }
+                Some(Record::VmIo(ev)) => {
+                    let followed = known.lock().unwrap_or_else(|p| p.into_inner()).split.contains(&ev.vdisk);
+                    corr.on_io(ev, followed)
+                }
+                Some(Record::VmSignal(ev)) => corr.on_signal(ev.vm, ev.ts_ns),
                 None => malformed += 1,
             }
         }
         if stopping {
+            corr.finish();
             break;
         }
     }
-    out.flush()?;
+    if let Some(out) = out.as_mut() {
+        out.flush()?;
+    }
     if malformed > 0 {
         log::warn!("{malformed} ring-buffer records of unexpected size or kind were dropped");
     }

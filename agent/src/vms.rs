@@ -22,6 +22,9 @@ pub struct Vm {
     pub pid: u32,
     pub name: String,
     pub disks: Vec<VDisk>,
+    /// The QEMU binary it runs (for uprobes).
+    #[serde(default)]
+    pub exe: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,6 +37,20 @@ pub struct VDisk {
     /// The whole host disk under the backing file, when it is on one.
     #[serde(skip)]
     pub host_dev: Option<Dev>,
+    /// QEMU's I/O engine for the drive (`aio=`: threads, native, io_uring).
+    #[serde(default)]
+    pub aio: Option<String>,
+}
+
+impl VDisk {
+    /// Whether iospan can split this disk's host windows: virtio-blk served
+    /// by QEMU's own event loop or an iothread, submitting from the thread
+    /// that picked the kick up (not aio=threads, whose workers submit).
+    /// NVMe (doorbells without ioeventfd) and vhost devices are not followed
+    /// yet; their requests are counted as not followed.
+    pub fn split_supported(&self) -> bool {
+        self.model.as_deref().is_some_and(|m| m.starts_with("virtio-blk")) && self.aio.as_deref() != Some("threads")
+    }
 }
 
 /// `k=v,k=v` options as QEMU parses them (`,,` is a literal comma); a
@@ -75,6 +92,7 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
     let mut name = None;
     // drive/node id -> backing file
     let mut files: Vec<(String, Option<PathBuf>, Option<String>)> = Vec::new(); // (id, file, child node)
+    let mut aio: Vec<(String, String)> = Vec::new(); // (drive/node id, aio mode)
     let mut devices: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, drive)
     let mut i = 0;
     while i < args.len() {
@@ -91,6 +109,7 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                 let o = options(v);
                 if let Some(id) = get(&o, "id") {
                     files.push((id.to_string(), get(&o, "file").map(PathBuf::from), None));
+                    aio.push((id.to_string(), get(&o, "aio").unwrap_or("threads").to_string()));
                 }
                 i += 1;
             }
@@ -100,11 +119,17 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                         let file = j["filename"].as_str().map(PathBuf::from);
                         let child = j["file"].as_str().map(str::to_string);
                         files.push((id.to_string(), file, child));
+                        if let Some(a) = j["aio"].as_str() {
+                            aio.push((id.to_string(), a.to_string()));
+                        }
                     }
                 } else {
                     let o = options(v);
                     if let Some(id) = get(&o, "node-name") {
                         files.push((id.to_string(), get(&o, "filename").map(PathBuf::from), get(&o, "file").map(str::to_string)));
+                        if let Some(a) = get(&o, "aio") {
+                            aio.push((id.to_string(), a.to_string()));
+                        }
                     }
                 }
                 i += 1;
@@ -120,17 +145,25 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         }
         i += 1;
     }
-    // Follow format nodes down to the protocol node that names the file.
-    let file_of = |id: &str| {
-        let mut cur = id.to_string();
-        for _ in 0..8 {
-            let (_, file, child) = files.iter().find(|(n, _, _)| *n == cur)?;
-            if let Some(f) = file {
-                return Some(f.clone());
+    // Follow format nodes down to the protocol node that names the file
+    // (and carries the aio mode).
+    let chain = |id: &str| {
+        let mut out = Vec::new();
+        let mut cur = Some(id.to_string());
+        while let Some(c) = cur.take().filter(|_| out.len() < 8) {
+            if let Some((_, _, child)) = files.iter().find(|(n, _, _)| *n == c) {
+                cur = child.clone();
             }
-            cur = child.clone()?;
+            out.push(c);
         }
-        None
+        out
+    };
+    let file_of = |id: &str| {
+        chain(id).iter().find_map(|n| files.iter().find(|(m, f, _)| m == n && f.is_some()).and_then(|(_, f, _)| f.clone()))
+    };
+    // -blockdev's file driver defaults to aio=threads, as -drive does.
+    let aio_of = |id: &str| {
+        Some(chain(id).iter().find_map(|n| aio.iter().find(|(m, _)| m == n).map(|(_, a)| a.clone())).unwrap_or_else(|| "threads".into()))
     };
     let mut disks: Vec<VDisk> = devices
         .iter()
@@ -139,19 +172,20 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
             model: Some(model.clone()),
             file: file_of(drive),
             host_dev: None,
+            aio: aio_of(drive),
         })
         .collect();
     // -drive with if=virtio (or default) and no -device: the drive is the disk.
     for (id, file, _) in &files {
         let used = devices.iter().any(|(_, _, d)| d == id) || files.iter().any(|(_, _, c)| c.as_deref() == Some(id));
         if !used && file.is_some() {
-            disks.push(VDisk { id: id.clone(), model: None, file: file.clone(), host_dev: None });
+            disks.push(VDisk { id: id.clone(), model: None, file: file.clone(), host_dev: None, aio: aio_of(id) });
         }
     }
     for d in &mut disks {
         d.host_dev = d.file.as_deref().and_then(host_disk_of);
     }
-    Vm { pid, name: name.unwrap_or_else(|| format!("qemu-{pid}")), disks }
+    Vm { pid, name: name.unwrap_or_else(|| format!("qemu-{pid}")), disks, exe: None }
 }
 
 /// The whole disk a file lives on.
@@ -173,7 +207,9 @@ pub fn identify(pid: u32) -> Option<Vm> {
     }
     let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let args: Vec<String> = raw.split(|&b| b == 0).skip(1).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-    Some(from_args(pid, &args))
+    let mut vm = from_args(pid, &args);
+    vm.exe = fs::read_link(format!("/proc/{pid}/exe")).ok().filter(|p| p.exists());
+    Some(vm)
 }
 
 /// Every QEMU VM running now.
@@ -192,6 +228,8 @@ pub struct Registry {
     pub vms: std::collections::BTreeMap<u32, Vm>,
     /// vdisk slot -> (VM slot, virtual disk id)
     pub vdisks: std::collections::BTreeMap<u32, (u32, String)>,
+    /// vdisk slots whose host windows are split (VDisk::split_supported).
+    pub split: std::collections::BTreeSet<u32>,
 }
 
 /// What the kernel side needs to know of a VM's virtual disks.
@@ -219,6 +257,9 @@ impl Registry {
         for d in &vm.disks {
             let vdisk = self.vdisks.len() as u32 + 1;
             self.vdisks.insert(vdisk, (slot, d.id.clone()));
+            if d.split_supported() {
+                self.split.insert(vdisk);
+            }
             if let Some(k) = d.file.as_deref().and_then(file_key) {
                 maps.files.push((k, vdisk));
             }
@@ -277,6 +318,10 @@ mod tests {
         assert_eq!(vm.disks[0].model.as_deref(), Some("virtio-blk-pci"));
         assert_eq!(vm.disks[0].file.as_deref(), Some(Path::new("/var/lib/libvirt/images/web01.img")));
         assert_eq!(vm.disks[1].id, "d1", "no device id: the drive's");
+        assert_eq!(vm.disks[0].aio.as_deref(), Some("io_uring"));
+        assert_eq!(vm.disks[1].aio.as_deref(), Some("threads"), "QEMU's default");
+        assert!(vm.disks[0].split_supported(), "virtio-blk on io_uring");
+        assert!(!vm.disks[1].split_supported(), "NVMe is not followed yet");
         assert_eq!(vm.disks[1].file.as_deref(), Some(Path::new("/data/db,with,commas.raw")));
     }
 
@@ -314,10 +359,10 @@ mod tests {
     #[test]
     fn registry_gives_disks_slots_and_marks_shared_host_disks() {
         let (a, b) = (Dev::new(8, 0), Dev::new(259, 0));
-        let disk = |id: &str, dev| VDisk { id: id.into(), model: None, file: None, host_dev: Some(dev) };
+        let disk = |id: &str, dev| VDisk { id: id.into(), model: None, file: None, host_dev: Some(dev), aio: None };
         let mut r = Registry::default();
-        let m1 = r.add(1, Vm { pid: 10, name: "one".into(), disks: vec![disk("x", a)] });
-        let m2 = r.add(2, Vm { pid: 11, name: "two".into(), disks: vec![disk("y", a), disk("z", a), disk("w", b)] });
+        let m1 = r.add(1, Vm { pid: 10, name: "one".into(), disks: vec![disk("x", a)], exe: None });
+        let m2 = r.add(2, Vm { pid: 11, name: "two".into(), disks: vec![disk("y", a), disk("z", a), disk("w", b)], exe: None });
         assert_eq!(m1.disks, [(crate::abi::VmDevKey { vm: 1, dev: a.0 }, 1)]);
         assert_eq!(
             m2.disks,

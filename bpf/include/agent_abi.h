@@ -87,6 +87,8 @@ struct rq_slot {
 	__u16 flags;       /* RQ_F_* */
 	__u32 vm;          /* VM slot of the submitting process, taken at submission (0: none) */
 	__u32 vdisk;       /* virtual disk slot of the file the request is for (0: none) */
+	__u64 kick_ns;     /* the guest's kick the submitting engine thread picked up last (0: none) */
+	__u64 pick_ns;     /* when it picked that kick up */
 };
 
 #define RQ_SLOT_BITS 15
@@ -151,6 +153,37 @@ struct vm_dev_key {
 
 enum event_kind {
 	EVENT_BLK_IO = 1,
+	EVENT_VM_IO = 2,
+	EVENT_VM_SIGNAL = 3,
+};
+
+/* A VM's request at its final host completion, with the notification that
+ * led to it: the guest's kick (an eventfd write by a vCPU thread) and the
+ * engine thread's pickup (its read of that eventfd). */
+struct vm_io_event {
+	__u16 kind;      /* EVENT_VM_IO */
+	__u8 op;
+	__u8 flags;
+	__u32 dev;
+	__u64 kick_ns;   /* 0 when no kick preceded the request */
+	__u64 pick_ns;
+	__u64 start_ns;
+	__u64 issue_ns;
+	__u64 done_ns;
+	__u32 bytes;
+	__u32 vm;
+	__u32 vdisk;
+	__u32 _pad;
+};
+
+/* A VM's engine raised an interrupt toward the guest (QEMU's msix_notify):
+ * the earliest one after a request's host completion ends its host
+ * window. */
+struct vm_signal_event {
+	__u16 kind;      /* EVENT_VM_SIGNAL */
+	__u16 _pad;
+	__u32 vm;
+	__u64 ts_ns;
 };
 
 /* One completed host block request, streamed through the ring buffer
@@ -176,7 +209,9 @@ _Static_assert(sizeof(struct blk_io_event) == 56, "abi: blk_io_event");
 _Static_assert(sizeof(struct vm_key) == 16, "abi: vm_key");
 _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");
-_Static_assert(sizeof(struct rq_slot) == 40, "abi: rq_slot");
+_Static_assert(sizeof(struct vm_io_event) == 64, "abi: vm_io_event");
+_Static_assert(sizeof(struct vm_signal_event) == 16, "abi: vm_signal_event");
+_Static_assert(sizeof(struct rq_slot) == 56, "abi: rq_slot");
 _Static_assert(sizeof(struct disk_slot) == 16, "abi: disk_slot");
 _Static_assert(sizeof(struct blk_stats) == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS), "abi: blk_stats");
 

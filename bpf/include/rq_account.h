@@ -39,6 +39,8 @@ struct rq_outcome {
 	__u16 flags;
 	__u32 vm;
 	__u32 vdisk;
+	__u64 kick_ns;
+	__u64 pick_ns;
 };
 
 static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
@@ -51,6 +53,8 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
 	s->flags = 0;
 	s->vm = 0;
 	s->vdisk = 0;
+	s->kick_ns = 0;
+	s->pick_ns = 0;
 }
 
 /* block_io_start (block_rq_insert before v6.5), in the submitter's context:
@@ -59,12 +63,14 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
  * interrupt context under whatever task was there, so identity is only ever
  * taken here. */
 static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 vm,
-					__u32 vdisk)
+					__u32 vdisk, __u64 kick_ns, __u64 pick_ns)
 {
 	rq_slot_reset(s, rq);
 	s->start_ns = now;
 	s->vm = vm;
 	s->vdisk = vdisk;
+	s->kick_ns = kick_ns;
+	s->pick_ns = pick_ns;
 }
 
 /* block_rq_issue. A slot already holding this request belongs to the same
@@ -113,6 +119,8 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 	out->flags = 0;
 	out->vm = 0;
 	out->vdisk = 0;
+	out->kick_ns = 0;
+	out->pick_ns = 0;
 	if (mine) {
 		out->bytes += s->done_bytes;
 		if (!out->start_ns)
@@ -126,6 +134,8 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 		out->flags = s->flags & (RQ_F_PARTIAL | RQ_F_REQUEUED);
 		out->vm = s->vm;
 		out->vdisk = s->vdisk;
+		out->kick_ns = s->kick_ns;
+		out->pick_ns = s->pick_ns;
 		s->rq = 0;
 	}
 	/* Stamps from the future are another request's: distrust them. */

@@ -12,9 +12,10 @@
 
 __u32 shim_hist_bucket(__u64 v) { return hist_bucket(v); }
 
-void shim_rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 vm, __u32 vdisk)
+void shim_rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 vm, __u32 vdisk,
+		      __u64 kick_ns, __u64 pick_ns)
 {
-	rq_on_start(s, rq, now, vm, vdisk);
+	rq_on_start(s, rq, now, vm, vdisk, kick_ns, pick_ns);
 }
 void shim_rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now) { rq_on_issue(s, rq, now); }
 void shim_rq_on_requeue(struct rq_slot *s, __u64 rq) { rq_on_requeue(s, rq); }
@@ -40,18 +41,22 @@ static const struct shim_field fields[] = {
 	F(blk_io_event, done_ns), F(blk_io_event, sector), F(blk_io_event, bytes),
 	F(blk_io_event, requeues), F(blk_io_event, cpu_lo), F(blk_io_event, vdisk), F(blk_io_event, vm),
 	S(rq_slot), F(rq_slot, rq), F(rq_slot, start_ns), F(rq_slot, issue_ns),
-	F(rq_slot, done_bytes), F(rq_slot, requeues), F(rq_slot, flags), F(rq_slot, vm), F(rq_slot, vdisk),
+	F(rq_slot, done_bytes), F(rq_slot, requeues), F(rq_slot, flags), F(rq_slot, vm), F(rq_slot, vdisk), F(rq_slot, kick_ns), F(rq_slot, pick_ns),
 	S(disk_slot), F(disk_slot, queue), F(disk_slot, dev),
 	S(vm_key), F(vm_key, vm), F(vm_key, dev), F(vm_key, op), F(vm_key, vdisk),
 	S(file_key), F(file_key, dev), F(file_key, ino),
 	S(vm_dev_key), F(vm_dev_key, vm), F(vm_dev_key, dev),
+	S(vm_io_event), F(vm_io_event, kind), F(vm_io_event, op), F(vm_io_event, flags), F(vm_io_event, dev),
+	F(vm_io_event, kick_ns), F(vm_io_event, pick_ns), F(vm_io_event, start_ns), F(vm_io_event, issue_ns),
+	F(vm_io_event, done_ns), F(vm_io_event, bytes), F(vm_io_event, vm), F(vm_io_event, vdisk),
+	S(vm_signal_event), F(vm_signal_event, kind), F(vm_signal_event, vm), F(vm_signal_event, ts_ns),
 	S(blk_stats), F(blk_stats, busy), F(blk_stats, ios), F(blk_stats, bytes), F(blk_stats, errors),
 	F(blk_stats, requeued), F(blk_stats, partial), F(blk_stats, sum_ns), F(blk_stats, max_ns),
 	F(blk_stats, hist),
 	S(rq_completion), F(rq_completion, rq), F(rq_completion, kstart_ns), F(rq_completion, kissue_ns),
 	F(rq_completion, now_ns), F(rq_completion, remaining), F(rq_completion, nr_bytes),
 	S(rq_outcome), F(rq_outcome, start_ns), F(rq_outcome, issue_ns), F(rq_outcome, bytes),
-	F(rq_outcome, requeues), F(rq_outcome, flags), F(rq_outcome, vm), F(rq_outcome, vdisk),
+	F(rq_outcome, requeues), F(rq_outcome, flags), F(rq_outcome, vm), F(rq_outcome, vdisk), F(rq_outcome, kick_ns), F(rq_outcome, pick_ns),
 	{ 0, 0, 0 },
 };
 
@@ -61,7 +66,7 @@ const struct shim_field *shim_layout(void) { return fields; }
 struct shim_consts {
 	__u32 hist_buckets, nr_ops, nr_segs, default_max_disks, rq_slots;
 	__u32 f_partial, f_requeued, f_no_start, f_no_issue, f_error;
-	__u32 nr_counters, event_blk_io, vdisk_several;
+	__u32 nr_counters, event_blk_io, vdisk_several, event_vm_io, event_vm_signal;
 };
 
 void shim_consts(struct shim_consts *c)
@@ -79,4 +84,6 @@ void shim_consts(struct shim_consts *c)
 	c->nr_counters = NR_COUNTERS;
 	c->event_blk_io = EVENT_BLK_IO;
 	c->vdisk_several = VDISK_SEVERAL;
+	c->event_vm_io = EVENT_VM_IO;
+	c->event_vm_signal = EVENT_VM_SIGNAL;
 }

@@ -34,6 +34,8 @@ pub struct RqOutcome {
     pub flags: u16,
     pub vm: u32,
     pub vdisk: u32,
+    pub kick_ns: u64,
+    pub pick_ns: u64,
 }
 
 #[repr(C)]
@@ -59,11 +61,13 @@ pub struct ShimConsts {
     pub nr_counters: u32,
     pub event_blk_io: u32,
     pub vdisk_several: u32,
+    pub event_vm_io: u32,
+    pub event_vm_signal: u32,
 }
 
 extern "C" {
     fn shim_hist_bucket(v: u64) -> u32;
-    fn shim_rq_on_start(s: *mut RqSlot, rq: u64, now: u64, vm: u32, vdisk: u32);
+    fn shim_rq_on_start(s: *mut RqSlot, rq: u64, now: u64, vm: u32, vdisk: u32, kick_ns: u64, pick_ns: u64);
     fn shim_rq_on_issue(s: *mut RqSlot, rq: u64, now: u64);
     fn shim_rq_on_requeue(s: *mut RqSlot, rq: u64);
     fn shim_rq_on_complete(s: *mut RqSlot, c: *const RqCompletion, o: *mut RqOutcome) -> i32;
@@ -82,9 +86,10 @@ pub fn c_hist_bucket(v: u64) -> usize {
 pub mod rq {
     use super::*;
 
-    pub fn start(s: &mut RqSlot, rq: u64, now: u64, vm: u32, vdisk: u32) {
+    /// `ids`: (vm, vdisk, kick_ns, pick_ns) taken at the start.
+    pub fn start(s: &mut RqSlot, rq: u64, now: u64, ids: (u32, u32, u64, u64)) {
         // SAFETY: `s` is a valid, exclusive slot.
-        unsafe { shim_rq_on_start(s, rq, now, vm, vdisk) }
+        unsafe { shim_rq_on_start(s, rq, now, ids.0, ids.1, ids.2, ids.3) }
     }
     pub fn issue(s: &mut RqSlot, rq: u64, now: u64) {
         // SAFETY: as above.

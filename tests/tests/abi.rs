@@ -5,7 +5,7 @@ use std::mem::{offset_of, size_of};
 
 use agent_integration::{c_consts, c_hist_bucket, c_layout, RqCompletion, RqOutcome};
 use iospan::{
-    abi::{self, BlkIoEvent, BlkStats, DiskSlot, FileKey, RqSlot, VmDevKey, VmKey},
+    abi::{self, BlkIoEvent, BlkStats, DiskSlot, FileKey, RqSlot, VmDevKey, VmIoEvent, VmKey, VmSignalEvent},
     model::hist,
 };
 
@@ -33,14 +33,16 @@ macro_rules! rust_layout {
 fn abi_layout() {
     let rust = rust_layout! {
         "blk_io_event" => BlkIoEvent { kind, op, flags, dev, start_ns, issue_ns, done_ns, sector, bytes, requeues, cpu_lo, vdisk, vm }
-        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, vm, vdisk }
+        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns }
         "disk_slot" => DiskSlot { queue, dev }
         "vm_key" => VmKey { vm, dev, op, vdisk }
         "file_key" => FileKey { dev, ino }
         "vm_dev_key" => VmDevKey { vm, dev }
+        "vm_io_event" => VmIoEvent { kind, op, flags, dev, kick_ns, pick_ns, start_ns, issue_ns, done_ns, bytes, vm, vdisk }
+        "vm_signal_event" => VmSignalEvent { kind, vm, ts_ns }
         "blk_stats" => BlkStats { busy, ios, bytes, errors, requeued, partial, sum_ns, max_ns, hist }
         "rq_completion" => RqCompletion { rq, kstart_ns, kissue_ns, now_ns, remaining, nr_bytes }
-        "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk }
+        "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns }
     };
     let c = c_layout();
     assert_eq!(c.len(), rust.len(), "the C table and the Rust table list different fields");
@@ -65,6 +67,8 @@ fn abi_constants() {
     assert_eq!(c.nr_counters, abi::counter::NR);
     assert_eq!(c.event_blk_io, abi::EVENT_BLK_IO as u32);
     assert_eq!(c.vdisk_several, abi::VDISK_SEVERAL);
+    assert_eq!(c.event_vm_io, abi::EVENT_VM_IO as u32);
+    assert_eq!(c.event_vm_signal, abi::EVENT_VM_SIGNAL as u32);
 }
 
 /// Histogram buckets: the kernel's `hist_bucket` and the agent's

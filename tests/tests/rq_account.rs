@@ -92,7 +92,7 @@ fn short_read_then_requeue_as_the_loop_driver_does() {
 #[test]
 fn start_stamp_fills_in_when_the_kernel_keeps_none() {
     let mut s = RqSlot::default();
-    rq::start(&mut s, K, 90, 0, 0);
+    rq::start(&mut s, K, 90, (0, 0, 0, 0));
     rq::issue(&mut s, K, 150);
     let o = rq::complete(Some(&mut s), &done(K, 0, 0, 400, 4096, 4096)).unwrap();
     assert_eq!((o.start_ns, flags(&o)), (90, 0));
@@ -103,17 +103,17 @@ fn start_stamp_fills_in_when_the_kernel_keeps_none() {
 fn the_vm_and_vdisk_taken_at_start_survive_issue_requeue_and_partials() {
     let mut s = RqSlot::default();
     // Kernel keeps the start time (now = 0): only the identity is ours.
-    rq::start(&mut s, K, 0, 4242, 3);
+    rq::start(&mut s, K, 0, (4242, 3, 60, 70));
     rq::issue(&mut s, K, 150);
     assert!(rq::complete(Some(&mut s), &done(K, 100, 0, 200, 8192, 4096)).is_none());
     rq::requeue(&mut s, K);
     rq::issue(&mut s, K, 250);
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
-    assert_eq!((o.vm, o.vdisk, o.start_ns, o.issue_ns, o.bytes), (4242, 3, 100, 250, 8192));
+    assert_eq!((o.vm, o.vdisk, o.kick_ns, o.pick_ns, o.start_ns, o.issue_ns, o.bytes), (4242, 3, 60, 70, 100, 250, 8192));
     // A new I/O on the same request without a start event has no submitter.
     rq::issue(&mut s, K, 500);
     let o = rq::complete(Some(&mut s), &done(K, 450, 0, 600, 4096, 4096)).unwrap();
-    assert_eq!((o.vm, o.vdisk), (0, 0));
+    assert_eq!((o.vm, o.vdisk, o.kick_ns, o.pick_ns), (0, 0, 0, 0));
 }
 
 #[test]
@@ -137,7 +137,7 @@ fn a_leftover_slot_of_the_same_request_starts_afresh() {
     // The same preallocated request (same key) comes back for a new I/O
     // while the slot still holds the old one's state: no requeue was seen,
     // so nothing carries over.
-    let mut s = RqSlot { rq: K, start_ns: 10, issue_ns: 20, done_bytes: 512, requeues: 3, flags: 0, vm: 7, vdisk: 2 };
+    let mut s = RqSlot { rq: K, start_ns: 10, issue_ns: 20, done_bytes: 512, requeues: 3, flags: 0, vm: 7, vdisk: 2, kick_ns: 5, pick_ns: 6 };
     rq::issue(&mut s, K, 150);
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
     assert_eq!((o.start_ns, o.issue_ns, o.bytes, o.requeues, flags(&o), o.vm, o.vdisk), (100, 150, 4096, 0, 0, 0, 0));

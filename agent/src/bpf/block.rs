@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
+    programs::{uprobe::UProbeScope, TracePoint, UProbe},
     Btf, Ebpf, EbpfLoader,
 };
 use serde::{Deserialize, Serialize};
@@ -35,6 +36,9 @@ pub struct BlockConfig {
     /// Attribute requests to the VMs that submitted them: these running
     /// ones (tgids, given slots 1..) and any started later.
     pub track_vms: bool,
+    /// Also follow VMs' eventfd notifications to split their requests'
+    /// host windows (records through the ring buffer).
+    pub vm_segments: bool,
     pub vm_pids: Vec<u32>,
     /// What the kernel side needs to resolve those VMs' virtual disks.
     pub vm_maps: VmMaps,
@@ -42,7 +46,7 @@ pub struct BlockConfig {
 
 impl Default for BlockConfig {
     fn default() -> Self {
-        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false, track_vms: false, vm_pids: Vec::new(), vm_maps: VmMaps::default() }
+        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false, track_vms: false, vm_segments: false, vm_pids: Vec::new(), vm_maps: VmMaps::default() }
     }
 }
 
@@ -74,6 +78,9 @@ pub struct Counters {
     /// Requests of VMs whose (VM, disk, op) found the VM table full.
     #[serde(default)]
     pub vm_table_full: u64,
+    /// VM requests whose host window could not be split (filled in by the run).
+    #[serde(default)]
+    pub host_split: crate::correlate::SplitCounters,
 }
 
 /// One read of the kernel's aggregates: cumulative since load.
@@ -131,6 +138,21 @@ fn dio_end_io_addresses() -> [u64; NR_DIO_END_IO] {
     out
 }
 
+/// Syscall tracepoints are attached through tracefs; a host that has not
+/// mounted it gets it mounted (as perf and bpftrace do).
+fn mount_tracefs() {
+    if std::path::Path::new("/sys/kernel/tracing/events").exists()
+        || std::path::Path::new("/sys/kernel/debug/tracing/events").exists()
+    {
+        return;
+    }
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tracefs", "nodev", "/sys/kernel/tracing"])
+        .status()
+        .is_ok_and(|s| s.success());
+    log::info!("mounting tracefs at /sys/kernel/tracing: {}", if ok { "done" } else { "failed" });
+}
+
 fn insert_all<K: aya::Pod>(ebpf: &mut Ebpf, name: &'static str, items: &[(K, u32)]) -> Result<(), LoadError> {
     let err = |e| LoadError::Map { map: name, source: Some(e) };
     let mut map: HashMap<_, K, u32> =
@@ -153,6 +175,9 @@ pub struct BlockProbes {
     flavour: Flavour,
     btf: Option<Btf>,
     start_probe: bool,
+    vm_segments: bool,
+    vm_probes: bool,
+    signal_probes: Vec<std::path::PathBuf>,
 }
 
 impl BlockProbes {
@@ -182,6 +207,7 @@ impl BlockProbes {
         }
         let nr_stream_devs = cfg.stream_devs.len() as u32;
         let track_vms = u32::from(cfg.track_vms);
+        let vm_segments = u32::from(cfg.track_vms && cfg.vm_segments);
         let next_vm = cfg.vm_pids.len() as u32;
         let dio_end_io = dio_end_io_addresses();
         let mut ebpf = EbpfLoader::new()
@@ -192,6 +218,7 @@ impl BlockProbes {
             .override_global("targ_nr_stream_devs", &nr_stream_devs, true)
             .override_global("targ_stream_devs", &stream_devs[..], true)
             .override_global("targ_track_vms", &track_vms, true)
+            .override_global("targ_vm_segments", &vm_segments, true)
             .override_global("next_vm", &next_vm, true)
             .override_global("targ_dio_end_io", &dio_end_io[..], true)
             .map_max_entries("blk_latency", max_disks * BLK_NR_OPS as u32)
@@ -217,15 +244,28 @@ impl BlockProbes {
         for tp in ["block_rq_issue", "block_rq_requeue", "block_rq_complete"] {
             attachments.push(attach(&mut ebpf, btf, tp, flavour)?);
         }
-        let mut probes = Self { ebpf, attachments, max_disks, flavour, btf: btf.cloned(), start_probe: false };
+        let mut probes = Self {
+            ebpf,
+            attachments,
+            max_disks,
+            flavour,
+            btf: btf.cloned(),
+            start_probe: false,
+            vm_segments: vm_segments != 0,
+            vm_probes: false,
+            signal_probes: Vec::new(),
+        };
         // The start probe takes each request's submitter, in the submitting
         // task (completions run under unrelated tasks), and stamps starts
         // where the kernel keeps none. Needed once there is a VM (the run
         // attaches it when the first one appears) or such a disk; until
         // then each request costs one program run less. Disks without
         // start times added later are counted as `no_start`.
-        if !cfg.vm_pids.is_empty() || cfg.start_stamps || !disks_without_start_time().is_empty() {
+        if cfg.start_stamps || !disks_without_start_time().is_empty() {
             probes.ensure_start_probe()?;
+        }
+        if !cfg.vm_pids.is_empty() {
+            probes.ensure_vm_probes()?;
         }
         Ok(probes)
     }
@@ -321,6 +361,60 @@ impl BlockProbes {
         Ok(())
     }
 
+    /// What a VM needs: the start probe (its requests' submitter) and, for
+    /// the host-window split, the eventfd read/write tracepoints. Attached
+    /// when the first VM appears; without VMs no request pays for them.
+    pub fn ensure_vm_probes(&mut self) -> Result<(), LoadError> {
+        self.ensure_start_probe()?;
+        if !self.vm_segments || self.vm_probes {
+            return Ok(());
+        }
+        mount_tracefs();
+        for name in ["sys_enter_write", "sys_enter_read"] {
+            let prog = self.ebpf.program_mut(name).ok_or_else(|| LoadError::MissingProgram { program: name.into() })?;
+            let result = (|| -> Result<(), String> {
+                let p: &mut TracePoint = prog.try_into().map_err(|e| format!("{e:#}"))?;
+                p.load().map_err(|e| super::error_chain(&e))?;
+                p.attach("syscalls", name).map_err(|e| super::error_chain(&e))?;
+                Ok(())
+            })();
+            result.map_err(|reason| LoadError::Attach { tracepoint: format!("syscalls:{name}"), flavour: "tracepoint", reason })?;
+            log::info!("attached syscalls:{name} via tracepoint");
+            self.attachments.push(Attachment { tracepoint: format!("syscalls:{name}"), flavour: Flavour::Tracepoint, program: name.into() });
+        }
+        self.vm_probes = true;
+        Ok(())
+    }
+
+    /// The signal probe on a VM's QEMU binary (once per binary: a uprobe on
+    /// a file fires for every process running it).
+    pub fn attach_signal_probe(&mut self, exe: &std::path::Path) -> Result<(), LoadError> {
+        if !self.vm_segments || self.signal_probes.iter().any(|p| p == exe) {
+            return Ok(());
+        }
+        let prog = self
+            .ebpf
+            .program_mut("msix_notify")
+            .ok_or_else(|| LoadError::MissingProgram { program: "msix_notify".into() })?;
+        let result = (|| -> Result<(), String> {
+            let p: &mut UProbe = prog.try_into().map_err(|e| format!("{e:#}"))?;
+            if p.fd().is_err() {
+                p.load().map_err(|e| super::error_chain(&e))?;
+            }
+            p.attach("msix_notify", exe, UProbeScope::AllProcesses).map_err(|e| super::error_chain(&e))?;
+            Ok(())
+        })();
+        result.map_err(|reason| LoadError::Attach { tracepoint: format!("uprobe {}:msix_notify", exe.display()), flavour: "uprobe", reason })?;
+        log::info!("attached uprobe {}:msix_notify", exe.display());
+        self.attachments.push(Attachment {
+            tracepoint: format!("{}:msix_notify", exe.display()),
+            flavour: Flavour::Uprobe,
+            program: "msix_notify".into(),
+        });
+        self.signal_probes.push(exe.to_path_buf());
+        Ok(())
+    }
+
     /// Tells the kernel side about a new VM's virtual disks.
     pub fn add_vm_maps(&mut self, maps: &VmMaps) -> Result<(), LoadError> {
         add_vm_maps(&mut self.ebpf, maps)
@@ -357,6 +451,7 @@ impl BlockProbes {
             requeue_events: sum(counter::REQUEUES)?,
             records_streamed: sum(counter::SAMPLED)?,
             vm_table_full: sum(counter::VM_TABLE_FULL)?,
+            host_split: Default::default(),
         })
     }
 

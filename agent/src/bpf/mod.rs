@@ -33,6 +33,10 @@ pub enum LoadError {
 pub enum Flavour {
     TpBtf,
     RawTp,
+    /// A classic (tracefs) tracepoint, for syscall events.
+    Tracepoint,
+    /// A uprobe on a function of a VM's QEMU binary.
+    Uprobe,
 }
 
 impl Flavour {
@@ -40,6 +44,8 @@ impl Flavour {
         match self {
             Flavour::TpBtf => "tp_btf",
             Flavour::RawTp => "raw_tp",
+            Flavour::Tracepoint => "tracepoint",
+            Flavour::Uprobe => "uprobe",
         }
     }
 }
@@ -61,7 +67,7 @@ pub(crate) fn attach(
 ) -> Result<Attachment, LoadError> {
     let name = match flavour {
         Flavour::TpBtf => format!("{tracepoint}_btf"),
-        Flavour::RawTp => tracepoint.to_string(),
+        Flavour::RawTp | Flavour::Tracepoint | Flavour::Uprobe => tracepoint.to_string(),
     };
     let result = program(ebpf, &name).and_then(|p| match flavour {
         Flavour::TpBtf => {
@@ -71,6 +77,7 @@ pub(crate) fn attach(
             p.attach().map_err(|e| error_chain(&e))?;
             Ok(())
         }
+        Flavour::Tracepoint | Flavour::Uprobe => Err("not a raw tracepoint".to_string()),
         Flavour::RawTp => {
             let p: &mut RawTracePoint = p.try_into().map_err(|e| format!("{e:#}"))?;
             p.load().map_err(|e| error_chain(&e))?;
