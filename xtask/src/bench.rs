@@ -69,6 +69,7 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
         mean: f64,
         p99: f64,
         bpf_ns: Option<f64>,
+        uprobe_hits: Option<f64>,
     }
     let mut rows: Vec<Row> = Vec::new();
     for rep in 0..a.reps {
@@ -86,16 +87,31 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
             let console: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
             let r = rig::parse(&console, &args, dev, t.elapsed().as_secs_f64())?;
             let w = &r.workload;
-            let bpf = if traced {
+            let (bpf, uprobe_hits) = if traced {
                 let j: Value = serde_json::from_slice(&std::fs::read(&report)?)?;
-                let ns: u64 = j["agent"]["bpf"].as_array().into_iter().flatten().filter_map(|p| p["run_time_ns"].as_u64()).sum();
-                Some(ns as f64 / r.guest_reads.max(1) as f64)
+                let progs = j["agent"]["bpf"].as_array().cloned().unwrap_or_default();
+                let ns: u64 = progs.iter().filter_map(|p| p["run_time_ns"].as_u64()).sum();
+                // Hits of the programs attached as uprobes, from the kernel's run counts.
+                let uprobes: Vec<String> = j["probes"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|p| p["flavour"] == "uprobe")
+                    .filter_map(|p| p["program"].as_str().map(str::to_string))
+                    .collect();
+                let hits: u64 = progs
+                    .iter()
+                    .filter(|p| p["name"].as_str().is_some_and(|n| uprobes.iter().any(|u| u == n)))
+                    .filter_map(|p| p["run_count"].as_u64())
+                    .sum();
+                let per_io = |v: u64| v as f64 / r.guest_reads.max(1) as f64;
+                (Some(per_io(ns)), Some(per_io(hits)))
             } else {
-                None
+                (None, None)
             };
             eprintln!("xtask: bench guest: rep {} traced={traced}: p50 {} µs", rep + 1, w["p50_us"]);
             let num = |k: &str| w[k].as_f64().unwrap_or(f64::NAN);
-            rows.push(Row { traced, p50: num("p50_us"), mean: num("mean_us"), p99: num("p99_us"), bpf_ns: bpf });
+            rows.push(Row { traced, p50: num("p50_us"), mean: num("mean_us"), p99: num("p99_us"), bpf_ns: bpf, uprobe_hits });
         }
     }
     let med = |traced: bool, f: &dyn Fn(&Row) -> Option<f64>| {
@@ -107,16 +123,20 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
     let (mean_off, mean_on) = (med(false, &|r| Some(r.mean)), med(true, &|r| Some(r.mean)));
     let (p99_off, p99_on) = (med(false, &|r| Some(r.p99)), med(true, &|r| Some(r.p99)));
     let bpf = med(true, &|r| r.bpf_ns);
+    let uprobe_hits = med(true, &|r| r.uprobe_hits);
     println!("rig guest (TCG), virtio-blk aio=io_uring, 4k randread QD{} x {} I/Os, {} boots per arm, medians", a.qd, a.ios, a.reps);
     println!("{:<16} {:>10} {:>10} {:>10}", "host", "p50 µs", "mean µs", "p99 µs");
     println!("{:<16} {:>10.1} {:>10.1} {:>10.1}", "no tracing", p50_off, mean_off, p99_off);
     println!("{:<16} {:>10.1} {:>10.1} {:>10.1}", "iospan run", p50_on, mean_on, p99_on);
-    println!("guest p50 added by iospan: {:+.1}%; iospan BPF time per guest I/O: {bpf:.0} ns; uprobe hits per I/O: 0", (p50_on / p50_off - 1.0) * 100.0);
+    println!(
+        "guest p50 added by iospan: {:+.1}%; iospan BPF time per guest I/O: {bpf:.0} ns; uprobe hits per guest I/O: {uprobe_hits:.2}",
+        (p50_on / p50_off - 1.0) * 100.0
+    );
     let json = serde_json::json!({
         "date": chrono_free_date(), "machine": machine(),
         "params": {"reps": a.reps, "ios": a.ios, "qd": a.qd, "disk": "virtio-blk", "aio": "io_uring"},
         "no_tracing": {"p50_us": p50_off, "mean_us": mean_off, "p99_us": p99_off},
-        "iospan": {"p50_us": p50_on, "mean_us": mean_on, "p99_us": p99_on, "bpf_ns_per_guest_io": bpf, "uprobe_hits_per_io": 0},
+        "iospan": {"p50_us": p50_on, "mean_us": mean_on, "p99_us": p99_on, "bpf_ns_per_guest_io": bpf, "uprobe_hits_per_io": uprobe_hits},
         "p50_added": p50_on / p50_off - 1.0,
     });
     let path = out_dir.join("guest.json");
