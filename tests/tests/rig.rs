@@ -8,6 +8,14 @@ use agent_integration::{iospan_bin, run};
 use serde_json::Value;
 use xtask::guest::{self, Aio, DiskModel, RunArgs};
 
+/// The rig's kernel and initramfs, and its fully written image.
+fn rig_and_image() -> (guest::Rig, std::path::PathBuf) {
+    let rig = guest::build().expect("rig build");
+    let image = guest::dir().join("disk.img");
+    guest::ensure_image(&image, 256).expect("rig image");
+    (rig, image)
+}
+
 /// The whole disk under a file, as iospan names it.
 fn host_disk_of(path: &std::path::Path) -> String {
     let dev = std::fs::metadata(path).unwrap().dev();
@@ -18,9 +26,7 @@ fn host_disk_of(path: &std::path::Path) -> String {
 }
 
 fn traced_boot(a: RunArgs) {
-    let rig = guest::build().expect("rig build");
-    let image = guest::dir().join("disk.img");
-    guest::ensure_image(&image, 256).unwrap();
+    let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let (qemu, guest_dev) = guest::qemu_command(&rig, &a, &image);
     let report = std::env::temp_dir().join(format!("iospan-rig-{}-{:?}.json", std::process::id(), a.disk));
@@ -132,9 +138,7 @@ fn virtio_blk_threads_iothread_qd16() {
 
 #[test]
 fn doctor_names_a_running_vm_and_its_disks() {
-    let rig = guest::build().expect("rig build");
-    let image = guest::dir().join("disk.img");
-    guest::ensure_image(&image, 256).unwrap();
+    let (rig, image) = rig_and_image();
     let a = RunArgs { ios: 10_000_000, name: "doctor-vm".into(), disk_id: "sys0".into(), ..Default::default() };
     let (mut qemu, _) = guest::qemu_command(&rig, &a, &image);
     let mut child = qemu.stdout(std::process::Stdio::null()).spawn().expect("qemu");
@@ -157,9 +161,7 @@ fn doctor_names_a_running_vm_and_its_disks() {
 /// VM started during the same run is picked up, named, and counted.
 #[test]
 fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
-    let rig = guest::build().expect("rig build");
-    let image = guest::dir().join("disk.img");
-    guest::ensure_image(&image, 256).unwrap();
+    let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let report = std::env::temp_dir().join(format!("iospan-rig-kill-{}.json", std::process::id()));
     let mut agent = Command::new(iospan_bin())
@@ -214,9 +216,7 @@ fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
 /// pickup and the host: the engine segment takes it, the others do not move.
 #[test]
 fn a_qemu_throttle_is_engine_time() {
-    let rig = guest::build().expect("rig build");
-    let image = guest::dir().join("disk.img");
-    guest::ensure_image(&image, 256).unwrap();
+    let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let boot = |throttle: Option<u32>| {
         let a = RunArgs { ios: 600, throttle_iops: throttle, name: "throttled".into(), ..Default::default() };
