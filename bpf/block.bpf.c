@@ -236,7 +236,9 @@ static __always_inline __u8 op_class(__u32 cmd_flags)
 
 /* Two candidate slots per request key (a 2-way set), so two requests
  * rarely evict each other; a miss is counted, never guessed. The second
- * slot is only looked at when the first is not ours. */
+ * slot is only looked at when the first is not ours. A finished request
+ * leaves its key in its slot (RQ_F_DONE): the next I/O on that tag finds it
+ * at the first look, and any other key may take it over. */
 static __always_inline struct rq_slot *rq_slot_of(__u64 key, int claim)
 {
 	__u32 idx = (__u32)((key * 0x9E3779B97F4A7C15ULL) >> (64 - RQ_SLOT_BITS));
@@ -255,9 +257,9 @@ static __always_inline struct rq_slot *rq_slot_of(__u64 key, int claim)
 		return t;
 	if (!claim)
 		return 0;
-	if (!s->rq)
+	if (!s->rq || (s->flags & RQ_F_DONE))
 		return s;
-	if (!t->rq)
+	if (!t->rq || (t->flags & RQ_F_DONE))
 		return t;
 	count(CNT_SLOT_CONFLICTS);
 	return 0;

@@ -21,6 +21,7 @@ pub const RQ_F_REQUEUED: u8 = 1 << 2;
 pub const RQ_F_NO_START: u8 = 1 << 3;
 pub const RQ_F_NO_ISSUE: u8 = 1 << 4;
 pub const RQ_F_ERROR: u8 = 1 << 5;
+pub const RQ_F_DONE: u16 = 1 << 6;
 
 pub const EVENT_BLK_IO: u16 = 1;
 pub const EVENT_VM_IO: u16 = 2;
@@ -76,6 +77,7 @@ pub struct RqSlot {
     pub vdisk: u32,
     pub kick_ns: u64,
     pub pick_ns: u64,
+    pub _pad: u64,
 }
 
 #[repr(C)]
@@ -129,7 +131,7 @@ pub struct BlkIoEvent {
 }
 
 const _: () = assert!(size_of::<BlkIoEvent>() == 56);
-const _: () = assert!(size_of::<RqSlot>() == 56);
+const _: () = assert!(size_of::<RqSlot>() == 64);
 const _: () = assert!(size_of::<VmIoEvent>() == 64);
 const _: () = assert!(size_of::<VmSignalEvent>() == 16);
 const _: () = assert!(size_of::<VmKey>() == 16);

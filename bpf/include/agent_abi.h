@@ -79,7 +79,7 @@ struct disk_slot {
  * keep itself: the issue time (blk-stat's is coarse or absent), bytes of
  * partial completions, requeues. Addressed by a hash of the request's key. */
 struct rq_slot {
-	__u64 rq;          /* rq_key() of the request; 0 = free */
+	__u64 rq;          /* rq_key() of the request; 0 = never used (see RQ_F_DONE) */
 	__u64 start_ns;    /* our start stamp, only when the kernel keeps none */
 	__u64 issue_ns;    /* last issue to the driver */
 	__u32 done_bytes;  /* bytes of earlier partial completions */
@@ -89,6 +89,7 @@ struct rq_slot {
 	__u32 vdisk;       /* virtual disk slot of the file the request is for (0: none) */
 	__u64 kick_ns;     /* the guest's kick the submitting engine thread picked up last (0: none) */
 	__u64 pick_ns;     /* when it picked that kick up */
+	__u64 _pad;        /* one slot per cache line: the hot path touches one line */
 };
 
 #define RQ_SLOT_BITS 15
@@ -101,6 +102,9 @@ struct rq_slot {
 #define RQ_F_NO_START (1 << 3)        /* no start time known: queue unknown, total from issue */
 #define RQ_F_NO_ISSUE (1 << 4)        /* no issue time known: queue and service unknown */
 #define RQ_F_ERROR (1 << 5)
+/* The slot's request finished; the slot stays with its key, so the next
+ * I/O on the same tag finds it at the first look, and any key may take it. */
+#define RQ_F_DONE (1 << 6)
 
 /* Global counters, per-CPU array `counters`: everything lost or degraded. */
 enum counter {
@@ -211,7 +215,7 @@ _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");
 _Static_assert(sizeof(struct vm_io_event) == 64, "abi: vm_io_event");
 _Static_assert(sizeof(struct vm_signal_event) == 16, "abi: vm_signal_event");
-_Static_assert(sizeof(struct rq_slot) == 56, "abi: rq_slot");
+_Static_assert(sizeof(struct rq_slot) == 64, "abi: rq_slot");
 _Static_assert(sizeof(struct disk_slot) == 16, "abi: disk_slot");
 _Static_assert(sizeof(struct blk_stats) == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS), "abi: blk_stats");
 

@@ -79,7 +79,8 @@ static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, 
  * request (e.g. one whose completion we did not see) and starts afresh. */
 static __always_inline void rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now)
 {
-	if (s->rq != rq || (s->issue_ns && !(s->flags & RQ_F_REQUEUE_PENDING)))
+	if (s->rq != rq || (s->flags & RQ_F_DONE) ||
+	    (s->issue_ns && !(s->flags & RQ_F_REQUEUE_PENDING)))
 		rq_slot_reset(s, rq);
 	s->flags &= ~RQ_F_REQUEUE_PENDING;
 	s->issue_ns = now;
@@ -89,7 +90,7 @@ static __always_inline void rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now)
  * again; its queue segment grows by the failed attempt. */
 static __always_inline void rq_on_requeue(struct rq_slot *s, __u64 rq)
 {
-	if (s->rq != rq)
+	if (s->rq != rq || (s->flags & RQ_F_DONE))
 		return;
 	s->requeues++;
 	s->flags |= RQ_F_REQUEUE_PENDING | RQ_F_REQUEUED;
@@ -97,12 +98,12 @@ static __always_inline void rq_on_requeue(struct rq_slot *s, __u64 rq)
 
 /* block_rq_complete. Returns 0 for a partial completion (more bytes remain:
  * the request stays in flight) and 1 for the final one, filling *out and
- * freeing the slot. `s` may be NULL when no slot could be found. */
+ * marking the slot done. `s` may be NULL when no slot could be found. */
 static __always_inline int rq_on_complete(struct rq_slot *s,
 					  const struct rq_completion *c,
 					  struct rq_outcome *out)
 {
-	int mine = s && s->rq == c->rq && s->rq != 0;
+	int mine = s && s->rq == c->rq && s->rq != 0 && !(s->flags & RQ_F_DONE);
 
 	if (c->nr_bytes < c->remaining) {
 		if (mine) {
@@ -136,7 +137,7 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 		out->vdisk = s->vdisk;
 		out->kick_ns = s->kick_ns;
 		out->pick_ns = s->pick_ns;
-		s->rq = 0;
+		s->flags = RQ_F_DONE;
 	}
 	/* Stamps from the future are another request's: distrust them. */
 	if (out->issue_ns > c->now_ns)

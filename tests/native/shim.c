@@ -65,7 +65,7 @@ const struct shim_field *shim_layout(void) { return fields; }
 /* Constants the Rust side mirrors. */
 struct shim_consts {
 	__u32 hist_buckets, nr_ops, nr_segs, default_max_disks, rq_slots;
-	__u32 f_partial, f_requeued, f_no_start, f_no_issue, f_error;
+	__u32 f_partial, f_requeued, f_no_start, f_no_issue, f_error, f_done;
 	__u32 nr_counters, event_blk_io, vdisk_several, event_vm_io, event_vm_signal;
 };
 
@@ -81,6 +81,7 @@ void shim_consts(struct shim_consts *c)
 	c->f_no_start = RQ_F_NO_START;
 	c->f_no_issue = RQ_F_NO_ISSUE;
 	c->f_error = RQ_F_ERROR;
+	c->f_done = RQ_F_DONE;
 	c->nr_counters = NR_COUNTERS;
 	c->event_blk_io = EVENT_BLK_IO;
 	c->vdisk_several = VDISK_SEVERAL;

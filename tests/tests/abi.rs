@@ -64,6 +64,7 @@ fn abi_constants() {
     assert_eq!(c.f_no_start, abi::RQ_F_NO_START as u32);
     assert_eq!(c.f_no_issue, abi::RQ_F_NO_ISSUE as u32);
     assert_eq!(c.f_error, abi::RQ_F_ERROR as u32);
+    assert_eq!(c.f_done, abi::RQ_F_DONE as u32);
     assert_eq!(c.nr_counters, abi::counter::NR);
     assert_eq!(c.event_blk_io, abi::EVENT_BLK_IO as u32);
     assert_eq!(c.vdisk_several, abi::VDISK_SEVERAL);

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use agent_integration::{rq, RqCompletion, RqOutcome, RqSlot};
-use iospan::abi::{RQ_F_NO_ISSUE, RQ_F_NO_START, RQ_F_PARTIAL, RQ_F_REQUEUED};
+use iospan::abi::{RQ_F_DONE, RQ_F_NO_ISSUE, RQ_F_NO_START, RQ_F_PARTIAL, RQ_F_REQUEUED};
 
 const K: u64 = (1 << 63) | 0x1234;
 const UNKNOWN: u64 = u64::MAX;
@@ -25,7 +25,10 @@ fn issue_then_complete_splits_queue_and_service() {
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).expect("final");
     assert_eq!((o.start_ns, o.issue_ns, o.bytes, o.requeues, flags(&o)), (100, 150, 4096, 0, 0));
     assert_eq!(rq::segments(&o, 400), [300, 50, 250]);
-    assert_eq!(s.rq, 0, "the slot is freed at the final completion");
+    assert_eq!(s.flags, RQ_F_DONE, "the slot is marked done at the final completion");
+    // The same tag's next I/O takes it over from scratch.
+    rq::issue(&mut s, K, 500);
+    assert_eq!((s.flags, s.issue_ns, s.start_ns), (0, 500, 0));
 }
 
 #[test]
@@ -70,7 +73,7 @@ fn partial_completions_add_up_to_one_request() {
     rq::issue(&mut s, K, 150);
     assert!(rq::complete(Some(&mut s), &done(K, 100, 0, 300, 12288, 4096)).is_none());
     assert!(rq::complete(Some(&mut s), &done(K, 100, 0, 350, 8192, 4096)).is_none());
-    assert_eq!(s.rq, K, "still in flight after partial completions");
+    assert_eq!((s.rq, s.flags & RQ_F_DONE), (K, 0), "still in flight after partial completions");
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
     assert_eq!((o.bytes, flags(&o)), (12288, RQ_F_PARTIAL));
     assert_eq!(rq::segments(&o, 400), [300, 50, 250]);
@@ -137,7 +140,7 @@ fn a_leftover_slot_of_the_same_request_starts_afresh() {
     // The same preallocated request (same key) comes back for a new I/O
     // while the slot still holds the old one's state: no requeue was seen,
     // so nothing carries over.
-    let mut s = RqSlot { rq: K, start_ns: 10, issue_ns: 20, done_bytes: 512, requeues: 3, flags: 0, vm: 7, vdisk: 2, kick_ns: 5, pick_ns: 6 };
+    let mut s = RqSlot { rq: K, start_ns: 10, issue_ns: 20, done_bytes: 512, requeues: 3, flags: 0, vm: 7, vdisk: 2, kick_ns: 5, pick_ns: 6, _pad: 0 };
     rq::issue(&mut s, K, 150);
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
     assert_eq!((o.start_ns, o.issue_ns, o.bytes, o.requeues, flags(&o), o.vm, o.vdisk), (100, 150, 4096, 0, 0, 0, 0));
@@ -153,6 +156,19 @@ fn another_requests_slot_is_neither_used_nor_disturbed() {
     assert_eq!((s.rq, s.issue_ns), (other, 150));
     rq::requeue(&mut s, K);
     assert_eq!(s.requeues, 0, "a requeue of another request leaves this slot alone");
+}
+
+#[test]
+fn a_done_slot_is_never_taken_for_the_request_it_held() {
+    let mut s = RqSlot::default();
+    rq::issue(&mut s, K, 150);
+    rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
+    // A second completion event for the same key (no new issue seen) must
+    // not reuse the finished request's stamps.
+    let o = rq::complete(Some(&mut s), &done(K, 450, 0, 600, 4096, 4096)).unwrap();
+    assert_eq!(o.flags as u8, RQ_F_NO_ISSUE);
+    rq::requeue(&mut s, K);
+    assert_eq!(s.requeues, 0, "a requeue of a finished request is ignored");
 }
 
 #[test]
@@ -267,7 +283,7 @@ fn interleaved_streams_over_many_queues_and_reused_tags() {
                 remaining.swap_remove(pick);
             }
         }
-        assert!(slots.values().all(|s| s.rq == 0), "round {round}: every slot freed");
+        assert!(slots.values().all(|s| s.flags & RQ_F_DONE != 0), "round {round}: every slot done");
     }
     assert_eq!(ended, 200 * 4 * 8 * 16);
 }
