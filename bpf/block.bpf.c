@@ -298,6 +298,16 @@ static __always_inline __u64 wakeup_flags(void)
 	return BPF_RB_NO_WAKEUP;
 }
 
+/* One record into the ring buffer; no room is counted, never silent. */
+static __always_inline int emit(void *rec, __u64 size)
+{
+	if (bpf_ringbuf_output(&events, rec, size, wakeup_flags())) {
+		count(CNT_RINGBUF_DROPS);
+		return -1;
+	}
+	return 0;
+}
+
 static __always_inline void stream(const struct rq_outcome *o, const struct rq_fields *f,
 				   __u8 op, __u64 now)
 {
@@ -316,9 +326,7 @@ static __always_inline void stream(const struct rq_outcome *o, const struct rq_f
 	ev.cpu_lo = (__u8)bpf_get_smp_processor_id();
 	ev.vdisk = o->vdisk;
 	ev.vm = o->vm;
-	if (bpf_ringbuf_output(&events, &ev, sizeof(ev), wakeup_flags()))
-		count(CNT_RINGBUF_DROPS);
-	else
+	if (!emit(&ev, sizeof(ev)))
 		count(CNT_SAMPLED);
 }
 
@@ -376,22 +384,40 @@ static __always_inline void name(struct blk_stats *st, const struct rq_outcome *
 DEFINE_ACCOUNT(account_plain, PLAIN_ADD, PLAIN_MAX)
 DEFINE_ACCOUNT(account_atomic, ATOMIC_ADD, ATOMIC_MAX)
 
-static __always_inline void account(__u32 key, const struct rq_outcome *o,
+/* The entry of a blk_stats table for `key`; in a hash table it is created
+ * zeroed when missing (a full table is counted: only the VM tables are
+ * hashes, an array entry always exists). */
+static __always_inline struct blk_stats *stats_entry(void *map, void *key)
+{
+	struct blk_stats *st = bpf_map_lookup_elem(map, key);
+
+	if (st)
+		return st;
+	bpf_map_update_elem(map, key, &zero_stats, BPF_NOEXIST);
+	st = bpf_map_lookup_elem(map, key);
+	if (!st)
+		count(CNT_VM_TABLE_FULL);
+	return st;
+}
+
+/* Updates `map`'s per-CPU entry for `key`, or, when this CPU is already in
+ * the middle of updating it (a nested run), `nested`'s shared entry,
+ * atomically. Nesting is strictly LIFO on a CPU: a nested run either
+ * finishes before we set busy, or sees it set. The barriers keep the
+ * compiler from moving the updates outside the busy window. */
+static __always_inline void account(void *map, void *nested, void *key, const struct rq_outcome *o,
 				    const __u64 seg[BLK_NR_SEGS], __u32 nr_bytes, int final)
 {
-	struct blk_stats *st = bpf_map_lookup_elem(&blk_latency, &key);
+	struct blk_stats *st = stats_entry(map, key);
 
 	if (!st)
 		return;
 	if (st->busy) {
-		st = bpf_map_lookup_elem(&blk_latency_nested, &key);
+		st = stats_entry(nested, key);
 		if (st)
 			account_atomic(st, o, seg, nr_bytes, final);
 		return;
 	}
-	/* Nesting is strictly LIFO on a CPU: a nested run either finishes
-	 * before we set busy, or sees it set. The barriers keep the compiler
-	 * from moving the updates outside the busy window. */
 	st->busy = 1;
 	asm volatile("" ::: "memory");
 	account_plain(st, o, seg, nr_bytes, final);
@@ -441,12 +467,14 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev)
 	return slot ? *slot : 0;
 }
 
-static __always_inline void on_start(struct request *rq, __u64 key, __u64 kstart_ns, __u32 dev)
+/* `btf`: a constant per inlined call site, choosing direct or probe reads.
+ * Most requests return before any read of the request: the kernel keeps
+ * their start time and no VM submitted them. */
+static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int btf)
 {
 	struct rq_slot *s;
 	__u32 vm = 0, vdisk = 0;
-
-	__u64 kick_ns = 0, pick_ns = 0;
+	__u64 key, kick_ns = 0, pick_ns = 0;
 
 	if (targ_track_vms) {
 		__u64 pid_tgid = bpf_get_current_pid_tgid();
@@ -456,7 +484,7 @@ static __always_inline void on_start(struct request *rq, __u64 key, __u64 kstart
 		/* Only a VM's requests need their submitter remembered. */
 		if (v) {
 			vm = *v;
-			vdisk = vdisk_of(rq, vm, dev);
+			vdisk = vdisk_of(rq, vm, btf ? rq_dev_btf(rq) : rq_dev(rq));
 			if (targ_vm_segments) {
 				struct pick *p = bpf_map_lookup_elem(&thread_picks, &tid);
 
@@ -469,6 +497,7 @@ static __always_inline void on_start(struct request *rq, __u64 key, __u64 kstart
 	}
 	if (kstart_ns && !vm)
 		return;
+	key = btf ? rq_key_btf(rq) : rq_key_raw(rq);
 	s = rq_slot_of(key, 1);
 	if (s)
 		rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns);
@@ -509,22 +538,7 @@ static __always_inline void stream_vm_io(const struct rq_outcome *o, const struc
 	ev.bytes = o->bytes;
 	ev.vm = o->vm;
 	ev.vdisk = o->vdisk;
-	if (bpf_ringbuf_output(&events, &ev, sizeof(ev), wakeup_flags()))
-		count(CNT_RINGBUF_DROPS);
-}
-
-/* The entry of a map of blk_stats for `k`, created zeroed if missing. */
-static __always_inline struct blk_stats *vm_entry(void *map, struct vm_key *k)
-{
-	struct blk_stats *st = bpf_map_lookup_elem(map, k);
-
-	if (st)
-		return st;
-	bpf_map_update_elem(map, k, &zero_stats, BPF_NOEXIST);
-	st = bpf_map_lookup_elem(map, k);
-	if (!st)
-		count(CNT_VM_TABLE_FULL);
-	return st;
+	emit(&ev, sizeof(ev));
 }
 
 /* A VM's request: also into vm_latency, with its whole byte count (partial
@@ -533,21 +547,8 @@ static __always_inline void account_vm(const struct rq_outcome *o, const struct 
 				       __u8 op, const __u64 seg[BLK_NR_SEGS])
 {
 	struct vm_key k = { .vm = o->vm, .dev = f->dev, .op = op, .vdisk = o->vdisk };
-	struct blk_stats *st = vm_entry(&vm_latency, &k);
 
-	if (!st)
-		return;
-	if (st->busy) {
-		st = vm_entry(&vm_latency_nested, &k);
-		if (st)
-			account_atomic(st, o, seg, o->bytes, 1);
-		return;
-	}
-	st->busy = 1;
-	asm volatile("" ::: "memory");
-	account_plain(st, o, seg, o->bytes, 1);
-	asm volatile("" ::: "memory");
-	st->busy = 0;
+	account(&vm_latency, &vm_latency_nested, &k, o, seg, o->bytes, 1);
 }
 
 static __always_inline void on_complete(const struct rq_fields *f,
@@ -564,6 +565,7 @@ static __always_inline void on_complete(const struct rq_fields *f,
 	struct rq_outcome o = {};
 	__u64 seg[BLK_NR_SEGS] = {};
 	__u8 op = op_class(f->cmd_flags);
+	__u32 key;
 	int disk, final;
 
 	disk = disk_slot_of(f);
@@ -581,7 +583,8 @@ static __always_inline void on_complete(const struct rq_fields *f,
 	}
 	if (disk < 0)
 		return;
-	account((__u32)disk * BLK_NR_OPS + op, &o, seg, nr_bytes, final);
+	key = (__u32)disk * BLK_NR_OPS + op;
+	account(&blk_latency, &blk_latency_nested, &key, &o, seg, nr_bytes, final);
 	if (final && o.vm) {
 		account_vm(&o, f, op, seg);
 		/* Only a virtual disk's requests have a host window to split. */
@@ -599,14 +602,14 @@ static __always_inline void on_complete(const struct rq_fields *f,
 SEC("tp_btf/block_io_start")
 int BPF_PROG(block_io_start_btf, struct request *rq)
 {
-	on_start(rq, rq_key_btf(rq), rq->start_time_ns, rq_dev_btf(rq));
+	on_start(rq, rq->start_time_ns, 1);
 	return 0;
 }
 
 SEC("raw_tp/block_io_start")
 int BPF_PROG(block_io_start, struct request *rq)
 {
-	on_start(rq, rq_key_raw(rq), BPF_CORE_READ(rq, start_time_ns), rq_dev(rq));
+	on_start(rq, BPF_CORE_READ(rq, start_time_ns), 0);
 	return 0;
 }
 
@@ -614,14 +617,14 @@ int BPF_PROG(block_io_start, struct request *rq)
 SEC("tp_btf/block_rq_insert")
 int BPF_PROG(block_rq_insert_btf, struct request *rq)
 {
-	on_start(rq, rq_key_btf(rq), rq->start_time_ns, rq_dev_btf(rq));
+	on_start(rq, rq->start_time_ns, 1);
 	return 0;
 }
 
 SEC("raw_tp/block_rq_insert")
 int BPF_PROG(block_rq_insert, struct request *rq)
 {
-	on_start(rq, rq_key_raw(rq), BPF_CORE_READ(rq, start_time_ns), rq_dev(rq));
+	on_start(rq, BPF_CORE_READ(rq, start_time_ns), 0);
 	return 0;
 }
 
@@ -765,8 +768,7 @@ int msix_notify(void *ctx)
 		return 0;
 	ev.vm = *vm;
 	ev.ts_ns = bpf_ktime_get_ns();
-	if (bpf_ringbuf_output(&events, &ev, sizeof(ev), wakeup_flags()))
-		count(CNT_RINGBUF_DROPS);
+	emit(&ev, sizeof(ev));
 	return 0;
 }
 

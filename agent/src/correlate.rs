@@ -109,22 +109,28 @@ impl Correlator {
         self.settle(true);
     }
 
+    /// Settles requests from the oldest on, stopping at the first that must
+    /// still wait: records arrive in completion order, so what follows it
+    /// waits with it. Called per record: constant work in the steady state.
     fn settle(&mut self, all: bool) {
-        let mut keep = VecDeque::with_capacity(self.pending.len());
-        while let Some(ev) = self.pending.pop_front() {
+        while let Some(ev) = self.pending.front() {
             let sig = self.signals.get(&ev.vm).and_then(|q| {
                 let i = q.partition_point(|&t| t < ev.done_ns);
                 q.get(i).copied()
             });
+            let waited = all || self.latest_ns >= ev.done_ns + self.hold_ns;
+            if sig.is_none() && !waited {
+                break;
+            }
+            let ev = self.pending.pop_front().expect("front exists");
             match sig {
                 Some(sig) => self.record(&ev, sig),
-                None if all || self.latest_ns >= ev.done_ns + self.hold_ns => self.counters.no_signal += 1,
-                None => keep.push_back(ev),
+                None => self.counters.no_signal += 1,
             }
         }
-        self.pending = keep;
-        // Signals older than anything still pending (less the hold) are done with.
-        let horizon = self.pending.iter().map(|e| e.done_ns).min().unwrap_or(self.latest_ns).saturating_sub(self.hold_ns);
+        // Signals older than the oldest request still pending (less the
+        // hold) are done with.
+        let horizon = self.pending.front().map_or(self.latest_ns, |e| e.done_ns).saturating_sub(self.hold_ns);
         for q in self.signals.values_mut() {
             while q.front().is_some_and(|&t| t < horizon) {
                 q.pop_front();

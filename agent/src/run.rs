@@ -88,7 +88,6 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         stream_devs: only.clone(),
         start_stamps: opts.start_stamps,
         track_vms: opts.vms,
-        vm_segments: opts.vms,
         vm_pids,
         vm_maps,
     };

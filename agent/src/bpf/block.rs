@@ -33,12 +33,10 @@ pub struct BlockConfig {
     /// Stamp request starts ourselves even if every disk's requests carry
     /// the kernel's start time.
     pub start_stamps: bool,
-    /// Attribute requests to the VMs that submitted them: these running
-    /// ones (tgids, given slots 1..) and any started later.
+    /// Attribute requests to the VMs that submitted them — these running
+    /// ones (tgids, given slots 1..) and any started later — and split
+    /// their host windows (records through the ring buffer).
     pub track_vms: bool,
-    /// Also follow VMs' eventfd notifications to split their requests'
-    /// host windows (records through the ring buffer).
-    pub vm_segments: bool,
     pub vm_pids: Vec<u32>,
     /// What the kernel side needs to resolve those VMs' virtual disks.
     pub vm_maps: VmMaps,
@@ -46,7 +44,7 @@ pub struct BlockConfig {
 
 impl Default for BlockConfig {
     fn default() -> Self {
-        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false, track_vms: false, vm_segments: false, vm_pids: Vec::new(), vm_maps: VmMaps::default() }
+        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false, track_vms: false, vm_pids: Vec::new(), vm_maps: VmMaps::default() }
     }
 }
 
@@ -207,7 +205,7 @@ impl BlockProbes {
         }
         let nr_stream_devs = cfg.stream_devs.len() as u32;
         let track_vms = u32::from(cfg.track_vms);
-        let vm_segments = u32::from(cfg.track_vms && cfg.vm_segments);
+        let vm_segments = track_vms;
         let next_vm = cfg.vm_pids.len() as u32;
         let dio_end_io = dio_end_io_addresses();
         let mut ebpf = EbpfLoader::new()
