@@ -30,7 +30,9 @@ fn main() {
         let src = bpf.join(format!("{prog}.bpf.c"));
         let obj = out.join(format!("{prog}.bpf.o"));
         let status = Command::new(&clang)
-            .args(["-target", "bpf", "-O2", "-g", "-mcpu=v3", "-Wall", "-Werror"])
+            .args([
+                "-target", "bpf", "-O2", "-g", "-mcpu=v3", "-Wall", "-Werror",
+            ])
             .arg(format!("-D__TARGET_ARCH_{arch}"))
             .arg("-I")
             .arg(bpf.join("include"))

@@ -133,6 +133,42 @@ struct {
 	__type(value, __u64);
 } pending_kicks SEC(".maps");
 
+/* VMs whose guest has started: tgid -> 1, set at the first eventfd write
+ * of a vCPU thread (and by the agent for VMs running when it starts).
+ * Before that the process only opens its images and realizes its devices
+ * (format, alignment and geometry probes): such requests are QEMU's own,
+ * not any virtual disk's. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u8);
+} vm_started SEC(".maps");
+
+/* The queue notifiers of VMs started while iospan runs: (tgid, fd) of each
+ * eventfd a vCPU thread created or any thread created once the guest ran.
+ * QEMU makes its loop notifiers (main loop, iothreads) before the guest
+ * runs; a queue's host notifier when the guest driver starts the device
+ * (virtio-blk, in the vCPU thread) or sets up doorbell buffers (NVMe with
+ * ioeventfd=on, in the engine). A vCPU also writes the
+ * loop notifiers (timer changes wake the main loop): counted as kicks,
+ * they would hand a request held in the engine a later notification. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct fd_key);
+	__type(value, __u8);
+} vq_notifiers SEC(".maps");
+
+/* VMs whose notifiers are known (exec'd while iospan ran): tgid -> 1. A VM
+ * found already running has kicks taken from any eventfd its vCPUs write. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u8);
+} vm_notifiers_known SEC(".maps");
+
 /* The last kick each engine thread picked up: tid -> {kick, pickup}. The
  * requests that thread submits next belong to that notification. */
 struct pick {
@@ -484,7 +520,8 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 		/* Only a VM's requests need their submitter remembered. */
 		if (v) {
 			vm = *v;
-			vdisk = vdisk_of(rq, vm, btf ? rq_dev_btf(rq) : rq_dev(rq));
+			if (bpf_map_lookup_elem(&vm_started, &tgid))
+				vdisk = vdisk_of(rq, vm, btf ? rq_dev_btf(rq) : rq_dev(rq));
 			if (targ_vm_segments) {
 				struct pick *p = bpf_map_lookup_elem(&thread_picks, &tid);
 
@@ -694,6 +731,11 @@ static __always_inline void on_exec(void)
 	tgid = bpf_get_current_pid_tgid() >> 32;
 	slot = __sync_fetch_and_add(&next_vm, 1) + 1;
 	bpf_map_update_elem(&vm_pids, &tgid, &slot, BPF_NOEXIST);
+	if (targ_vm_segments) {
+		__u8 one = 1;
+
+		bpf_map_update_elem(&vm_notifiers_known, &tgid, &one, BPF_ANY);
+	}
 }
 
 SEC("tp_btf/sched_process_exec")
@@ -744,10 +786,47 @@ int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
 
 	if (!vm_of_eventfd_io(ctx, 1) || !in_vcpu())
 		return 0;
-	now = bpf_ktime_get_ns();
 	k.tgid = bpf_get_current_pid_tgid() >> 32;
 	k.fd = (__u32)ctx->args[0];
+	if (!bpf_map_lookup_elem(&vm_started, &k.tgid)) {
+		__u8 one = 1;
+
+		bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
+	}
+	if (bpf_map_lookup_elem(&vm_notifiers_known, &k.tgid) && !bpf_map_lookup_elem(&vq_notifiers, &k))
+		return 0;
+	now = bpf_ktime_get_ns();
 	bpf_map_update_elem(&pending_kicks, &k, &now, BPF_NOEXIST);
+	return 0;
+}
+
+/* An eventfd made by a vCPU, or once the guest ran: a queue notifier
+ * (see vq_notifiers). Rare, so attached whenever VMs are tracked. */
+static __always_inline void on_eventfd_created(long fd)
+{
+	struct fd_key k;
+	__u8 one = 1;
+
+	if (!targ_vm_segments || fd < 0)
+		return;
+	k.tgid = bpf_get_current_pid_tgid() >> 32;
+	if (!bpf_map_lookup_elem(&vm_pids, &k.tgid) || (!in_vcpu() && !bpf_map_lookup_elem(&vm_started, &k.tgid)))
+		return;
+	k.fd = (__u32)fd;
+	bpf_map_update_elem(&vq_notifiers, &k, &one, BPF_ANY);
+}
+
+SEC("tracepoint/syscalls/sys_exit_eventfd2")
+int sys_exit_eventfd2(struct trace_event_raw_sys_exit *ctx)
+{
+	on_eventfd_created(ctx->ret);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_exit_eventfd")
+int sys_exit_eventfd(struct trace_event_raw_sys_exit *ctx)
+{
+	on_eventfd_created(ctx->ret);
 	return 0;
 }
 

@@ -138,7 +138,8 @@ const _: () = assert!(size_of::<VmKey>() == 16);
 const _: () = assert!(size_of::<FileKey>() == 16);
 const _: () = assert!(size_of::<VmDevKey>() == 8);
 const _: () = assert!(size_of::<DiskSlot>() == 16);
-const _: () = assert!(size_of::<BlkStats>() == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS));
+const _: () =
+    assert!(size_of::<BlkStats>() == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS));
 
 // SAFETY: plain-old-data, `repr(C)`, no padding the kernel could leave
 // uninitialised that we would read as anything but integers.
@@ -196,7 +197,8 @@ impl Record {
     pub fn from_bytes(buf: &[u8]) -> Option<Self> {
         fn read<T: Copy>(buf: &[u8]) -> Option<T> {
             // SAFETY: length checked; every bit pattern is a valid T (plain integers).
-            (buf.len() == size_of::<T>()).then(|| unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) })
+            (buf.len() == size_of::<T>())
+                .then(|| unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) })
         }
         let kind = u16::from_ne_bytes([*buf.first()?, *buf.get(1)?]);
         match kind {
@@ -207,4 +209,3 @@ impl Record {
         }
     }
 }
-

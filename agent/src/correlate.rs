@@ -130,7 +130,11 @@ impl Correlator {
         }
         // Signals older than the oldest request still pending (less the
         // hold) are done with.
-        let horizon = self.pending.front().map_or(self.latest_ns, |e| e.done_ns).saturating_sub(self.hold_ns);
+        let horizon = self
+            .pending
+            .front()
+            .map_or(self.latest_ns, |e| e.done_ns)
+            .saturating_sub(self.hold_ns);
         for q in self.signals.values_mut() {
             while q.front().is_some_and(|&t| t < horizon) {
                 q.pop_front();
@@ -178,7 +182,14 @@ mod tests {
     }
 
     fn split(c: &Correlator, vm: u32) -> &HostSplit {
-        c.splits.get(&SplitKey { vm, dev: Dev::new(254, 0), op: Op::Read, vdisk: 1 }).expect("a split")
+        c.splits
+            .get(&SplitKey {
+                vm,
+                dev: Dev::new(254, 0),
+                op: Op::Read,
+                vdisk: 1,
+            })
+            .expect("a split")
     }
 
     #[test]
@@ -187,8 +198,19 @@ mod tests {
         c.on_io(io(1, 100, 130, 200, 900), true);
         c.on_signal(1, 950);
         let s = split(&c, 1);
-        assert_eq!((s.hypervisor.sum_ns, s.engine.sum_ns, s.device.sum_ns, s.window.sum_ns), (30, 70 + 50, 700, 850));
-        assert_eq!(s.hypervisor.sum_ns + s.engine.sum_ns + s.device.sum_ns, s.window.sum_ns);
+        assert_eq!(
+            (
+                s.hypervisor.sum_ns,
+                s.engine.sum_ns,
+                s.device.sum_ns,
+                s.window.sum_ns
+            ),
+            (30, 70 + 50, 700, 850)
+        );
+        assert_eq!(
+            s.hypervisor.sum_ns + s.engine.sum_ns + s.device.sum_ns,
+            s.window.sum_ns
+        );
     }
 
     #[test]
@@ -221,7 +243,12 @@ mod tests {
         assert!(c.splits.is_empty());
         c.on_signal(1, 3_000);
         assert_eq!(split(&c, 1).window.sum_ns, 2_900);
-        assert!(!c.splits.contains_key(&SplitKey { vm: 2, dev: Dev::new(254, 0), op: Op::Read, vdisk: 1 }));
+        assert!(!c.splits.contains_key(&SplitKey {
+            vm: 2,
+            dev: Dev::new(254, 0),
+            op: Op::Read,
+            vdisk: 1
+        }));
     }
 
     #[test]
@@ -234,7 +261,15 @@ mod tests {
         c.on_signal(1, 5_000); // stream time moves past the hold
         c.finish();
         c.on_io(io(1, 100, 130, 200, 900), false);
-        assert_eq!(c.counters, SplitCounters { no_kick: 1, no_signal: 1, unordered: 1, not_followed: 1 });
+        assert_eq!(
+            c.counters,
+            SplitCounters {
+                no_kick: 1,
+                no_signal: 1,
+                unordered: 1,
+                not_followed: 1
+            }
+        );
         assert!(c.splits.is_empty());
     }
 
@@ -245,8 +280,14 @@ mod tests {
         c.on_signal(2, 1_500); // other VM's traffic moves stream time, not past the hold
         assert_eq!(c.counters.no_signal, 0);
         c.on_signal(2, 2_000);
-        assert_eq!(c.counters.no_signal, 1, "settled without a signal once the hold passed");
+        assert_eq!(
+            c.counters.no_signal, 1,
+            "settled without a signal once the hold passed"
+        );
         c.on_signal(1, 2_100);
-        assert!(c.splits.is_empty(), "a late signal does not revive a settled request");
+        assert!(
+            c.splits.is_empty(),
+            "a late signal does not revive a settled request"
+        );
     }
 }

@@ -35,7 +35,11 @@ pub enum DiskError {
     #[error("`{name}` is a partition of `{disk}`: requests are attributed to whole disks; use `--disk {disk}`")]
     Partition { name: String, disk: String },
     #[error("reading {path}")]
-    Sysfs { path: String, #[source] source: std::io::Error },
+    Sysfs {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 fn parse_dev(s: &str) -> Option<Dev> {
@@ -48,21 +52,36 @@ pub fn resolve(name: &str) -> Result<Dev, DiskError> {
     let short = name.strip_prefix("/dev/").unwrap_or(name);
     let base = Path::new("/sys/class/block").join(short);
     if !base.exists() {
-        return Err(DiskError::Unknown { name: name.to_string(), known: whole_disks().join(", ") });
+        return Err(DiskError::Unknown {
+            name: name.to_string(),
+            known: whole_disks().join(", "),
+        });
     }
     if base.join("partition").exists() {
         let disk = fs::canonicalize(&base)
             .ok()
-            .and_then(|p| p.parent().and_then(|d| d.file_name()).map(|d| d.to_string_lossy().into_owned()))
+            .and_then(|p| {
+                p.parent()
+                    .and_then(|d| d.file_name())
+                    .map(|d| d.to_string_lossy().into_owned())
+            })
             .unwrap_or_else(|| "its disk".into());
-        return Err(DiskError::Partition { name: name.to_string(), disk });
+        return Err(DiskError::Partition {
+            name: name.to_string(),
+            disk,
+        });
     }
     let path = base.join("dev");
-    let text = fs::read_to_string(&path)
-        .map_err(|source| DiskError::Sysfs { path: path.display().to_string(), source })?;
+    let text = fs::read_to_string(&path).map_err(|source| DiskError::Sysfs {
+        path: path.display().to_string(),
+        source,
+    })?;
     parse_dev(&text).ok_or_else(|| DiskError::Sysfs {
         path: path.display().to_string(),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("not MAJ:MIN: {text:?}")),
+        source: std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not MAJ:MIN: {text:?}"),
+        ),
     })
 }
 
@@ -71,13 +90,20 @@ pub fn name_of(dev: Dev) -> String {
     let uevent = format!("/sys/dev/block/{}:{}/uevent", dev.major(), dev.minor());
     fs::read_to_string(uevent)
         .ok()
-        .and_then(|t| t.lines().find_map(|l| l.strip_prefix("DEVNAME=").map(str::to_string)))
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("DEVNAME=").map(str::to_string))
+        })
         .unwrap_or_else(|| dev.to_string())
 }
 
 pub fn whole_disks() -> Vec<String> {
     let mut v: Vec<String> = fs::read_dir("/sys/block")
-        .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
         .unwrap_or_default();
     v.sort();
     v
@@ -100,6 +126,9 @@ mod tests {
     #[test]
     fn unknown_disk_names_the_input_and_the_choices() {
         let e = resolve("no-such-disk-xyz").unwrap_err().to_string();
-        assert!(e.contains("no-such-disk-xyz") && e.contains("block devices here"), "{e}");
+        assert!(
+            e.contains("no-such-disk-xyz") && e.contains("block devices here"),
+            "{e}"
+        );
     }
 }

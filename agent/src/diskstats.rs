@@ -35,7 +35,10 @@ impl DiskStat {
     /// Parses the space-separated fields of a `stat` file (see
     /// Documentation/block/stat.rst); older kernels have fewer fields.
     pub fn parse(text: &str) -> Option<Self> {
-        let f: Vec<u64> = text.split_whitespace().map(|v| v.parse().ok()).collect::<Option<_>>()?;
+        let f: Vec<u64> = text
+            .split_whitespace()
+            .map(|v| v.parse().ok())
+            .collect::<Option<_>>()?;
         let at = |i: usize| f.get(i).copied().unwrap_or(0);
         (f.len() >= 11).then(|| DiskStat {
             reads: at(0),
@@ -66,10 +69,22 @@ impl DiskStat {
     /// own (write-zeroes are counted as writes, passthrough not at all).
     pub fn for_op(&self, op: Op) -> Option<KernelCount> {
         match op {
-            Op::Read => Some(KernelCount { ios: self.reads, time_ms: self.read_ms }),
-            Op::Write => Some(KernelCount { ios: self.writes, time_ms: self.write_ms }),
-            Op::Discard => Some(KernelCount { ios: self.discards, time_ms: self.discard_ms }),
-            Op::Flush => Some(KernelCount { ios: self.flushes, time_ms: self.flush_ms }),
+            Op::Read => Some(KernelCount {
+                ios: self.reads,
+                time_ms: self.read_ms,
+            }),
+            Op::Write => Some(KernelCount {
+                ios: self.writes,
+                time_ms: self.write_ms,
+            }),
+            Op::Discard => Some(KernelCount {
+                ios: self.discards,
+                time_ms: self.discard_ms,
+            }),
+            Op::Flush => Some(KernelCount {
+                ios: self.flushes,
+                time_ms: self.flush_ms,
+            }),
             Op::Other => None,
         }
     }
@@ -78,17 +93,24 @@ impl DiskStat {
 /// Counters of every whole disk that keeps them (`queue/iostats` = 1).
 pub fn read_all() -> BTreeMap<Dev, DiskStat> {
     let mut out = BTreeMap::new();
-    let Ok(rd) = fs::read_dir("/sys/block") else { return out };
+    let Ok(rd) = fs::read_dir("/sys/block") else {
+        return out;
+    };
     for e in rd.flatten() {
         let base = e.path();
-        if fs::read_to_string(base.join("queue/iostats")).map(|s| s.trim() != "1").unwrap_or(true) {
+        if fs::read_to_string(base.join("queue/iostats"))
+            .map(|s| s.trim() != "1")
+            .unwrap_or(true)
+        {
             continue;
         }
         let dev = fs::read_to_string(base.join("dev")).ok().and_then(|t| {
             let (a, b) = t.trim().split_once(':')?;
             Some(Dev::new(a.parse().ok()?, b.parse().ok()?))
         });
-        let stat = fs::read_to_string(base.join("stat")).ok().and_then(|t| DiskStat::parse(&t));
+        let stat = fs::read_to_string(base.join("stat"))
+            .ok()
+            .and_then(|t| DiskStat::parse(&t));
         if let (Some(dev), Some(stat)) = (dev, stat) {
             out.insert(dev, stat);
         }
@@ -97,8 +119,14 @@ pub fn read_all() -> BTreeMap<Dev, DiskStat> {
 }
 
 /// Per-disk change between two reads; disks present in both only.
-pub fn delta(before: &BTreeMap<Dev, DiskStat>, after: &BTreeMap<Dev, DiskStat>) -> BTreeMap<Dev, DiskStat> {
-    after.iter().filter_map(|(d, a)| before.get(d).map(|b| (*d, a.minus(b)))).collect()
+pub fn delta(
+    before: &BTreeMap<Dev, DiskStat>,
+    after: &BTreeMap<Dev, DiskStat>,
+) -> BTreeMap<Dev, DiskStat> {
+    after
+        .iter()
+        .filter_map(|(d, a)| before.get(d).map(|b| (*d, a.minus(b))))
+        .collect()
 }
 
 #[cfg(test)]
@@ -109,8 +137,14 @@ mod tests {
     fn parses_the_modern_and_the_old_layout() {
         let modern = "  3000 0 24000 41 2000 0 16000 30 0 60 71 5 0 40 1 7 2\n";
         let s = DiskStat::parse(modern).unwrap();
-        assert_eq!((s.reads, s.read_ms, s.writes, s.write_ms), (3000, 41, 2000, 30));
-        assert_eq!((s.discards, s.discard_ms, s.flushes, s.flush_ms), (5, 1, 7, 2));
+        assert_eq!(
+            (s.reads, s.read_ms, s.writes, s.write_ms),
+            (3000, 41, 2000, 30)
+        );
+        assert_eq!(
+            (s.discards, s.discard_ms, s.flushes, s.flush_ms),
+            (5, 1, 7, 2)
+        );
         let old = "10 0 80 3 4 0 32 1 0 4 4";
         let s = DiskStat::parse(old).unwrap();
         assert_eq!((s.reads, s.writes, s.discards, s.flushes), (10, 4, 0, 0));
@@ -123,9 +157,28 @@ mod tests {
         let d = Dev::new(7, 0);
         let mut a = BTreeMap::new();
         let mut b = BTreeMap::new();
-        a.insert(d, DiskStat { reads: 10, ..Default::default() });
-        b.insert(d, DiskStat { reads: 25, writes: 3, ..Default::default() });
-        b.insert(Dev::new(8, 0), DiskStat { reads: 1, ..Default::default() });
+        a.insert(
+            d,
+            DiskStat {
+                reads: 10,
+                ..Default::default()
+            },
+        );
+        b.insert(
+            d,
+            DiskStat {
+                reads: 25,
+                writes: 3,
+                ..Default::default()
+            },
+        );
+        b.insert(
+            Dev::new(8, 0),
+            DiskStat {
+                reads: 1,
+                ..Default::default()
+            },
+        );
         let x = delta(&a, &b);
         assert_eq!(x.len(), 1);
         assert_eq!(x[&d].reads, 15);

@@ -49,7 +49,11 @@ impl Support {
 
 pub fn examine() -> Result<Doctor> {
     let privileged = preflight::has_bpf_privileges();
-    let probes = if privileged { features::probe_all() } else { Vec::new() };
+    let probes = if privileged {
+        features::probe_all()
+    } else {
+        Vec::new()
+    };
     let works = |t: ProbeType| probes.iter().any(|p| p.probe == t && p.works);
     // The kvm tracepoints exist while the kvm module is loaded (or built in),
     // whether or not tracefs is mounted.
@@ -65,7 +69,11 @@ pub fn examine() -> Result<Doctor> {
         how: if tp {
             format!(
                 "host block tracepoints via {} (queue and service per request)",
-                if works(ProbeType::TpBtf) { "tp_btf" } else { "raw_tp" }
+                if works(ProbeType::TpBtf) {
+                    "tp_btf"
+                } else {
+                    "raw_tp"
+                }
             )
         } else {
             "needs tp_btf or raw_tp programs, neither loads here".into()
@@ -128,10 +136,19 @@ fn kernel_release() -> String {
         return "unknown".into();
     }
     let field = |f: &[libc::c_char]| {
-        let bytes: Vec<u8> = f.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+        let bytes: Vec<u8> = f
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect();
         String::from_utf8_lossy(&bytes).into_owned()
     };
-    format!("{} {} {}", field(&u.sysname), field(&u.release), field(&u.machine))
+    format!(
+        "{} {} {}",
+        field(&u.sysname),
+        field(&u.release),
+        field(&u.machine)
+    )
 }
 
 impl Doctor {
@@ -139,8 +156,24 @@ impl Doctor {
         let mut out = String::new();
         let yes = |b: bool| if b { "yes" } else { "no" };
         let _ = writeln!(out, "kernel        {}", self.kernel);
-        let _ = writeln!(out, "BTF           {}", if self.btf { "yes (/sys/kernel/btf/vmlinux)" } else { "no" });
-        let _ = writeln!(out, "privileges    {}", if self.privileged { "yes" } else { "no: run as root or grant CAP_BPF + CAP_PERFMON" });
+        let _ = writeln!(
+            out,
+            "BTF           {}",
+            if self.btf {
+                "yes (/sys/kernel/btf/vmlinux)"
+            } else {
+                "no"
+            }
+        );
+        let _ = writeln!(
+            out,
+            "privileges    {}",
+            if self.privileged {
+                "yes"
+            } else {
+                "no: run as root or grant CAP_BPF + CAP_PERFMON"
+            }
+        );
         let _ = writeln!(out, "kvm events    {}", yes(self.kvm_tracepoints));
         let _ = writeln!(out, "\nprogram types (loaded, attached and fired here):");
         if self.probes.is_empty() {
@@ -157,19 +190,30 @@ impl Doctor {
         }
         let _ = writeln!(out, "\nsegments this host can measure:");
         for s in &self.segments {
-            let _ = writeln!(out, "  {:<11} {:<8} {}", s.segment, s.measurable.as_str(), s.how);
+            let _ = writeln!(
+                out,
+                "  {:<11} {:<8} {}",
+                s.segment,
+                s.measurable.as_str(),
+                s.how
+            );
         }
         let _ = writeln!(out, "\nQEMU processes ({}):", self.vms.len());
         for vm in &self.vms {
             let _ = writeln!(out, "  {} (pid {})", vm.name, vm.pid);
             for d in &vm.disks {
-                let host = d.host_dev.map(crate::disks::name_of).unwrap_or_else(|| "no host disk".into());
+                let host = d
+                    .host_dev
+                    .map(crate::disks::name_of)
+                    .unwrap_or_else(|| "no host disk".into());
                 let _ = writeln!(
                     out,
                     "    {:<16} {:<18} {} on {host}: host block requests attributed to the VM",
                     d.id,
                     d.model.as_deref().unwrap_or("-"),
-                    d.file.as_ref().map_or("-".into(), |f| f.display().to_string())
+                    d.file
+                        .as_ref()
+                        .map_or("-".into(), |f| f.display().to_string())
                 );
             }
         }

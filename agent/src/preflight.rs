@@ -48,7 +48,9 @@ pub fn require_bpf_privileges() -> Result<()> {
 pub fn require_command(cmd: &str) -> Result<()> {
     let is_exec = |p: &Path| {
         use std::os::unix::fs::PermissionsExt;
-        p.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
+        p.metadata()
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .unwrap_or(false)
     };
     if cmd.contains('/') {
         if is_exec(Path::new(cmd)) {
@@ -78,8 +80,13 @@ mod tests {
 
     #[test]
     fn missing_command_is_named() {
-        let e = require_command("surely-not-a-command-iospan").unwrap_err().to_string();
-        assert!(e.contains("surely-not-a-command-iospan") && e.contains("PATH"), "{e}");
+        let e = require_command("surely-not-a-command-iospan")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("surely-not-a-command-iospan") && e.contains("PATH"),
+            "{e}"
+        );
         assert!(require_command("sh").is_ok());
         assert!(require_command("/nonexistent/x").is_err());
     }

@@ -5,16 +5,16 @@ use std::{collections::BTreeMap, fmt::Write as _};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    correlate::{HostSplit, SplitKey},
-    diskstats::{DiskStat, KernelCount},
-    vms::Registry,
     bpf::{
         block::{Counters, VmStatKey},
         progstats::ProgStats,
         Attachment,
     },
+    correlate::{HostSplit, SplitKey},
     disks::{self, Dev},
+    diskstats::{DiskStat, KernelCount},
     model::{BlkSegment, DiskOpStats, Op, Summary},
+    vms::{KickSource, Registry},
 };
 
 pub const SCHEMA: &str = "iospan.run/v1";
@@ -30,7 +30,32 @@ pub struct RunReport {
     pub lost: Counters,
     pub probes: Vec<Attachment>,
     pub agent: AgentCost,
+    /// The VMs seen during the run.
+    #[serde(default)]
+    pub vms: Vec<VmSummary>,
     pub entries: Vec<Entry>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VmSummary {
+    pub name: String,
+    pub pid: u32,
+    /// Virtual disk ids.
+    pub disks: Vec<String>,
+    pub kicks: KickSource,
+}
+
+pub fn vms(known: &Registry) -> Vec<VmSummary> {
+    known
+        .vms
+        .values()
+        .map(|v| VmSummary {
+            name: v.name.clone(),
+            pid: v.pid,
+            disks: v.disks.iter().map(|d| d.id.clone()).collect(),
+            kicks: v.kicks,
+        })
+        .collect()
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -70,11 +95,26 @@ pub struct Entry {
 }
 
 impl Entry {
-    pub fn from_stats(vm: Option<String>, disk: String, op: Op, s: &DiskOpStats, duration_s: f64) -> Self {
-        let per_s = |v: f64| if duration_s > 0.0 { round3(v / duration_s) } else { 0.0 };
+    pub fn from_stats(
+        vm: Option<String>,
+        disk: String,
+        op: Op,
+        s: &DiskOpStats,
+        duration_s: f64,
+    ) -> Self {
+        let per_s = |v: f64| {
+            if duration_s > 0.0 {
+                round3(v / duration_s)
+            } else {
+                0.0
+            }
+        };
         let mut segments = BTreeMap::new();
         segments.insert("queue".to_string(), s.segment(BlkSegment::Queue).summary());
-        segments.insert("service".to_string(), s.segment(BlkSegment::Service).summary());
+        segments.insert(
+            "service".to_string(),
+            s.segment(BlkSegment::Service).summary(),
+        );
         Entry {
             vm,
             host_disk: disk.clone(),
@@ -132,12 +172,20 @@ pub fn vm_entries(
         .filter(|(k, _)| only.is_empty() || only.contains(&k.dev))
         .map(|(k, s)| {
             let host = disks::name_of(k.dev);
-            let disk = vms.vdisk(k.vdisk).map_or_else(|| host.clone(), str::to_string);
+            let disk = vms
+                .vdisk(k.vdisk)
+                .map_or_else(|| host.clone(), str::to_string);
             let mut e = Entry::from_stats(Some(vms.name(k.vm)), disk, k.op, s, duration_s);
             e.host_disk = host;
-            let split_key = SplitKey { vm: k.vm, dev: k.dev, op: k.op, vdisk: k.vdisk };
+            let split_key = SplitKey {
+                vm: k.vm,
+                dev: k.dev,
+                op: k.op,
+                vdisk: k.vdisk,
+            };
             if let Some(h) = splits.get(&split_key) {
-                e.segments.insert("hypervisor".into(), h.hypervisor.summary());
+                e.segments
+                    .insert("hypervisor".into(), h.hypervisor.summary());
                 e.segments.insert("engine".into(), h.engine.summary());
                 e.segments.insert("device".into(), h.device.summary());
                 e.segments.insert("host_window".into(), h.window.summary());
@@ -181,16 +229,38 @@ impl RunReport {
         let _ = writeln!(
             out,
             "{:<14} {:<10} {:<7} {:>9} {:>10} {:>8}  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-            "VM", "DISK", "OP", "IOS", "IOPS", "MB/s", "SEGMENT", "MEAN", "P50", "P90", "P99", "P99.9", "MAX"
+            "VM",
+            "DISK",
+            "OP",
+            "IOS",
+            "IOPS",
+            "MB/s",
+            "SEGMENT",
+            "MEAN",
+            "P50",
+            "P90",
+            "P99",
+            "P99.9",
+            "MAX"
         );
         if self.entries.is_empty() {
             let _ = writeln!(out, "(no block I/O completed on the traced disks)");
         }
         for e in &self.entries {
             // Block segments, then the host window's split, then the window.
-            const ORDER: [&str; 6] = ["queue", "service", "hypervisor", "engine", "device", "host_window"];
-            let rows = std::iter::once(("total", &e.total))
-                .chain(ORDER.iter().filter_map(|k| e.segments.get(*k).map(|v| (*k, v))));
+            const ORDER: [&str; 6] = [
+                "queue",
+                "service",
+                "hypervisor",
+                "engine",
+                "device",
+                "host_window",
+            ];
+            let rows = std::iter::once(("total", &e.total)).chain(
+                ORDER
+                    .iter()
+                    .filter_map(|k| e.segments.get(*k).map(|v| (*k, v))),
+            );
             for (i, (seg, s)) in rows.enumerate() {
                 let (vm, disk, op, ios, iops, mbs) = if i == 0 {
                     (
@@ -212,7 +282,26 @@ impl RunReport {
                 );
             }
         }
-        let _ = writeln!(out, "latencies in µs over {:.2} s; {}", self.duration_s, self.lost_line());
+        let _ = writeln!(
+            out,
+            "latencies in µs over {:.2} s; {}",
+            self.duration_s,
+            self.lost_line()
+        );
+        let guessed: Vec<&str> = self
+            .vms
+            .iter()
+            .filter(|v| v.kicks == KickSource::AnyVcpuEventfd)
+            .map(|v| v.name.as_str())
+            .collect();
+        if !guessed.is_empty() {
+            let _ = writeln!(
+                out,
+                "kicks guessed for {} (running before iospan: any eventfd their vCPUs write counts; \
+                 a request held in the engine may be given a later kick)",
+                guessed.join(", ")
+            );
+        }
         out
     }
 
@@ -230,7 +319,10 @@ impl RunReport {
             ("VM requests without a kick", c.host_split.no_kick),
             ("VM requests without a signal", c.host_split.no_signal),
             ("VM requests out of order", c.host_split.unordered),
-            ("VM requests of disks not followed", c.host_split.not_followed),
+            (
+                "VM requests of disks not followed",
+                c.host_split.not_followed,
+            ),
         ]
         .iter()
         .filter(|(_, n)| *n > 0)

@@ -3,9 +3,9 @@
 
 use std::{
     io::{IsTerminal, Write},
-    sync::{Arc, Mutex},
     path::PathBuf,
     process::ExitStatus,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -19,8 +19,8 @@ use tokio::{
 
 use crate::{
     abi::{BlkIoEvent, Record, RQ_F_NO_ISSUE, RQ_F_NO_START},
-    correlate::Correlator,
     bpf::block::{BlockConfig, BlockProbes},
+    correlate::Correlator,
     disks::{self, Dev},
     diskstats,
     model::Op,
@@ -79,7 +79,10 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let cfg = BlockConfig {
         max_disks: opts.max_disks,
         // --events-out alone streams every request.
-        sample_every: if opts.events_out.is_some() && opts.slower_than.is_none() && opts.sample_every == 0 {
+        sample_every: if opts.events_out.is_some()
+            && opts.slower_than.is_none()
+            && opts.sample_every == 0
+        {
             1
         } else {
             opts.sample_every
@@ -92,7 +95,10 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         vm_maps,
     };
     let _stats = if opts.bpf_stats {
-        Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling BPF run-time statistics")?)
+        Some(
+            aya::sys::enable_stats(aya::sys::Stats::RunTime)
+                .context("enabling BPF run-time statistics")?,
+        )
     } else {
         None
     };
@@ -100,7 +106,11 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     for vm in known.lock().unwrap_or_else(|p| p.into_inner()).vms.values() {
         if let Some(exe) = &vm.exe {
             if let Err(e) = probes.attach_signal_probe(exe) {
-                log::warn!("VM {}: no host-window split: {}", vm.name, crate::bpf::error_chain(&e));
+                log::warn!(
+                    "VM {}: no host-window split: {}",
+                    vm.name,
+                    crate::bpf::error_chain(&e)
+                );
             }
         }
     }
@@ -116,11 +126,18 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         let ring = probes.take_events()?;
         let out = match &opts.events_out {
             Some(path) => Some(std::io::BufWriter::new(
-                std::fs::File::create(path).with_context(|| format!("creating --events-out {}", path.display()))?,
+                std::fs::File::create(path)
+                    .with_context(|| format!("creating --events-out {}", path.display()))?,
             )),
             None => None,
         };
-        Some(tokio::spawn(drain_events(ring, out, known.clone(), correlator.clone(), stop_rx)))
+        Some(tokio::spawn(drain_events(
+            ring,
+            out,
+            known.clone(),
+            correlator.clone(),
+            stop_rx,
+        )))
     } else {
         None
     };
@@ -200,7 +217,9 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // counted has already been through our tracepoint, so a shortfall is
     // real, never a race of the two reads.
     let kernel = diskstats::delta(&kernel0, &diskstats::read_all());
-    let mut snap = probes.snapshot().context("reading the block-layer statistics")?;
+    let mut snap = probes
+        .snapshot()
+        .context("reading the block-layer statistics")?;
     name_new_vms(&mut probes, &known);
     snap.counters.unseen = report::unseen(&snap.stats, &kernel, &only);
     progress.done();
@@ -208,10 +227,20 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let _ = stop_tx.send(true);
     let mut events_written = 0;
     if let Some(t) = events_task {
-        events_written = t.await.context("event writer")?.context("writing --events-out")?;
+        events_written = t
+            .await
+            .context("event writer")?
+            .context("writing --events-out")?;
     }
     let cpu1 = preflight::self_cpu();
-    snap.counters.host_split = correlator.lock().unwrap_or_else(|p| p.into_inner()).counters.clone();
+    snap.counters.host_split = correlator
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .counters
+        .clone();
+    // A guard taken in the literal below would live to its end, across the
+    // entries' own lock of the registry.
+    let vms = report::vms(&known.lock().unwrap_or_else(|p| p.into_inner()));
     let report = RunReport {
         schema: SCHEMA.into(),
         duration_s: (elapsed * 1000.0).round() / 1000.0,
@@ -224,6 +253,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             cpu_sys_s: cpu1.1 - cpu0.1,
             bpf: opts.bpf_stats.then(|| probes.program_stats()),
         },
+        vms,
         entries: {
             let mut e = report::entries(&snap.stats, &kernel, &only, elapsed);
             let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
@@ -239,12 +269,16 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     };
     if let Some(path) = &opts.json_out {
         let text = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing --json-out {}", path.display()))?;
+        std::fs::write(path, text + "\n")
+            .with_context(|| format!("writing --json-out {}", path.display()))?;
     }
     if opts.events_out.is_some() {
         log::info!("{events_written} per-request records written");
     }
-    Ok(RunOutcome { report, child_status })
+    Ok(RunOutcome {
+        report,
+        child_status,
+    })
 }
 
 /// Names VM slots the kernel side handed out since the last look, and
@@ -261,11 +295,28 @@ fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) {
         if let Err(e) = probes.ensure_vm_probes() {
             log::warn!("VM attribution off: {}", crate::bpf::error_chain(&e));
         }
-        if let Some(vm) = vms::identify(tgid) {
-            log::info!("VM {} (pid {tgid}) with disks {:?}", vm.name, vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>());
+        if let Some(mut vm) = vms::identify(tgid) {
+            // Exec'd while the probes ran: its notifiers were seen created.
+            vm.kicks = vms::KickSource::QueueNotifiers;
+            if !vm.named_threads {
+                // No vCPU to see start the guest: its requests are the
+                // guest's from here (QEMU's own start-up reads included).
+                if let Err(e) = probes.mark_started(tgid) {
+                    log::warn!("VM pid {tgid}: {}", crate::bpf::error_chain(&e));
+                }
+            }
+            log::info!(
+                "VM {} (pid {tgid}) with disks {:?}",
+                vm.name,
+                vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>()
+            );
             if let Some(exe) = &vm.exe {
                 if let Err(e) = probes.attach_signal_probe(exe) {
-                    log::warn!("VM {}: no host-window split: {}", vm.name, crate::bpf::error_chain(&e));
+                    log::warn!(
+                        "VM {}: no host-window split: {}",
+                        vm.name,
+                        crate::bpf::error_chain(&e)
+                    );
                 }
             }
             let maps = known.add(slot, vm);
@@ -289,7 +340,10 @@ async fn terminate(child: &mut tokio::process::Child) {
         // SAFETY: plain kill(2) on our own child.
         unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     }
-    if tokio::time::timeout(Duration::from_secs(5), child.wait()).await.is_err() {
+    if tokio::time::timeout(Duration::from_secs(5), child.wait())
+        .await
+        .is_err()
+    {
         let _ = child.kill().await;
     }
 }
@@ -322,14 +376,19 @@ async fn drain_events<W: Write>(
             match Record::from_bytes(&item) {
                 Some(Record::BlkIo(ev)) => {
                     if let Some(out) = out.as_mut() {
-                        let json = event_json(&ev, &known.lock().unwrap_or_else(|p| p.into_inner()));
+                        let json =
+                            event_json(&ev, &known.lock().unwrap_or_else(|p| p.into_inner()));
                         serde_json::to_writer(&mut *out, &json)?;
                         out.write_all(b"\n")?;
                         written += 1;
                     }
                 }
                 Some(Record::VmIo(ev)) => {
-                    let followed = known.lock().unwrap_or_else(|p| p.into_inner()).split.contains(&ev.vdisk);
+                    let followed = known
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .split
+                        .contains(&ev.vdisk);
                     corr.on_io(ev, followed)
                 }
                 Some(Record::VmSignal(ev)) => corr.on_signal(ev.vm, ev.ts_ns),
@@ -380,7 +439,11 @@ struct Progress {
 
 impl Progress {
     fn new(quiet: bool) -> Self {
-        Self { tty: std::io::stderr().is_terminal(), quiet, last_line: std::cell::Cell::new(None) }
+        Self {
+            tty: std::io::stderr().is_terminal(),
+            quiet,
+            last_line: std::cell::Cell::new(None),
+        }
     }
 
     fn show(&self, elapsed: Duration, ios: u64) {
@@ -388,10 +451,17 @@ impl Progress {
             return;
         }
         let secs = elapsed.as_secs_f64();
-        let line = format!("iospan: {secs:6.1} s  {ios:>12} I/Os  {:>10.0} IOPS", ios as f64 / secs.max(1e-9));
+        let line = format!(
+            "iospan: {secs:6.1} s  {ios:>12} I/Os  {:>10.0} IOPS",
+            ios as f64 / secs.max(1e-9)
+        );
         if self.tty {
             eprint!("\r{line}");
-        } else if self.last_line.get().is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+        } else if self
+            .last_line
+            .get()
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(10))
+        {
             // Logs and CI get a line every ten seconds, not a carriage-return stream.
             eprintln!("{line}");
             self.last_line.set(Some(Instant::now()));

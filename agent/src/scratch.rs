@@ -3,9 +3,9 @@
 
 use std::{
     fs,
-    sync::atomic::{AtomicU32, Ordering},
     path::{Path, PathBuf},
     process::Command,
+    sync::atomic::{AtomicU32, Ordering},
 };
 
 use anyhow::{bail, Context, Result};
@@ -21,13 +21,19 @@ impl ScratchLoop {
     /// reaches the backing store) and attaches it with direct I/O.
     pub fn create(dir: &Path, size_mib: u64) -> Result<Self> {
         static NEXT: AtomicU32 = AtomicU32::new(0);
-        let file = dir.join(format!("iospan-scratch-{}-{}.img", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
+        let file = dir.join(format!(
+            "iospan-scratch-{}-{}.img",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
         let chunk = vec![0x5au8; 1 << 20];
         {
             use std::io::Write;
-            let mut f = fs::File::create(&file).with_context(|| format!("creating {}", file.display()))?;
+            let mut f =
+                fs::File::create(&file).with_context(|| format!("creating {}", file.display()))?;
             for _ in 0..size_mib {
-                f.write_all(&chunk).with_context(|| format!("writing {}", file.display()))?;
+                f.write_all(&chunk)
+                    .with_context(|| format!("writing {}", file.display()))?;
             }
         }
         let out = Command::new("losetup")
@@ -55,7 +61,10 @@ impl ScratchLoop {
 
 impl Drop for ScratchLoop {
     fn drop(&mut self) {
-        let _ = Command::new("losetup").arg("-d").arg(self.dev_path()).status();
+        let _ = Command::new("losetup")
+            .arg("-d")
+            .arg(self.dev_path())
+            .status();
         let _ = fs::remove_file(&self.file);
     }
 }

@@ -25,6 +25,29 @@ pub struct Vm {
     /// The QEMU binary it runs (for uprobes).
     #[serde(default)]
     pub exe: Option<PathBuf>,
+    /// Where the host window's kicks come from for this VM.
+    #[serde(default)]
+    pub kicks: KickSource,
+    /// QEMU names its threads (`-name …,debug-threads=on`, as libvirt
+    /// runs it): vCPU threads, and so the guest's kicks, can be told apart.
+    #[serde(default)]
+    pub named_threads: bool,
+}
+
+/// Which vCPU eventfd writes count as the guest's kicks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KickSource {
+    /// The VM's virtqueue notifiers, seen created by its vCPUs when the
+    /// guest started its devices (the VM started while iospan ran).
+    QueueNotifiers,
+    /// The VM was running before iospan: any eventfd its vCPUs write counts,
+    /// including the main loop's own notifier, which a vCPU writes when the
+    /// guest reprograms a timer. A request held in the engine (a throttle, a
+    /// busy loop) may then be given a later notification than its own,
+    /// shortening its window.
+    #[default]
+    AnyVcpuEventfd,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,16 +63,27 @@ pub struct VDisk {
     /// QEMU's I/O engine for the drive (`aio=`: threads, native, io_uring).
     #[serde(default)]
     pub aio: Option<String>,
+    /// The device takes its doorbells through eventfds (`ioeventfd=on`,
+    /// NVMe; virtio-blk always does).
+    #[serde(default)]
+    pub ioeventfd: bool,
 }
 
 impl VDisk {
-    /// Whether iospan can split this disk's host windows: virtio-blk served
+    /// Whether iospan can split this disk's host windows: a device whose
+    /// doorbell is an eventfd (virtio-blk; NVMe with `ioeventfd=on`) served
     /// by QEMU's own event loop or an iothread, submitting from the thread
     /// that picked the kick up (not aio=threads, whose workers submit).
-    /// NVMe (doorbells without ioeventfd) and vhost devices are not followed
-    /// yet; their requests are counted as not followed.
+    /// NVMe's default doorbell is handled inside the vCPU's exit, leaving no
+    /// trace the host kernel sees under TCG; vhost devices are not followed
+    /// yet. Their requests are counted as not followed.
     pub fn split_supported(&self) -> bool {
-        self.model.as_deref().is_some_and(|m| m.starts_with("virtio-blk")) && self.aio.as_deref() != Some("threads")
+        let notified = match self.model.as_deref() {
+            Some(m) if m.starts_with("virtio-blk") => true,
+            Some("nvme") => self.ioeventfd,
+            _ => false,
+        };
+        notified && self.aio.as_deref() != Some("threads")
     }
 }
 
@@ -90,10 +124,11 @@ fn get<'a>(opts: &'a [(String, String)], key: &str) -> Option<&'a str> {
 /// Identity from QEMU's arguments (argv without argv[0]).
 pub fn from_args(pid: u32, args: &[String]) -> Vm {
     let mut name = None;
+    let mut named_threads = false;
     // drive/node id -> backing file
     let mut files: Vec<(String, Option<PathBuf>, Option<String>)> = Vec::new(); // (id, file, child node)
     let mut aio: Vec<(String, String)> = Vec::new(); // (drive/node id, aio mode)
-    let mut devices: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, drive)
+    let mut devices: Vec<(String, Option<String>, String, bool)> = Vec::new(); // (model, id, drive, ioeventfd)
     let mut i = 0;
     while i < args.len() {
         let a = args[i].trim_start_matches('-');
@@ -103,13 +138,18 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
             (true, "name") => {
                 let o = options(v);
                 name = get(&o, "guest").or_else(|| get(&o, "")).map(str::to_string);
+                named_threads =
+                    get(&o, "debug-threads").is_some_and(|v| matches!(v, "on" | "true" | "yes"));
                 i += 1;
             }
             (true, "drive") => {
                 let o = options(v);
                 if let Some(id) = get(&o, "id") {
                     files.push((id.to_string(), get(&o, "file").map(PathBuf::from), None));
-                    aio.push((id.to_string(), get(&o, "aio").unwrap_or("threads").to_string()));
+                    aio.push((
+                        id.to_string(),
+                        get(&o, "aio").unwrap_or("threads").to_string(),
+                    ));
                 }
                 i += 1;
             }
@@ -126,7 +166,11 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                 } else {
                     let o = options(v);
                     if let Some(id) = get(&o, "node-name") {
-                        files.push((id.to_string(), get(&o, "filename").map(PathBuf::from), get(&o, "file").map(str::to_string)));
+                        files.push((
+                            id.to_string(),
+                            get(&o, "filename").map(PathBuf::from),
+                            get(&o, "file").map(str::to_string),
+                        ));
                         if let Some(a) = get(&o, "aio") {
                             aio.push((id.to_string(), a.to_string()));
                         }
@@ -136,8 +180,17 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
             }
             (true, "device") => {
                 let o = options(v);
-                if let (Some(model), Some(drive)) = (get(&o, "").or_else(|| get(&o, "driver")), get(&o, "drive")) {
-                    devices.push((model.to_string(), get(&o, "id").map(str::to_string), drive.to_string()));
+                if let (Some(model), Some(drive)) =
+                    (get(&o, "").or_else(|| get(&o, "driver")), get(&o, "drive"))
+                {
+                    let ioeventfd =
+                        get(&o, "ioeventfd").is_some_and(|v| matches!(v, "on" | "true" | "yes"));
+                    devices.push((
+                        model.to_string(),
+                        get(&o, "id").map(str::to_string),
+                        drive.to_string(),
+                        ioeventfd,
+                    ));
                 }
                 i += 1;
             }
@@ -159,33 +212,59 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         out
     };
     let file_of = |id: &str| {
-        chain(id).iter().find_map(|n| files.iter().find(|(m, f, _)| m == n && f.is_some()).and_then(|(_, f, _)| f.clone()))
+        chain(id).iter().find_map(|n| {
+            files
+                .iter()
+                .find(|(m, f, _)| m == n && f.is_some())
+                .and_then(|(_, f, _)| f.clone())
+        })
     };
     // -blockdev's file driver defaults to aio=threads, as -drive does.
     let aio_of = |id: &str| {
-        Some(chain(id).iter().find_map(|n| aio.iter().find(|(m, _)| m == n).map(|(_, a)| a.clone())).unwrap_or_else(|| "threads".into()))
+        Some(
+            chain(id)
+                .iter()
+                .find_map(|n| aio.iter().find(|(m, _)| m == n).map(|(_, a)| a.clone()))
+                .unwrap_or_else(|| "threads".into()),
+        )
     };
     let mut disks: Vec<VDisk> = devices
         .iter()
-        .map(|(model, id, drive)| VDisk {
+        .map(|(model, id, drive, ioeventfd)| VDisk {
             id: id.clone().unwrap_or_else(|| drive.clone()),
             model: Some(model.clone()),
             file: file_of(drive),
             host_dev: None,
             aio: aio_of(drive),
+            ioeventfd: *ioeventfd,
         })
         .collect();
     // -drive with if=virtio (or default) and no -device: the drive is the disk.
     for (id, file, _) in &files {
-        let used = devices.iter().any(|(_, _, d)| d == id) || files.iter().any(|(_, _, c)| c.as_deref() == Some(id));
+        let used = devices.iter().any(|(_, _, d, _)| d == id)
+            || files.iter().any(|(_, _, c)| c.as_deref() == Some(id));
         if !used && file.is_some() {
-            disks.push(VDisk { id: id.clone(), model: None, file: file.clone(), host_dev: None, aio: aio_of(id) });
+            disks.push(VDisk {
+                id: id.clone(),
+                model: None,
+                file: file.clone(),
+                host_dev: None,
+                aio: aio_of(id),
+                ioeventfd: false,
+            });
         }
     }
     for d in &mut disks {
         d.host_dev = d.file.as_deref().and_then(host_disk_of);
     }
-    Vm { pid, name: name.unwrap_or_else(|| format!("qemu-{pid}")), disks, exe: None }
+    Vm {
+        pid,
+        name: name.unwrap_or_else(|| format!("qemu-{pid}")),
+        disks,
+        exe: None,
+        kicks: KickSource::default(),
+        named_threads,
+    }
 }
 
 /// The whole disk a file lives on.
@@ -193,7 +272,11 @@ pub fn host_disk_of(file: &Path) -> Option<Dev> {
     let dev = fs::metadata(file).ok()?.dev();
     let (major, minor) = (libc::major(dev), libc::minor(dev));
     let sys = fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).ok()?;
-    let disk = if sys.join("partition").exists() { sys.parent()?.to_path_buf() } else { sys };
+    let disk = if sys.join("partition").exists() {
+        sys.parent()?.to_path_buf()
+    } else {
+        sys
+    };
     let text = fs::read_to_string(disk.join("dev")).ok()?;
     let (a, b) = text.trim().split_once(':')?;
     Some(Dev::new(a.parse().ok()?, b.parse().ok()?))
@@ -206,16 +289,27 @@ pub fn identify(pid: u32) -> Option<Vm> {
         return None;
     }
     let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    let args: Vec<String> = raw.split(|&b| b == 0).skip(1).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+    let args: Vec<String> = raw
+        .split(|&b| b == 0)
+        .skip(1)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
     let mut vm = from_args(pid, &args);
-    vm.exe = fs::read_link(format!("/proc/{pid}/exe")).ok().filter(|p| p.exists());
+    vm.exe = fs::read_link(format!("/proc/{pid}/exe"))
+        .ok()
+        .filter(|p| p.exists());
     Some(vm)
 }
 
 /// Every QEMU VM running now.
 pub fn scan() -> Vec<Vm> {
     let mut v: Vec<Vm> = fs::read_dir("/proc")
-        .map(|rd| rd.flatten().filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()).filter_map(identify).collect())
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter_map(identify)
+                .collect()
+        })
         .unwrap_or_default();
     v.sort_by_key(|vm| vm.pid);
     v
@@ -268,15 +362,27 @@ impl Registry {
             }
         }
         for (dev, vdisks) in per_dev {
-            let v = if vdisks.len() == 1 { vdisks[0] } else { crate::abi::VDISK_SEVERAL };
-            maps.disks.push((crate::abi::VmDevKey { vm: slot, dev: dev.0 }, v));
+            let v = if vdisks.len() == 1 {
+                vdisks[0]
+            } else {
+                crate::abi::VDISK_SEVERAL
+            };
+            maps.disks.push((
+                crate::abi::VmDevKey {
+                    vm: slot,
+                    dev: dev.0,
+                },
+                v,
+            ));
         }
         self.vms.insert(slot, vm);
         maps
     }
 
     pub fn name(&self, slot: u32) -> String {
-        self.vms.get(&slot).map_or_else(|| format!("vm#{slot}"), |v| v.name.clone())
+        self.vms
+            .get(&slot)
+            .map_or_else(|| format!("vm#{slot}"), |v| v.name.clone())
     }
 
     pub fn vdisk(&self, vdisk: u32) -> Option<&str> {
@@ -289,7 +395,11 @@ impl Registry {
 pub fn file_key(path: &Path) -> Option<crate::abi::FileKey> {
     let m = fs::metadata(path).ok()?;
     let dev = m.dev();
-    Some(crate::abi::FileKey { dev: (libc::major(dev) << 20) | libc::minor(dev), _pad: 0, ino: m.ino() })
+    Some(crate::abi::FileKey {
+        dev: (libc::major(dev) << 20) | libc::minor(dev),
+        _pad: 0,
+        ino: m.ino(),
+    })
 }
 
 #[cfg(test)]
@@ -316,13 +426,24 @@ mod tests {
         assert_eq!(vm.disks.len(), 2);
         assert_eq!(vm.disks[0].id, "virtio-disk0");
         assert_eq!(vm.disks[0].model.as_deref(), Some("virtio-blk-pci"));
-        assert_eq!(vm.disks[0].file.as_deref(), Some(Path::new("/var/lib/libvirt/images/web01.img")));
+        assert_eq!(
+            vm.disks[0].file.as_deref(),
+            Some(Path::new("/var/lib/libvirt/images/web01.img"))
+        );
         assert_eq!(vm.disks[1].id, "d1", "no device id: the drive's");
         assert_eq!(vm.disks[0].aio.as_deref(), Some("io_uring"));
-        assert_eq!(vm.disks[1].aio.as_deref(), Some("threads"), "QEMU's default");
+        assert_eq!(
+            vm.disks[1].aio.as_deref(),
+            Some("threads"),
+            "QEMU's default"
+        );
         assert!(vm.disks[0].split_supported(), "virtio-blk on io_uring");
+        assert!(vm.named_threads);
         assert!(!vm.disks[1].split_supported(), "NVMe is not followed yet");
-        assert_eq!(vm.disks[1].file.as_deref(), Some(Path::new("/data/db,with,commas.raw")));
+        assert_eq!(
+            vm.disks[1].file.as_deref(),
+            Some(Path::new("/data/db,with,commas.raw"))
+        );
     }
 
     #[test]
@@ -330,26 +451,43 @@ mod tests {
         let vm = from_args(
             8,
             &args(&[
-                "-name", "db",
-                "-blockdev", r#"{"driver":"file","filename":"/img/db.qcow2","node-name":"libvirt-1-storage"}"#,
-                "-blockdev", r#"{"node-name":"libvirt-1-format","driver":"qcow2","file":"libvirt-1-storage"}"#,
-                "-device", "virtio-blk-pci,drive=libvirt-1-format,id=virtio-disk0",
-                "-blockdev", "driver=file,node-name=f2,filename=/img/log.raw",
-                "-blockdev", "driver=raw,node-name=r2,file=f2",
-                "-device", "scsi-hd,drive=r2,id=scsi0-0-0-0",
+                "-name",
+                "db",
+                "-blockdev",
+                r#"{"driver":"file","filename":"/img/db.qcow2","node-name":"libvirt-1-storage"}"#,
+                "-blockdev",
+                r#"{"node-name":"libvirt-1-format","driver":"qcow2","file":"libvirt-1-storage"}"#,
+                "-device",
+                "virtio-blk-pci,drive=libvirt-1-format,id=virtio-disk0",
+                "-blockdev",
+                "driver=file,node-name=f2,filename=/img/log.raw",
+                "-blockdev",
+                "driver=raw,node-name=r2,file=f2",
+                "-device",
+                "scsi-hd,drive=r2,id=scsi0-0-0-0",
             ]),
         );
         assert_eq!(vm.name, "db");
-        let files: Vec<_> = vm.disks.iter().map(|d| (d.id.as_str(), d.file.clone())).collect();
+        let files: Vec<_> = vm
+            .disks
+            .iter()
+            .map(|d| (d.id.as_str(), d.file.clone()))
+            .collect();
         assert_eq!(
             files,
-            [("virtio-disk0", Some(PathBuf::from("/img/db.qcow2"))), ("scsi0-0-0-0", Some(PathBuf::from("/img/log.raw")))]
+            [
+                ("virtio-disk0", Some(PathBuf::from("/img/db.qcow2"))),
+                ("scsi0-0-0-0", Some(PathBuf::from("/img/log.raw")))
+            ]
         );
     }
 
     #[test]
     fn bare_drive_and_unnamed_vm() {
-        let vm = from_args(9, &args(&["-m", "512", "-drive", "file=/tmp/a.img,id=hd0,if=virtio"]));
+        let vm = from_args(
+            9,
+            &args(&["-m", "512", "-drive", "file=/tmp/a.img,id=hd0,if=virtio"]),
+        );
         assert_eq!(vm.name, "qemu-9");
         assert_eq!(vm.disks.len(), 1);
         assert_eq!(vm.disks[0].id, "hd0");
@@ -359,17 +497,56 @@ mod tests {
     #[test]
     fn registry_gives_disks_slots_and_marks_shared_host_disks() {
         let (a, b) = (Dev::new(8, 0), Dev::new(259, 0));
-        let disk = |id: &str, dev| VDisk { id: id.into(), model: None, file: None, host_dev: Some(dev), aio: None };
+        let disk = |id: &str, dev| VDisk {
+            id: id.into(),
+            model: None,
+            file: None,
+            host_dev: Some(dev),
+            aio: None,
+            ioeventfd: false,
+        };
         let mut r = Registry::default();
-        let m1 = r.add(1, Vm { pid: 10, name: "one".into(), disks: vec![disk("x", a)], exe: None });
-        let m2 = r.add(2, Vm { pid: 11, name: "two".into(), disks: vec![disk("y", a), disk("z", a), disk("w", b)], exe: None });
+        let m1 = r.add(
+            1,
+            Vm {
+                pid: 10,
+                name: "one".into(),
+                disks: vec![disk("x", a)],
+                exe: None,
+                kicks: KickSource::default(),
+                named_threads: true,
+            },
+        );
+        let m2 = r.add(
+            2,
+            Vm {
+                pid: 11,
+                name: "two".into(),
+                disks: vec![disk("y", a), disk("z", a), disk("w", b)],
+                exe: None,
+                kicks: KickSource::default(),
+                named_threads: true,
+            },
+        );
         assert_eq!(m1.disks, [(crate::abi::VmDevKey { vm: 1, dev: a.0 }, 1)]);
         assert_eq!(
             m2.disks,
-            [(crate::abi::VmDevKey { vm: 2, dev: a.0 }, crate::abi::VDISK_SEVERAL), (crate::abi::VmDevKey { vm: 2, dev: b.0 }, 4)]
+            [
+                (
+                    crate::abi::VmDevKey { vm: 2, dev: a.0 },
+                    crate::abi::VDISK_SEVERAL
+                ),
+                (crate::abi::VmDevKey { vm: 2, dev: b.0 }, 4)
+            ]
         );
-        assert_eq!((r.vdisk(1), r.vdisk(3), r.vdisk(4), r.vdisk(9)), (Some("x"), Some("z"), Some("w"), None));
-        assert_eq!((r.name(2), r.name(7)), ("two".to_string(), "vm#7".to_string()));
+        assert_eq!(
+            (r.vdisk(1), r.vdisk(3), r.vdisk(4), r.vdisk(9)),
+            (Some("x"), Some("z"), Some("w"), None)
+        );
+        assert_eq!(
+            (r.name(2), r.name(7)),
+            ("two".to_string(), "vm#7".to_string())
+        );
     }
 
     #[test]

@@ -68,7 +68,15 @@ pub struct ShimConsts {
 
 extern "C" {
     fn shim_hist_bucket(v: u64) -> u32;
-    fn shim_rq_on_start(s: *mut RqSlot, rq: u64, now: u64, vm: u32, vdisk: u32, kick_ns: u64, pick_ns: u64);
+    fn shim_rq_on_start(
+        s: *mut RqSlot,
+        rq: u64,
+        now: u64,
+        vm: u32,
+        vdisk: u32,
+        kick_ns: u64,
+        pick_ns: u64,
+    );
     fn shim_rq_on_issue(s: *mut RqSlot, rq: u64, now: u64);
     fn shim_rq_on_requeue(s: *mut RqSlot, rq: u64);
     fn shim_rq_on_complete(s: *mut RqSlot, c: *const RqCompletion, o: *mut RqOutcome) -> i32;
@@ -141,7 +149,10 @@ pub fn c_consts() -> ShimConsts {
 /// The `iospan` binary of this build (target/<profile>/iospan).
 pub fn iospan_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>");
     let bin = profile_dir.join("iospan");
     assert!(
         bin.exists(),
@@ -152,8 +163,68 @@ pub fn iospan_bin() -> PathBuf {
 }
 
 /// Runs a command, panicking with its output if it cannot start.
+/// Runs a command to its end, its output captured; a command still running
+/// after `RUN_LIMIT` is killed and the test fails (a hang is a failure, not
+/// a stuck CI job).
 pub fn run(cmd: &mut Command) -> std::process::Output {
-    cmd.output().unwrap_or_else(|e| panic!("running {cmd:?}: {e}"))
+    use std::io::Read;
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    let drain = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let out = drain(
+        child
+            .stdout
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let err = drain(
+        child
+            .stderr
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let status = wait_limited(&mut child, RUN_LIMIT)
+        .unwrap_or_else(|| panic!("{cmd:?} still running after {RUN_LIMIT:?}: killed"));
+    std::process::Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    }
+}
+
+/// How long any one command of a test may run.
+pub const RUN_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Waits for a child up to `limit`; kills it and returns None past that.
+pub fn wait_limited(
+    child: &mut std::process::Child,
+    limit: std::time::Duration,
+) -> Option<std::process::ExitStatus> {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+        }
+    }
 }
 
 /// fio's JSON for one job: (total_ios, clat mean µs, clat p99 µs) for `dir`.
@@ -161,6 +232,9 @@ pub fn fio_numbers(json: &serde_json::Value, dir: &str) -> (u64, f64, f64) {
     let d = &json["jobs"][0][dir];
     let ios = d["total_ios"].as_u64().expect("fio total_ios");
     let mean = d["clat_ns"]["mean"].as_f64().expect("fio clat mean") / 1000.0;
-    let p99 = d["clat_ns"]["percentile"]["99.000000"].as_f64().expect("fio clat p99") / 1000.0;
+    let p99 = d["clat_ns"]["percentile"]["99.000000"]
+        .as_f64()
+        .expect("fio clat p99")
+        / 1000.0;
     (ios, mean, p99)
 }

@@ -5,7 +5,10 @@ use std::mem::{offset_of, size_of};
 
 use agent_integration::{c_consts, c_hist_bucket, c_layout, RqCompletion, RqOutcome};
 use iospan::{
-    abi::{self, BlkIoEvent, BlkStats, DiskSlot, FileKey, RqSlot, VmDevKey, VmIoEvent, VmKey, VmSignalEvent},
+    abi::{
+        self, BlkIoEvent, BlkStats, DiskSlot, FileKey, RqSlot, VmDevKey, VmIoEvent, VmKey,
+        VmSignalEvent,
+    },
     model::hist,
 };
 
@@ -45,9 +48,16 @@ fn abi_layout() {
         "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns }
     };
     let c = c_layout();
-    assert_eq!(c.len(), rust.len(), "the C table and the Rust table list different fields");
+    assert_eq!(
+        c.len(),
+        rust.len(),
+        "the C table and the Rust table list different fields"
+    );
     for (c, r) in c.iter().zip(&rust) {
-        assert_eq!(c, r, "layout drift (name, offset, size): C {c:?} vs Rust {r:?}");
+        assert_eq!(
+            c, r,
+            "layout drift (name, offset, size): C {c:?} vs Rust {r:?}"
+        );
     }
 }
 
@@ -92,6 +102,9 @@ fn hist_buckets() {
     for v in values {
         assert_eq!(c_hist_bucket(v), hist::bucket_of(v), "bucket of {v}");
         let (lo, hi) = hist::bucket_bounds(hist::bucket_of(v));
-        assert!(v >= lo && (v < hi || hist::bucket_of(v) == abi::HIST_BUCKETS - 1), "{v} outside [{lo}, {hi})");
+        assert!(
+            v >= lo && (v < hi || hist::bucket_of(v) == abi::HIST_BUCKETS - 1),
+            "{v} outside [{lo}, {hi})"
+        );
     }
 }

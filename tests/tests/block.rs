@@ -23,28 +23,52 @@ fn traced_fio(rw: &str, qd: u32) -> Case {
     let out = run(Command::new(iospan_bin())
         .args(["run", "--quiet", "--disk", &dev.name, "--json-out"])
         .arg(&report_path)
-        .args(["--", "fio", "--name=t", "--ioengine=io_uring", "--direct=1", "--bs=4k", "--size=200M"])
+        .args([
+            "--",
+            "fio",
+            "--name=t",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--bs=4k",
+            "--size=200M",
+        ])
         .arg(format!("--filename={}", dev.dev_path()))
         .arg(format!("--rw={rw}"))
         .arg(format!("--iodepth={qd}"))
         .arg(format!("--number_ios={IOS}"))
         .arg("--output-format=json")
         .arg(format!("--output={}", fio_path.display())));
-    assert!(out.status.success(), "iospan run failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "iospan run failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
     let fio: Value = serde_json::from_slice(&std::fs::read(&fio_path).unwrap()).unwrap();
     let op = if rw.contains("read") { "read" } else { "write" };
     let entries = report["entries"].as_array().expect("entries");
-    assert_eq!(entries.len(), 1, "one (disk, op) entry on the scratch disk: {entries:#?}");
+    assert_eq!(
+        entries.len(),
+        1,
+        "one (disk, op) entry on the scratch disk: {entries:#?}"
+    );
     let entry = entries[0].clone();
     assert_eq!(entry["disk"], dev.name.as_str());
     assert_eq!(entry["op"], op);
     assert!(entry["vm"].is_null());
-    Case { fio: fio_numbers(&fio, op), report, entry }
+    Case {
+        fio: fio_numbers(&fio, op),
+        report,
+        entry,
+    }
 }
 
 fn tempdir() -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("iospan-test-{}-{:?}", std::process::id(), std::thread::current().id()));
+    let d = std::env::temp_dir().join(format!(
+        "iospan-test-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -68,13 +92,29 @@ fn check(rw: &str, qd: u32) {
     assert_eq!(fio_ios, IOS);
     assert_eq!(entry["kernel"]["ios"].as_u64(), Some(IOS), "{ctx}");
     assert_eq!(ios + unseen, IOS, "{ctx}\nlost: {}", report["lost"]);
-    assert!(unseen <= IOS / 1000, "{unseen} unseen of {IOS}: {}", report["lost"]);
+    assert!(
+        unseen <= IOS / 1000,
+        "{unseen} unseen of {IOS}: {}",
+        report["lost"]
+    );
     if unseen > 0 {
         eprintln!("note: {rw} QD{qd}: {unseen} completion(s) not delivered by the kernel, counted as unseen");
     }
     assert_eq!(entry["bytes"].as_u64(), Some(ios * 4096), "{ctx}");
-    for k in ["ringbuf_drops", "disk_conflicts", "slot_conflicts", "no_start", "no_issue", "bpf_recursion_misses"] {
-        assert_eq!(report["lost"][k].as_u64(), Some(0), "lost.{k} in {}", report["lost"]);
+    for k in [
+        "ringbuf_drops",
+        "disk_conflicts",
+        "slot_conflicts",
+        "no_start",
+        "no_issue",
+        "bpf_recursion_misses",
+    ] {
+        assert_eq!(
+            report["lost"][k].as_u64(),
+            Some(0),
+            "lost.{k} in {}",
+            report["lost"]
+        );
     }
 
     // Every request has both segments, and they tile the total.
@@ -82,11 +122,23 @@ fn check(rw: &str, qd: u32) {
     let (q, s) = (&entry["segments"]["queue"], &entry["segments"]["service"]);
     for seg in [total, q, s] {
         assert_eq!(seg["count"].as_u64(), Some(ios), "{ctx}");
-        let (p50, p90, p99, p999, max) = (f(&seg["p50_us"]), f(&seg["p90_us"]), f(&seg["p99_us"]), f(&seg["p999_us"]), f(&seg["max_us"]));
-        assert!(p50 <= p90 && p90 <= p99 && p99 <= p999 && p999 <= max, "percentiles out of order: {seg}");
+        let (p50, p90, p99, p999, max) = (
+            f(&seg["p50_us"]),
+            f(&seg["p90_us"]),
+            f(&seg["p99_us"]),
+            f(&seg["p999_us"]),
+            f(&seg["max_us"]),
+        );
+        assert!(
+            p50 <= p90 && p90 <= p99 && p99 <= p999 && p999 <= max,
+            "percentiles out of order: {seg}"
+        );
     }
     let tiled = f(&q["mean_us"]) + f(&s["mean_us"]);
-    assert!((tiled - f(&total["mean_us"])).abs() < 0.01, "queue + service = {tiled} vs total {total}");
+    assert!(
+        (tiled - f(&total["mean_us"])).abs() < 0.01,
+        "queue + service = {tiled} vs total {total}"
+    );
 
     // The mean against the kernel's own accounting of the same requests
     // (ms resolution, and it ends after bio completion, a few µs later).
@@ -100,15 +152,30 @@ fn check(rw: &str, qd: u32) {
     // Against fio: the block layer's part of what fio sees is never more
     // than fio's clat. At QD1 it is nearly all of it; at QD16 on this
     // two-CPU machine fio's clat also holds fio's own reap queue.
-    assert!(mean <= fio_mean * 1.15 + 10.0, "{ctx}\nmean {mean} above fio's clat {fio_mean}");
+    assert!(
+        mean <= fio_mean * 1.15 + 10.0,
+        "{ctx}\nmean {mean} above fio's clat {fio_mean}"
+    );
     if qd == 1 {
-        assert!((mean - fio_mean).abs() <= (0.15 * fio_mean).max(10.0), "{ctx}\nmean {mean} vs fio {fio_mean}");
+        assert!(
+            (mean - fio_mean).abs() <= (0.15 * fio_mean).max(10.0),
+            "{ctx}\nmean {mean} vs fio {fio_mean}"
+        );
     } else {
-        assert!(mean >= 0.3 * fio_mean, "{ctx}\nmean {mean} implausibly below fio {fio_mean}");
+        assert!(
+            mean >= 0.3 * fio_mean,
+            "{ctx}\nmean {mean} implausibly below fio {fio_mean}"
+        );
     }
     let p99 = f(&total["p99_us"]);
-    assert!(p99 <= fio_p99 * 1.25, "{ctx}\np99 {p99} above fio's {fio_p99}");
-    assert!(p99 >= 0.3 * fio_p99, "{ctx}\np99 {p99} implausibly below fio's {fio_p99}");
+    assert!(
+        p99 <= fio_p99 * 1.25,
+        "{ctx}\np99 {p99} above fio's {fio_p99}"
+    );
+    assert!(
+        p99 >= 0.3 * fio_p99,
+        "{ctx}\np99 {p99} implausibly below fio's {fio_p99}"
+    );
 }
 
 #[test]

@@ -17,7 +17,13 @@ fn doctor_tries_each_program_type_and_names_what_is_missing() {
     assert!(out.status.success(), "{}", stderr(&out));
     let d: Value = serde_json::from_slice(&out.stdout).unwrap();
     let probe = |name: &str| {
-        d["probes"].as_array().unwrap().iter().find(|p| p["probe"] == name).cloned().unwrap_or_else(|| panic!("{name} not probed: {d:#}"))
+        d["probes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["probe"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("{name} not probed: {d:#}"))
     };
     // What this kernel has and lacks (see the brief: no kprobe PMU, fentry EPERM).
     for ok in ["tp_btf", "raw_tp", "tracepoint", "uprobe"] {
@@ -26,24 +32,49 @@ fn doctor_tries_each_program_type_and_names_what_is_missing() {
     for missing in ["kprobe", "fentry"] {
         let p = probe(missing);
         assert_eq!(p["works"], false, "{missing}: {p}");
-        assert!(p["reason"].as_str().is_some_and(|r| !r.is_empty()), "{missing} has no reason: {p}");
+        assert!(
+            p["reason"].as_str().is_some_and(|r| !r.is_empty()),
+            "{missing} has no reason: {p}"
+        );
     }
-    let seg = |name: &str| d["segments"].as_array().unwrap().iter().find(|s| s["segment"] == name).cloned().unwrap();
+    let seg = |name: &str| {
+        d["segments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["segment"] == name)
+            .cloned()
+            .unwrap()
+    };
     assert_eq!(seg("device")["measurable"], "yes");
     assert_eq!(seg("guest")["measurable"], "no");
-    assert!(seg("hypervisor")["how"].as_str().unwrap().contains("kprobe"), "{}", seg("hypervisor"));
+    assert!(
+        seg("hypervisor")["how"]
+            .as_str()
+            .unwrap()
+            .contains("kprobe"),
+        "{}",
+        seg("hypervisor")
+    );
 
     let text = run(Command::new(iospan_bin()).arg("doctor"));
     let text = String::from_utf8_lossy(&text.stdout);
-    assert!(text.contains("kprobe") && text.contains("segments this host can measure"), "{text}");
+    assert!(
+        text.contains("kprobe") && text.contains("segments this host can measure"),
+        "{text}"
+    );
 }
 
 #[test]
 fn unknown_disk_is_named_with_the_choices() {
-    let out = run(Command::new(iospan_bin()).args(["run", "--disk", "nosuchdisk0", "--duration", "1s"]));
+    let out =
+        run(Command::new(iospan_bin()).args(["run", "--disk", "nosuchdisk0", "--duration", "1s"]));
     assert!(!out.status.success());
     let e = stderr(&out);
-    assert!(e.contains("nosuchdisk0") && e.contains("block devices here"), "{e}");
+    assert!(
+        e.contains("nosuchdisk0") && e.contains("block devices here"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -51,13 +82,19 @@ fn missing_command_is_named() {
     let out = run(Command::new(iospan_bin()).args(["run", "--", "no-such-benchmark-tool", "-x"]));
     assert!(!out.status.success());
     let e = stderr(&out);
-    assert!(e.contains("no-such-benchmark-tool") && e.contains("not found"), "{e}");
+    assert!(
+        e.contains("no-such-benchmark-tool") && e.contains("not found"),
+        "{e}"
+    );
 }
 
 #[test]
 fn without_privileges_it_says_which_and_how() {
     // Root with an empty capability bounding set has no CAP_BPF/CAP_PERFMON.
-    let out = run(Command::new("setpriv").args(["--bounding-set=-all", "--inh-caps=-all"]).arg(iospan_bin()).args(["run", "--duration", "1s"]));
+    let out = run(Command::new("setpriv")
+        .args(["--bounding-set=-all", "--inh-caps=-all"])
+        .arg(iospan_bin())
+        .args(["run", "--duration", "1s"]));
     assert!(!out.status.success());
     let e = stderr(&out);
     assert!(e.contains("CAP_BPF") && e.contains("hint"), "{e}");
@@ -77,8 +114,15 @@ fn duration_bounds_a_run_and_progress_is_shown() {
     assert!(out.status.success(), "{}", stderr(&out));
     let secs = t.elapsed().as_secs_f64();
     assert!((1.4..10.0).contains(&secs), "took {secs} s");
-    assert!(stderr(&out).contains("I/Os"), "no progress line: {}", stderr(&out));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("SEGMENT"), "no table");
+    assert!(
+        stderr(&out).contains("I/Os"),
+        "no progress line: {}",
+        stderr(&out)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("SEGMENT"),
+        "no table"
+    );
 }
 
 #[test]
@@ -94,37 +138,95 @@ fn json_report_and_per_request_stream_agree() {
     std::fs::create_dir_all(&dir).unwrap();
     let (report, events) = (dir.join("r.json"), dir.join("ev.jsonl"));
     let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--disk", &dev.name, "--sample", "10", "--json-out"])
+        .args([
+            "run",
+            "--quiet",
+            "--disk",
+            &dev.name,
+            "--sample",
+            "10",
+            "--json-out",
+        ])
         .arg(&report)
         .arg("--events-out")
         .arg(&events)
-        .args(["--", "fio", "--name=s", "--ioengine=psync", "--direct=1", "--bs=4k", "--rw=randrw", "--number_ios=4000", "--size=32M", "--output=/dev/null"])
+        .args([
+            "--",
+            "fio",
+            "--name=s",
+            "--ioengine=psync",
+            "--direct=1",
+            "--bs=4k",
+            "--rw=randrw",
+            "--number_ios=4000",
+            "--size=32M",
+            "--output=/dev/null",
+        ])
         .arg(format!("--filename={}", dev.dev_path())));
     assert!(out.status.success(), "{}", stderr(&out));
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(r["schema"], "iospan.run/v1");
     assert!(r["duration_s"].as_f64().unwrap() > 0.0);
-    assert!(r["probes"].as_array().unwrap().iter().all(|p| p["flavour"] == "tp_btf"), "{}", r["probes"]);
-    let ios: u64 = r["entries"].as_array().unwrap().iter().map(|e| e["ios"].as_u64().unwrap()).sum();
-    assert_eq!(ios + r["lost"]["unseen"].as_u64().unwrap(), 4000, "{}", r["lost"]);
+    assert!(
+        r["probes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["flavour"] == "tp_btf"),
+        "{}",
+        r["probes"]
+    );
+    let ios: u64 = r["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["ios"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        ios + r["lost"]["unseen"].as_u64().unwrap(),
+        4000,
+        "{}",
+        r["lost"]
+    );
     for e in r["entries"].as_array().unwrap() {
         for k in ["mean_us", "p50_us", "p90_us", "p99_us", "p999_us", "max_us"] {
-            assert!(e["total"][k].is_number() && e["segments"]["queue"][k].is_number() && e["segments"]["service"][k].is_number(), "{k} in {e}");
+            assert!(
+                e["total"][k].is_number()
+                    && e["segments"]["queue"][k].is_number()
+                    && e["segments"]["service"][k].is_number(),
+                "{k} in {e}"
+            );
         }
         for k in ["iops", "mb_per_s", "bytes"] {
             assert!(e[k].is_number(), "{k} in {e}");
         }
     }
 
-    let lines: Vec<Value> = std::fs::read_to_string(&events).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<Value> = std::fs::read_to_string(&events)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     let streamed = r["lost"]["records_streamed"].as_u64().unwrap();
-    assert_eq!(lines.len() as u64, streamed, "every streamed record written");
+    assert_eq!(
+        lines.len() as u64,
+        streamed,
+        "every streamed record written"
+    );
     // 1 in 10, at random: well inside 5%..15% of 4000.
-    assert!((200..=600).contains(&lines.len()), "{} sampled of 4000", lines.len());
+    assert!(
+        (200..=600).contains(&lines.len()),
+        "{} sampled of 4000",
+        lines.len()
+    );
     for ev in &lines {
         assert_eq!(ev["disk"], dev.name.as_str());
         assert_eq!(ev["bytes"], 4096);
-        let (t, q, s) = (ev["total_us"].as_f64().unwrap(), ev["queue_us"].as_f64().unwrap(), ev["service_us"].as_f64().unwrap());
+        let (t, q, s) = (
+            ev["total_us"].as_f64().unwrap(),
+            ev["queue_us"].as_f64().unwrap(),
+            ev["service_us"].as_f64().unwrap(),
+        );
         assert!((q + s - t).abs() < 0.01, "{ev}");
         assert!(ev["sector"].as_u64().unwrap() < 32 * 2048);
     }
@@ -135,12 +237,36 @@ fn slower_than_streams_only_slow_requests() {
     let dev = ScratchLoop::create(Path::new("/dev/shm"), 64).unwrap();
     let events = std::env::temp_dir().join(format!("iospan-slow-{}.jsonl", std::process::id()));
     let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--disk", &dev.name, "--slower-than", "20us", "--events-out"])
+        .args([
+            "run",
+            "--quiet",
+            "--disk",
+            &dev.name,
+            "--slower-than",
+            "20us",
+            "--events-out",
+        ])
         .arg(&events)
-        .args(["--", "fio", "--name=s", "--ioengine=io_uring", "--direct=1", "--bs=4k", "--rw=randread", "--iodepth=16", "--number_ios=4000", "--size=32M", "--output=/dev/null"])
+        .args([
+            "--",
+            "fio",
+            "--name=s",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--bs=4k",
+            "--rw=randread",
+            "--iodepth=16",
+            "--number_ios=4000",
+            "--size=32M",
+            "--output=/dev/null",
+        ])
         .arg(format!("--filename={}", dev.dev_path())));
     assert!(out.status.success(), "{}", stderr(&out));
-    let lines: Vec<Value> = std::fs::read_to_string(&events).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<Value> = std::fs::read_to_string(&events)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert!(!lines.is_empty(), "at QD16 some requests take over 20 µs");
     assert!(lines.len() < 4000);
     for ev in &lines {
@@ -151,10 +277,15 @@ fn slower_than_streams_only_slow_requests() {
 #[test]
 fn demo_traces_fio_on_a_scratch_disk_and_prints_the_table() {
     let json = std::env::temp_dir().join(format!("iospan-demo-{}.json", std::process::id()));
-    let out = run(Command::new(iospan_bin()).args(["demo", "--json-out"]).arg(&json));
+    let out = run(Command::new(iospan_bin())
+        .args(["demo", "--json-out"])
+        .arg(&json));
     assert!(out.status.success(), "{}", stderr(&out));
     let table = String::from_utf8_lossy(&out.stdout);
-    assert!(table.contains("SEGMENT") && table.contains("service"), "{table}");
+    assert!(
+        table.contains("SEGMENT") && table.contains("service"),
+        "{table}"
+    );
     let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let entries = r["entries"].as_array().unwrap();
     let ops: Vec<&str> = entries.iter().map(|e| e["op"].as_str().unwrap()).collect();
@@ -165,8 +296,12 @@ fn demo_traces_fio_on_a_scratch_disk_and_prints_the_table() {
     }
     // The scratch disk is gone afterwards.
     let disk = entries[0]["disk"].as_str().unwrap();
-    let backing = std::fs::read_to_string(format!("/sys/block/{disk}/loop/backing_file")).unwrap_or_default();
-    assert!(!backing.contains("iospan-scratch"), "{disk} still attached to {backing}");
+    let backing =
+        std::fs::read_to_string(format!("/sys/block/{disk}/loop/backing_file")).unwrap_or_default();
+    assert!(
+        !backing.contains("iospan-scratch"),
+        "{disk} still attached to {backing}"
+    );
 }
 
 #[test]
@@ -182,13 +317,30 @@ fn more_disks_than_slots_are_counted_not_mixed() {
         b.dev_path()
     );
     let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--no-vms", "--max-disks", "1", "--disk", &a.name, "--disk", &b.name, "--json-out"])
+        .args([
+            "run",
+            "--quiet",
+            "--no-vms",
+            "--max-disks",
+            "1",
+            "--disk",
+            &a.name,
+            "--disk",
+            &b.name,
+            "--json-out",
+        ])
         .arg(&report)
         .args(["--", "sh", "-c", &script]));
     assert!(out.status.success(), "{}", stderr(&out));
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     let entries = r["entries"].as_array().unwrap();
-    let ios_of = |d: &str| entries.iter().filter(|e| e["disk"] == d).map(|e| e["ios"].as_u64().unwrap()).sum::<u64>();
+    let ios_of = |d: &str| {
+        entries
+            .iter()
+            .filter(|e| e["disk"] == d)
+            .map(|e| e["ios"].as_u64().unwrap())
+            .sum::<u64>()
+    };
     let (ta, tb) = (ios_of(&a.name), ios_of(&b.name));
     let conflicts = r["lost"]["disk_conflicts"].as_u64().unwrap();
     // Whichever disk took the slot first (perhaps another disk of this
@@ -197,6 +349,12 @@ fn more_disks_than_slots_are_counted_not_mixed() {
     assert!(ta == 0 || ta == 500, "{entries:#?}");
     assert!(tb == 0 || tb == 300, "{entries:#?}");
     assert!(ta == 0 || tb == 0, "both disks in one slot: {entries:#?}");
-    assert!(ta + tb + conflicts >= 800, "traced {ta}+{tb}, conflicts {conflicts}");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("disk table conflicts"), "the table says so");
+    assert!(
+        ta + tb + conflicts >= 800,
+        "traced {ta}+{tb}, conflicts {conflicts}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("disk table conflicts"),
+        "the table says so"
+    );
 }

@@ -21,7 +21,11 @@ fn host_disk_of(path: &std::path::Path) -> String {
     let dev = std::fs::metadata(path).unwrap().dev();
     let (major, minor) = (libc::major(dev), libc::minor(dev));
     let sys = std::fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).unwrap();
-    let disk = if sys.join("partition").exists() { sys.parent().unwrap().to_path_buf() } else { sys };
+    let disk = if sys.join("partition").exists() {
+        sys.parent().unwrap().to_path_buf()
+    } else {
+        sys
+    };
     disk.file_name().unwrap().to_string_lossy().into_owned()
 }
 
@@ -29,7 +33,13 @@ fn traced_boot(a: RunArgs) {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let (qemu, guest_dev) = guest::qemu_command(&rig, &a, &image);
-    let report = std::env::temp_dir().join(format!("iospan-rig-{}-{:?}.json", std::process::id(), a.disk));
+    let report = std::env::temp_dir().join(format!(
+        "iospan-rig-{}-{:?}-{:?}-qd{}.json",
+        std::process::id(),
+        a.disk,
+        a.aio,
+        a.qd
+    ));
     let events = report.with_extension("jsonl");
     let mut cmd = Command::new(iospan_bin());
     cmd.args(["run", "--quiet", "--disk", &host, "--json-out"])
@@ -41,9 +51,18 @@ fn traced_boot(a: RunArgs) {
         .args(qemu.get_args());
     let t = std::time::Instant::now();
     let out = run(&mut cmd);
-    let console: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
-    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), console.join("\n"));
-    let r = guest::parse(&console, &a, guest_dev, t.elapsed().as_secs_f64()).unwrap_or_else(|e| panic!("{e:#}"));
+    let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        console.join("\n")
+    );
+    let r = guest::parse(&console, &a, guest_dev, t.elapsed().as_secs_f64())
+        .unwrap_or_else(|e| panic!("{e:#}"));
     let ctx = format!("{:?} QD{}: {r:#?}", a.disk, a.qd);
 
     // The guest did exactly the I/Os asked for, without errors; its own
@@ -53,26 +72,43 @@ fn traced_boot(a: RunArgs) {
     if a.qd == 1 {
         assert_eq!(r.workload_reads, a.ios, "{ctx}");
     } else {
-        assert!(r.workload_reads <= a.ios && r.workload_reads * 100 >= a.ios * 95, "{ctx}");
+        assert!(
+            r.workload_reads <= a.ios && r.workload_reads * 100 >= a.ios * 95,
+            "{ctx}"
+        );
     }
 
     // Every guest read reaches the host disk (cache=none), and the host's
     // request lifetime is inside what the guest observed.
     let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    let reads = rep["entries"].as_array().unwrap().iter().find(|e| e["op"] == "read").unwrap_or_else(|| panic!("no host reads: {rep:#}"));
+    let reads = rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["op"] == "read")
+        .unwrap_or_else(|| panic!("no host reads: {rep:#}"));
     // Completions the kernel did not deliver are counted as unseen (see block.rs).
     let unseen = rep["lost"]["unseen"].as_u64().unwrap();
-    assert!(reads["ios"].as_u64().unwrap() + unseen >= r.guest_reads, "host {reads} vs {ctx}");
+    assert!(
+        reads["ios"].as_u64().unwrap() + unseen >= r.guest_reads,
+        "host {reads} vs {ctx}"
+    );
     let host_mean = reads["total"]["mean_us"].as_f64().unwrap();
     let guest_mean = r.workload["mean_us"].as_f64().unwrap();
-    assert!(host_mean > 0.0 && host_mean <= guest_mean, "host mean {host_mean} µs vs guest {guest_mean} µs");
+    assert!(
+        host_mean > 0.0 && host_mean <= guest_mean,
+        "host mean {host_mean} µs vs guest {guest_mean} µs"
+    );
 
     // The same requests attributed to the VM, by the name QEMU was given
     // and the virtual disk's id (resolved from each request's file at
-    // submission): every guest request, plus only the few reads QEMU
-    // itself makes of the image when it opens it (format and alignment
-    // probes). Its reads of kernel, initrd and ROM files on the same host
-    // disk are not the virtual disk's.
+    // submission): the guest's requests. The reads QEMU makes of the image
+    // when it opens it and realizes the device (format, alignment and
+    // geometry probes, before the guest runs) and of kernel, initrd and ROM
+    // files on the same host disk are the VM process's, not the virtual
+    // disk's. Beyond what the guest kernel counts: the firmware's read of
+    // the boot sector, and QEMU's alignment probe (512 B + 4 KiB) when it
+    // closes the image after the guest powered off.
     let vm = rep["entries"]
         .as_array()
         .unwrap()
@@ -82,66 +118,162 @@ fn traced_boot(a: RunArgs) {
     assert_eq!(vm["disk"], a.disk_id.as_str(), "{vm}");
     assert_eq!(vm["host_disk"], host.as_str(), "{vm}");
     let vm_ios = vm["ios"].as_u64().unwrap();
-    assert!(vm_ios + unseen >= r.guest_reads, "VM {vm_ios} vs guest {} requests: {ctx}", r.guest_reads);
-    assert!(vm_ios <= r.guest_reads + 16, "VM {vm_ios} vs guest {} requests: {ctx}", r.guest_reads);
-    assert!(vm_ios <= reads["ios"].as_u64().unwrap(), "VM {vm} above host {reads}");
+    assert!(
+        vm_ios + unseen >= r.guest_reads,
+        "VM {vm_ios} vs guest {} requests: {ctx}",
+        r.guest_reads
+    );
+    assert!(
+        vm_ios <= r.guest_reads + 3,
+        "VM {vm_ios} vs guest {} requests: {ctx}",
+        r.guest_reads
+    );
+    assert!(
+        vm_ios <= reads["ios"].as_u64().unwrap(),
+        "VM {vm} above host {reads}"
+    );
     assert!(vm["total"]["mean_us"].as_f64().unwrap() <= guest_mean);
 
     // The host window of each guest request, split: hypervisor (kick →
     // pickup), engine (pickup → host start, host completion → interrupt),
-    // device (host start → completion). virtio-blk served by QEMU's event
-    // loop or an iothread is followed; NVMe and aio=threads are counted as
-    // not followed yet.
+    // device (host start → completion). Devices whose doorbells are
+    // eventfds (virtio-blk; NVMe with ioeventfd=on) served by QEMU's event
+    // loop or an iothread are followed; NVMe's default doorbell and
+    // aio=threads are counted as not followed yet.
     let seg = |k: &str| vm["segments"][k].clone();
-    let followed = a.disk == DiskModel::VirtioBlk && a.aio != Aio::Threads;
+    let followed = (a.disk == DiskModel::VirtioBlk || a.ioeventfd) && a.aio != Aio::Threads;
     let split = &rep["lost"]["host_split"];
     if followed {
         let window = seg("host_window");
         let n = window["count"].as_u64().unwrap_or(0);
         // Every guest request (QEMU's own probes of the image have no kick).
-        assert!(n + unseen >= r.guest_reads && n <= vm_ios, "split {n} of {vm_ios}, guest {}: {split}", r.guest_reads);
+        assert!(
+            n + unseen >= r.guest_reads && n <= vm_ios,
+            "split {n} of {vm_ios}, guest {}: {split}",
+            r.guest_reads
+        );
         let mean = |k: &str| seg(k)["mean_us"].as_f64().unwrap();
         for k in ["hypervisor", "engine", "device"] {
             assert_eq!(seg(k)["count"].as_u64(), Some(n), "{k}: {vm}");
         }
         let tiled = mean("hypervisor") + mean("engine") + mean("device");
-        assert!((tiled - mean("host_window")).abs() < 0.01, "segments {tiled} vs window {}", mean("host_window"));
-        assert!(mean("host_window") <= guest_mean, "host window {} above the guest's {guest_mean}", mean("host_window"));
-        assert!(mean("host_window") >= 0.3 * guest_mean, "host window {} below 30% of the guest's {guest_mean}", mean("host_window"));
-        assert!(split["no_signal"].as_u64().unwrap() <= 8 && split["unordered"] == 0, "{split}");
+        assert!(
+            (tiled - mean("host_window")).abs() < 0.01,
+            "segments {tiled} vs window {}",
+            mean("host_window")
+        );
+        assert!(
+            mean("host_window") <= guest_mean,
+            "host window {} above the guest's {guest_mean}",
+            mean("host_window")
+        );
+        assert!(
+            mean("host_window") >= 0.3 * guest_mean,
+            "host window {} below 30% of the guest's {guest_mean}",
+            mean("host_window")
+        );
+        assert!(
+            split["no_signal"].as_u64().unwrap() <= 8 && split["unordered"] == 0,
+            "{split}"
+        );
     } else {
         assert!(vm["segments"].get("host_window").is_none(), "{vm}");
         assert_eq!(split["not_followed"].as_u64(), Some(vm_ios), "{split}");
     }
 
     // Every one of those requests is in the per-request stream, named.
-    let records: Vec<Value> = std::fs::read_to_string(&events).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    let mine = records.iter().filter(|r| r["vm"] == a.name.as_str() && r["vdisk"] == a.disk_id.as_str() && r["op"] == "read").count();
+    let records: Vec<Value> = std::fs::read_to_string(&events)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mine = records
+        .iter()
+        .filter(|r| {
+            r["vm"] == a.name.as_str() && r["vdisk"] == a.disk_id.as_str() && r["op"] == "read"
+        })
+        .count();
     assert_eq!(rep["lost"]["ringbuf_drops"].as_u64(), Some(0));
-    assert_eq!(mine as u64, vm_ios, "streamed records of {}/{}", a.name, a.disk_id);
+    assert_eq!(
+        mine as u64, vm_ios,
+        "streamed records of {}/{}",
+        a.name, a.disk_id
+    );
 }
 
 #[test]
 fn virtio_blk_io_uring_qd1() {
-    traced_boot(RunArgs { disk: DiskModel::VirtioBlk, aio: Aio::IoUring, qd: 1, ios: 2000, ..Default::default() });
+    traced_boot(RunArgs {
+        disk: DiskModel::VirtioBlk,
+        aio: Aio::IoUring,
+        qd: 1,
+        ios: 2000,
+        ..Default::default()
+    });
+}
+
+#[test]
+fn nvme_ioeventfd_io_uring_qd1() {
+    traced_boot(RunArgs {
+        disk: DiskModel::Nvme,
+        ioeventfd: true,
+        aio: Aio::IoUring,
+        qd: 1,
+        ios: 2000,
+        ..Default::default()
+    });
+}
+
+#[test]
+fn nvme_ioeventfd_native_qd16() {
+    traced_boot(RunArgs {
+        disk: DiskModel::Nvme,
+        ioeventfd: true,
+        aio: Aio::Native,
+        qd: 16,
+        ios: 2000,
+        ..Default::default()
+    });
 }
 
 #[test]
 fn nvme_native_qd16() {
-    traced_boot(RunArgs { disk: DiskModel::Nvme, aio: Aio::Native, qd: 16, ios: 2000, ..Default::default() });
+    traced_boot(RunArgs {
+        disk: DiskModel::Nvme,
+        aio: Aio::Native,
+        qd: 16,
+        ios: 2000,
+        ..Default::default()
+    });
 }
 
 #[test]
 fn virtio_blk_threads_iothread_qd16() {
-    traced_boot(RunArgs { aio: Aio::Threads, iothread: true, qd: 16, ios: 2000, name: "rig-threads".into(), disk_id: "data0".into(), ..Default::default() });
+    traced_boot(RunArgs {
+        aio: Aio::Threads,
+        iothread: true,
+        qd: 16,
+        ios: 2000,
+        name: "rig-threads".into(),
+        disk_id: "data0".into(),
+        ..Default::default()
+    });
 }
 
 #[test]
 fn doctor_names_a_running_vm_and_its_disks() {
     let (rig, image) = rig_and_image();
-    let a = RunArgs { ios: 10_000_000, name: "doctor-vm".into(), disk_id: "sys0".into(), ..Default::default() };
+    let a = RunArgs {
+        ios: 10_000_000,
+        name: "doctor-vm".into(),
+        disk_id: "sys0".into(),
+        ..Default::default()
+    };
     let (mut qemu, _) = guest::qemu_command(&rig, &a, &image);
-    let mut child = qemu.stdout(std::process::Stdio::null()).spawn().expect("qemu");
+    let mut child = qemu
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("qemu");
     // The process is there at once; its name and disks come from its argv.
     std::thread::sleep(std::time::Duration::from_millis(300));
     let out = run(Command::new(iospan_bin()).args(["doctor", "--json"]));
@@ -149,7 +281,12 @@ fn doctor_names_a_running_vm_and_its_disks() {
     let _ = child.wait();
     assert!(out.status.success());
     let d: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let vm = d["vms"].as_array().unwrap().iter().find(|v| v["name"] == "doctor-vm").unwrap_or_else(|| panic!("{:#}", d["vms"]));
+    let vm = d["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "doctor-vm")
+        .unwrap_or_else(|| panic!("{:#}", d["vms"]));
     assert_eq!(vm["pid"].as_u64(), Some(child.id() as u64));
     let disk = &vm["disks"][0];
     assert_eq!(disk["id"], "sys0");
@@ -165,7 +302,15 @@ fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
     let host = host_disk_of(&image);
     let report = std::env::temp_dir().join(format!("iospan-rig-kill-{}.json", std::process::id()));
     let mut agent = Command::new(iospan_bin())
-        .args(["run", "--quiet", "--disk", &host, "--duration", "60s", "--json-out"])
+        .args([
+            "run",
+            "--quiet",
+            "--disk",
+            &host,
+            "--duration",
+            "60s",
+            "--json-out",
+        ])
         .arg(&report)
         .stdout(std::process::Stdio::null())
         .spawn()
@@ -173,7 +318,12 @@ fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
     std::thread::sleep(std::time::Duration::from_secs(1));
 
     // A: endless workload, killed once it is well into it.
-    let a = RunArgs { ios: 10_000_000, name: "victim".into(), disk_id: "va".into(), ..Default::default() };
+    let a = RunArgs {
+        ios: 10_000_000,
+        name: "victim".into(),
+        disk_id: "va".into(),
+        ..Default::default()
+    };
     let (mut qa, _) = guest::qemu_command(&rig, &a, &image);
     let mut va = qa.stdout(std::process::Stdio::null()).spawn().unwrap();
     std::thread::sleep(std::time::Duration::from_secs(6));
@@ -181,16 +331,26 @@ fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
     va.wait().unwrap();
 
     // B: a normal run to completion.
-    let b = RunArgs { ios: 1000, name: "successor".into(), disk_id: "vb".into(), ..Default::default() };
+    let b = RunArgs {
+        ios: 1000,
+        name: "successor".into(),
+        disk_id: "vb".into(),
+        ..Default::default()
+    };
     let (mut qb, dev) = guest::qemu_command(&rig, &b, &image);
     let t = std::time::Instant::now();
-    let out = qb.output().unwrap();
-    let console: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+    let out = run(&mut qb);
+    let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
     let rb = guest::parse(&console, &b, dev, t.elapsed().as_secs_f64()).unwrap();
 
     // SAFETY: kill(2) on our own child: the agent reports on SIGINT.
     unsafe { libc::kill(agent.id() as i32, libc::SIGINT) };
-    assert!(agent.wait().unwrap().success());
+    let status = agent_integration::wait_limited(&mut agent, agent_integration::RUN_LIMIT)
+        .expect("the agent did not end after SIGINT");
+    assert!(status.success());
     let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     let entry = |vm: &str, disk: &str| {
         rep["entries"]
@@ -202,13 +362,30 @@ fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
             .unwrap_or_else(|| panic!("no {vm}/{disk} entry: {rep:#}"))
     };
     let victim = entry("victim", "va");
-    assert!(victim["ios"].as_u64().unwrap() > 100, "the killed VM's partial run: {victim}");
+    assert!(
+        victim["ios"].as_u64().unwrap() > 100,
+        "the killed VM's partial run: {victim}"
+    );
     let successor = entry("successor", "vb");
     let ios = successor["ios"].as_u64().unwrap();
     let unseen = rep["lost"]["unseen"].as_u64().unwrap();
-    assert!(ios + unseen >= rb.guest_reads && ios <= rb.guest_reads + 16, "successor {ios} vs guest {}", rb.guest_reads);
-    for k in ["disk_conflicts", "slot_conflicts", "vm_table_full", "bpf_recursion_misses"] {
-        assert_eq!(rep["lost"][k].as_u64(), Some(0), "lost.{k}: {}", rep["lost"]);
+    assert!(
+        ios + unseen >= rb.guest_reads && ios <= rb.guest_reads + 16,
+        "successor {ios} vs guest {}",
+        rb.guest_reads
+    );
+    for k in [
+        "disk_conflicts",
+        "slot_conflicts",
+        "vm_table_full",
+        "bpf_recursion_misses",
+    ] {
+        assert_eq!(
+            rep["lost"][k].as_u64(),
+            Some(0),
+            "lost.{k}: {}",
+            rep["lost"]
+        );
     }
 }
 
@@ -219,9 +396,18 @@ fn a_qemu_throttle_is_engine_time() {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let boot = |throttle: Option<u32>| {
-        let a = RunArgs { ios: 600, throttle_iops: throttle, name: "throttled".into(), ..Default::default() };
+        let a = RunArgs {
+            ios: 600,
+            throttle_iops: throttle,
+            name: "throttled".into(),
+            ..Default::default()
+        };
         let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
-        let report = std::env::temp_dir().join(format!("iospan-throttle-{}-{}.json", std::process::id(), throttle.is_some()));
+        let report = std::env::temp_dir().join(format!(
+            "iospan-throttle-{}-{}.json",
+            std::process::id(),
+            throttle.is_some()
+        ));
         let t = std::time::Instant::now();
         let out = run(Command::new(iospan_bin())
             .args(["run", "--quiet", "--disk", &host, "--json-out"])
@@ -229,30 +415,53 @@ fn a_qemu_throttle_is_engine_time() {
             .arg("--")
             .arg(qemu.get_program())
             .args(qemu.get_args()));
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let console: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect();
         let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64()).unwrap();
         let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-        let vm = rep["entries"].as_array().unwrap().iter().find(|e| e["vm"] == "throttled" && e["disk"] == "vd0" && e["op"] == "read").cloned().unwrap();
-        let m = |k: &str| vm["segments"][k]["mean_us"].as_f64().unwrap_or_else(|| panic!("no {k}: {vm}"));
-        (r.workload["mean_us"].as_f64().unwrap(), m("device"), m("engine"), m("hypervisor"))
+        let vm = rep["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["vm"] == "throttled" && e["disk"] == "vd0" && e["op"] == "read")
+            .cloned()
+            .unwrap();
+        let m = |k: &str| {
+            vm["segments"][k]["mean_us"]
+                .as_f64()
+                .unwrap_or_else(|| panic!("no {k}: {vm}"))
+        };
+        (
+            r.workload["mean_us"].as_f64().unwrap(),
+            m("device"),
+            m("engine"),
+            m("hypervisor"),
+        )
     };
     let (guest_free, device_free, engine_free, hv_free) = boot(None);
     let (guest_slow, device_slow, engine_slow, hv_slow) = boot(Some(400));
     let added = guest_slow - guest_free;
     // 400 IOPS at QD1 means ~2.5 ms per I/O against a few hundred µs free.
-    assert!(added > 1000.0, "the throttle added only {added} µs (guest {guest_free} -> {guest_slow})");
+    assert!(
+        added > 1000.0,
+        "the throttle added only {added} µs (guest {guest_free} -> {guest_slow})"
+    );
     let ctx = format!(
         "added {added} µs; engine {engine_free} -> {engine_slow}, device {device_free} -> {device_slow}, hypervisor {hv_free} -> {hv_slow}"
     );
     eprintln!("throttle: {ctx}");
-    // The throttle sits in QEMU's block layer: engine time. Measured against
-    // the added host window (kick → interrupt raised): under TCG part of
-    // what the guest sees added lies after the interrupt is raised (its
-    // vCPU waking from a longer idle), which the host cannot see.
-    let window_added = (engine_slow + device_slow + hv_slow) - (engine_free + device_free + hv_free);
-    assert!(window_added >= 0.70 * added, "{ctx}");
-    assert!(engine_slow - engine_free >= 0.80 * window_added, "{ctx}");
-    assert!((device_slow - device_free).abs() <= 0.10 * window_added, "{ctx}");
-    assert!((hv_slow - hv_free).abs() <= 0.10 * window_added, "{ctx}");
+    // The throttle sits in QEMU's block layer, between the engine's pickup
+    // and the host submission: engine time. The guest-observed increase also
+    // holds whatever the guest's own path adds (its vCPU waking from longer
+    // idle), which only the guest segment can show.
+    assert!(engine_slow - engine_free >= 0.80 * added, "{ctx}");
+    assert!((device_slow - device_free).abs() <= 0.10 * added, "{ctx}");
+    assert!((hv_slow - hv_free).abs() <= 0.10 * added, "{ctx}");
 }

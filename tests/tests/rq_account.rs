@@ -11,7 +11,14 @@ const K: u64 = (1 << 63) | 0x1234;
 const UNKNOWN: u64 = u64::MAX;
 
 fn done(rq: u64, kstart: u64, kissue: u64, now: u64, remaining: u32, nr: u32) -> RqCompletion {
-    RqCompletion { rq, kstart_ns: kstart, kissue_ns: kissue, now_ns: now, remaining, nr_bytes: nr }
+    RqCompletion {
+        rq,
+        kstart_ns: kstart,
+        kissue_ns: kissue,
+        now_ns: now,
+        remaining,
+        nr_bytes: nr,
+    }
 }
 
 fn flags(o: &RqOutcome) -> u8 {
@@ -23,9 +30,15 @@ fn issue_then_complete_splits_queue_and_service() {
     let mut s = RqSlot::default();
     rq::issue(&mut s, K, 150);
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).expect("final");
-    assert_eq!((o.start_ns, o.issue_ns, o.bytes, o.requeues, flags(&o)), (100, 150, 4096, 0, 0));
+    assert_eq!(
+        (o.start_ns, o.issue_ns, o.bytes, o.requeues, flags(&o)),
+        (100, 150, 4096, 0, 0)
+    );
     assert_eq!(rq::segments(&o, 400), [300, 50, 250]);
-    assert_eq!(s.flags, RQ_F_DONE, "the slot is marked done at the final completion");
+    assert_eq!(
+        s.flags, RQ_F_DONE,
+        "the slot is marked done at the final completion"
+    );
     // The same tag's next I/O takes it over from scratch.
     rq::issue(&mut s, K, 500);
     assert_eq!((s.flags, s.issue_ns, s.start_ns), (0, 500, 0));
@@ -73,7 +86,11 @@ fn partial_completions_add_up_to_one_request() {
     rq::issue(&mut s, K, 150);
     assert!(rq::complete(Some(&mut s), &done(K, 100, 0, 300, 12288, 4096)).is_none());
     assert!(rq::complete(Some(&mut s), &done(K, 100, 0, 350, 8192, 4096)).is_none());
-    assert_eq!((s.rq, s.flags & RQ_F_DONE), (K, 0), "still in flight after partial completions");
+    assert_eq!(
+        (s.rq, s.flags & RQ_F_DONE),
+        (K, 0),
+        "still in flight after partial completions"
+    );
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
     assert_eq!((o.bytes, flags(&o)), (12288, RQ_F_PARTIAL));
     assert_eq!(rq::segments(&o, 400), [300, 50, 250]);
@@ -112,7 +129,10 @@ fn the_vm_and_vdisk_taken_at_start_survive_issue_requeue_and_partials() {
     rq::requeue(&mut s, K);
     rq::issue(&mut s, K, 250);
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
-    assert_eq!((o.vm, o.vdisk, o.kick_ns, o.pick_ns, o.start_ns, o.issue_ns, o.bytes), (4242, 3, 60, 70, 100, 250, 8192));
+    assert_eq!(
+        (o.vm, o.vdisk, o.kick_ns, o.pick_ns, o.start_ns, o.issue_ns, o.bytes),
+        (4242, 3, 60, 70, 100, 250, 8192)
+    );
     // A new I/O on the same request without a start event has no submitter.
     rq::issue(&mut s, K, 500);
     let o = rq::complete(Some(&mut s), &done(K, 450, 0, 600, 4096, 4096)).unwrap();
@@ -140,10 +160,33 @@ fn a_leftover_slot_of_the_same_request_starts_afresh() {
     // The same preallocated request (same key) comes back for a new I/O
     // while the slot still holds the old one's state: no requeue was seen,
     // so nothing carries over.
-    let mut s = RqSlot { rq: K, start_ns: 10, issue_ns: 20, done_bytes: 512, requeues: 3, flags: 0, vm: 7, vdisk: 2, kick_ns: 5, pick_ns: 6, _pad: 0 };
+    let mut s = RqSlot {
+        rq: K,
+        start_ns: 10,
+        issue_ns: 20,
+        done_bytes: 512,
+        requeues: 3,
+        flags: 0,
+        vm: 7,
+        vdisk: 2,
+        kick_ns: 5,
+        pick_ns: 6,
+        _pad: 0,
+    };
     rq::issue(&mut s, K, 150);
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
-    assert_eq!((o.start_ns, o.issue_ns, o.bytes, o.requeues, flags(&o), o.vm, o.vdisk), (100, 150, 4096, 0, 0, 0, 0));
+    assert_eq!(
+        (
+            o.start_ns,
+            o.issue_ns,
+            o.bytes,
+            o.requeues,
+            flags(&o),
+            o.vm,
+            o.vdisk
+        ),
+        (100, 150, 4096, 0, 0, 0, 0)
+    );
 }
 
 #[test]
@@ -155,7 +198,10 @@ fn another_requests_slot_is_neither_used_nor_disturbed() {
     assert_eq!(flags(&o), RQ_F_NO_ISSUE);
     assert_eq!((s.rq, s.issue_ns), (other, 150));
     rq::requeue(&mut s, K);
-    assert_eq!(s.requeues, 0, "a requeue of another request leaves this slot alone");
+    assert_eq!(
+        s.requeues, 0,
+        "a requeue of another request leaves this slot alone"
+    );
 }
 
 #[test]
@@ -225,7 +271,10 @@ fn interleaved_streams_over_many_queues_and_reused_tags() {
                     let mut left = size;
                     for _ in 0..rnd(3) {
                         if rnd(2) == 0 && left > 512 {
-                            let piece = 512 * (1 + rnd((left / 512 - 1).max(1) as u64) as u32).min(left / 512 - 1).max(1);
+                            let piece = 512
+                                * (1 + rnd((left / 512 - 1).max(1) as u64) as u32)
+                                    .min(left / 512 - 1)
+                                    .max(1);
                             script.push(Ev::Partial(piece));
                             left -= piece;
                         }
@@ -235,7 +284,15 @@ fn interleaved_streams_over_many_queues_and_reused_tags() {
                         }
                     }
                     script.push(Ev::Final(left));
-                    ios.push(Io { key, start: now, size, script, next: 0, last_issue: 0, requeues: 0 });
+                    ios.push(Io {
+                        key,
+                        start: now,
+                        size,
+                        script,
+                        next: 0,
+                        last_issue: 0,
+                        requeues: 0,
+                    });
                 }
             }
         }
@@ -266,7 +323,10 @@ fn interleaved_streams_over_many_queues_and_reused_tags() {
                 }
                 Ev::Partial(n) => {
                     let c = done(io.key, io.start, 0, now, left_before, n);
-                    assert!(rq::complete(Some(slot), &c).is_none(), "round {round}: partial ended the I/O");
+                    assert!(
+                        rq::complete(Some(slot), &c).is_none(),
+                        "round {round}: partial ended the I/O"
+                    );
                 }
                 Ev::Final(n) => {
                     let c = done(io.key, io.start, 0, now, n, n);
@@ -283,7 +343,10 @@ fn interleaved_streams_over_many_queues_and_reused_tags() {
                 remaining.swap_remove(pick);
             }
         }
-        assert!(slots.values().all(|s| s.flags & RQ_F_DONE != 0), "round {round}: every slot done");
+        assert!(
+            slots.values().all(|s| s.flags & RQ_F_DONE != 0),
+            "round {round}: every slot done"
+        );
     }
     assert_eq!(ended, 200 * 4 * 8 * 16);
 }

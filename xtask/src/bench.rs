@@ -61,7 +61,12 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
     let built = rig::build()?;
     let image = rig::dir().join("disk.img");
     rig::ensure_image(&image, 256)?;
-    let args = RunArgs { qd: a.qd, ios: a.ios, name: "bench-guest".into(), ..Default::default() };
+    let args = RunArgs {
+        qd: a.qd,
+        ios: a.ios,
+        name: "bench-guest".into(),
+        ..Default::default()
+    };
     let report = out_dir.join("guest-iospan.json");
     struct Row {
         traced: bool,
@@ -77,14 +82,21 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
             let (qemu, dev) = rig::qemu_command(&built, &args, &image);
             let mut cmd = if traced {
                 let mut c = Command::new(&iospan);
-                c.args(["run", "--quiet", "--bpf-stats", "--json-out"]).arg(&report).arg("--").arg(qemu.get_program()).args(qemu.get_args());
+                c.args(["run", "--quiet", "--bpf-stats", "--json-out"])
+                    .arg(&report)
+                    .arg("--")
+                    .arg(qemu.get_program())
+                    .args(qemu.get_args());
                 c
             } else {
                 qemu
             };
             let t = Instant::now();
             let out = cmd.output().context("booting the rig guest")?;
-            let console: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+            let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .map(str::to_string)
+                .collect();
             let r = rig::parse(&console, &args, dev, t.elapsed().as_secs_f64())?;
             let w = &r.workload;
             let (bpf, uprobe_hits) = if traced {
@@ -101,7 +113,11 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
                     .collect();
                 let hits: u64 = progs
                     .iter()
-                    .filter(|p| p["name"].as_str().is_some_and(|n| uprobes.iter().any(|u| u == n)))
+                    .filter(|p| {
+                        p["name"]
+                            .as_str()
+                            .is_some_and(|n| uprobes.iter().any(|u| u == n))
+                    })
                     .filter_map(|p| p["run_count"].as_u64())
                     .sum();
                 let per_io = |v: u64| v as f64 / r.guest_reads.max(1) as f64;
@@ -109,13 +125,28 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
             } else {
                 (None, None)
             };
-            eprintln!("xtask: bench guest: rep {} traced={traced}: p50 {} µs", rep + 1, w["p50_us"]);
+            eprintln!(
+                "xtask: bench guest: rep {} traced={traced}: p50 {} µs",
+                rep + 1,
+                w["p50_us"]
+            );
             let num = |k: &str| w[k].as_f64().unwrap_or(f64::NAN);
-            rows.push(Row { traced, p50: num("p50_us"), mean: num("mean_us"), p99: num("p99_us"), bpf_ns: bpf, uprobe_hits });
+            rows.push(Row {
+                traced,
+                p50: num("p50_us"),
+                mean: num("mean_us"),
+                p99: num("p99_us"),
+                bpf_ns: bpf,
+                uprobe_hits,
+            });
         }
     }
     let med = |traced: bool, f: &dyn Fn(&Row) -> Option<f64>| {
-        let mut v: Vec<f64> = rows.iter().filter(|r| r.traced == traced).filter_map(f).collect();
+        let mut v: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.traced == traced)
+            .filter_map(f)
+            .collect();
         v.sort_by(|a, b| a.total_cmp(b));
         v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
     };
@@ -125,9 +156,18 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
     let bpf = med(true, &|r| r.bpf_ns);
     let uprobe_hits = med(true, &|r| r.uprobe_hits);
     println!("rig guest (TCG), virtio-blk aio=io_uring, 4k randread QD{} x {} I/Os, {} boots per arm, medians", a.qd, a.ios, a.reps);
-    println!("{:<16} {:>10} {:>10} {:>10}", "host", "p50 µs", "mean µs", "p99 µs");
-    println!("{:<16} {:>10.1} {:>10.1} {:>10.1}", "no tracing", p50_off, mean_off, p99_off);
-    println!("{:<16} {:>10.1} {:>10.1} {:>10.1}", "iospan run", p50_on, mean_on, p99_on);
+    println!(
+        "{:<16} {:>10} {:>10} {:>10}",
+        "host", "p50 µs", "mean µs", "p99 µs"
+    );
+    println!(
+        "{:<16} {:>10.1} {:>10.1} {:>10.1}",
+        "no tracing", p50_off, mean_off, p99_off
+    );
+    println!(
+        "{:<16} {:>10.1} {:>10.1} {:>10.1}",
+        "iospan run", p50_on, mean_on, p99_on
+    );
     println!(
         "guest p50 added by iospan: {:+.1}%; iospan BPF time per guest I/O: {bpf:.0} ns; uprobe hits per guest I/O: {uprobe_hits:.2}",
         (p50_on / p50_off - 1.0) * 100.0
@@ -195,9 +235,16 @@ pub fn overhead(a: &OverheadArgs) -> Result<()> {
         // Rotate the order so no arm always follows another.
         for i in 0..arms.len() {
             let arm = arms[(i + rep as usize) % arms.len()];
-            eprintln!("xtask: bench overhead: rep {}/{} arm {arm:?}", rep + 1, a.reps);
+            eprintln!(
+                "xtask: bench overhead: rep {}/{} arm {arm:?}",
+                rep + 1,
+                a.reps
+            );
             let s = measure(arm, rep, a, &dev, &iospan, &out_dir)?;
-            eprintln!("        {:.0} IOPS, {:.0} ns CPU/IO", s.iops, s.cpu_ns_per_io);
+            eprintln!(
+                "        {:.0} IOPS, {:.0} ns CPU/IO",
+                s.iops, s.cpu_ns_per_io
+            );
             samples.push(s);
         }
     }
@@ -247,7 +294,12 @@ pub fn overhead(a: &OverheadArgs) -> Result<()> {
         })
         .collect();
 
-    let get = |arm: Arm| summaries.iter().find(|s| s.arm == arm).expect("every arm measured");
+    let get = |arm: Arm| {
+        summaries
+            .iter()
+            .find(|s| s.arm == arm)
+            .expect("every arm measured")
+    };
     let (io, bt) = (get(Arm::Iospan), get(Arm::Bpftrace));
     let lost: u64 = of(Arm::Iospan).filter_map(|s| s.lost).sum();
     let table = render(&summaries, io, bt, lost, a);
@@ -272,7 +324,13 @@ pub fn overhead(a: &OverheadArgs) -> Result<()> {
     Ok(())
 }
 
-fn render(summaries: &[Summary], io: &Summary, bt: &Summary, lost: u64, a: &OverheadArgs) -> String {
+fn render(
+    summaries: &[Summary],
+    io: &Summary,
+    bt: &Summary,
+    lost: u64,
+    a: &OverheadArgs,
+) -> String {
     use std::fmt::Write;
     let mut t = String::new();
     let o = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
@@ -281,7 +339,11 @@ fn render(summaries: &[Summary], io: &Summary, bt: &Summary, lost: u64, a: &Over
         "fio 4k randread io_uring QD{}x{} on a loop device over /dev/shm, {} s per arm, medians of {}\n",
         a.iodepth, a.jobs, a.seconds, a.reps
     );
-    let _ = writeln!(t, "{:<10} {:>10} {:>12} {:>12} {:>12} {:>12} {:>12}", "arm", "IOPS", "CPU ns/IO", "added ns/IO", "BPF ns/IO", "agent ns/IO", "tracer ns/IO");
+    let _ = writeln!(
+        t,
+        "{:<10} {:>10} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "arm", "IOPS", "CPU ns/IO", "added ns/IO", "BPF ns/IO", "agent ns/IO", "tracer ns/IO"
+    );
     for s in summaries {
         let _ = writeln!(
             t,
@@ -304,14 +366,32 @@ fn render(summaries: &[Summary], io: &Summary, bt: &Summary, lost: u64, a: &Over
     t
 }
 
-fn measure(arm: Arm, rep: u32, a: &OverheadArgs, dev: &LoopDev, iospan: &Path, out_dir: &Path) -> Result<Sample> {
+fn measure(
+    arm: Arm,
+    rep: u32,
+    a: &OverheadArgs,
+    dev: &LoopDev,
+    iospan: &Path,
+    out_dir: &Path,
+) -> Result<Sample> {
     let report = out_dir.join("overhead-iospan.json");
     let mut tracer = match arm {
         Arm::None => None,
         Arm::Iospan => {
             let _ = std::fs::remove_file(&report);
             let mut c = Command::new(iospan)
-                .args(["-v", "run", "--quiet", "--no-vms", "--bpf-stats", "--disk", &dev.name, "--duration", "1h", "--json-out"])
+                .args([
+                    "-v",
+                    "run",
+                    "--quiet",
+                    "--no-vms",
+                    "--bpf-stats",
+                    "--disk",
+                    &dev.name,
+                    "--duration",
+                    "1h",
+                    "--json-out",
+                ])
                 .arg(&report)
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
@@ -336,7 +416,15 @@ fn measure(arm: Arm, rep: u32, a: &OverheadArgs, dev: &LoopDev, iospan: &Path, o
     let fio_json = out_dir.join("overhead-fio.json");
     let cpu0 = busy_cpu_ns()?;
     let status = Command::new("fio")
-        .args(["--name=bench", "--ioengine=io_uring", "--direct=1", "--rw=randread", "--bs=4k", "--time_based", "--group_reporting"])
+        .args([
+            "--name=bench",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--rw=randread",
+            "--bs=4k",
+            "--time_based",
+            "--group_reporting",
+        ])
         .arg(format!("--filename={}", dev.path()))
         .arg(format!("--iodepth={}", a.iodepth))
         .arg(format!("--numjobs={}", a.jobs))
@@ -349,15 +437,23 @@ fn measure(arm: Arm, rep: u32, a: &OverheadArgs, dev: &LoopDev, iospan: &Path, o
     if !status.success() {
         bail!("fio failed ({status})");
     }
-    let bpftrace_bpf_ns = if arm == Arm::Bpftrace { Some(bpf_run_time_ns("tracepoint")?) } else { None };
+    let bpftrace_bpf_ns = if arm == Arm::Bpftrace {
+        Some(bpf_run_time_ns("tracepoint")?)
+    } else {
+        None
+    };
     if let Some(c) = tracer.as_mut() {
         // SAFETY: kill(2) on our own child.
         unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
         c.wait()?;
     }
     let fio: Value = serde_json::from_slice(&std::fs::read(&fio_json)?)?;
-    let ios = fio["jobs"][0]["read"]["total_ios"].as_u64().context("fio total_ios")?;
-    let iops = fio["jobs"][0]["read"]["iops"].as_f64().context("fio iops")?;
+    let ios = fio["jobs"][0]["read"]["total_ios"]
+        .as_u64()
+        .context("fio total_ios")?;
+    let iops = fio["jobs"][0]["read"]["iops"]
+        .as_f64()
+        .context("fio iops")?;
     let per_io = |ns: f64| ns / ios as f64;
     let mut s = Sample {
         arm,
@@ -371,16 +467,30 @@ fn measure(arm: Arm, rep: u32, a: &OverheadArgs, dev: &LoopDev, iospan: &Path, o
     };
     if arm == Arm::Iospan {
         let r: Value = serde_json::from_slice(&std::fs::read(&report).context("iospan's report")?)?;
-        let bpf: u64 = r["agent"]["bpf"].as_array().context("bpf stats")?.iter().filter_map(|p| p["run_time_ns"].as_u64()).sum();
-        let agent = (r["agent"]["cpu_user_s"].as_f64().unwrap_or(0.0) + r["agent"]["cpu_sys_s"].as_f64().unwrap_or(0.0)) * 1e9;
+        let bpf: u64 = r["agent"]["bpf"]
+            .as_array()
+            .context("bpf stats")?
+            .iter()
+            .filter_map(|p| p["run_time_ns"].as_u64())
+            .sum();
+        let agent = (r["agent"]["cpu_user_s"].as_f64().unwrap_or(0.0)
+            + r["agent"]["cpu_sys_s"].as_f64().unwrap_or(0.0))
+            * 1e9;
         s.bpf_ns_per_io = Some(per_io(bpf as f64));
         s.agent_ns_per_io = Some(per_io(agent));
         let lost = &r["lost"];
         s.lost = Some(
-            ["ringbuf_drops", "disk_conflicts", "slot_conflicts", "no_issue", "bpf_recursion_misses", "unseen"]
-                .iter()
-                .filter_map(|k| lost[k].as_u64())
-                .sum(),
+            [
+                "ringbuf_drops",
+                "disk_conflicts",
+                "slot_conflicts",
+                "no_issue",
+                "bpf_recursion_misses",
+                "unseen",
+            ]
+            .iter()
+            .filter_map(|k| lost[k].as_u64())
+            .sum(),
         );
     }
     Ok(s)
@@ -404,7 +514,8 @@ fn wait_for_line(c: &mut Child, stdout: bool, needle: &str) -> Result<()> {
         }
     });
     let t = Instant::now();
-    rx.recv_timeout(Duration::from_secs(60)).with_context(|| format!("tracer not ready after {:?}", t.elapsed()))
+    rx.recv_timeout(Duration::from_secs(60))
+        .with_context(|| format!("tracer not ready after {:?}", t.elapsed()))
 }
 
 /// Sum of run time of loaded programs of a type, while stats are on.
@@ -423,9 +534,14 @@ fn bpf_run_time_ns(prog_type: &str) -> Result<u64> {
 fn busy_cpu_ns() -> Result<u64> {
     let stat = std::fs::read_to_string("/proc/stat")?;
     let line = stat.lines().next().context("/proc/stat is empty")?;
-    let f: Vec<u64> = line.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
     // user nice system idle iowait irq softirq …
-    let ticks = f[0] + f[1] + f[2] + f.get(5).copied().unwrap_or(0) + f.get(6).copied().unwrap_or(0);
+    let ticks =
+        f[0] + f[1] + f[2] + f.get(5).copied().unwrap_or(0) + f.get(6).copied().unwrap_or(0);
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     Ok(ticks * 1_000_000_000 / hz)
@@ -447,12 +563,19 @@ impl LoopDev {
                 f.write_all(&chunk)?;
             }
         }
-        let out = sh::output(Command::new("losetup").args(["--find", "--show", "--direct-io=on"]).arg(&file))?;
+        let out = sh::output(
+            Command::new("losetup")
+                .args(["--find", "--show", "--direct-io=on"])
+                .arg(&file),
+        )?;
         if !out.status.success() {
             let _ = std::fs::remove_file(&file);
             bail!("losetup: {}", String::from_utf8_lossy(&out.stderr));
         }
-        let name = String::from_utf8_lossy(&out.stdout).trim().trim_start_matches("/dev/").to_string();
+        let name = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .trim_start_matches("/dev/")
+            .to_string();
         Ok(Self { file, name })
     }
     fn path(&self) -> String {
@@ -474,7 +597,8 @@ impl BpfStats {
     const PATH: &'static str = "/proc/sys/kernel/bpf_stats_enabled";
     fn enable() -> Result<Self> {
         let old = std::fs::read_to_string(Self::PATH).unwrap_or_else(|_| "0".into());
-        std::fs::write(Self::PATH, "1").context("enabling kernel.bpf_stats_enabled (needs root)")?;
+        std::fs::write(Self::PATH, "1")
+            .context("enabling kernel.bpf_stats_enabled (needs root)")?;
         Ok(Self(old.trim().to_string()))
     }
 }
@@ -486,9 +610,12 @@ impl Drop for BpfStats {
 }
 
 fn machine() -> Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| c.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())));
+    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| {
+        c.lines().find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+    });
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     serde_json::json!({
         "kernel": kernel.trim(),
@@ -499,5 +626,6 @@ fn machine() -> Value {
 
 fn chrono_free_date() -> String {
     let out = Command::new("date").args(["-u", "+%Y-%m-%d"]).output();
-    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
+    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
 }

@@ -62,6 +62,10 @@ pub struct RunArgs {
     /// Throttle the drive in QEMU's block layer (throttling.iops-total).
     #[arg(long, value_name = "IOPS")]
     pub throttle_iops: Option<u32>,
+    /// NVMe only: take doorbells through eventfds (ioeventfd=on; the
+    /// guest then uses shadow doorbells).
+    #[arg(long)]
+    pub ioeventfd: bool,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -105,6 +109,7 @@ impl Default for RunArgs {
             name: "iospan-rig".into(),
             disk_id: "vd0".into(),
             throttle_iops: None,
+            ioeventfd: false,
             json: false,
         }
     }
@@ -172,7 +177,10 @@ pub fn build() -> Result<Rig> {
     let initrd = dir.join("initrd.cpio.gz");
     let src = sh::root().join("xtask/rig");
     let stamp = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let newest_src = ["workload.c", "init"].iter().filter_map(|f| stamp(&src.join(f))).max();
+    let newest_src = ["workload.c", "init"]
+        .iter()
+        .filter_map(|f| stamp(&src.join(f)))
+        .max();
     if stamp(&initrd).is_none() || newest_src > stamp(&initrd) {
         build_initrd(&kernel_dir, &initrd)?;
     }
@@ -182,10 +190,14 @@ pub fn build() -> Result<Rig> {
 fn fetch_kernel(kernel_dir: &Path, kernel: &Path) -> Result<()> {
     eprintln!("xtask: fetching Debian's cloud kernel");
     let find = || -> Result<Option<String>> {
-        let deps = sh::output(Command::new("apt-cache").args(["depends", "linux-image-cloud-amd64"]))?;
-        Ok(String::from_utf8_lossy(&deps.stdout)
-            .lines()
-            .find_map(|l| l.trim().strip_prefix("Depends: ").filter(|p| p.starts_with("linux-image-")).map(str::to_string)))
+        let deps =
+            sh::output(Command::new("apt-cache").args(["depends", "linux-image-cloud-amd64"]))?;
+        Ok(String::from_utf8_lossy(&deps.stdout).lines().find_map(|l| {
+            l.trim()
+                .strip_prefix("Depends: ")
+                .filter(|p| p.starts_with("linux-image-"))
+                .map(str::to_string)
+        }))
     };
     let pkg = match find()? {
         Some(p) => p,
@@ -197,18 +209,28 @@ fn fetch_kernel(kernel_dir: &Path, kernel: &Path) -> Result<()> {
     };
     let dl = dir().join("deb");
     std::fs::create_dir_all(&dl)?;
-    sh::run(Command::new("apt-get").args(["download", &pkg]).current_dir(&dl))?;
+    sh::run(
+        Command::new("apt-get")
+            .args(["download", &pkg])
+            .current_dir(&dl),
+    )?;
     let deb = std::fs::read_dir(&dl)?
         .flatten()
         .map(|e| e.path())
-        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&pkg)))
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(&pkg))
+        })
         .context("downloaded kernel package not found")?;
     let _ = std::fs::remove_dir_all(kernel_dir);
     sh::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(kernel_dir))?;
     let vmlinuz = std::fs::read_dir(kernel_dir.join("boot"))?
         .flatten()
         .map(|e| e.path())
-        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-")))
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-"))
+        })
         .context("no vmlinuz in the kernel package")?;
     std::fs::copy(vmlinuz, kernel)?;
     Ok(())
@@ -230,7 +252,11 @@ fn module_order(kernel_dir: &Path) -> Result<Vec<PathBuf>> {
             let p = e.path();
             if p.is_dir() {
                 stack.push(p);
-            } else if let Some(n) = p.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".ko")) {
+            } else if let Some(n) = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".ko"))
+            {
                 by_name.insert(n.replace('-', "_"), p.clone());
             }
         }
@@ -238,10 +264,17 @@ fn module_order(kernel_dir: &Path) -> Result<Vec<PathBuf>> {
     let depends = |p: &Path| -> Result<Vec<String>> {
         let bytes = std::fs::read(p)?;
         let key = b"depends=";
-        let at = bytes.windows(key.len()).position(|w| w == key).with_context(|| format!("no depends= in {}", p.display()))?;
+        let at = bytes
+            .windows(key.len())
+            .position(|w| w == key)
+            .with_context(|| format!("no depends= in {}", p.display()))?;
         let rest = &bytes[at + key.len()..];
         let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
-        Ok(String::from_utf8_lossy(&rest[..end]).split(',').filter(|s| !s.is_empty()).map(|s| s.replace('-', "_")).collect())
+        Ok(String::from_utf8_lossy(&rest[..end])
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(|s| s.replace('-', "_"))
+            .collect())
     };
     fn visit(
         name: &str,
@@ -253,7 +286,9 @@ fn module_order(kernel_dir: &Path) -> Result<Vec<PathBuf>> {
         if !seen.insert(name.to_string()) {
             return Ok(());
         }
-        let path = by_name.get(name).with_context(|| format!("module {name} not in the kernel package"))?;
+        let path = by_name
+            .get(name)
+            .with_context(|| format!("module {name} not in the kernel package"))?;
         for d in depends(path)? {
             visit(&d, by_name, depends, seen, order)?;
         }
@@ -276,12 +311,22 @@ fn build_initrd(kernel_dir: &Path, initrd: &Path) -> Result<()> {
         std::fs::create_dir_all(stage.join(d))?;
     }
     let src = sh::root().join("xtask/rig");
-    sh::run(Command::new("cc").args(["-static", "-O2", "-Wall", "-o"]).arg(stage.join("workload")).arg(src.join("workload.c")))?;
-    std::fs::copy("/bin/busybox", stage.join("bin/busybox")).context("copying /bin/busybox (busybox-static)")?;
+    sh::run(
+        Command::new("cc")
+            .args(["-static", "-O2", "-Wall", "-o"])
+            .arg(stage.join("workload"))
+            .arg(src.join("workload.c")),
+    )?;
+    std::fs::copy("/bin/busybox", stage.join("bin/busybox"))
+        .context("copying /bin/busybox (busybox-static)")?;
     std::fs::copy(src.join("init"), stage.join("init"))?;
     let mut names = Vec::new();
     for m in module_order(kernel_dir)? {
-        let name = m.file_name().context("module name")?.to_string_lossy().into_owned();
+        let name = m
+            .file_name()
+            .context("module name")?
+            .to_string_lossy()
+            .into_owned();
         if m.extension().is_some_and(|e| e == "xz" || e == "zst") {
             bail!("compressed module {name}: busybox insmod needs plain .ko");
         }
@@ -292,7 +337,10 @@ fn build_initrd(kernel_dir: &Path, initrd: &Path) -> Result<()> {
     let mut perms = std::fs::metadata(stage.join("init"))?.permissions();
     std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
     std::fs::set_permissions(stage.join("init"), perms)?;
-    let cmd = format!("find . | cpio -o -H newc --quiet | gzip -1 > {}", initrd.display());
+    let cmd = format!(
+        "find . | cpio -o -H newc --quiet | gzip -1 > {}",
+        initrd.display()
+    );
     sh::run(Command::new("sh").arg("-c").arg(cmd).current_dir(&stage))
 }
 
@@ -304,8 +352,11 @@ pub fn ensure_image(path: &Path, mib: u64) -> Result<()> {
     if let Some(p) = path.parent() {
         std::fs::create_dir_all(p)?;
     }
-    let mut f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    let chunk: Vec<u8> = (0..1u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    let mut f =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let chunk: Vec<u8> = (0..1u32 << 20)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
     for _ in 0..mib {
         f.write_all(&chunk)?;
     }
@@ -341,19 +392,31 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
         ));
     match a.disk {
         DiskModel::VirtioBlk if a.iothread => {
-            c.args(["-object", "iothread,id=io0", "-device", &format!("virtio-blk-pci,drive={},iothread=io0", a.disk_id)]);
+            c.args([
+                "-object",
+                "iothread,id=io0",
+                "-device",
+                &format!("virtio-blk-pci,drive={},iothread=io0", a.disk_id),
+            ]);
         }
         DiskModel::VirtioBlk => {
             c.args(["-device", &format!("virtio-blk-pci,drive={}", a.disk_id)]);
         }
         DiskModel::Nvme => {
-            c.args(["-device", &format!("nvme,drive={},serial=iospan0", a.disk_id)]);
+            let ioeventfd = if a.ioeventfd { ",ioeventfd=on" } else { "" };
+            c.args([
+                "-device",
+                &format!("nvme,drive={},serial=iospan0{ioeventfd}", a.disk_id),
+            ]);
         }
     }
     (c, guest_dev.to_string())
 }
 
 pub fn run(a: &RunArgs) -> Result<RigResult> {
+    if a.ioeventfd && a.disk != DiskModel::Nvme {
+        bail!("--ioeventfd is for NVMe; virtio-blk always takes its kicks through eventfds");
+    }
     if a.iothread && a.disk != DiskModel::VirtioBlk {
         bail!("--iothread is for virtio-blk; NVMe in QEMU 7.2 has no iothread option");
     }
@@ -366,7 +429,11 @@ pub fn run(a: &RunArgs) -> Result<RigResult> {
     let (mut cmd, guest_dev) = qemu_command(&rig, a, &image);
     eprintln!("xtask: {}", sh::show(&cmd));
     let t = Instant::now();
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().context("starting qemu-system-x86_64")?;
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting qemu-system-x86_64")?;
     let stdout = child.stdout.take().context("qemu stdout")?;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -382,27 +449,46 @@ pub fn run(a: &RunArgs) -> Result<RigResult> {
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
             Err(_) if t.elapsed() > deadline => {
                 let _ = child.kill();
-                bail!("the rig guest did not finish within {deadline:?}; its console:\n{}", lines.join("\n"));
+                bail!(
+                    "the rig guest did not finish within {deadline:?}; its console:\n{}",
+                    lines.join("\n")
+                );
             }
             Err(_) => {}
         }
     }
     let status = child.wait()?;
-    parse(&lines, a, guest_dev, t.elapsed().as_secs_f64())
-        .with_context(|| format!("qemu exited with {status}; the guest's console:\n{}", lines.join("\n")))
+    parse(&lines, a, guest_dev, t.elapsed().as_secs_f64()).with_context(|| {
+        format!(
+            "qemu exited with {status}; the guest's console:\n{}",
+            lines.join("\n")
+        )
+    })
 }
 
 /// Reads the guest's console: the workload's line and the disk counters.
 pub fn parse(lines: &[String], a: &RunArgs, guest_dev: String, seconds: f64) -> Result<RigResult> {
-    let find = |tag: &str| lines.iter().find_map(|l| l.find(tag).map(|i| l[i + tag.len()..].trim().to_string()));
+    let find = |tag: &str| {
+        lines
+            .iter()
+            .find_map(|l| l.find(tag).map(|i| l[i + tag.len()..].trim().to_string()))
+    };
     if let Some(e) = find("IOSPAN-ERROR") {
         bail!("guest: {e}");
     }
-    let workload: Value = serde_json::from_str(&find("IOSPAN-WORKLOAD").context("no workload result")?)?;
+    let workload: Value =
+        serde_json::from_str(&find("IOSPAN-WORKLOAD").context("no workload result")?)?;
     let stat = |tag: &str| -> Result<(u64, u64)> {
         let s = find(tag).with_context(|| format!("no {tag} line"))?;
-        let f: Vec<u64> = s.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
-        Ok((*f.first().context("stat reads")?, *f.get(4).context("stat writes")?))
+        let f: Vec<u64> = s
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        Ok((
+            *f.first().context("stat reads")?,
+            *f.get(4).context("stat writes")?,
+        ))
     };
     let (r0, w0) = stat("IOSPAN-BEFORE")?;
     let (r1, w1) = stat("IOSPAN-STAT")?;

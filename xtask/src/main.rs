@@ -63,11 +63,15 @@ fn main() -> Result<()> {
         Cmd::Setup { bench } => setup::ensure(bench),
         Cmd::Test { args } => test(&args),
         Cmd::Demo => demo(),
-        Cmd::Bench { which: BenchCmd::Overhead(a) } => {
+        Cmd::Bench {
+            which: BenchCmd::Overhead(a),
+        } => {
             setup::ensure(true)?;
             bench::overhead(&a)
         }
-        Cmd::Bench { which: BenchCmd::Guest(a) } => bench::guest(&a),
+        Cmd::Bench {
+            which: BenchCmd::Guest(a),
+        } => bench::guest(&a),
         Cmd::Guest { cmd } => guest::main(cmd),
         Cmd::Vmlinux => setup::vmlinux(),
     }
@@ -88,10 +92,17 @@ fn demo() -> Result<()> {
     let rig = guest::build()?;
     let image = guest::dir().join("disk.img");
     guest::ensure_image(&image, 256)?;
-    let args = guest::RunArgs { qd: 4, ios: 5000, name: "demo-guest".into(), ..Default::default() };
+    let args = guest::RunArgs {
+        qd: 4,
+        ios: 5000,
+        name: "demo-guest".into(),
+        ..Default::default()
+    };
     let (qemu, _) = guest::qemu_command(&rig, &args, &image);
     let mut cmd = std::process::Command::new(iospan);
-    cmd.args(["run", "--"]).arg(qemu.get_program()).args(qemu.get_args());
+    cmd.args(["run", "--"])
+        .arg(qemu.get_program())
+        .args(qemu.get_args());
     sh::run(&mut cmd)
 }
 
@@ -102,7 +113,16 @@ fn test(args: &[String]) -> Result<()> {
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
     // One test thread: the integration tests share the kernel's tracepoints
     // and the machine's two CPUs, and compare latencies.
-    let mut cmd = vec!["test", "--release", "--workspace", "--lib", "--bins", "--tests", "--", "--test-threads=1"];
+    let mut cmd = vec![
+        "test",
+        "--release",
+        "--workspace",
+        "--lib",
+        "--bins",
+        "--tests",
+        "--",
+        "--test-threads=1",
+    ];
     cmd.extend(args.iter().map(String::as_str));
     let (passed, failed) = sh::cargo_test(&cmd)?;
     // One closing line for the whole suite, after the per-binary ones.

@@ -35,7 +35,11 @@ enum Need {
 impl Need {
     fn present(self) -> bool {
         match self {
-            Need::Tool(t) => sh::which(t) || Path::new("/usr/sbin").join(t).exists() || Path::new("/sbin").join(t).exists(),
+            Need::Tool(t) => {
+                sh::which(t)
+                    || Path::new("/usr/sbin").join(t).exists()
+                    || Path::new("/sbin").join(t).exists()
+            }
             Need::File(f) => Path::new(f).exists(),
         }
     }
@@ -51,7 +55,10 @@ pub fn ensure_rig() -> Result<()> {
 }
 
 fn install<'a>(needs: impl Iterator<Item = &'a (Need, &'static str)>) -> Result<()> {
-    let mut missing: Vec<&str> = needs.filter(|(n, _)| !n.present()).map(|(_, p)| *p).collect();
+    let mut missing: Vec<&str> = needs
+        .filter(|(n, _)| !n.present())
+        .map(|(_, p)| *p)
+        .collect();
     missing.sort();
     missing.dedup();
     if missing.is_empty() {
@@ -59,11 +66,20 @@ fn install<'a>(needs: impl Iterator<Item = &'a (Need, &'static str)>) -> Result<
     }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        bail!("missing packages: {}\nhint: run as root, or `sudo apt-get install -y {}`", missing.join(" "), missing.join(" "));
+        bail!(
+            "missing packages: {}\nhint: run as root, or `sudo apt-get install -y {}`",
+            missing.join(" "),
+            missing.join(" ")
+        );
     }
     eprintln!("xtask: installing {}", missing.join(" "));
     sh::run(Command::new("apt-get").args(["update", "-qq"]))?;
-    sh::run(Command::new("apt-get").args(["install", "-y", "-qq", "--no-install-recommends"]).args(&missing).env("DEBIAN_FRONTEND", "noninteractive"))
+    sh::run(
+        Command::new("apt-get")
+            .args(["install", "-y", "-qq", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
 }
 
 pub fn vmlinux() -> Result<()> {
@@ -73,12 +89,26 @@ pub fn vmlinux() -> Result<()> {
         "aarch64" => "arm64",
         a => bail!("no vmlinux.h directory for {a}"),
     };
-    let out = sh::output(Command::new("bpftool").args(["btf", "dump", "file", "/sys/kernel/btf/vmlinux", "format", "c"]))?;
+    let out = sh::output(Command::new("bpftool").args([
+        "btf",
+        "dump",
+        "file",
+        "/sys/kernel/btf/vmlinux",
+        "format",
+        "c",
+    ]))?;
     if !out.status.success() {
         bail!("bpftool failed: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let path = sh::root().join("bpf/include/vmlinux").join(arch).join("vmlinux.h");
+    let path = sh::root()
+        .join("bpf/include/vmlinux")
+        .join(arch)
+        .join("vmlinux.h");
     std::fs::write(&path, &out.stdout)?;
-    eprintln!("xtask: wrote {} ({} bytes)", path.display(), out.stdout.len());
+    eprintln!(
+        "xtask: wrote {} ({} bytes)",
+        path.display(),
+        out.stdout.len()
+    );
     Ok(())
 }

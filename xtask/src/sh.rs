@@ -9,12 +9,17 @@ use anyhow::{bail, Context, Result};
 
 /// The workspace root.
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").canonicalize().expect("workspace root")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .canonicalize()
+        .expect("workspace root")
 }
 
 pub fn run(cmd: &mut Command) -> Result<()> {
     eprintln!("xtask: {}", show(cmd));
-    let status = cmd.status().with_context(|| format!("starting `{}`", show(cmd)))?;
+    let status = cmd
+        .status()
+        .with_context(|| format!("starting `{}`", show(cmd)))?;
     if !status.success() {
         bail!("`{}` failed ({status})", show(cmd));
     }
@@ -22,7 +27,8 @@ pub fn run(cmd: &mut Command) -> Result<()> {
 }
 
 pub fn output(cmd: &mut Command) -> Result<Output> {
-    cmd.output().with_context(|| format!("starting `{}`", show(cmd)))
+    cmd.output()
+        .with_context(|| format!("starting `{}`", show(cmd)))
 }
 
 pub fn cargo(args: &[&str]) -> Result<()> {
@@ -36,9 +42,13 @@ pub fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
     use std::io::{BufRead, BufReader};
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
-    cmd.args(args).current_dir(root()).stdout(std::process::Stdio::piped());
+    cmd.args(args)
+        .current_dir(root())
+        .stdout(std::process::Stdio::piped());
     eprintln!("xtask: {}", show(&cmd));
-    let mut child = cmd.spawn().with_context(|| format!("starting `{}`", show(&cmd)))?;
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("starting `{}`", show(&cmd)))?;
     let (mut passed, mut failed) = (0, 0);
     for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
         let line = line?;
@@ -46,7 +56,12 @@ pub fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
         if let Some(rest) = line.strip_prefix("test result: ") {
             let num = |word: &str| {
                 rest.split(';')
-                    .find_map(|part| part.trim().trim_start_matches("ok. ").trim_start_matches("FAILED. ").strip_suffix(word))
+                    .find_map(|part| {
+                        part.trim()
+                            .trim_start_matches("ok. ")
+                            .trim_start_matches("FAILED. ")
+                            .strip_suffix(word)
+                    })
                     .and_then(|n| n.trim().parse::<u64>().ok())
                     .unwrap_or(0)
             };

@@ -11,7 +11,10 @@ use serde::{Deserialize, Serialize};
 
 use super::{attach, Attachment, Flavour, LoadError};
 use crate::{
-    abi::{counter, BlkStats, DiskSlot, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS, NR_DIO_END_IO},
+    abi::{
+        counter, BlkStats, DiskSlot, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS,
+        NR_DIO_END_IO,
+    },
     disks::Dev,
     model::{DiskOpStats, Op},
     vms::VmMaps,
@@ -44,7 +47,16 @@ pub struct BlockConfig {
 
 impl Default for BlockConfig {
     fn default() -> Self {
-        Self { max_disks: DEFAULT_MAX_DISKS, sample_every: 0, slower_than_ns: 0, stream_devs: Vec::new(), start_stamps: false, track_vms: false, vm_pids: Vec::new(), vm_maps: VmMaps::default() }
+        Self {
+            max_disks: DEFAULT_MAX_DISKS,
+            sample_every: 0,
+            slower_than_ns: 0,
+            stream_devs: Vec::new(),
+            start_stamps: false,
+            track_vms: false,
+            vm_pids: Vec::new(),
+            vm_maps: VmMaps::default(),
+        }
     }
 }
 
@@ -95,7 +107,9 @@ pub struct BlockSnapshot {
 /// blk-stat) is in use (blk_mq_need_time_stamp), so these have iostats off
 /// and no scheduler. Bio-based disks (zram, dm-linear) have no requests.
 pub fn disks_without_start_time() -> Vec<String> {
-    let read = |d: &str, f: &str| std::fs::read_to_string(format!("/sys/block/{d}/queue/{f}")).unwrap_or_default();
+    let read = |d: &str, f: &str| {
+        std::fs::read_to_string(format!("/sys/block/{d}/queue/{f}")).unwrap_or_default()
+    };
     crate::disks::whole_disks()
         .into_iter()
         .filter(|d| {
@@ -103,7 +117,8 @@ pub fn disks_without_start_time() -> Vec<String> {
                 return false;
             }
             let sched = read(d, "scheduler");
-            read(d, "iostats").trim() == "0" && (sched.trim().is_empty() || sched.contains("[none]"))
+            read(d, "iostats").trim() == "0"
+                && (sched.trim().is_empty() || sched.contains("[none]"))
         })
         .collect()
 }
@@ -127,7 +142,9 @@ fn dio_end_io_addresses() -> [u64; NR_DIO_END_IO] {
     if let Ok(text) = std::fs::read_to_string("/proc/kallsyms") {
         for line in text.lines() {
             let mut f = line.split_whitespace();
-            let (Some(addr), Some(_), Some(name)) = (f.next(), f.next(), f.next()) else { continue };
+            let (Some(addr), Some(_), Some(name)) = (f.next(), f.next(), f.next()) else {
+                continue;
+            };
             if let Some(i) = NAMES.iter().position(|n| *n == name) {
                 out[i] = u64::from_str_radix(addr, 16).unwrap_or(0);
             }
@@ -148,13 +165,27 @@ fn mount_tracefs() {
         .args(["-t", "tracefs", "nodev", "/sys/kernel/tracing"])
         .status()
         .is_ok_and(|s| s.success());
-    log::info!("mounting tracefs at /sys/kernel/tracing: {}", if ok { "done" } else { "failed" });
+    log::info!(
+        "mounting tracefs at /sys/kernel/tracing: {}",
+        if ok { "done" } else { "failed" }
+    );
 }
 
-fn insert_all<K: aya::Pod>(ebpf: &mut Ebpf, name: &'static str, items: &[(K, u32)]) -> Result<(), LoadError> {
-    let err = |e| LoadError::Map { map: name, source: Some(e) };
+fn insert_all<K: aya::Pod>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    items: &[(K, u32)],
+) -> Result<(), LoadError> {
+    let err = |e| LoadError::Map {
+        map: name,
+        source: Some(e),
+    };
     let mut map: HashMap<_, K, u32> =
-        HashMap::try_from(ebpf.map_mut(name).ok_or(LoadError::Map { map: name, source: None })?).map_err(err)?;
+        HashMap::try_from(ebpf.map_mut(name).ok_or(LoadError::Map {
+            map: name,
+            source: None,
+        })?)
+        .map_err(err)?;
     for (k, v) in items {
         map.insert(k, v, 0).map_err(err)?;
     }
@@ -188,16 +219,26 @@ impl BlockProbes {
         match Self::load_flavour(cfg, btf.as_ref(), Flavour::TpBtf) {
             Ok(p) => Ok(p),
             Err(e) => {
-                log::info!("tp_btf block probes unavailable ({}); using raw_tp", super::error_chain(&e));
+                log::info!(
+                    "tp_btf block probes unavailable ({}); using raw_tp",
+                    super::error_chain(&e)
+                );
                 Self::load_flavour(cfg, btf.as_ref(), Flavour::RawTp)
             }
         }
     }
 
-    fn load_flavour(cfg: &BlockConfig, btf: Option<&Btf>, flavour: Flavour) -> Result<Self, LoadError> {
+    fn load_flavour(
+        cfg: &BlockConfig,
+        btf: Option<&Btf>,
+        flavour: Flavour,
+    ) -> Result<Self, LoadError> {
         let max_disks = cfg.max_disks.max(1);
         if cfg.stream_devs.len() > MAX_STREAM_DEVS {
-            return Err(LoadError::TooManyStreamDisks { given: cfg.stream_devs.len(), max: MAX_STREAM_DEVS });
+            return Err(LoadError::TooManyStreamDisks {
+                given: cfg.stream_devs.len(),
+                max: MAX_STREAM_DEVS,
+            });
         }
         let mut stream_devs = [0u32; MAX_STREAM_DEVS];
         for (slot, d) in stream_devs.iter_mut().zip(&cfg.stream_devs) {
@@ -223,18 +264,46 @@ impl BlockProbes {
             .map_max_entries("blk_latency_nested", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("disk_queues", max_disks)
             .load(OBJECT)
-            .map_err(|source| LoadError::Object { object: "block.bpf.o", source })?;
+            .map_err(|source| LoadError::Object {
+                object: "block.bpf.o",
+                source,
+            })?;
 
         let mut attachments = Vec::new();
         // VMs running now get slots 1..; a QEMU exec'd later takes the next
         // slot itself, before its first request.
         if cfg.track_vms {
-            let mut pids: HashMap<_, u32, u32> = HashMap::try_from(
-                ebpf.map_mut("vm_pids").ok_or(LoadError::Map { map: "vm_pids", source: None })?,
-            )
-            .map_err(|e| LoadError::Map { map: "vm_pids", source: Some(e) })?;
+            let mut pids: HashMap<_, u32, u32> =
+                HashMap::try_from(ebpf.map_mut("vm_pids").ok_or(LoadError::Map {
+                    map: "vm_pids",
+                    source: None,
+                })?)
+                .map_err(|e| LoadError::Map {
+                    map: "vm_pids",
+                    source: Some(e),
+                })?;
             for (i, pid) in cfg.vm_pids.iter().enumerate() {
-                pids.insert(pid, i as u32 + 1, 0).map_err(|e| LoadError::Map { map: "vm_pids", source: Some(e) })?;
+                pids.insert(pid, i as u32 + 1, 0)
+                    .map_err(|e| LoadError::Map {
+                        map: "vm_pids",
+                        source: Some(e),
+                    })?;
+            }
+            // Running VMs' guests have started: their requests are the guests'.
+            let mut vcpus: HashMap<_, u32, u8> =
+                HashMap::try_from(ebpf.map_mut("vm_started").ok_or(LoadError::Map {
+                    map: "vm_started",
+                    source: None,
+                })?)
+                .map_err(|e| LoadError::Map {
+                    map: "vm_started",
+                    source: Some(e),
+                })?;
+            for pid in &cfg.vm_pids {
+                vcpus.insert(pid, 1, 0).map_err(|e| LoadError::Map {
+                    map: "vm_started",
+                    source: Some(e),
+                })?;
             }
             attachments.push(attach(&mut ebpf, btf, "sched_process_exec", flavour)?);
             add_vm_maps(&mut ebpf, &cfg.vm_maps)?;
@@ -262,6 +331,13 @@ impl BlockProbes {
         if cfg.start_stamps || !disks_without_start_time().is_empty() {
             probes.ensure_start_probe()?;
         }
+        // A new VM creates its queue notifiers possibly before the agent
+        // notices it: watched from the start (rare; nothing per I/O).
+        if probes.vm_segments {
+            for name in ["sys_exit_eventfd2", "sys_exit_eventfd"] {
+                probes.attach_syscall(name)?;
+            }
+        }
         if !cfg.vm_pids.is_empty() {
             probes.ensure_vm_probes()?;
         }
@@ -270,24 +346,41 @@ impl BlockProbes {
 
     /// The ring buffer of per-request records, for one consumer.
     pub fn take_events(&mut self) -> Result<RingBuf<MapData>, LoadError> {
-        let map = self.ebpf.take_map("events").ok_or(LoadError::Map { map: "events", source: None })?;
-        RingBuf::try_from(map).map_err(|e| LoadError::Map { map: "events", source: Some(e) })
+        let map = self.ebpf.take_map("events").ok_or(LoadError::Map {
+            map: "events",
+            source: None,
+        })?;
+        RingBuf::try_from(map).map_err(|e| LoadError::Map {
+            map: "events",
+            source: Some(e),
+        })
     }
 
     pub fn snapshot(&self) -> Result<BlockSnapshot, LoadError> {
-        let map_err = |map: &'static str| move |e| LoadError::Map { map, source: Some(e) };
-        let disks: Array<_, DiskSlot> = Array::try_from(
-            self.ebpf.map("disk_queues").ok_or(LoadError::Map { map: "disk_queues", source: None })?,
-        )
-        .map_err(map_err("disk_queues"))?;
-        let latency: PerCpuArray<_, BlkStats> = PerCpuArray::try_from(
-            self.ebpf.map("blk_latency").ok_or(LoadError::Map { map: "blk_latency", source: None })?,
-        )
-        .map_err(map_err("blk_latency"))?;
-        let nested: Array<_, BlkStats> = Array::try_from(
-            self.ebpf.map("blk_latency_nested").ok_or(LoadError::Map { map: "blk_latency_nested", source: None })?,
-        )
-        .map_err(map_err("blk_latency_nested"))?;
+        let map_err = |map: &'static str| {
+            move |e| LoadError::Map {
+                map,
+                source: Some(e),
+            }
+        };
+        let disks: Array<_, DiskSlot> =
+            Array::try_from(self.ebpf.map("disk_queues").ok_or(LoadError::Map {
+                map: "disk_queues",
+                source: None,
+            })?)
+            .map_err(map_err("disk_queues"))?;
+        let latency: PerCpuArray<_, BlkStats> =
+            PerCpuArray::try_from(self.ebpf.map("blk_latency").ok_or(LoadError::Map {
+                map: "blk_latency",
+                source: None,
+            })?)
+            .map_err(map_err("blk_latency"))?;
+        let nested: Array<_, BlkStats> =
+            Array::try_from(self.ebpf.map("blk_latency_nested").ok_or(LoadError::Map {
+                map: "blk_latency_nested",
+                source: None,
+            })?)
+            .map_err(map_err("blk_latency_nested"))?;
 
         let mut snap = BlockSnapshot::default();
         for slot in 0..self.max_disks {
@@ -308,14 +401,18 @@ impl BlockProbes {
                 }
             }
         }
-        let vm_latency: PerCpuHashMap<_, VmKey, BlkStats> = PerCpuHashMap::try_from(
-            self.ebpf.map("vm_latency").ok_or(LoadError::Map { map: "vm_latency", source: None })?,
-        )
-        .map_err(map_err("vm_latency"))?;
-        let vm_nested: HashMap<_, VmKey, BlkStats> = HashMap::try_from(
-            self.ebpf.map("vm_latency_nested").ok_or(LoadError::Map { map: "vm_latency_nested", source: None })?,
-        )
-        .map_err(map_err("vm_latency_nested"))?;
+        let vm_latency: PerCpuHashMap<_, VmKey, BlkStats> =
+            PerCpuHashMap::try_from(self.ebpf.map("vm_latency").ok_or(LoadError::Map {
+                map: "vm_latency",
+                source: None,
+            })?)
+            .map_err(map_err("vm_latency"))?;
+        let vm_nested: HashMap<_, VmKey, BlkStats> =
+            HashMap::try_from(self.ebpf.map("vm_latency_nested").ok_or(LoadError::Map {
+                map: "vm_latency_nested",
+                source: None,
+            })?)
+            .map_err(map_err("vm_latency_nested"))?;
         let key = |k: &VmKey| VmStatKey {
             vm: k.vm,
             dev: Dev(k.dev),
@@ -349,7 +446,10 @@ impl BlockProbes {
         let a = match attach(&mut self.ebpf, btf, "block_io_start", self.flavour) {
             Ok(a) => a,
             Err(e) => {
-                log::info!("{}; using block_rq_insert for start stamps", super::error_chain(&e));
+                log::info!(
+                    "{}; using block_rq_insert for start stamps",
+                    super::error_chain(&e)
+                );
                 attach(&mut self.ebpf, btf, "block_rq_insert", self.flavour)?
             }
         };
@@ -367,20 +467,46 @@ impl BlockProbes {
         if !self.vm_segments || self.vm_probes {
             return Ok(());
         }
-        mount_tracefs();
         for name in ["sys_enter_write", "sys_enter_read"] {
-            let prog = self.ebpf.program_mut(name).ok_or_else(|| LoadError::MissingProgram { program: name.into() })?;
-            let result = (|| -> Result<(), String> {
-                let p: &mut TracePoint = prog.try_into().map_err(|e| format!("{e:#}"))?;
-                p.load().map_err(|e| super::error_chain(&e))?;
-                p.attach("syscalls", name).map_err(|e| super::error_chain(&e))?;
-                Ok(())
-            })();
-            result.map_err(|reason| LoadError::Attach { tracepoint: format!("syscalls:{name}"), flavour: "tracepoint", reason })?;
-            log::info!("attached syscalls:{name} via tracepoint");
-            self.attachments.push(Attachment { tracepoint: format!("syscalls:{name}"), flavour: Flavour::Tracepoint, program: name.into() });
+            self.attach_syscall(name)?;
         }
         self.vm_probes = true;
+        Ok(())
+    }
+
+    /// A syscalls:NAME tracepoint program of the same name.
+    fn attach_syscall(&mut self, name: &str) -> Result<(), LoadError> {
+        self.attach_tracepoint("syscalls", name)
+    }
+
+    /// A CATEGORY:NAME tracepoint program of the same name.
+    fn attach_tracepoint(&mut self, category: &str, name: &str) -> Result<(), LoadError> {
+        mount_tracefs();
+        let prog = self
+            .ebpf
+            .program_mut(name)
+            .ok_or_else(|| LoadError::MissingProgram {
+                program: name.into(),
+            })?;
+        let result = (|| -> Result<(), String> {
+            let p: &mut TracePoint = prog.try_into().map_err(|e| format!("{e:#}"))?;
+            p.load().map_err(|e| super::error_chain(&e))?;
+            p.attach(category, name)
+                .map_err(|e| super::error_chain(&e))?;
+            Ok(())
+        })();
+        let tracepoint = format!("{category}:{name}");
+        result.map_err(|reason| LoadError::Attach {
+            tracepoint: tracepoint.clone(),
+            flavour: "tracepoint",
+            reason,
+        })?;
+        log::info!("attached {tracepoint} via tracepoint");
+        self.attachments.push(Attachment {
+            tracepoint,
+            flavour: Flavour::Tracepoint,
+            program: name.into(),
+        });
         Ok(())
     }
 
@@ -390,19 +516,26 @@ impl BlockProbes {
         if !self.vm_segments || self.signal_probes.iter().any(|p| p == exe) {
             return Ok(());
         }
-        let prog = self
-            .ebpf
-            .program_mut("msix_notify")
-            .ok_or_else(|| LoadError::MissingProgram { program: "msix_notify".into() })?;
+        let prog =
+            self.ebpf
+                .program_mut("msix_notify")
+                .ok_or_else(|| LoadError::MissingProgram {
+                    program: "msix_notify".into(),
+                })?;
         let result = (|| -> Result<(), String> {
             let p: &mut UProbe = prog.try_into().map_err(|e| format!("{e:#}"))?;
             if p.fd().is_err() {
                 p.load().map_err(|e| super::error_chain(&e))?;
             }
-            p.attach("msix_notify", exe, UProbeScope::AllProcesses).map_err(|e| super::error_chain(&e))?;
+            p.attach("msix_notify", exe, UProbeScope::AllProcesses)
+                .map_err(|e| super::error_chain(&e))?;
             Ok(())
         })();
-        result.map_err(|reason| LoadError::Attach { tracepoint: format!("uprobe {}:msix_notify", exe.display()), flavour: "uprobe", reason })?;
+        result.map_err(|reason| LoadError::Attach {
+            tracepoint: format!("uprobe {}:msix_notify", exe.display()),
+            flavour: "uprobe",
+            reason,
+        })?;
         log::info!("attached uprobe {}:msix_notify", exe.display());
         self.attachments.push(Attachment {
             tracepoint: format!("{}:msix_notify", exe.display()),
@@ -418,22 +551,62 @@ impl BlockProbes {
         add_vm_maps(&mut self.ebpf, maps)
     }
 
+    /// Takes the VM's requests as its guest's from now on, for a VM whose
+    /// vCPU threads cannot be told apart (no `debug-threads=on`).
+    pub fn mark_started(&mut self, pid: u32) -> Result<(), LoadError> {
+        let mut map: HashMap<_, u32, u8> =
+            HashMap::try_from(self.ebpf.map_mut("vm_started").ok_or(LoadError::Map {
+                map: "vm_started",
+                source: None,
+            })?)
+            .map_err(|e| LoadError::Map {
+                map: "vm_started",
+                source: Some(e),
+            })?;
+        map.insert(pid, 1, 0).map_err(|e| LoadError::Map {
+            map: "vm_started",
+            source: Some(e),
+        })
+    }
+
     /// (tgid, VM slot) of every process known as a VM so far.
     pub fn vm_pids(&self) -> Result<Vec<(u32, u32)>, LoadError> {
         let map: HashMap<_, u32, u32> =
-            HashMap::try_from(self.ebpf.map("vm_pids").ok_or(LoadError::Map { map: "vm_pids", source: None })?)
-                .map_err(|e| LoadError::Map { map: "vm_pids", source: Some(e) })?;
-        map.iter().map(|r| r.map_err(|e| LoadError::Map { map: "vm_pids", source: Some(e) })).collect()
+            HashMap::try_from(self.ebpf.map("vm_pids").ok_or(LoadError::Map {
+                map: "vm_pids",
+                source: None,
+            })?)
+            .map_err(|e| LoadError::Map {
+                map: "vm_pids",
+                source: Some(e),
+            })?;
+        map.iter()
+            .map(|r| {
+                r.map_err(|e| LoadError::Map {
+                    map: "vm_pids",
+                    source: Some(e),
+                })
+            })
+            .collect()
     }
 
     fn counters(&self) -> Result<Counters, LoadError> {
         let counters: PerCpuArray<_, u64> =
-            PerCpuArray::try_from(self.ebpf.map("counters").ok_or(LoadError::Map { map: "counters", source: None })?)
-                .map_err(|e| LoadError::Map { map: "counters", source: Some(e) })?;
+            PerCpuArray::try_from(self.ebpf.map("counters").ok_or(LoadError::Map {
+                map: "counters",
+                source: None,
+            })?)
+            .map_err(|e| LoadError::Map {
+                map: "counters",
+                source: Some(e),
+            })?;
         let sum = |i: u32| -> Result<u64, LoadError> {
             Ok(counters
                 .get(&i, 0)
-                .map_err(|e| LoadError::Map { map: "counters", source: Some(e) })?
+                .map_err(|e| LoadError::Map {
+                    map: "counters",
+                    source: Some(e),
+                })?
                 .iter()
                 .sum())
         };
@@ -443,7 +616,11 @@ impl BlockProbes {
             slot_conflicts: sum(counter::SLOT_CONFLICTS)?,
             no_start: sum(counter::NO_START)?,
             no_issue: sum(counter::NO_ISSUE)?,
-            bpf_recursion_misses: self.program_stats().iter().map(|p| p.recursion_misses).sum(),
+            bpf_recursion_misses: self
+                .program_stats()
+                .iter()
+                .map(|p| p.recursion_misses)
+                .sum(),
             unseen: 0,
             partial_pieces: sum(counter::PARTIAL_PIECES)?,
             requeue_events: sum(counter::REQUEUES)?,

@@ -26,8 +26,14 @@ pub enum ProbeType {
 }
 
 impl ProbeType {
-    pub const ALL: [ProbeType; 6] =
-        [Self::TpBtf, Self::RawTp, Self::Tracepoint, Self::Kprobe, Self::Fentry, Self::Uprobe];
+    pub const ALL: [ProbeType; 6] = [
+        Self::TpBtf,
+        Self::RawTp,
+        Self::Tracepoint,
+        Self::Kprobe,
+        Self::Fentry,
+        Self::Uprobe,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -80,8 +86,16 @@ pub fn probe_all() -> Vec<ProbeResult> {
                 .map_err(|e| format!("loading the probe object: {}", error_chain(&e)))
                 .and_then(|mut ebpf| try_probe(&mut ebpf, btf.as_ref(), probe));
             match outcome {
-                Ok(()) => ProbeResult { probe, works: true, reason: None },
-                Err(reason) => ProbeResult { probe, works: false, reason: Some(explain(probe, reason)) },
+                Ok(()) => ProbeResult {
+                    probe,
+                    works: true,
+                    reason: None,
+                },
+                Err(reason) => ProbeResult {
+                    probe,
+                    works: false,
+                    reason: Some(explain(probe, reason)),
+                },
             }
         })
         .collect()
@@ -105,40 +119,53 @@ fn explain(probe: ProbeType, reason: String) -> String {
 
 fn try_probe(ebpf: &mut Ebpf, btf: Option<&Btf>, probe: ProbeType) -> Result<(), String> {
     let name = probe.program();
-    let prog = ebpf.program_mut(name).ok_or_else(|| format!("program {name} missing"))?;
+    let prog = ebpf
+        .program_mut(name)
+        .ok_or_else(|| format!("program {name} missing"))?;
     let step = |what: &str, e: &dyn std::error::Error| format!("{what}: {}", error_chain(e));
     let no_btf = || "no kernel BTF (/sys/kernel/btf/vmlinux)".to_string();
     match probe {
         ProbeType::TpBtf => {
             let p: &mut BtfTracePoint = prog.try_into().map_err(|e| step("type", &e))?;
-            p.load("sched_process_exec", btf.ok_or_else(no_btf)?).map_err(|e| step("load", &e))?;
+            p.load("sched_process_exec", btf.ok_or_else(no_btf)?)
+                .map_err(|e| step("load", &e))?;
             p.attach().map_err(|e| step("attach", &e))?;
         }
         ProbeType::RawTp => {
             let p: &mut RawTracePoint = prog.try_into().map_err(|e| step("type", &e))?;
             p.load().map_err(|e| step("load", &e))?;
-            p.attach("sched_process_exec").map_err(|e| step("attach", &e))?;
+            p.attach("sched_process_exec")
+                .map_err(|e| step("attach", &e))?;
         }
         ProbeType::Tracepoint => {
             let p: &mut TracePoint = prog.try_into().map_err(|e| step("type", &e))?;
             p.load().map_err(|e| step("load", &e))?;
-            p.attach("sched", "sched_process_exec").map_err(|e| step("attach", &e))?;
+            p.attach("sched", "sched_process_exec")
+                .map_err(|e| step("attach", &e))?;
         }
         ProbeType::Kprobe => {
             let p: &mut KProbe = prog.try_into().map_err(|e| step("type", &e))?;
             p.load().map_err(|e| step("load", &e))?;
-            p.attach("do_nanosleep", 0).map_err(|e| step("attach", &e))?;
+            p.attach("do_nanosleep", 0)
+                .map_err(|e| step("attach", &e))?;
         }
         ProbeType::Fentry => {
             let p: &mut FEntry = prog.try_into().map_err(|e| step("type", &e))?;
-            p.load("do_nanosleep", btf.ok_or_else(no_btf)?).map_err(|e| step("load", &e))?;
+            p.load("do_nanosleep", btf.ok_or_else(no_btf)?)
+                .map_err(|e| step("load", &e))?;
             p.attach().map_err(|e| step("attach", &e))?;
         }
         ProbeType::Uprobe => {
             let p: &mut UProbe = prog.try_into().map_err(|e| step("type", &e))?;
             p.load().map_err(|e| step("load", &e))?;
-            let exe = std::env::current_exe().map_err(|e| format!("finding our own binary: {e}"))?;
-            p.attach("iospan_uprobe_target", &exe, aya::programs::uprobe::UProbeScope::CallingProcess).map_err(|e| step("attach", &e))?;
+            let exe =
+                std::env::current_exe().map_err(|e| format!("finding our own binary: {e}"))?;
+            p.attach(
+                "iospan_uprobe_target",
+                &exe,
+                aya::programs::uprobe::UProbeScope::CallingProcess,
+            )
+            .map_err(|e| step("attach", &e))?;
         }
     }
     trigger(probe);

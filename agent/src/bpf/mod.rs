@@ -16,15 +16,27 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum LoadError {
     #[error("failed to load the eBPF object `{object}`")]
-    Object { object: &'static str, #[source] source: aya::EbpfError },
+    Object {
+        object: &'static str,
+        #[source]
+        source: aya::EbpfError,
+    },
     #[error("program `{program}` is missing from the eBPF object")]
     MissingProgram { program: String },
     #[error("map `{map}` is missing from the eBPF object or has the wrong type")]
-    Map { map: &'static str, #[source] source: Option<aya::maps::MapError> },
+    Map {
+        map: &'static str,
+        #[source]
+        source: Option<aya::maps::MapError>,
+    },
     #[error("{given} disks to stream; at most {max} can be named")]
     TooManyStreamDisks { given: usize, max: usize },
     #[error("failed to attach {flavour} program to tracepoint `{tracepoint}`: {reason}")]
-    Attach { tracepoint: String, flavour: &'static str, reason: String },
+    Attach {
+        tracepoint: String,
+        flavour: &'static str,
+        reason: String,
+    },
 }
 
 /// How a tracepoint was attached.
@@ -86,13 +98,22 @@ pub(crate) fn attach(
         }
     });
     match result {
-        Ok(()) => Ok(Attachment { tracepoint: tracepoint.into(), flavour, program: name }),
-        Err(reason) => Err(LoadError::Attach { tracepoint: tracepoint.into(), flavour: flavour.as_str(), reason }),
+        Ok(()) => Ok(Attachment {
+            tracepoint: tracepoint.into(),
+            flavour,
+            program: name,
+        }),
+        Err(reason) => Err(LoadError::Attach {
+            tracepoint: tracepoint.into(),
+            flavour: flavour.as_str(),
+            reason,
+        }),
     }
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut Program, String> {
-    ebpf.program_mut(name).ok_or_else(|| format!("program `{name}` not in object"))
+    ebpf.program_mut(name)
+        .ok_or_else(|| format!("program `{name}` not in object"))
 }
 
 /// `e: source: source…` on one line, for errors kept as strings.
@@ -112,7 +133,12 @@ pub(crate) fn program_stats(ebpf: &Ebpf) -> Vec<progstats::ProgStats> {
     ebpf.programs()
         .filter_map(|(name, p)| {
             let fd = p.fd().ok()?;
-            progstats::read(fd.as_fd()).ok().map(|s| progstats::ProgStats { name: name.to_string(), ..s })
+            progstats::read(fd.as_fd())
+                .ok()
+                .map(|s| progstats::ProgStats {
+                    name: name.to_string(),
+                    ..s
+                })
         })
         .collect()
 }

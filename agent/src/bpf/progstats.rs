@@ -3,7 +3,10 @@
 //! kept: an invocation the kernel skipped because the program was already
 //! running on that CPU — a lost event).
 
-use std::{io, os::fd::{AsRawFd, BorrowedFd}};
+use std::{
+    io,
+    os::fd::{AsRawFd, BorrowedFd},
+};
 
 use serde::{Deserialize, Serialize};
 

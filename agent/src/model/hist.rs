@@ -41,7 +41,12 @@ pub struct Hist {
 
 impl Default for Hist {
     fn default() -> Self {
-        Self { buckets: vec![0; HIST_BUCKETS], count: 0, sum_ns: 0, max_ns: 0 }
+        Self {
+            buckets: vec![0; HIST_BUCKETS],
+            count: 0,
+            sum_ns: 0,
+            max_ns: 0,
+        }
     }
 }
 
@@ -130,7 +135,12 @@ mod tests {
         let mut prev_hi = 0;
         for b in 0..HIST_BUCKETS {
             let (lo, hi) = bucket_bounds(b);
-            assert_eq!(lo, prev_hi, "bucket {b} starts where {} ended", b.saturating_sub(1));
+            assert_eq!(
+                lo,
+                prev_hi,
+                "bucket {b} starts where {} ended",
+                b.saturating_sub(1)
+            );
             assert!(hi > lo);
             assert_eq!(bucket_of(lo), b);
             assert_eq!(bucket_of(hi - 1), b);
@@ -155,7 +165,10 @@ mod tests {
         }
         for (q, want) in [(0.5, 5_000_000.0), (0.9, 9_000_000.0), (0.99, 9_900_000.0)] {
             let got = h.quantile_ns(q);
-            assert!((got - want).abs() / want < 0.02, "q{q}: got {got}, want {want}");
+            assert!(
+                (got - want).abs() / want < 0.02,
+                "q{q}: got {got}, want {want}"
+            );
         }
         assert_eq!(h.quantile_ns(1.0), 10_000_000.0);
         assert!((h.mean_ns() - 5_000_050.0).abs() < 1.0);

@@ -54,7 +54,8 @@ pub enum BlkSegment {
 }
 
 impl BlkSegment {
-    pub const ALL: [BlkSegment; BLK_NR_SEGS] = [BlkSegment::Total, BlkSegment::Queue, BlkSegment::Service];
+    pub const ALL: [BlkSegment; BLK_NR_SEGS] =
+        [BlkSegment::Total, BlkSegment::Queue, BlkSegment::Service];
 }
 
 /// Everything measured for one (disk, op) over a window.
