@@ -830,6 +830,115 @@ int sys_exit_eventfd(struct trace_event_raw_sys_exit *ctx)
 	return 0;
 }
 
+/* Under KVM a kick is the guest's MMIO write to a queue's notify address,
+ * signalled to the eventfd inside the kernel (no write syscall): the
+ * address comes from QEMU registering the eventfd (KVM_IOEVENTFD), the
+ * write from kvm:kvm_mmio (or kvm:kvm_fast_mmio where the CPU takes the
+ * fast path). (tgid, guest physical address) -> eventfd. */
+struct gpa_key {
+	__u32 tgid;
+	__u32 _pad;
+	__u64 gpa;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct gpa_key);
+	__type(value, __u32);
+} kvm_notify_addrs SEC(".maps");
+
+/* struct kvm_ioeventfd, the ioctl's argument (UAPI: fixed layout). */
+struct ioeventfd_arg {
+	__u64 datamatch;
+	__u64 addr;
+	__u32 len;
+	__s32 fd;
+	__u32 flags;
+};
+
+#define KVM_IOEVENTFD_CMD 0x4040ae79 /* _IOW(KVMIO, 0x79, struct kvm_ioeventfd) */
+#define KVM_IOEVENTFD_DEASSIGN (1 << 2)
+#define KVM_TRACE_MMIO_WRITE 2
+
+SEC("tracepoint/syscalls/sys_enter_ioctl")
+int sys_enter_ioctl(struct trace_event_raw_sys_enter *ctx)
+{
+	struct ioeventfd_arg io;
+	struct gpa_key k = {};
+	struct fd_key f;
+	__u8 one = 1;
+
+	if ((__u32)ctx->args[1] != KVM_IOEVENTFD_CMD || !targ_vm_segments)
+		return 0;
+	k.tgid = bpf_get_current_pid_tgid() >> 32;
+	if (!bpf_map_lookup_elem(&vm_pids, &k.tgid))
+		return 0;
+	if (bpf_probe_read_user(&io, sizeof(io), (void *)ctx->args[2]))
+		return 0;
+	k.gpa = io.addr;
+	if (io.flags & KVM_IOEVENTFD_DEASSIGN) {
+		bpf_map_delete_elem(&kvm_notify_addrs, &k);
+		return 0;
+	}
+	f.tgid = k.tgid;
+	f.fd = (__u32)io.fd;
+	bpf_map_update_elem(&kvm_notify_addrs, &k, &f.fd, BPF_ANY);
+	bpf_map_update_elem(&vq_notifiers, &f, &one, BPF_ANY);
+	return 0;
+}
+
+/* The kvm tracepoints' records, as their format files give them (the
+ * module's types may be absent from vmlinux BTF: no CO-RE here). */
+struct kvm_mmio_record {
+	__u64 common;
+	__u32 type;
+	__u32 len;
+	__u64 gpa;
+	__u64 val;
+};
+
+struct kvm_fast_mmio_record {
+	__u64 common;
+	__u64 gpa;
+};
+
+static __always_inline void on_kvm_notify(__u64 gpa)
+{
+	struct gpa_key k = { .gpa = gpa };
+	struct fd_key f;
+	__u32 *fd;
+	__u64 now;
+	__u8 one = 1;
+
+	k.tgid = bpf_get_current_pid_tgid() >> 32;
+	fd = bpf_map_lookup_elem(&kvm_notify_addrs, &k);
+	if (!fd)
+		return;
+	if (!bpf_map_lookup_elem(&vm_started, &k.tgid))
+		bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
+	f.tgid = k.tgid;
+	f.fd = *fd;
+	now = bpf_ktime_get_ns();
+	bpf_map_update_elem(&pending_kicks, &f, &now, BPF_NOEXIST);
+}
+
+SEC("tracepoint/kvm/kvm_mmio")
+int kvm_mmio(struct kvm_mmio_record *ctx)
+{
+	if (targ_vm_segments && ctx->type == KVM_TRACE_MMIO_WRITE)
+		on_kvm_notify(ctx->gpa);
+	return 0;
+}
+
+SEC("tracepoint/kvm/kvm_fast_mmio")
+int kvm_fast_mmio(struct kvm_fast_mmio_record *ctx)
+{
+	if (targ_vm_segments)
+		on_kvm_notify(ctx->gpa);
+	return 0;
+}
+
 /* QEMU raising an MSI-X interrupt (msix_notify, entered with a push, so
  * the uprobe is not single-stepped): the engine signalling the guest, for
  * every device model. One hit per interrupt, at most one per I/O. */

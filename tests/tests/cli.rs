@@ -172,7 +172,18 @@ fn json_report_and_per_request_stream_agree() {
             .as_array()
             .unwrap()
             .iter()
-            .all(|p| p["flavour"] == "tp_btf"),
+            // Block and scheduler probes take BTF; syscall tracepoints (VM
+            // notifications) are plain tracepoints.
+            .all(|p| p["flavour"]
+                == if p["tracepoint"]
+                    .as_str()
+                    .unwrap_or("")
+                    .starts_with("syscalls:")
+                {
+                    "tracepoint"
+                } else {
+                    "tp_btf"
+                }),
         "{}",
         r["probes"]
     );

@@ -155,6 +155,17 @@ fn dio_end_io_addresses() -> [u64; NR_DIO_END_IO] {
 
 /// Syscall tracepoints are attached through tracefs; a host that has not
 /// mounted it gets it mounted (as perf and bpftrace do).
+/// Whether the kvm tracepoints exist (the kvm module is loaded).
+fn kvm_tracepoints() -> bool {
+    mount_tracefs();
+    [
+        "/sys/kernel/tracing/events/kvm/kvm_mmio",
+        "/sys/kernel/debug/tracing/events/kvm/kvm_mmio",
+    ]
+    .iter()
+    .any(|p| std::path::Path::new(p).exists())
+}
+
 fn mount_tracefs() {
     if std::path::Path::new("/sys/kernel/tracing/events").exists()
         || std::path::Path::new("/sys/kernel/debug/tracing/events").exists()
@@ -334,8 +345,16 @@ impl BlockProbes {
         // A new VM creates its queue notifiers possibly before the agent
         // notices it: watched from the start (rare; nothing per I/O).
         if probes.vm_segments {
-            for name in ["sys_exit_eventfd2", "sys_exit_eventfd"] {
+            for name in ["sys_exit_eventfd2", "sys_exit_eventfd", "sys_enter_ioctl"] {
                 probes.attach_syscall(name)?;
+            }
+            // KVM's own view of the kicks, where the kvm module is loaded.
+            if kvm_tracepoints() {
+                for name in ["kvm_mmio", "kvm_fast_mmio"] {
+                    probes.attach_tracepoint("kvm", name)?;
+                }
+            } else {
+                log::info!("no kvm tracepoints (kvm module not loaded): kicks of KVM guests are not followed");
             }
         }
         if !cfg.vm_pids.is_empty() {

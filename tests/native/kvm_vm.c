@@ -1,0 +1,147 @@
+/* A minimal KVM virtual machine with one virtio-style queue, for tests:
+ * its vCPU (a thread named "CPU 0/KVM", as QEMU names it) runs a guest
+ * that writes the queue's notify address once per request (an MMIO exit
+ * KVM turns into an eventfd signal), and its main thread picks each kick
+ * up from the eventfd, reads 4 KiB of the image with O_DIRECT, and
+ * "raises the interrupt" by calling msix_notify, as QEMU's engine does.
+ *
+ * Run as a file named qemu-system-* with QEMU-style arguments; only
+ * -drive file= is read here. IOSPAN_KVM_IOS sets the request count. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/kvm.h>
+#include <poll.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#define NOTIFY_GPA 0x1000
+
+static int vcpu_fd;
+static struct kvm_run *run;
+static sem_t go;
+static long ios = 100;
+static volatile int failed;
+
+/* The engine raising the guest's interrupt: the symbol iospan probes
+ * (unoptimised: entered with a push, as QEMU's is). */
+__attribute__((noinline, used, optimize("O0"))) void msix_notify(void *dev, unsigned vector)
+{
+	__asm__ volatile("" ::"r"(dev), "r"(vector) : "memory");
+}
+
+static void *vcpu(void *arg)
+{
+	(void)arg;
+	prctl(PR_SET_NAME, "CPU 0/KVM");
+	for (long i = 0; i < ios; i++) {
+		struct kvm_regs regs = { .rip = 0, .rflags = 2 };
+
+		sem_wait(&go);
+		if (ioctl(vcpu_fd, KVM_SET_REGS, &regs) < 0 || ioctl(vcpu_fd, KVM_RUN, 0) < 0 ||
+		    run->exit_reason != KVM_EXIT_HLT) {
+			fprintf(stderr, "kvm_vm: KVM_RUN: %s (exit %u)\n", strerror(errno), run->exit_reason);
+			failed = 1;
+			return NULL;
+		}
+	}
+	return NULL;
+}
+
+static int die(const char *what)
+{
+	fprintf(stderr, "kvm_vm: %s: %s\n", what, strerror(errno));
+	return 1;
+}
+
+int main(int argc, char **argv)
+{
+	const char *image = NULL;
+	/* mov al, 1; mov [NOTIFY_GPA], al; hlt */
+	static const uint8_t code[] = { 0xb0, 0x01, 0xa2, NOTIFY_GPA & 0xff, NOTIFY_GPA >> 8, 0xf4 };
+	struct kvm_userspace_memory_region mem = { .slot = 0, .guest_phys_addr = 0, .memory_size = 0x1000 };
+	struct kvm_ioeventfd notify = { .addr = NOTIFY_GPA, .len = 1 };
+	struct kvm_sregs sregs;
+	struct pollfd pfd;
+	pthread_t t;
+	int kvm, vm, efd, img, sz;
+	void *buf;
+	uint8_t *ram;
+
+	for (int i = 1; i + 1 < argc; i++)
+		if (!strcmp(argv[i], "-drive")) {
+			char *f = strstr(argv[i + 1], "file=");
+			if (f) {
+				image = strndup(f + 5, strcspn(f + 5, ","));
+			}
+		}
+	if (getenv("IOSPAN_KVM_IOS"))
+		ios = atol(getenv("IOSPAN_KVM_IOS"));
+	if (!image) {
+		fprintf(stderr, "kvm_vm: no -drive file=IMAGE\n");
+		return 2;
+	}
+	img = open(image, O_RDONLY | O_DIRECT);
+	if (img < 0)
+		return die(image);
+	if (posix_memalign(&buf, 4096, 4096))
+		return die("buffer");
+	kvm = open("/dev/kvm", O_RDWR);
+	if (kvm < 0)
+		return die("/dev/kvm");
+	vm = ioctl(kvm, KVM_CREATE_VM, 0);
+	if (vm < 0)
+		return die("KVM_CREATE_VM");
+	ram = mmap(NULL, 0x1000, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	memcpy(ram, code, sizeof(code));
+	mem.userspace_addr = (uint64_t)ram;
+	if (ioctl(vm, KVM_SET_USER_MEMORY_REGION, &mem) < 0)
+		return die("KVM_SET_USER_MEMORY_REGION");
+	vcpu_fd = ioctl(vm, KVM_CREATE_VCPU, 0);
+	if (vcpu_fd < 0)
+		return die("KVM_CREATE_VCPU");
+	sz = ioctl(kvm, KVM_GET_VCPU_MMAP_SIZE, 0);
+	run = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, vcpu_fd, 0);
+	if (run == MAP_FAILED || ioctl(vcpu_fd, KVM_GET_SREGS, &sregs) < 0)
+		return die("vCPU state");
+	sregs.cs.base = sregs.cs.selector = sregs.ds.base = sregs.ds.selector = 0;
+	if (ioctl(vcpu_fd, KVM_SET_SREGS, &sregs) < 0)
+		return die("KVM_SET_SREGS");
+	/* Give the host agent time to see this VM before its device starts,
+	 * as a guest's boot would. */
+	usleep(500 * 1000);
+	efd = eventfd(0, 0);
+	notify.fd = efd;
+	if (efd < 0 || ioctl(vm, KVM_IOEVENTFD, &notify) < 0)
+		return die("KVM_IOEVENTFD");
+	sem_init(&go, 0, 0);
+	pthread_create(&t, NULL, vcpu, NULL);
+	pfd.fd = efd;
+	pfd.events = POLLIN;
+	for (long i = 0; i < ios && !failed; i++) {
+		uint64_t v;
+		uint8_t big[512];
+
+		sem_post(&go);
+		/* As QEMU's loop: wait until the notifier is readable, then drain
+		 * it with a 512-byte read. */
+		if (poll(&pfd, 1, 10000) != 1 || read(efd, big, sizeof(big)) < 8)
+			return die("eventfd read");
+		memcpy(&v, big, sizeof(v));
+		if (pread(img, buf, 4096, (off_t)(rand() % 4096) * 4096) != 4096)
+			return die("image read");
+		msix_notify(NULL, 0);
+	}
+	pthread_join(t, NULL);
+	printf("kvm_vm: %ld requests\n", failed ? -1 : ios);
+	return failed;
+}
