@@ -18,6 +18,10 @@ pub struct Doctor {
     pub probes: Vec<ProbeResult>,
     pub kvm_tracepoints: bool,
     pub segments: Vec<SegmentSupport>,
+    /// What a uprobe hit costs here, emulated and single-stepped.
+    pub uprobe_costs: Vec<features::UprobeCost>,
+    /// Why they were not measured, when not.
+    pub uprobe_costs_error: Option<String>,
     /// QEMU processes running now, as iospan names them.
     pub vms: Vec<crate::vms::Vm>,
 }
@@ -87,27 +91,28 @@ pub fn examine() -> Result<Doctor> {
             _ => Support::No,
         },
         how: if works(ProbeType::Uprobe) {
-            "uprobes on the storage engine's exported functions plus io_uring/syscall tracepoints".into()
+            "the engine's eventfd read (syscall tracepoint) → host block start, and host completion → QEMU raising \
+             the interrupt (uprobe on msix_notify, one hit per interrupt)"
+                .into()
         } else {
-            "no uprobes: only the engine's syscalls are visible, not which virtqueue request they serve".into()
+            "no uprobes: the interrupt QEMU raises is not visible, so the engine's completion half is not".into()
         },
     });
     segments.push(SegmentSupport {
         segment: "hypervisor",
-        measurable: match (tp, kvm_tracepoints, fn_probes) {
-            (true, true, true) => Support::Yes,
-            (true, _, _) => Support::Partial,
-            _ => Support::No,
-        },
+        measurable: if tp { Support::Partial } else { Support::No },
         how: {
-            let mut s = String::from("kick and notify via eventfd syscall and sched tracepoints");
+            let mut s = String::from(
+                "kick → the engine's pickup: a vCPU's eventfd write (syscall tracepoints; TCG, or ioeventfd in user space)",
+            );
             s.push_str(if kvm_tracepoints {
-                "; KVM exits and interrupt injection via kvm tracepoints"
+                " or KVM's MMIO exit at a registered notify address (kvm:kvm_mmio/kvm_fast_mmio, KVM_IOEVENTFD)"
             } else {
-                "; no kvm tracepoints (kvm module not loaded): injection into KVM guests is not visible"
+                "; no kvm tracepoints (kvm module not loaded): kicks of KVM guests are not visible"
             });
+            s.push_str("; interrupt raised → injected is not measured (the host window ends when QEMU raises it)");
             if !fn_probes {
-                s.push_str("; no kprobe/fentry: irqfd wakeup → injection delay is bounded by tracepoints, not measured at irqfd_wakeup");
+                s.push_str("; no kprobe/fentry for irqfd_wakeup");
             }
             s
         },
@@ -118,6 +123,11 @@ pub fn examine() -> Result<Doctor> {
         how: "not visible from the host: needs iospan running inside the guest".into(),
     });
 
+    let uprobe_costs = if privileged && works(ProbeType::Uprobe) {
+        features::uprobe_costs().map_err(|e| format!("not measured: {e}"))
+    } else {
+        Err("not measured: uprobes do not work here".into())
+    };
     Ok(Doctor {
         kernel: kernel_release(),
         btf: Path::new("/sys/kernel/btf/vmlinux").exists(),
@@ -125,6 +135,8 @@ pub fn examine() -> Result<Doctor> {
         probes,
         kvm_tracepoints,
         segments,
+        uprobe_costs_error: uprobe_costs.as_ref().err().cloned(),
+        uprobe_costs: uprobe_costs.unwrap_or_default(),
         vms: crate::vms::scan(),
     })
 }
@@ -198,9 +210,51 @@ impl Doctor {
                 s.how
             );
         }
+        match (&self.uprobe_costs_error, &self.uprobe_costs) {
+            (None, costs) => {
+                let parts: Vec<String> = costs
+                    .iter()
+                    .map(|c| format!("{} {:.2} µs", c.prologue, c.ns_per_hit / 1000.0))
+                    .collect();
+                let _ = writeln!(
+                    out,
+                    "\nuprobe cost per hit (measured here, median of 5): {}; iospan puts one on QEMU's msix_notify \
+                     (one hit per interrupt)",
+                    parts.join(", ")
+                );
+            }
+            (Some(e), _) => {
+                let _ = writeln!(out, "\nuprobe cost per hit: {e}");
+            }
+        }
         let _ = writeln!(out, "\nQEMU processes ({}):", self.vms.len());
         for vm in &self.vms {
             let _ = writeln!(out, "  {} (pid {})", vm.name, vm.pid);
+            let signal = vm
+                .exe
+                .as_deref()
+                .and_then(|e| crate::vms::uprobe_prologue(e, "msix_notify"));
+            let _ = writeln!(
+                out,
+                "    interrupt probe: {}",
+                match signal {
+                    Some(crate::vms::Prologue::Push) =>
+                        "msix_notify, entered with a push: emulated, the cheap kind",
+                    Some(crate::vms::Prologue::SingleStepped) =>
+                        "msix_notify, single-stepped: the expensive kind",
+                    None => "msix_notify not exported by this binary: no engine completion half",
+                }
+            );
+            let _ = writeln!(
+                out,
+                "    kicks: {}",
+                if vm.named_threads {
+                    "running before iospan: any eventfd its vCPUs write counts (a VM started while iospan runs \
+                     has its queue notifiers known)"
+                } else {
+                    "none: QEMU's threads are unnamed (add debug-threads=on to -name), vCPUs cannot be told apart"
+                }
+            );
             for d in &vm.disks {
                 let host = d
                     .host_dev
@@ -208,12 +262,16 @@ impl Doctor {
                     .unwrap_or_else(|| "no host disk".into());
                 let _ = writeln!(
                     out,
-                    "    {:<16} {:<18} {} on {host}: host block requests attributed to the VM",
+                    "    {:<16} {:<18} {} on {host}: host block requests attributed to the VM; host window {}",
                     d.id,
                     d.model.as_deref().unwrap_or("-"),
                     d.file
                         .as_ref()
-                        .map_or("-".into(), |f| f.display().to_string())
+                        .map_or("-".into(), |f| f.display().to_string()),
+                    match d.split_support() {
+                        Ok(()) => "split (hypervisor, engine, device)".to_string(),
+                        Err(why) => format!("not split: {why}"),
+                    }
                 );
             }
         }

@@ -78,12 +78,30 @@ impl VDisk {
     /// trace the host kernel sees under TCG; vhost devices are not followed
     /// yet. Their requests are counted as not followed.
     pub fn split_supported(&self) -> bool {
-        let notified = match self.model.as_deref() {
-            Some(m) if m.starts_with("virtio-blk") => true,
-            Some("nvme") => self.ioeventfd,
-            _ => false,
-        };
-        notified && self.aio.as_deref() != Some("threads")
+        self.split_support().is_ok()
+    }
+
+    /// As `split_supported`, with the reason when not.
+    pub fn split_support(&self) -> Result<(), &'static str> {
+        match self.model.as_deref() {
+            Some(m) if m.starts_with("virtio-blk") => {}
+            Some("nvme") if self.ioeventfd => {}
+            Some("nvme") => {
+                return Err(
+                    "NVMe doorbells without ioeventfd=on are handled inside the vCPU's exit",
+                )
+            }
+            Some(m) if m.starts_with("vhost") => {
+                return Err("vhost devices are served outside QEMU")
+            }
+            _ => return Err("device model not followed"),
+        }
+        if self.aio.as_deref() == Some("threads") {
+            return Err(
+                "aio=threads: worker threads submit, not the thread that picked the kick up",
+            );
+        }
+        Ok(())
     }
 }
 
@@ -559,4 +577,35 @@ mod tests {
         assert_eq!(k.dev & 0xfffff, libc::minor(m.dev()));
         assert!(file_key(Path::new("/nonexistent/file")).is_none());
     }
+}
+
+/// How the kernel runs a uprobe on `symbol` in `exe`: the function's first
+/// instruction is emulated when it is a push (cheap), single-stepped out
+/// of line otherwise (see `iospan doctor` for both costs here). None when
+/// the symbol is not found.
+pub fn uprobe_prologue(exe: &Path, symbol: &str) -> Option<Prologue> {
+    use object::{Object, ObjectSection, ObjectSymbol};
+    let data = fs::read(exe).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    let sym = file
+        .dynamic_symbols()
+        .chain(file.symbols())
+        .find(|s| s.name() == Ok(symbol))?;
+    let section = file.section_by_index(sym.section_index()?).ok()?;
+    let bytes = section.data_range(sym.address(), 8).ok()??;
+    // The probe sits on the first instruction itself (an endbr64 there is
+    // not a push).
+    let push = matches!(bytes, [0x50..=0x57, ..] | [0x41, 0x50..=0x57, ..]);
+    Some(if push {
+        Prologue::Push
+    } else {
+        Prologue::SingleStepped
+    })
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Prologue {
+    Push,
+    SingleStepped,
 }

@@ -57,6 +57,24 @@ fn doctor_tries_each_program_type_and_names_what_is_missing() {
         seg("hypervisor")
     );
 
+    // What a uprobe hit costs here, measured on probes of iospan itself:
+    // single-stepping an instruction costs more than emulating a push.
+    let costs = d["uprobe_costs"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{d:#}"));
+    let cost = |k: &str| {
+        costs
+            .iter()
+            .find(|c| c["prologue"].as_str().unwrap().starts_with(k))
+            .unwrap()["ns_per_hit"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(
+        cost("push") > 0.0 && cost("single") > cost("push"),
+        "{costs:?}"
+    );
+
     let text = run(Command::new(iospan_bin()).arg("doctor"));
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(

@@ -277,6 +277,7 @@ fn doctor_names_a_running_vm_and_its_disks() {
     // The process is there at once; its name and disks come from its argv.
     std::thread::sleep(std::time::Duration::from_millis(300));
     let out = run(Command::new(iospan_bin()).args(["doctor", "--json"]));
+    let text = run(Command::new(iospan_bin()).arg("doctor"));
     let _ = child.kill();
     let _ = child.wait();
     assert!(out.status.success());
@@ -292,6 +293,9 @@ fn doctor_names_a_running_vm_and_its_disks() {
     assert_eq!(disk["id"], "sys0");
     assert_eq!(disk["model"], "virtio-blk-pci");
     assert_eq!(disk["file"].as_str(), image.to_str());
+    assert_eq!(vm["named_threads"], true, "{vm}");
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("interrupt probe: msix_notify, entered with a push") && text.contains("host window split"), "{text}");
 }
 
 /// A VM killed mid-run leaves its partial counts in the report; the next

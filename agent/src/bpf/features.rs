@@ -193,3 +193,105 @@ fn read_hits(ebpf: &Ebpf) -> Result<u64, String> {
     let bss: Array<_, u64> = Array::try_from(map).map_err(|e| error_chain(&e))?;
     bss.get(&0, 0).map_err(|e| error_chain(&e))
 }
+
+/// What one uprobe hit costs the probed thread here, by how the kernel
+/// runs the probed instruction: emulated (a `push` prologue, QEMU's
+/// `msix_notify`) or single-stepped out of line (most others, e.g. QEMU's
+/// `virtqueue_pop`).
+#[derive(Clone, Debug, Serialize)]
+pub struct UprobeCost {
+    pub prologue: &'static str,
+    pub ns_per_hit: f64,
+}
+
+// Two probe targets whose first instruction is chosen: the kernel
+// emulates `push`, and single-steps `mov`.
+#[cfg(target_arch = "x86_64")]
+std::arch::global_asm!(
+    ".globl iospan_uprobe_push",
+    ".type iospan_uprobe_push,@function",
+    "iospan_uprobe_push:",
+    "push rbp",
+    "lea rax, [rdi + 1]",
+    "pop rbp",
+    "ret",
+    ".size iospan_uprobe_push, .-iospan_uprobe_push",
+    ".globl iospan_uprobe_stepped",
+    ".type iospan_uprobe_stepped,@function",
+    "iospan_uprobe_stepped:",
+    "mov rax, rdi",
+    "add rax, 1",
+    "ret",
+    ".size iospan_uprobe_stepped, .-iospan_uprobe_stepped",
+);
+
+#[cfg(target_arch = "x86_64")]
+extern "C" {
+    fn iospan_uprobe_push(x: u64) -> u64;
+    fn iospan_uprobe_stepped(x: u64) -> u64;
+}
+
+/// Measures both kinds of hit: calls with the probe attached against the
+/// same calls without, median of five rounds.
+#[cfg(target_arch = "x86_64")]
+pub fn uprobe_costs() -> Result<Vec<UprobeCost>, String> {
+    const CALLS: u64 = 4000;
+    type Target = unsafe extern "C" fn(u64) -> u64;
+    let time = |f: Target| {
+        let t = std::time::Instant::now();
+        let mut x = 0;
+        for _ in 0..CALLS {
+            // SAFETY: both targets take and return a u64 and touch nothing else.
+            x = unsafe { std::hint::black_box(f)(x) };
+        }
+        std::hint::black_box(x);
+        t.elapsed().as_nanos() as f64
+    };
+    let step = |what: &str, e: &dyn std::error::Error| format!("{what}: {}", error_chain(e));
+    let exe = std::env::current_exe().map_err(|e| format!("finding our own binary: {e}"))?;
+    let targets: [(&'static str, &'static str, Target); 2] = [
+        ("push (emulated)", "iospan_uprobe_push", iospan_uprobe_push),
+        (
+            "single-stepped",
+            "iospan_uprobe_stepped",
+            iospan_uprobe_stepped,
+        ),
+    ];
+    let mut out = Vec::new();
+    for (prologue, symbol, f) in targets {
+        let mut rounds = Vec::new();
+        for _ in 0..5 {
+            let bare = time(f);
+            let mut ebpf = EbpfLoader::new()
+                .load(OBJECT)
+                .map_err(|e| format!("loading the probe object: {}", error_chain(&e)))?;
+            let prog = ebpf
+                .program_mut("probe_uprobe")
+                .ok_or("no uprobe program")?;
+            let p: &mut UProbe = prog.try_into().map_err(|e| step("type", &e))?;
+            p.load().map_err(|e| step("load", &e))?;
+            p.attach(
+                symbol,
+                &exe,
+                aya::programs::uprobe::UProbeScope::CallingProcess,
+            )
+            .map_err(|e| step("attach", &e))?;
+            let probed = time(f);
+            if read_hits(&ebpf)? < CALLS {
+                return Err(format!("the uprobe on {symbol} missed calls"));
+            }
+            rounds.push((probed - bare) / CALLS as f64);
+        }
+        rounds.sort_by(f64::total_cmp);
+        out.push(UprobeCost {
+            prologue,
+            ns_per_hit: rounds[rounds.len() / 2],
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub fn uprobe_costs() -> Result<Vec<UprobeCost>, String> {
+    Err("measured on x86_64 only".into())
+}
