@@ -939,6 +939,59 @@ int kvm_fast_mmio(struct kvm_fast_mmio_record *ctx)
 	return 0;
 }
 
+/* A VM thread waking another of the same VM hands it the kick it last
+ * picked up: with aio=threads the engine thread picks the kick up and
+ * queues the request to a worker, which wakes and submits it. Picks only
+ * move forward (a worker waking the engine back leaves its newer pick). A
+ * worker that takes its next request without sleeping keeps its previous
+ * pick: its window then starts at that earlier kick. Attached only while a
+ * VM with such a disk runs. */
+static __always_inline void on_waking(__u32 wakee_tgid, __u32 wakee_tid)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct pick *mine, *theirs;
+
+	if (!targ_vm_segments || wakee_tgid != tgid || wakee_tid == tid || !bpf_map_lookup_elem(&vm_pids, &tgid))
+		return;
+	mine = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (!mine)
+		return;
+	theirs = bpf_map_lookup_elem(&thread_picks, &wakee_tid);
+	if (theirs && theirs->pick_ns >= mine->pick_ns)
+		return;
+	bpf_map_update_elem(&thread_picks, &wakee_tid, mine, BPF_ANY);
+}
+
+SEC("tp_btf/sched_waking")
+int BPF_PROG(sched_waking_btf, struct task_struct *p)
+{
+	on_waking(p->tgid, p->pid);
+	return 0;
+}
+
+SEC("raw_tp/sched_waking")
+int BPF_PROG(sched_waking, struct task_struct *p)
+{
+	on_waking(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid));
+	return 0;
+}
+
+/* A worker the engine thread starts for the request it just queued. */
+SEC("tp_btf/sched_wakeup_new")
+int BPF_PROG(sched_wakeup_new_btf, struct task_struct *p)
+{
+	on_waking(p->tgid, p->pid);
+	return 0;
+}
+
+SEC("raw_tp/sched_wakeup_new")
+int BPF_PROG(sched_wakeup_new, struct task_struct *p)
+{
+	on_waking(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid));
+	return 0;
+}
+
 /* QEMU raising an MSI-X interrupt (msix_notify, entered with a push, so
  * the uprobe is not single-stepped): the engine signalling the guest, for
  * every device model. One hit per interrupt, at most one per I/O. */

@@ -105,6 +105,19 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let mut probes = BlockProbes::load(&cfg).context("loading the block-layer probes")?;
     for vm in known.lock().unwrap_or_else(|p| p.into_inner()).vms.values() {
         if let Some(exe) = &vm.exe {
+            if vm
+                .disks
+                .iter()
+                .any(|d| d.split_supported() && d.worker_submitted())
+            {
+                if let Err(e) = probes.ensure_handoff_probe() {
+                    log::warn!(
+                        "VM {}: aio=threads disks not split: {}",
+                        vm.name,
+                        crate::bpf::error_chain(&e)
+                    );
+                }
+            }
             if let Err(e) = probes.attach_signal_probe(exe) {
                 log::warn!(
                     "VM {}: no host-window split: {}",
@@ -311,6 +324,19 @@ fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) {
                 vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>()
             );
             if let Some(exe) = &vm.exe {
+                if vm
+                    .disks
+                    .iter()
+                    .any(|d| d.split_supported() && d.worker_submitted())
+                {
+                    if let Err(e) = probes.ensure_handoff_probe() {
+                        log::warn!(
+                            "VM {}: aio=threads disks not split: {}",
+                            vm.name,
+                            crate::bpf::error_chain(&e)
+                        );
+                    }
+                }
                 if let Err(e) = probes.attach_signal_probe(exe) {
                     log::warn!(
                         "VM {}: no host-window split: {}",

@@ -137,11 +137,11 @@ fn traced_boot(a: RunArgs) {
     // The host window of each guest request, split: hypervisor (kick →
     // pickup), engine (pickup → host start, host completion → interrupt),
     // device (host start → completion). Devices whose doorbells are
-    // eventfds (virtio-blk; NVMe with ioeventfd=on) served by QEMU's event
-    // loop or an iothread are followed; NVMe's default doorbell and
-    // aio=threads are counted as not followed yet.
+    // eventfds (virtio-blk; NVMe with ioeventfd=on) are followed, served
+    // by QEMU's event loop, an iothread or (aio=threads) its workers; NVMe's
+    // default doorbell is counted as not followed.
     let seg = |k: &str| vm["segments"][k].clone();
-    let followed = (a.disk == DiskModel::VirtioBlk || a.ioeventfd) && a.aio != Aio::Threads;
+    let followed = a.disk == DiskModel::VirtioBlk || a.ioeventfd;
     let split = &rep["lost"]["host_split"];
     if followed {
         let window = seg("host_window");
@@ -206,6 +206,17 @@ fn virtio_blk_io_uring_qd1() {
     traced_boot(RunArgs {
         disk: DiskModel::VirtioBlk,
         aio: Aio::IoUring,
+        qd: 1,
+        ios: 2000,
+        ..Default::default()
+    });
+}
+
+#[test]
+fn virtio_blk_threads_qd1() {
+    traced_boot(RunArgs {
+        disk: DiskModel::VirtioBlk,
+        aio: Aio::Threads,
         qd: 1,
         ios: 2000,
         ..Default::default()
@@ -295,7 +306,11 @@ fn doctor_names_a_running_vm_and_its_disks() {
     assert_eq!(disk["file"].as_str(), image.to_str());
     assert_eq!(vm["named_threads"], true, "{vm}");
     let text = String::from_utf8_lossy(&text.stdout);
-    assert!(text.contains("interrupt probe: msix_notify, entered with a push") && text.contains("host window split"), "{text}");
+    assert!(
+        text.contains("interrupt probe: msix_notify, entered with a push")
+            && text.contains("host window split"),
+        "{text}"
+    );
 }
 
 /// A VM killed mid-run leaves its partial counts in the report; the next

@@ -217,6 +217,7 @@ pub struct BlockProbes {
     start_probe: bool,
     vm_segments: bool,
     vm_probes: bool,
+    handoff_probe: bool,
     signal_probes: Vec<std::path::PathBuf>,
 }
 
@@ -331,6 +332,7 @@ impl BlockProbes {
             start_probe: false,
             vm_segments: vm_segments != 0,
             vm_probes: false,
+            handoff_probe: false,
             signal_probes: Vec::new(),
         };
         // The start probe takes each request's submitter, in the submitting
@@ -490,6 +492,22 @@ impl BlockProbes {
             self.attach_syscall(name)?;
         }
         self.vm_probes = true;
+        Ok(())
+    }
+
+    /// The hand-off of kicks from the engine thread to the worker threads
+    /// it wakes (aio=threads). Costs a program run per wake-up on the whole
+    /// host, so attached only once a VM needs it.
+    pub fn ensure_handoff_probe(&mut self) -> Result<(), LoadError> {
+        if !self.vm_segments || self.handoff_probe {
+            return Ok(());
+        }
+        for tp in ["sched_waking", "sched_wakeup_new"] {
+            let a = attach(&mut self.ebpf, self.btf.as_ref(), tp, self.flavour)?;
+            log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
+            self.attachments.push(a);
+        }
+        self.handoff_probe = true;
         Ok(())
     }
 
