@@ -190,18 +190,13 @@ fn json_report_and_per_request_stream_agree() {
             .as_array()
             .unwrap()
             .iter()
-            // Block and scheduler probes take BTF; syscall tracepoints (VM
-            // notifications) are plain tracepoints.
-            .all(|p| p["flavour"]
-                == if p["tracepoint"]
-                    .as_str()
-                    .unwrap_or("")
-                    .starts_with("syscalls:")
-                {
-                    "tracepoint"
-                } else {
-                    "tp_btf"
-                }),
+            // Block and scheduler probes take BTF; syscall and kvm
+            // tracepoints (VM notifications) are plain tracepoints.
+            .all(|p| {
+                let tp = p["tracepoint"].as_str().unwrap_or("");
+                let plain = tp.starts_with("syscalls:") || tp.starts_with("kvm:");
+                p["flavour"] == if plain { "tracepoint" } else { "tp_btf" }
+            }),
         "{}",
         r["probes"]
     );

@@ -112,10 +112,12 @@ fn test(args: &[String]) -> Result<()> {
     guest::build()?;
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
     // One test thread: the integration tests share the kernel's tracepoints
-    // and the machine's two CPUs, and compare latencies.
+    // and the machine's two CPUs, and compare latencies. Every test binary
+    // runs even after one fails: the closing count is the whole suite's.
     let mut cmd = vec![
         "test",
         "--release",
+        "--no-fail-fast",
         "--workspace",
         "--lib",
         "--bins",
