@@ -376,7 +376,7 @@ fn a_qemu_throttle_is_engine_time() {
     let host = host_disk_of(&image);
     let boot = |throttle: Option<u32>| {
         let a = RunArgs {
-            ios: 600,
+            ios: 400,
             throttle_iops: throttle,
             name: "throttled".into(),
             ..Default::default()
@@ -425,9 +425,11 @@ fn a_qemu_throttle_is_engine_time() {
         )
     };
     let (guest_free, device_free, engine_free, hv_free) = boot(None);
-    let (guest_slow, device_slow, engine_slow, hv_slow) = boot(Some(400));
+    let (guest_slow, device_slow, engine_slow, hv_slow) = boot(Some(200));
     let added = guest_slow - guest_free;
-    // 400 IOPS at QD1 means ~2.5 ms per I/O against a few hundred µs free.
+    // 200 IOPS at QD1 means ~5 ms per I/O against a few hundred µs free;
+    // the guest's own part of the increase (its vCPU waking from a longer
+    // idle under TCG, ~0.3-0.4 ms) stays a small share of it.
     assert!(
         added > 1000.0,
         "the throttle added only {added} µs (guest {guest_free} -> {guest_slow})"
