@@ -133,11 +133,16 @@ struct {
 	__type(value, __u64);
 } pending_kicks SEC(".maps");
 
-/* VMs whose guest has started: tgid -> 1, set at the first eventfd write
- * of a vCPU thread (and by the agent for VMs running when it starts).
- * Before that the process only opens its images and realizes its devices
- * (format, alignment and geometry probes): such requests are QEMU's own,
- * not any virtual disk's. */
+/* VMs whose guest runs: tgid -> VM_RUNNING, set at the first eventfd write
+ * of a vCPU thread, a KVM notify, or a queue notifier made (and by the
+ * agent for VMs running when it starts). Before that the process only
+ * opens its images and realizes its devices (format, alignment and
+ * geometry probes); after QEMU closes its queue notifiers (the VM stopped
+ * or shut down, or the guest reset the device) it may probe or close its
+ * images: such requests are QEMU's own, not any virtual disk's. */
+#define VM_RUNNING 1
+#define VM_STOPPED 2
+
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 1024);
@@ -520,7 +525,9 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 		/* Only a VM's requests need their submitter remembered. */
 		if (v) {
 			vm = *v;
-			if (bpf_map_lookup_elem(&vm_started, &tgid))
+			__u8 *state = bpf_map_lookup_elem(&vm_started, &tgid);
+
+			if (state && *state == VM_RUNNING)
 				vdisk = vdisk_of(rq, vm, btf ? rq_dev_btf(rq) : rq_dev(rq));
 			if (targ_vm_segments) {
 				struct pick *p = bpf_map_lookup_elem(&thread_picks, &tid);
@@ -814,6 +821,28 @@ static __always_inline void on_eventfd_created(long fd)
 		return;
 	k.fd = (__u32)fd;
 	bpf_map_update_elem(&vq_notifiers, &k, &one, BPF_ANY);
+	bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
+}
+
+/* QEMU closing a queue notifier: its devices stopped (VM stopped or shut
+ * down, or the guest reset the device); until a notifier is made again,
+ * its requests are QEMU's own. */
+SEC("tracepoint/syscalls/sys_enter_close")
+int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
+{
+	struct fd_key k;
+	__u8 stopped = VM_STOPPED;
+
+	if (!targ_vm_segments)
+		return 0;
+	k.tgid = bpf_get_current_pid_tgid() >> 32;
+	k.fd = (__u32)ctx->args[0];
+	if (!bpf_map_lookup_elem(&vq_notifiers, &k))
+		return 0;
+	bpf_map_delete_elem(&vq_notifiers, &k);
+	bpf_map_delete_elem(&pending_kicks, &k);
+	bpf_map_update_elem(&vm_started, &k.tgid, &stopped, BPF_ANY);
+	return 0;
 }
 
 SEC("tracepoint/syscalls/sys_exit_eventfd2")

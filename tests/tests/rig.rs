@@ -102,13 +102,20 @@ fn traced_boot(a: RunArgs) {
 
     // The same requests attributed to the VM, by the name QEMU was given
     // and the virtual disk's id (resolved from each request's file at
-    // submission): the guest's requests. The reads QEMU makes of the image
-    // when it opens it and realizes the device (format, alignment and
-    // geometry probes, before the guest runs) and of kernel, initrd and ROM
-    // files on the same host disk are the VM process's, not the virtual
-    // disk's. Beyond what the guest kernel counts: the firmware's read of
-    // the boot sector, and QEMU's alignment probe (512 B + 4 KiB) when it
-    // closes the image after the guest powered off.
+    // submission): exactly the guest's requests. The reads QEMU makes of
+    // the image when it opens it and realizes the device (format,
+    // alignment and geometry probes, before the guest runs), when it closes
+    // it after the guest powered off (its queue notifiers closed), and of
+    // kernel, initrd and ROM files on the same host disk are the VM
+    // process's, not the virtual disk's. (The rig's firmware, qboot, reads
+    // no disk: what the guest kernel counts is all the guest did.) A device
+    // without queue notifiers (NVMe's default doorbells) gives no sign of
+    // stopping: QEMU's closing probe (512 B + 4 KiB) stays on its disk.
+    let closing = if a.disk == DiskModel::Nvme && !a.ioeventfd {
+        2
+    } else {
+        0
+    };
     let vm = rep["entries"]
         .as_array()
         .unwrap()
@@ -124,7 +131,7 @@ fn traced_boot(a: RunArgs) {
         r.guest_reads
     );
     assert!(
-        vm_ios <= r.guest_reads + 3,
+        vm_ios <= r.guest_reads + closing,
         "VM {vm_ios} vs guest {} requests: {ctx}",
         r.guest_reads
     );
@@ -173,7 +180,8 @@ fn traced_boot(a: RunArgs) {
             mean("host_window")
         );
         assert!(
-            split["no_signal"].as_u64().unwrap() <= 8 && split["unordered"] == 0,
+            split["no_kick"].as_u64().unwrap() + split["no_signal"].as_u64().unwrap() <= unseen
+                && split["unordered"] == 0,
             "{split}"
         );
     } else {

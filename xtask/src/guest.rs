@@ -372,6 +372,9 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
     };
     let mut c = Command::new("qemu-system-x86_64");
     c.args(["-accel", "tcg", "-m", "512", "-smp", "1", "-display", "none", "-serial", "stdio", "-monitor", "none", "-no-reboot"])
+        // qboot: a firmware that loads -kernel without touching the disks,
+        // so the guest kernel's own counters cover all guest I/O.
+        .args(["-bios", "qboot.rom"])
         .args(["-name", &format!("guest={},debug-threads=on", a.name)])
         .arg("-kernel")
         .arg(&rig.kernel)

@@ -347,7 +347,12 @@ impl BlockProbes {
         // A new VM creates its queue notifiers possibly before the agent
         // notices it: watched from the start (rare; nothing per I/O).
         if probes.vm_segments {
-            for name in ["sys_exit_eventfd2", "sys_exit_eventfd", "sys_enter_ioctl"] {
+            for name in [
+                "sys_exit_eventfd2",
+                "sys_exit_eventfd",
+                "sys_enter_ioctl",
+                "sys_enter_close",
+            ] {
                 probes.attach_syscall(name)?;
             }
             // KVM's own view of the kicks, where the kvm module is loaded.
