@@ -1021,11 +1021,13 @@ int BPF_PROG(sched_wakeup_new, struct task_struct *p)
 	return 0;
 }
 
-/* QEMU raising an MSI-X interrupt (msix_notify, entered with a push, so
- * the uprobe is not single-stepped): the engine signalling the guest, for
- * every device model. One hit per interrupt, at most one per I/O. */
-SEC("uprobe")
-int msix_notify(void *ctx)
+/* The engine making a completion visible to the guest, one record per hit:
+ * virtio's used-ring push (virtqueue_flush, once per request: the guest may
+ * reap it by polling the ring, without an interrupt, when QEMU suppresses
+ * it under EVENT_IDX) or, for NVMe, QEMU raising the interrupt after
+ * posting the completion (msix_notify). Attached per VM process, on a push
+ * instruction (emulated, not single-stepped). */
+static __always_inline int on_signal(void)
 {
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
 	__u32 *vm;
@@ -1040,6 +1042,18 @@ int msix_notify(void *ctx)
 	ev.ts_ns = bpf_ktime_get_ns();
 	emit(&ev, sizeof(ev));
 	return 0;
+}
+
+SEC("uprobe")
+int virtqueue_flush(void *ctx)
+{
+	return on_signal();
+}
+
+SEC("uprobe")
+int msix_notify(void *ctx)
+{
+	return on_signal();
 }
 
 /* An engine thread reading an eventfd a vCPU kicked picks the kick up. */

@@ -92,7 +92,8 @@ pub fn examine() -> Result<Doctor> {
         },
         how: if works(ProbeType::Uprobe) {
             "the engine's eventfd read (syscall tracepoint) → host block start, and host completion → QEMU raising \
-             the interrupt (uprobe on msix_notify, one hit per interrupt)"
+             the completion made visible (uprobe on virtqueue_flush for virtio, msix_notify for NVMe: one hit per request \
+             at most, on that VM's process only)"
                 .into()
         } else {
             "no uprobes: the interrupt QEMU raises is not visible, so the engine's completion half is not".into()
@@ -218,8 +219,8 @@ impl Doctor {
                     .collect();
                 let _ = writeln!(
                     out,
-                    "\nuprobe cost per hit (measured here, median of 5): {}; iospan puts one on QEMU's msix_notify \
-                     (one hit per interrupt)",
+                    "\nuprobe cost per hit (measured here, median of 5): {}; iospan puts one per request at most \
+                     on a VM's completion path",
                     parts.join(", ")
                 );
             }
@@ -230,21 +231,22 @@ impl Doctor {
         let _ = writeln!(out, "\nQEMU processes ({}):", self.vms.len());
         for vm in &self.vms {
             let _ = writeln!(out, "  {} (pid {})", vm.name, vm.pid);
-            let signal = vm
-                .exe
-                .as_deref()
-                .and_then(|e| crate::vms::uprobe_prologue(e, "msix_notify"));
-            let _ = writeln!(
-                out,
-                "    interrupt probe: {}",
-                match signal {
-                    Some(crate::vms::Prologue::Push) =>
-                        "msix_notify, entered with a push: emulated, the cheap kind",
-                    Some(crate::vms::Prologue::SingleStepped) =>
-                        "msix_notify, single-stepped: the expensive kind",
-                    None => "msix_notify not exported by this binary: no engine completion half",
-                }
-            );
+            for symbol in vm.signal_symbols() {
+                let site = vm
+                    .exe
+                    .as_deref()
+                    .and_then(|e| crate::vms::uprobe_site(e, symbol));
+                let how = match site {
+                    Some((_, crate::vms::Prologue::Push)) => {
+                        "entered with a push: emulated, the cheap kind".to_string()
+                    }
+                    Some((_, crate::vms::Prologue::SingleStepped)) => {
+                        "single-stepped: the expensive kind".to_string()
+                    }
+                    None => "not exported by this binary: no engine completion half".to_string(),
+                };
+                let _ = writeln!(out, "    completion probe: {symbol}, {how}");
+            }
             let _ = writeln!(
                 out,
                 "    kicks: {}",

@@ -104,28 +104,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     };
     let mut probes = BlockProbes::load(&cfg).context("loading the block-layer probes")?;
     for vm in known.lock().unwrap_or_else(|p| p.into_inner()).vms.values() {
-        if let Some(exe) = &vm.exe {
-            if vm
-                .disks
-                .iter()
-                .any(|d| d.split_supported() && d.worker_submitted())
-            {
-                if let Err(e) = probes.ensure_handoff_probe() {
-                    log::warn!(
-                        "VM {}: aio=threads disks not split: {}",
-                        vm.name,
-                        crate::bpf::error_chain(&e)
-                    );
-                }
-            }
-            if let Err(e) = probes.attach_signal_probe(exe) {
-                log::warn!(
-                    "VM {}: no host-window split: {}",
-                    vm.name,
-                    crate::bpf::error_chain(&e)
-                );
-            }
-        }
+        attach_vm_probes(&mut probes, vm);
     }
     for a in &probes.attachments {
         log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
@@ -323,33 +302,38 @@ fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) {
                 vm.name,
                 vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>()
             );
-            if let Some(exe) = &vm.exe {
-                if vm
-                    .disks
-                    .iter()
-                    .any(|d| d.split_supported() && d.worker_submitted())
-                {
-                    if let Err(e) = probes.ensure_handoff_probe() {
-                        log::warn!(
-                            "VM {}: aio=threads disks not split: {}",
-                            vm.name,
-                            crate::bpf::error_chain(&e)
-                        );
-                    }
-                }
-                if let Err(e) = probes.attach_signal_probe(exe) {
-                    log::warn!(
-                        "VM {}: no host-window split: {}",
-                        vm.name,
-                        crate::bpf::error_chain(&e)
-                    );
-                }
-            }
+            attach_vm_probes(probes, &vm);
             let maps = known.add(slot, vm);
             if let Err(e) = probes.add_vm_maps(&maps) {
                 log::warn!("VM pid {tgid}: {}", crate::bpf::error_chain(&e));
             }
         }
+    }
+}
+
+/// The per-VM probes: the worker hand-off for aio=threads disks, and the
+/// probes that end its host windows. A failure costs the VM its split,
+/// not the run.
+fn attach_vm_probes(probes: &mut BlockProbes, vm: &vms::Vm) {
+    if vm
+        .disks
+        .iter()
+        .any(|d| d.split_supported() && d.worker_submitted())
+    {
+        if let Err(e) = probes.ensure_handoff_probe() {
+            log::warn!(
+                "VM {}: aio=threads disks not split: {}",
+                vm.name,
+                crate::bpf::error_chain(&e)
+            );
+        }
+    }
+    if let Err(e) = probes.attach_signal_probes(vm) {
+        log::warn!(
+            "VM {}: no host-window split: {}",
+            vm.name,
+            crate::bpf::error_chain(&e)
+        );
     }
 }
 

@@ -580,11 +580,12 @@ mod tests {
     }
 }
 
-/// How the kernel runs a uprobe on `symbol` in `exe`: the function's first
-/// instruction is emulated when it is a push (cheap), single-stepped out
-/// of line otherwise (see `iospan doctor` for both costs here). None when
-/// the symbol is not found.
-pub fn uprobe_prologue(exe: &Path, symbol: &str) -> Option<Prologue> {
+/// Where a uprobe on `symbol` in `exe` goes, and how the kernel will run
+/// the probed instruction: emulated when it is a push (cheap), single-
+/// stepped out of line otherwise (see `iospan doctor` for both costs here).
+/// An endbr64 (CET builds) is stepped over: calls run through it to the
+/// push after it. None when the symbol is not found.
+pub fn uprobe_site(exe: &Path, symbol: &str) -> Option<(u64, Prologue)> {
     use object::{Object, ObjectSection, ObjectSymbol};
     let data = fs::read(exe).ok()?;
     let file = object::File::parse(&*data).ok()?;
@@ -594,14 +595,23 @@ pub fn uprobe_prologue(exe: &Path, symbol: &str) -> Option<Prologue> {
         .find(|s| s.name() == Ok(symbol))?;
     let section = file.section_by_index(sym.section_index()?).ok()?;
     let bytes = section.data_range(sym.address(), 8).ok()??;
-    // The probe sits on the first instruction itself (an endbr64 there is
-    // not a push).
-    let push = matches!(bytes, [0x50..=0x57, ..] | [0x41, 0x50..=0x57, ..]);
-    Some(if push {
-        Prologue::Push
+    let offset = if bytes.starts_with(&[0xf3, 0x0f, 0x1e, 0xfa]) {
+        4
     } else {
-        Prologue::SingleStepped
-    })
+        0
+    };
+    let push = matches!(
+        &bytes[offset as usize..],
+        [0x50..=0x57, ..] | [0x41, 0x50..=0x57, ..]
+    );
+    Some((
+        offset,
+        if push {
+            Prologue::Push
+        } else {
+            Prologue::SingleStepped
+        },
+    ))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -609,4 +619,20 @@ pub fn uprobe_prologue(exe: &Path, symbol: &str) -> Option<Prologue> {
 pub enum Prologue {
     Push,
     SingleStepped,
+}
+
+impl Vm {
+    /// The QEMU functions whose hits end this VM's host windows: the
+    /// used-ring push for virtio disks, the interrupt for NVMe.
+    pub fn signal_symbols(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        let model = |d: &VDisk, p: &str| d.model.as_deref().is_some_and(|m| m.starts_with(p));
+        if self.disks.iter().any(|d| model(d, "virtio-blk")) {
+            v.push("virtqueue_flush");
+        }
+        if self.disks.iter().any(|d| model(d, "nvme")) {
+            v.push("msix_notify");
+        }
+        v
+    }
 }

@@ -3,7 +3,8 @@
  * that writes the queue's notify address once per request (an MMIO exit
  * KVM turns into an eventfd signal), and its main thread picks each kick
  * up from the eventfd, reads 4 KiB of the image with O_DIRECT, and
- * "raises the interrupt" by calling msix_notify, as QEMU's engine does.
+ * pushes the completion to the used ring by calling virtqueue_flush, as
+ * QEMU's engine does.
  *
  * Run as a file named qemu-system-* with QEMU-style arguments; only
  * -drive file= is read here. IOSPAN_KVM_IOS sets the request count. */
@@ -32,11 +33,11 @@ static sem_t go;
 static long ios = 100;
 static volatile int failed;
 
-/* The engine raising the guest's interrupt: the symbol iospan probes
+/* The engine pushing a completion to the used ring: the symbol iospan probes
  * (unoptimised: entered with a push, as QEMU's is). */
-__attribute__((noinline, used, optimize("O0"))) void msix_notify(void *dev, unsigned vector)
+__attribute__((noinline, used, optimize("O0"))) void virtqueue_flush(void *vq, unsigned count)
 {
-	__asm__ volatile("" ::"r"(dev), "r"(vector) : "memory");
+	__asm__ volatile("" ::"r"(vq), "r"(count) : "memory");
 }
 
 static void *vcpu(void *arg)
@@ -139,7 +140,7 @@ int main(int argc, char **argv)
 		memcpy(&v, big, sizeof(v));
 		if (pread(img, buf, 4096, (off_t)(rand() % 4096) * 4096) != 4096)
 			return die("image read");
-		msix_notify(NULL, 0);
+		virtqueue_flush(NULL, 1);
 	}
 	pthread_join(t, NULL);
 	printf("kvm_vm: %ld requests\n", failed ? -1 : ios);

@@ -94,7 +94,7 @@ fn kvm_kicks_start_the_host_window() {
         .unwrap_or_else(|| panic!("no kvm-probe/kd0 entry: {rep:#}"));
     assert_eq!(e["ios"].as_u64(), Some(n), "{e}");
     // Every request split: its kick from the MMIO write, picked up by the
-    // engine's read of the registered eventfd; its signal from msix_notify.
+    // engine's read of the registered eventfd; its end at virtqueue_flush (the used-ring push).
     let split = &rep["lost"]["host_split"];
     for k in ["no_kick", "no_signal", "unordered", "not_followed"] {
         assert_eq!(split[k].as_u64(), Some(0), "host_split.{k}: {split}");

@@ -275,7 +275,7 @@ fn doctor_names_a_running_vm_and_its_disks() {
     assert_eq!(vm["named_threads"], true, "{vm}");
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(
-        text.contains("interrupt probe: msix_notify, entered with a push")
+        text.contains("completion probe: virtqueue_flush, entered with a push")
             && text.contains("host window split"),
         "{text}"
     );

@@ -218,7 +218,6 @@ pub struct BlockProbes {
     vm_segments: bool,
     vm_probes: bool,
     handoff_probe: bool,
-    signal_probes: Vec<std::path::PathBuf>,
 }
 
 impl BlockProbes {
@@ -333,7 +332,6 @@ impl BlockProbes {
             vm_segments: vm_segments != 0,
             vm_probes: false,
             handoff_probe: false,
-            signal_probes: Vec::new(),
         };
         // The start probe takes each request's submitter, in the submitting
         // task (completions run under unrelated tasks), and stamps starts
@@ -552,39 +550,62 @@ impl BlockProbes {
         Ok(())
     }
 
-    /// The signal probe on a VM's QEMU binary (once per binary: a uprobe on
-    /// a file fires for every process running it).
-    pub fn attach_signal_probe(&mut self, exe: &std::path::Path) -> Result<(), LoadError> {
-        if !self.vm_segments || self.signal_probes.iter().any(|p| p == exe) {
+    /// The probes that end a VM's host windows (see `Vm::signal_symbols`),
+    /// on its process only: other processes of the binary pay nothing.
+    pub fn attach_signal_probes(&mut self, vm: &crate::vms::Vm) -> Result<(), LoadError> {
+        let Some(exe) = vm.exe.as_deref() else {
+            return Ok(());
+        };
+        let Some(pid) = std::num::NonZeroU32::new(vm.pid) else {
+            return Ok(());
+        };
+        if !self.vm_segments {
             return Ok(());
         }
-        let prog =
-            self.ebpf
-                .program_mut("msix_notify")
-                .ok_or_else(|| LoadError::MissingProgram {
-                    program: "msix_notify".into(),
+        for symbol in vm.signal_symbols() {
+            let site = format!("{}:{symbol}", exe.display());
+            let (offset, prologue) =
+                crate::vms::uprobe_site(exe, symbol).ok_or_else(|| LoadError::Attach {
+                    tracepoint: format!("uprobe {site}"),
+                    flavour: "uprobe",
+                    reason: format!("{symbol} is not exported by {}", exe.display()),
                 })?;
-        let result = (|| -> Result<(), String> {
-            let p: &mut UProbe = prog.try_into().map_err(|e| format!("{e:#}"))?;
-            if p.fd().is_err() {
-                p.load().map_err(|e| super::error_chain(&e))?;
+            if prologue != crate::vms::Prologue::Push {
+                log::warn!("{site} is not entered with a push: each hit is single-stepped (see iospan doctor)");
             }
-            p.attach("msix_notify", exe, UProbeScope::AllProcesses)
+            let prog = self
+                .ebpf
+                .program_mut(symbol)
+                .ok_or_else(|| LoadError::MissingProgram {
+                    program: symbol.into(),
+                })?;
+            let result = (|| -> Result<(), String> {
+                let p: &mut UProbe = prog.try_into().map_err(|e| format!("{e:#}"))?;
+                if p.fd().is_err() {
+                    p.load().map_err(|e| super::error_chain(&e))?;
+                }
+                p.attach(
+                    aya::programs::uprobe::UProbeAttachLocation::SymbolOffset(symbol, offset),
+                    exe,
+                    UProbeScope::OneProcess(pid),
+                )
                 .map_err(|e| super::error_chain(&e))?;
-            Ok(())
-        })();
-        result.map_err(|reason| LoadError::Attach {
-            tracepoint: format!("uprobe {}:msix_notify", exe.display()),
-            flavour: "uprobe",
-            reason,
-        })?;
-        log::info!("attached uprobe {}:msix_notify", exe.display());
-        self.attachments.push(Attachment {
-            tracepoint: format!("{}:msix_notify", exe.display()),
-            flavour: Flavour::Uprobe,
-            program: "msix_notify".into(),
-        });
-        self.signal_probes.push(exe.to_path_buf());
+                Ok(())
+            })();
+            result.map_err(|reason| LoadError::Attach {
+                tracepoint: format!("uprobe {site}"),
+                flavour: "uprobe",
+                reason,
+            })?;
+            log::info!("attached uprobe {site}+{offset} for pid {pid}");
+            if !self.attachments.iter().any(|a| a.tracepoint == site) {
+                self.attachments.push(Attachment {
+                    tracepoint: site,
+                    flavour: Flavour::Uprobe,
+                    program: symbol.into(),
+                });
+            }
+        }
         Ok(())
     }
 
