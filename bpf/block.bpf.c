@@ -471,7 +471,7 @@ static __always_inline void account(void *map, void *nested, void *key, const st
  * disk's; only where several share it is the file read (bio -> kiocb ->
  * inode -> vdisk_files). Buffered I/O (cache=writeback, QEMU's own files)
  * and block-device images are not resolved here: 0. */
-static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev)
+static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, __u64 *pos)
 {
 	struct bio *bio = BPF_CORE_READ(rq, bio);
 	struct vm_dev_key vk = { .vm = vm, .dev = dev };
@@ -494,13 +494,16 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev)
 	slot = bpf_map_lookup_elem(&vm_disks, &vk);
 	if (!slot)
 		return 0;
-	if (*slot != VDISK_SEVERAL)
-		return *slot;
-	/* struct iomap_dio and struct blkdev_dio both begin with the kiocb. */
+	/* struct iomap_dio and struct blkdev_dio both begin with the kiocb.
+	 * Its position is the direct I/O's start until it completes: the
+	 * guest's offset on a raw image, which joins guest and host records. */
 	dio_priv = BPF_CORE_READ(bio, bi_private);
 	iocb = BPF_CORE_READ(dio_priv, iocb);
 	if (!iocb)
 		return 0;
+	*pos = BPF_CORE_READ(iocb, ki_pos);
+	if (*slot != VDISK_SEVERAL)
+		return *slot;
 	inode = BPF_CORE_READ(iocb, ki_filp, f_inode);
 	k.ino = BPF_CORE_READ(inode, i_ino);
 	k.dev = BPF_CORE_READ(inode, i_sb, s_dev);
@@ -515,7 +518,7 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 {
 	struct rq_slot *s;
 	__u32 vm = 0, vdisk = 0;
-	__u64 key, kick_ns = 0, pick_ns = 0;
+	__u64 key, kick_ns = 0, pick_ns = 0, pos = 0;
 
 	if (targ_track_vms) {
 		__u64 pid_tgid = bpf_get_current_pid_tgid();
@@ -528,7 +531,7 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 			__u8 *state = bpf_map_lookup_elem(&vm_started, &tgid);
 
 			if (state && *state == VM_RUNNING)
-				vdisk = vdisk_of(rq, vm, btf ? rq_dev_btf(rq) : rq_dev(rq));
+				vdisk = vdisk_of(rq, vm, btf ? rq_dev_btf(rq) : rq_dev(rq), &pos);
 			if (targ_vm_segments) {
 				struct pick *p = bpf_map_lookup_elem(&thread_picks, &tid);
 
@@ -544,7 +547,7 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 	key = btf ? rq_key_btf(rq) : rq_key_raw(rq);
 	s = rq_slot_of(key, 1);
 	if (s)
-		rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns);
+		rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns, pos);
 }
 
 static __always_inline void on_issue(__u64 key)
@@ -582,6 +585,7 @@ static __always_inline void stream_vm_io(const struct rq_outcome *o, const struc
 	ev.bytes = o->bytes;
 	ev.vm = o->vm;
 	ev.vdisk = o->vdisk;
+	ev.pos = o->pos;
 	emit(&ev, sizeof(ev));
 }
 

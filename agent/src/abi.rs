@@ -77,7 +77,7 @@ pub struct RqSlot {
     pub vdisk: u32,
     pub kick_ns: u64,
     pub pick_ns: u64,
-    pub _pad: u64,
+    pub pos: u64,
 }
 
 #[repr(C)]
@@ -132,7 +132,7 @@ pub struct BlkIoEvent {
 
 const _: () = assert!(size_of::<BlkIoEvent>() == 56);
 const _: () = assert!(size_of::<RqSlot>() == 64);
-const _: () = assert!(size_of::<VmIoEvent>() == 64);
+const _: () = assert!(size_of::<VmIoEvent>() == 72);
 const _: () = assert!(size_of::<VmSignalEvent>() == 16);
 const _: () = assert!(size_of::<VmKey>() == 16);
 const _: () = assert!(size_of::<FileKey>() == 16);
@@ -171,6 +171,7 @@ pub struct VmIoEvent {
     pub vm: u32,
     pub vdisk: u32,
     pub _pad: u32,
+    pub pos: u64,
 }
 
 /// An engine thread of a VM signalled the guest (`struct vm_signal_event`).

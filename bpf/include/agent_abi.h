@@ -89,7 +89,7 @@ struct rq_slot {
 	__u32 vdisk;       /* virtual disk slot of the file the request is for (0: none) */
 	__u64 kick_ns;     /* the guest's kick the submitting engine thread picked up last (0: none) */
 	__u64 pick_ns;     /* when it picked that kick up */
-	__u64 _pad;        /* one slot per cache line: the hot path touches one line */
+	__u64 pos;         /* file offset a VM's direct I/O is for (the guest's offset on a raw image) */
 };
 
 #define RQ_SLOT_BITS 15
@@ -178,6 +178,7 @@ struct vm_io_event {
 	__u32 vm;
 	__u32 vdisk;
 	__u32 _pad;
+	__u64 pos;       /* file offset of the request (see rq_slot.pos) */
 };
 
 /* A VM's engine raised an interrupt toward the guest (QEMU's msix_notify):
@@ -213,7 +214,7 @@ _Static_assert(sizeof(struct blk_io_event) == 56, "abi: blk_io_event");
 _Static_assert(sizeof(struct vm_key) == 16, "abi: vm_key");
 _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");
-_Static_assert(sizeof(struct vm_io_event) == 64, "abi: vm_io_event");
+_Static_assert(sizeof(struct vm_io_event) == 72, "abi: vm_io_event");
 _Static_assert(sizeof(struct vm_signal_event) == 16, "abi: vm_signal_event");
 _Static_assert(sizeof(struct rq_slot) == 64, "abi: rq_slot");
 _Static_assert(sizeof(struct disk_slot) == 16, "abi: disk_slot");

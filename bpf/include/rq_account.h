@@ -41,6 +41,7 @@ struct rq_outcome {
 	__u32 vdisk;
 	__u64 kick_ns;
 	__u64 pick_ns;
+	__u64 pos;
 };
 
 static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
@@ -55,6 +56,7 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
 	s->vdisk = 0;
 	s->kick_ns = 0;
 	s->pick_ns = 0;
+	s->pos = 0;
 }
 
 /* block_io_start (block_rq_insert before v6.5), in the submitter's context:
@@ -63,7 +65,7 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
  * interrupt context under whatever task was there, so identity is only ever
  * taken here. */
 static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 vm,
-					__u32 vdisk, __u64 kick_ns, __u64 pick_ns)
+					__u32 vdisk, __u64 kick_ns, __u64 pick_ns, __u64 pos)
 {
 	rq_slot_reset(s, rq);
 	s->start_ns = now;
@@ -71,6 +73,7 @@ static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, 
 	s->vdisk = vdisk;
 	s->kick_ns = kick_ns;
 	s->pick_ns = pick_ns;
+	s->pos = pos;
 }
 
 /* block_rq_issue. A slot already holding this request belongs to the same
@@ -122,6 +125,7 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 	out->vdisk = 0;
 	out->kick_ns = 0;
 	out->pick_ns = 0;
+	out->pos = 0;
 	if (mine) {
 		out->bytes += s->done_bytes;
 		if (!out->start_ns)
@@ -137,6 +141,7 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 		out->vdisk = s->vdisk;
 		out->kick_ns = s->kick_ns;
 		out->pick_ns = s->pick_ns;
+		out->pos = s->pos;
 		s->flags = RQ_F_DONE;
 	}
 	/* Stamps from the future are another request's: distrust them. */

@@ -13,9 +13,9 @@
 __u32 shim_hist_bucket(__u64 v) { return hist_bucket(v); }
 
 void shim_rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 vm, __u32 vdisk,
-		      __u64 kick_ns, __u64 pick_ns)
+		      __u64 kick_ns, __u64 pick_ns, __u64 pos)
 {
-	rq_on_start(s, rq, now, vm, vdisk, kick_ns, pick_ns);
+	rq_on_start(s, rq, now, vm, vdisk, kick_ns, pick_ns, pos);
 }
 void shim_rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now) { rq_on_issue(s, rq, now); }
 void shim_rq_on_requeue(struct rq_slot *s, __u64 rq) { rq_on_requeue(s, rq); }
@@ -41,14 +41,14 @@ static const struct shim_field fields[] = {
 	F(blk_io_event, done_ns), F(blk_io_event, sector), F(blk_io_event, bytes),
 	F(blk_io_event, requeues), F(blk_io_event, cpu_lo), F(blk_io_event, vdisk), F(blk_io_event, vm),
 	S(rq_slot), F(rq_slot, rq), F(rq_slot, start_ns), F(rq_slot, issue_ns),
-	F(rq_slot, done_bytes), F(rq_slot, requeues), F(rq_slot, flags), F(rq_slot, vm), F(rq_slot, vdisk), F(rq_slot, kick_ns), F(rq_slot, pick_ns),
+	F(rq_slot, done_bytes), F(rq_slot, requeues), F(rq_slot, flags), F(rq_slot, vm), F(rq_slot, vdisk), F(rq_slot, kick_ns), F(rq_slot, pick_ns), F(rq_slot, pos),
 	S(disk_slot), F(disk_slot, queue), F(disk_slot, dev),
 	S(vm_key), F(vm_key, vm), F(vm_key, dev), F(vm_key, op), F(vm_key, vdisk),
 	S(file_key), F(file_key, dev), F(file_key, ino),
 	S(vm_dev_key), F(vm_dev_key, vm), F(vm_dev_key, dev),
 	S(vm_io_event), F(vm_io_event, kind), F(vm_io_event, op), F(vm_io_event, flags), F(vm_io_event, dev),
 	F(vm_io_event, kick_ns), F(vm_io_event, pick_ns), F(vm_io_event, start_ns), F(vm_io_event, issue_ns),
-	F(vm_io_event, done_ns), F(vm_io_event, bytes), F(vm_io_event, vm), F(vm_io_event, vdisk),
+	F(vm_io_event, done_ns), F(vm_io_event, bytes), F(vm_io_event, vm), F(vm_io_event, vdisk), F(vm_io_event, pos),
 	S(vm_signal_event), F(vm_signal_event, kind), F(vm_signal_event, vm), F(vm_signal_event, ts_ns),
 	S(blk_stats), F(blk_stats, busy), F(blk_stats, ios), F(blk_stats, bytes), F(blk_stats, errors),
 	F(blk_stats, requeued), F(blk_stats, partial), F(blk_stats, sum_ns), F(blk_stats, max_ns),

@@ -36,6 +36,7 @@ pub struct RqOutcome {
     pub vdisk: u32,
     pub kick_ns: u64,
     pub pick_ns: u64,
+    pub pos: u64,
 }
 
 #[repr(C)]
@@ -76,6 +77,7 @@ extern "C" {
         vdisk: u32,
         kick_ns: u64,
         pick_ns: u64,
+        pos: u64,
     );
     fn shim_rq_on_issue(s: *mut RqSlot, rq: u64, now: u64);
     fn shim_rq_on_requeue(s: *mut RqSlot, rq: u64);
@@ -97,8 +99,12 @@ pub mod rq {
 
     /// `ids`: (vm, vdisk, kick_ns, pick_ns) taken at the start.
     pub fn start(s: &mut RqSlot, rq: u64, now: u64, ids: (u32, u32, u64, u64)) {
+        start_at(s, rq, now, ids, 0)
+    }
+    /// As `start`, for a VM request at file offset `pos`.
+    pub fn start_at(s: &mut RqSlot, rq: u64, now: u64, ids: (u32, u32, u64, u64), pos: u64) {
         // SAFETY: `s` is a valid, exclusive slot.
-        unsafe { shim_rq_on_start(s, rq, now, ids.0, ids.1, ids.2, ids.3) }
+        unsafe { shim_rq_on_start(s, rq, now, ids.0, ids.1, ids.2, ids.3, pos) }
     }
     pub fn issue(s: &mut RqSlot, rq: u64, now: u64) {
         // SAFETY: as above.

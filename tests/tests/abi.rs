@@ -36,12 +36,12 @@ macro_rules! rust_layout {
 fn abi_layout() {
     let rust = rust_layout! {
         "blk_io_event" => BlkIoEvent { kind, op, flags, dev, start_ns, issue_ns, done_ns, sector, bytes, requeues, cpu_lo, vdisk, vm }
-        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns }
+        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos }
         "disk_slot" => DiskSlot { queue, dev }
         "vm_key" => VmKey { vm, dev, op, vdisk }
         "file_key" => FileKey { dev, ino }
         "vm_dev_key" => VmDevKey { vm, dev }
-        "vm_io_event" => VmIoEvent { kind, op, flags, dev, kick_ns, pick_ns, start_ns, issue_ns, done_ns, bytes, vm, vdisk }
+        "vm_io_event" => VmIoEvent { kind, op, flags, dev, kick_ns, pick_ns, start_ns, issue_ns, done_ns, bytes, vm, vdisk, pos }
         "vm_signal_event" => VmSignalEvent { kind, vm, ts_ns }
         "blk_stats" => BlkStats { busy, ios, bytes, errors, requeued, partial, sum_ns, max_ns, hist }
         "rq_completion" => RqCompletion { rq, kstart_ns, kissue_ns, now_ns, remaining, nr_bytes }

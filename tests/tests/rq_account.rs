@@ -123,20 +123,20 @@ fn start_stamp_fills_in_when_the_kernel_keeps_none() {
 fn the_vm_and_vdisk_taken_at_start_survive_issue_requeue_and_partials() {
     let mut s = RqSlot::default();
     // Kernel keeps the start time (now = 0): only the identity is ours.
-    rq::start(&mut s, K, 0, (4242, 3, 60, 70));
+    rq::start_at(&mut s, K, 0, (4242, 3, 60, 70), 1 << 40);
     rq::issue(&mut s, K, 150);
     assert!(rq::complete(Some(&mut s), &done(K, 100, 0, 200, 8192, 4096)).is_none());
     rq::requeue(&mut s, K);
     rq::issue(&mut s, K, 250);
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
     assert_eq!(
-        (o.vm, o.vdisk, o.kick_ns, o.pick_ns, o.start_ns, o.issue_ns, o.bytes),
-        (4242, 3, 60, 70, 100, 250, 8192)
+        (o.vm, o.vdisk, o.kick_ns, o.pick_ns, o.start_ns, o.issue_ns, o.bytes, o.pos),
+        (4242, 3, 60, 70, 100, 250, 8192, 1 << 40)
     );
     // A new I/O on the same request without a start event has no submitter.
     rq::issue(&mut s, K, 500);
     let o = rq::complete(Some(&mut s), &done(K, 450, 0, 600, 4096, 4096)).unwrap();
-    assert_eq!((o.vm, o.vdisk, o.kick_ns, o.pick_ns), (0, 0, 0, 0));
+    assert_eq!((o.vm, o.vdisk, o.kick_ns, o.pick_ns, o.pos), (0, 0, 0, 0, 0));
 }
 
 #[test]
@@ -171,7 +171,7 @@ fn a_leftover_slot_of_the_same_request_starts_afresh() {
         vdisk: 2,
         kick_ns: 5,
         pick_ns: 6,
-        _pad: 0,
+        pos: 0,
     };
     rq::issue(&mut s, K, 150);
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
