@@ -8,7 +8,7 @@ use std::{
     process::Command,
 };
 
-const PROGRAMS: &[&str] = &["block", "features"];
+const PROGRAMS: &[&str] = &["block", "features", "guest"];
 
 fn main() {
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap()).join("..");

@@ -19,14 +19,11 @@
 #include <bpf/bpf_tracing.h>
 #include <bpf/bpf_core_read.h>
 #include "agent_abi.h"
+#include "blk_op.bpf.h"
 #include "hist.h"
 #include "rq_account.h"
 #include "core_fixes.bpf.h"
 #include "maps.bpf.h"
-
-/* include/linux/blk_types.h: the low REQ_OP_BITS of cmd_flags are the op;
- * a #define, so not in BTF. */
-#define REQ_OP_MASK ((1 << 8) - 1)
 
 const volatile __u32 targ_max_disks = DEFAULT_MAX_DISKS;
 const volatile __u32 targ_sample_every = 0;     /* stream 1 in N requests; 0: none */
@@ -258,22 +255,6 @@ static __always_inline void read_rq_raw(struct request *rq, struct rq_fields *f)
 	f->data_len = BPF_CORE_READ(rq, __data_len);
 }
 
-static __always_inline __u8 op_class(__u32 cmd_flags)
-{
-	switch (cmd_flags & REQ_OP_MASK) {
-	case REQ_OP_READ:
-		return BLK_OP_READ;
-	case REQ_OP_WRITE:
-		return BLK_OP_WRITE;
-	case REQ_OP_FLUSH:
-		return BLK_OP_FLUSH;
-	case REQ_OP_DISCARD:
-	case REQ_OP_SECURE_ERASE:
-		return BLK_OP_DISCARD;
-	default:
-		return BLK_OP_OTHER;
-	}
-}
 
 /* Two candidate slots per request key (a 2-way set), so two requests
  * rarely evict each other; a miss is counted, never guessed. The second

@@ -26,6 +26,11 @@ pub const RQ_F_DONE: u16 = 1 << 6;
 pub const EVENT_BLK_IO: u16 = 1;
 pub const EVENT_VM_IO: u16 = 2;
 pub const EVENT_VM_SIGNAL: u16 = 3;
+pub const EVENT_GUEST_IO: u16 = 4;
+
+pub const GUEST_F_NO_KICK: u8 = 1 << 0;
+pub const GUEST_F_NO_IRQ: u8 = 1 << 1;
+pub const GUEST_F_NVME: u8 = 1 << 2;
 
 /// Indices of the per-CPU array `counters` (enum counter).
 pub mod counter {
@@ -190,6 +195,39 @@ pub enum Record {
     BlkIo(BlkIoEvent),
     VmIo(VmIoEvent),
     VmSignal(VmSignalEvent),
+    GuestIo(GuestIoEvent),
+}
+
+/// One request as the guest saw it (`struct guest_io_event`), guest clock.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GuestIoEvent {
+    pub kind: u16,
+    pub op: u8,
+    pub flags: u8,
+    pub dev: u32,
+    pub sector: u64,
+    pub start_ns: u64,
+    pub issue_ns: u64,
+    pub kick_ns: u64,
+    pub irq_ns: u64,
+    pub done_ns: u64,
+    pub bytes: u32,
+    pub queue: u32,
+}
+
+const _: () = assert!(size_of::<GuestIoEvent>() == 64);
+
+impl GuestIoEvent {
+    pub const SIZE: usize = size_of::<Self>();
+
+    /// Its bytes as the C struct lays them out (the wire format of the
+    /// guest channel: both ends are little-endian x86_64 or aarch64).
+    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+        // SAFETY: repr(C) plain integers without padding (asserted above and
+        // by the layout test), so every byte is initialised.
+        unsafe { std::mem::transmute_copy(self) }
+    }
 }
 
 impl Record {
@@ -206,6 +244,7 @@ impl Record {
             EVENT_BLK_IO => read(buf).map(Record::BlkIo),
             EVENT_VM_IO => read(buf).map(Record::VmIo),
             EVENT_VM_SIGNAL => read(buf).map(Record::VmSignal),
+            EVENT_GUEST_IO => read(buf).map(Record::GuestIo),
             _ => None,
         }
     }

@@ -27,6 +27,22 @@ enum Cmd {
     /// Trace block I/O while CMD runs (or for --duration, or until Ctrl-C), then report
     /// IOPS, MB/s and latency percentiles per disk and op, split into queue and service.
     Run(RunArgs),
+    /// Inside a VM (--guest): send each request's guest-side stamps to the host agent over
+    /// the guest channel (a virtio-serial port named org.iospan.0, or TCP), until stopped.
+    Agent {
+        /// Run as the guest agent (required: the host side is `iospan run`).
+        #[arg(long)]
+        guest: bool,
+        /// The virtio-serial port to write to (default: the one named org.iospan.0).
+        #[arg(long, value_name = "PATH")]
+        port: Option<PathBuf>,
+        /// Send over TCP to a host agent listening at HOST:PORT instead.
+        #[arg(long, value_name = "HOST:PORT")]
+        connect: Option<String>,
+        /// Create FILE once the probes are attached.
+        #[arg(long, value_name = "FILE")]
+        ready_file: Option<PathBuf>,
+    },
     /// Built-in default job: fio on a scratch loop device, traced, with the table printed.
     Demo {
         /// Also write the report as JSON (schema iospan.run/v1).
@@ -134,6 +150,13 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 Some(0) | None => ExitCode::SUCCESS,
                 Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
             })
+        }
+        Cmd::Agent { guest, port, connect, ready_file } => {
+            if !guest {
+                anyhow::bail!("`iospan agent` runs inside a VM: add --guest (on the host, use `iospan run`)");
+            }
+            iospan::guest_agent::run(&iospan::guest_agent::GuestOptions { port, connect, ready_file })?;
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Demo { json_out } => {
             let outcome = rt.block_on(demo::demo(json_out))?;

@@ -402,7 +402,8 @@ async fn drain_events<W: Write>(
                     corr.on_io(ev, followed)
                 }
                 Some(Record::VmSignal(ev)) => corr.on_signal(ev.vm, ev.ts_ns),
-                None => malformed += 1,
+                // Guest records travel the guest channel, never this ring.
+                Some(Record::GuestIo(_)) | None => malformed += 1,
             }
         }
         if stopping {

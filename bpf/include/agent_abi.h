@@ -159,7 +159,31 @@ enum event_kind {
 	EVENT_BLK_IO = 1,
 	EVENT_VM_IO = 2,
 	EVENT_VM_SIGNAL = 3,
+	EVENT_GUEST_IO = 4,
 };
+
+/* One request as a guest sees it (`iospan agent --guest`), on the guest's
+ * clock: the guest's ends of its latency. The kick and interrupt come from
+ * kprobes where the guest kernel has them (virtio) or NVMe's tracepoints;
+ * without them they are 0 and GUEST_F_NO_KICK / GUEST_F_NO_IRQ say so. */
+struct guest_io_event {
+	__u16 kind;      /* EVENT_GUEST_IO */
+	__u8 op;         /* enum blk_op_class */
+	__u8 flags;      /* GUEST_F_* */
+	__u32 dev;       /* the guest's major << 20 | minor */
+	__u64 sector;    /* first sector (512 B): the offset the host sees on a raw image */
+	__u64 start_ns;  /* block layer start (the kernel's own stamp) */
+	__u64 issue_ns;  /* to the driver */
+	__u64 kick_ns;   /* the driver notified the device */
+	__u64 irq_ns;    /* the driver saw the completion (interrupt handler) */
+	__u64 done_ns;   /* block layer completion */
+	__u32 bytes;
+	__u32 queue;     /* hardware queue */
+};
+
+#define GUEST_F_NO_KICK (1 << 0) /* no kick seen after the issue (suppressed or not probed) */
+#define GUEST_F_NO_IRQ (1 << 1)  /* no driver completion seen */
+#define GUEST_F_NVME (1 << 2)    /* kick and completion from NVMe's tracepoints */
 
 /* A VM's request at its final host completion, with the notification that
  * led to it: the guest's kick (an eventfd write by a vCPU thread) and the
@@ -211,6 +235,7 @@ struct blk_io_event {
 };
 
 _Static_assert(sizeof(struct blk_io_event) == 56, "abi: blk_io_event");
+_Static_assert(sizeof(struct guest_io_event) == 64, "abi: guest_io_event");
 _Static_assert(sizeof(struct vm_key) == 16, "abi: vm_key");
 _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");

@@ -56,7 +56,11 @@ static const struct shim_field fields[] = {
 	S(rq_completion), F(rq_completion, rq), F(rq_completion, kstart_ns), F(rq_completion, kissue_ns),
 	F(rq_completion, now_ns), F(rq_completion, remaining), F(rq_completion, nr_bytes),
 	S(rq_outcome), F(rq_outcome, start_ns), F(rq_outcome, issue_ns), F(rq_outcome, bytes),
-	F(rq_outcome, requeues), F(rq_outcome, flags), F(rq_outcome, vm), F(rq_outcome, vdisk), F(rq_outcome, kick_ns), F(rq_outcome, pick_ns),
+	F(rq_outcome, requeues), F(rq_outcome, flags), F(rq_outcome, vm), F(rq_outcome, vdisk), F(rq_outcome, kick_ns), F(rq_outcome, pick_ns), F(rq_outcome, pos),
+	S(guest_io_event), F(guest_io_event, kind), F(guest_io_event, op), F(guest_io_event, flags),
+	F(guest_io_event, dev), F(guest_io_event, sector), F(guest_io_event, start_ns), F(guest_io_event, issue_ns),
+	F(guest_io_event, kick_ns), F(guest_io_event, irq_ns), F(guest_io_event, done_ns), F(guest_io_event, bytes),
+	F(guest_io_event, queue),
 	{ 0, 0, 0 },
 };
 

@@ -6,7 +6,7 @@ use std::mem::{offset_of, size_of};
 use agent_integration::{c_consts, c_hist_bucket, c_layout, RqCompletion, RqOutcome};
 use iospan::{
     abi::{
-        self, BlkIoEvent, BlkStats, DiskSlot, FileKey, RqSlot, VmDevKey, VmIoEvent, VmKey,
+        self, BlkIoEvent, BlkStats, DiskSlot, FileKey, GuestIoEvent, RqSlot, VmDevKey, VmIoEvent, VmKey,
         VmSignalEvent,
     },
     model::hist,
@@ -45,7 +45,8 @@ fn abi_layout() {
         "vm_signal_event" => VmSignalEvent { kind, vm, ts_ns }
         "blk_stats" => BlkStats { busy, ios, bytes, errors, requeued, partial, sum_ns, max_ns, hist }
         "rq_completion" => RqCompletion { rq, kstart_ns, kissue_ns, now_ns, remaining, nr_bytes }
-        "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns }
+        "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos }
+        "guest_io_event" => GuestIoEvent { kind, op, flags, dev, sector, start_ns, issue_ns, kick_ns, irq_ns, done_ns, bytes, queue }
     };
     let c = c_layout();
     assert_eq!(

@@ -3,6 +3,7 @@
 
 pub mod block;
 pub mod features;
+pub mod guest;
 pub mod progstats;
 
 use std::os::fd::AsFd;

@@ -1,0 +1,255 @@
+//! `iospan agent --guest`: inside a VM, each request's guest-side stamps,
+//! sent to the host agent over the guest channel (see `transport`).
+//!
+//! Nothing here may block the guest's I/O or grow without bound: the port
+//! is written without blocking, frames wait in a bounded queue while the
+//! host side is absent, and what the queue cannot hold is dropped and
+//! counted (sent in the next `STATS` frame).
+
+use std::{
+    collections::VecDeque,
+    io::Write,
+    os::{fd::AsRawFd, unix::fs::OpenOptionsExt},
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicBool, Ordering},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+
+use crate::{
+    abi::{GuestIoEvent, Record},
+    bpf::guest::GuestProbes,
+    transport::{self, Frame, GuestDisk, Hello, SenderStats},
+};
+
+pub struct GuestOptions {
+    /// The virtio-serial port; found by name when not given.
+    pub port: Option<PathBuf>,
+    /// TCP fallback: host:port of a listening host agent.
+    pub connect: Option<String>,
+    /// Written once the probes are attached (for scripts that must not
+    /// start their workload before).
+    pub ready_file: Option<PathBuf>,
+}
+
+/// Bytes of frames kept while the channel is blocked.
+const QUEUE_BYTES: usize = 8 << 20;
+const HELLO_EVERY: Duration = Duration::from_secs(5);
+const STATS_EVERY: Duration = Duration::from_secs(1);
+/// How long a stopping agent keeps trying to deliver what it holds.
+const FLUSH_FOR: Duration = Duration::from_secs(3);
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+enum Channel {
+    Port(std::fs::File),
+    Tcp(std::net::TcpStream),
+}
+
+impl Channel {
+    fn write_some(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Channel::Port(f) => f.write(buf),
+            Channel::Tcp(s) => s.write(buf),
+        }
+    }
+}
+
+/// Frames waiting to be written, bounded; the front may be half written.
+struct SendQueue {
+    frames: VecDeque<(Vec<u8>, usize)>,
+    bytes: usize,
+    seq: u64,
+    stats: SenderStats,
+}
+
+impl SendQueue {
+    fn push(&mut self, frame: &Frame) {
+        let bytes = transport::encode(self.seq, frame);
+        self.seq += 1;
+        if let Frame::Records(r) = frame {
+            self.stats.sent_records += r.len() as u64;
+        }
+        self.bytes += bytes.len();
+        self.frames.push_back((bytes, records_in(frame)));
+        // Oldest records go first; a half-written front frame stays (the
+        // stream must stay in step).
+        while self.bytes > QUEUE_BYTES && self.frames.len() > 1 {
+            let (f, n) = self.frames.remove(1).unwrap_or_default();
+            self.bytes -= f.len();
+            self.stats.dropped_records += n as u64;
+            self.stats.sent_records -= n as u64;
+        }
+    }
+
+    /// Writes what the channel takes now. Err only for a broken channel.
+    fn flush(&mut self, ch: &mut Channel) -> std::io::Result<()> {
+        while let Some((front, _)) = self.frames.front_mut() {
+            match ch.write_some(front) {
+                Ok(0) => return Ok(()),
+                Ok(n) if n == front.len() => {
+                    self.bytes -= n;
+                    self.frames.pop_front();
+                }
+                Ok(n) => {
+                    self.bytes -= n;
+                    front.drain(..n);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+fn records_in(frame: &Frame) -> usize {
+    match frame {
+        Frame::Records(r) => r.len(),
+        _ => 0,
+    }
+}
+
+/// The virtio-serial port named `transport::PORT_NAME`, as the guest
+/// kernel numbered it.
+pub fn find_port() -> Option<PathBuf> {
+    let by_name = Path::new("/dev/virtio-ports").join(transport::PORT_NAME);
+    if by_name.exists() {
+        return Some(by_name);
+    }
+    std::fs::read_dir("/sys/class/virtio-ports").ok()?.flatten().find_map(|e| {
+        let name = std::fs::read_to_string(e.path().join("name")).ok()?;
+        (name.trim() == transport::PORT_NAME).then(|| Path::new("/dev").join(e.file_name()))
+    })
+}
+
+fn open_channel(opts: &GuestOptions) -> Result<Channel> {
+    if let Some(addr) = &opts.connect {
+        let s = std::net::TcpStream::connect(addr).with_context(|| format!("connecting to the host agent at {addr}"))?;
+        s.set_nonblocking(true)?;
+        return Ok(Channel::Tcp(s));
+    }
+    let port = match &opts.port {
+        Some(p) => p.clone(),
+        None => find_port().with_context(|| {
+            format!(
+                "no virtio-serial port named {}: give the VM `-device virtio-serial-pci -chardev socket,id=iospan,path=PATH,server=on,wait=off \
+                 -device virtserialport,chardev=iospan,name={}` (or pass --port / --connect)",
+                transport::PORT_NAME,
+                transport::PORT_NAME
+            )
+        })?,
+    };
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&port)
+        .with_context(|| format!("opening the guest channel {}", port.display()))?;
+    Ok(Channel::Port(f))
+}
+
+fn hello(coverage: &str) -> Hello {
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+    let disks = std::fs::read_dir("/sys/block")
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let dev = read(&format!("/sys/block/{name}/dev"));
+                    let (maj, min) = dev.split_once(':')?;
+                    let dev = (maj.parse::<u32>().ok()? << 20) | min.parse::<u32>().ok()?;
+                    let serial = [format!("/sys/block/{name}/serial"), format!("/sys/block/{name}/device/serial")]
+                        .iter()
+                        .map(|p| read(p))
+                        .find(|s| !s.is_empty());
+                    Some(GuestDisk { dev, name, serial })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Hello {
+        boot_id: read("/proc/sys/kernel/random/boot_id"),
+        kernel: read("/proc/sys/kernel/osrelease"),
+        disks,
+        probes: coverage.to_string(),
+    }
+}
+
+pub fn run(opts: &GuestOptions) -> Result<()> {
+    if opts.port.is_some() && opts.connect.is_some() {
+        bail!("--port and --connect both given: the guest channel is one or the other");
+    }
+    let mut probes = GuestProbes::load().context("the guest probes")?;
+    let mut ring = probes.take_events()?;
+    let mut ch = open_channel(opts)?;
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    eprintln!("iospan: guest agent: {}", probes.coverage);
+    if let Some(f) = &opts.ready_file {
+        std::fs::write(f, b"ready\n").with_context(|| format!("writing --ready-file {}", f.display()))?;
+    }
+    let mut q = SendQueue { frames: VecDeque::new(), bytes: 0, seq: 0, stats: SenderStats::default() };
+    let mut last_hello: Option<Instant> = None;
+    let mut last_stats = Instant::now();
+    let mut stop_at: Option<Instant> = None;
+    let ring_fd = ring.as_raw_fd();
+    loop {
+        if STOP.load(Ordering::Relaxed) && stop_at.is_none() {
+            stop_at = Some(Instant::now() + FLUSH_FOR);
+        }
+        let mut pfd = libc::pollfd { fd: ring_fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut pfd, 1, 50) };
+        let mut batch: Vec<GuestIoEvent> = Vec::new();
+        while let Some(item) = ring.next() {
+            if let Some(Record::GuestIo(ev)) = Record::from_bytes(&item) {
+                batch.push(ev);
+            }
+        }
+        if last_hello.is_none_or(|t| t.elapsed() >= HELLO_EVERY) {
+            q.push(&Frame::Hello(hello(&probes.coverage)));
+            last_hello = Some(Instant::now());
+        }
+        // Frames of at most ~64 KiB: the port's buffers stay small.
+        for chunk in batch.chunks(1024) {
+            q.push(&Frame::Records(chunk.to_vec()));
+        }
+        if last_stats.elapsed() >= STATS_EVERY || stop_at.is_some() {
+            let (ring_lost, inflight_lost) = probes.lost();
+            q.stats.ring_lost = ring_lost;
+            q.stats.inflight_lost = inflight_lost;
+            let stats = q.stats.clone();
+            q.push(&Frame::Stats(stats));
+            last_stats = Instant::now();
+        }
+        if let Err(e) = q.flush(&mut ch) {
+            // The host side went away (TCP): reconnect on the next round.
+            log::warn!("guest channel: {e}; reconnecting");
+            std::thread::sleep(Duration::from_millis(200));
+            if let Ok(c) = open_channel(opts) {
+                ch = c;
+            }
+        }
+        if let Some(t) = stop_at {
+            if q.frames.is_empty() || Instant::now() >= t {
+                let undelivered: usize = q.frames.iter().map(|(_, n)| n).sum();
+                eprintln!(
+                    "iospan: guest agent: {} records sent, {} dropped, {} undelivered at exit",
+                    q.stats.sent_records - undelivered as u64,
+                    q.stats.dropped_records,
+                    undelivered
+                );
+                return Ok(());
+            }
+        }
+    }
+}
