@@ -9,7 +9,7 @@
 use std::{
     collections::VecDeque,
     io::Write,
-    os::{fd::AsRawFd, unix::fs::OpenOptionsExt},
+    os::unix::fs::OpenOptionsExt,
     path::{Path, PathBuf},
     sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
@@ -36,6 +36,7 @@ pub struct GuestOptions {
 /// Bytes of frames kept while the channel is blocked.
 const QUEUE_BYTES: usize = 8 << 20;
 const HELLO_EVERY: Duration = Duration::from_secs(5);
+const DRAIN_EVERY: Duration = Duration::from_millis(100);
 const STATS_EVERY: Duration = Duration::from_secs(1);
 /// How long a stopping agent keeps trying to deliver what it holds.
 const FLUSH_FOR: Duration = Duration::from_secs(3);
@@ -201,14 +202,12 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
     let mut last_hello: Option<Instant> = None;
     let mut last_stats = Instant::now();
     let mut stop_at: Option<Instant> = None;
-    let ring_fd = ring.as_raw_fd();
     loop {
         if STOP.load(Ordering::Relaxed) && stop_at.is_none() {
             stop_at = Some(Instant::now() + FLUSH_FOR);
         }
-        let mut pfd = libc::pollfd { fd: ring_fd, events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        unsafe { libc::poll(&mut pfd, 1, 50) };
+        // Records are submitted without wake-ups: drain on a timer.
+        std::thread::sleep(DRAIN_EVERY);
         let mut batch: Vec<GuestIoEvent> = Vec::new();
         while let Some(item) = ring.next() {
             if let Some(Record::GuestIo(ev)) = Record::from_bytes(&item) {

@@ -19,8 +19,12 @@ use serde_json::Value;
 
 use crate::{setup, sh};
 
-/// Modules the initramfs loads, with their dependencies (NVMe is built in).
-const MODULES: &[&str] = &["virtio_blk", "virtio_pci"];
+/// Modules the initramfs loads, with their dependencies (NVMe is built in):
+/// the disk, and the virtio-serial port of the guest agent's channel.
+const MODULES: &[&str] = &["virtio_blk", "virtio_pci", "virtio_console"];
+
+/// The target the guest agent is built for: static, runs in any guest.
+pub const GUEST_TARGET: &str = "x86_64-unknown-linux-musl";
 
 #[derive(clap::Subcommand)]
 pub enum GuestCmd {
@@ -66,6 +70,9 @@ pub struct RunArgs {
     /// guest then uses shadow doorbells).
     #[arg(long)]
     pub ioeventfd: bool,
+    /// Boot without the guest agent (no guest channel, no guest segment).
+    #[arg(long)]
+    pub no_guest_agent: bool,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -110,6 +117,7 @@ impl Default for RunArgs {
             disk_id: "vd0".into(),
             throttle_iops: None,
             ioeventfd: false,
+            no_guest_agent: false,
             json: false,
         }
     }
@@ -176,13 +184,16 @@ pub fn build() -> Result<Rig> {
     }
     let initrd = dir.join("initrd.cpio.gz");
     let src = sh::root().join("xtask/rig");
+    let agent = build_guest_agent()?;
     let stamp = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
     let newest_src = ["workload.c", "init"]
         .iter()
-        .filter_map(|f| stamp(&src.join(f)))
+        .map(|f| src.join(f))
+        .chain([agent.clone()])
+        .filter_map(|f| stamp(&f))
         .max();
     if stamp(&initrd).is_none() || newest_src > stamp(&initrd) {
-        build_initrd(&kernel_dir, &initrd)?;
+        build_initrd(&kernel_dir, &initrd, &agent)?;
     }
     Ok(Rig { kernel, initrd })
 }
@@ -303,11 +314,19 @@ fn module_order(kernel_dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(order)
 }
 
-fn build_initrd(kernel_dir: &Path, initrd: &Path) -> Result<()> {
+/// `iospan`, static (musl), for the guest: cargo rebuilds it only when
+/// the agent changed.
+fn build_guest_agent() -> Result<PathBuf> {
+    setup::ensure_rust_target(GUEST_TARGET)?;
+    sh::cargo(&["build", "--release", "-p", "iospan", "--target", GUEST_TARGET])?;
+    Ok(sh::root().join("target").join(GUEST_TARGET).join("release/iospan"))
+}
+
+fn build_initrd(kernel_dir: &Path, initrd: &Path, agent: &Path) -> Result<()> {
     eprintln!("xtask: building the rig initramfs");
     let stage = dir().join("initramfs");
     let _ = std::fs::remove_dir_all(&stage);
-    for d in ["bin", "proc", "sys", "dev", "modules"] {
+    for d in ["bin", "proc", "sys", "dev", "modules", "tmp"] {
         std::fs::create_dir_all(stage.join(d))?;
     }
     let src = sh::root().join("xtask/rig");
@@ -320,6 +339,8 @@ fn build_initrd(kernel_dir: &Path, initrd: &Path) -> Result<()> {
     std::fs::copy("/bin/busybox", stage.join("bin/busybox"))
         .context("copying /bin/busybox (busybox-static)")?;
     std::fs::copy(src.join("init"), stage.join("init"))?;
+    // Stripped: debug info would triple the initramfs and the boot.
+    sh::run(Command::new("strip").arg("-o").arg(stage.join("bin/iospan")).arg(agent))?;
     let mut names = Vec::new();
     for m in module_order(kernel_dir)? {
         let name = m
@@ -364,6 +385,17 @@ pub fn ensure_image(path: &Path, mib: u64) -> Result<()> {
     Ok(())
 }
 
+/// A fresh socket path for a VM's guest channel (short: unix socket paths
+/// are limited to 107 bytes).
+fn channel_path(vm: &str) -> PathBuf {
+    let dir = dir().join("chan");
+    let _ = std::fs::create_dir_all(&dir);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let p = dir.join(format!("{vm}-{}-{nanos}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&p);
+    p
+}
+
 /// The QEMU command line for one rig boot.
 pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
     let guest_dev = match a.disk {
@@ -382,8 +414,11 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
         .arg(&rig.initrd)
         .arg("-append")
         .arg(format!(
-            "console=ttyS0 quiet panic=-1 iospan.dev={guest_dev} iospan.qd={} iospan.ios={} iospan.rw={}",
-            a.qd, a.ios, a.rw
+            "console=ttyS0 quiet panic=-1 iospan.dev={guest_dev} iospan.qd={} iospan.ios={} iospan.rw={} iospan.agent={}",
+            a.qd,
+            a.ios,
+            a.rw,
+            u8::from(!a.no_guest_agent)
         ))
         .arg("-drive")
         .arg(format!(
@@ -393,6 +428,14 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
             a.aio.qemu(),
             a.throttle_iops.map(|n| format!(",throttling.iops-total={n}")).unwrap_or_default()
         ));
+    if !a.no_guest_agent {
+        // The guest channel: a virtio-serial port whose host end is a unix
+        // socket QEMU listens on; the host agent finds it in QEMU's argv.
+        let chan = channel_path(&a.name);
+        c.args(["-device", "virtio-serial-pci", "-chardev"])
+            .arg(format!("socket,id=iospan-chan,path={},server=on,wait=off", chan.display()))
+            .args(["-device", "virtserialport,chardev=iospan-chan,name=org.iospan.0"]);
+    }
     match a.disk {
         DiskModel::VirtioBlk if a.iothread => {
             c.args([

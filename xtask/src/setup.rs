@@ -54,6 +54,16 @@ pub fn ensure_rig() -> Result<()> {
     install(BUILD.iter().chain(RIG))
 }
 
+/// A Rust standard library for `target` (rustup fetches it once).
+pub fn ensure_rust_target(target: &str) -> Result<()> {
+    let installed = crate::sh::output(Command::new("rustup").args(["target", "list", "--installed"]))?;
+    if String::from_utf8_lossy(&installed.stdout).lines().any(|l| l.trim() == target) {
+        return Ok(());
+    }
+    eprintln!("xtask: adding the Rust target {target}");
+    crate::sh::run(Command::new("rustup").args(["target", "add", target]))
+}
+
 fn install<'a>(needs: impl Iterator<Item = &'a (Need, &'static str)>) -> Result<()> {
     let mut missing: Vec<&str> = needs
         .filter(|(n, _)| !n.present())
