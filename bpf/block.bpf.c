@@ -162,6 +162,15 @@ struct {
 	__type(value, __u8);
 } vq_notifiers SEC(".maps");
 
+/* Open queue notifiers per VM (tgid -> count): the VM has stopped when the
+ * last one closes, not at any one (QEMU re-creates some while running). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __s64);
+} vm_open_notifiers SEC(".maps");
+
 /* VMs whose notifiers are known (exec'd while iospan ran): tgid -> 1. A VM
  * found already running has kicks taken from any eventfd its vCPUs write. */
 struct {
@@ -805,18 +814,29 @@ static __always_inline void on_eventfd_created(long fd)
 	if (!bpf_map_lookup_elem(&vm_pids, &k.tgid) || (!in_vcpu() && !bpf_map_lookup_elem(&vm_started, &k.tgid)))
 		return;
 	k.fd = (__u32)fd;
-	bpf_map_update_elem(&vq_notifiers, &k, &one, BPF_ANY);
+	if (!bpf_map_update_elem(&vq_notifiers, &k, &one, BPF_NOEXIST)) {
+		__s64 *open = bpf_map_lookup_elem(&vm_open_notifiers, &k.tgid);
+
+		if (open) {
+			__sync_fetch_and_add(open, 1);
+		} else {
+			__s64 first = 1;
+
+			bpf_map_update_elem(&vm_open_notifiers, &k.tgid, &first, BPF_ANY);
+		}
+	}
 	bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
 }
 
-/* QEMU closing a queue notifier: its devices stopped (VM stopped or shut
- * down, or the guest reset the device); until a notifier is made again,
+/* QEMU closing its last queue notifier: its devices stopped (VM stopped or
+ * shut down, or the guest reset them all); until a notifier is made again,
  * its requests are QEMU's own. */
 SEC("tracepoint/syscalls/sys_enter_close")
 int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
 {
 	struct fd_key k;
 	__u8 stopped = VM_STOPPED;
+	__s64 *open;
 
 	if (!targ_vm_segments)
 		return 0;
@@ -826,7 +846,9 @@ int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
 		return 0;
 	bpf_map_delete_elem(&vq_notifiers, &k);
 	bpf_map_delete_elem(&pending_kicks, &k);
-	bpf_map_update_elem(&vm_started, &k.tgid, &stopped, BPF_ANY);
+	open = bpf_map_lookup_elem(&vm_open_notifiers, &k.tgid);
+	if (open && __sync_fetch_and_add(open, -1) <= 1)
+		bpf_map_update_elem(&vm_started, &k.tgid, &stopped, BPF_ANY);
 	return 0;
 }
 

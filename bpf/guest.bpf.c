@@ -71,11 +71,19 @@ static __always_inline void lost(__u32 which)
 SEC("tp_btf/block_rq_issue")
 int BPF_PROG(block_rq_issue, struct request *rq)
 {
-	struct guest_slot s = {};
+	struct guest_slot s = {}, *old;
 	__u64 key = (__u64)rq;
 	__u32 zero = 0;
 	struct unkicked *u;
 
+	/* NVMe builds its command (our kick stamp) before it starts the
+	 * request: keep that stamp. */
+	old = bpf_map_lookup_elem(&guest_inflight, &key);
+	if (old && (old->flags & GUEST_F_NVME) && !old->issue_ns) {
+		old->issue_ns = bpf_ktime_get_ns();
+		old->start_ns = rq->start_time_ns;
+		return 0;
+	}
 	s.issue_ns = bpf_ktime_get_ns();
 	s.start_ns = rq->start_time_ns;
 	if (bpf_map_update_elem(&guest_inflight, &key, &s, BPF_ANY)) {
@@ -134,13 +142,14 @@ int BPF_KPROBE(blk_mq_complete_request, struct request *rq)
 SEC("raw_tp/nvme_setup_cmd")
 int BPF_PROG(nvme_setup_cmd, struct request *rq)
 {
+	struct guest_slot s = { .flags = GUEST_F_NVME };
 	__u64 key = (__u64)rq;
-	struct guest_slot *s = bpf_map_lookup_elem(&guest_inflight, &key);
 
-	if (s) {
-		s->kick_ns = bpf_ktime_get_ns();
-		s->flags |= GUEST_F_NVME;
-	}
+	/* Before block_rq_issue (nvme_prep_rq starts the request after
+	 * building its command): the slot begins here. */
+	s.kick_ns = bpf_ktime_get_ns();
+	if (bpf_map_update_elem(&guest_inflight, &key, &s, BPF_ANY))
+		lost(1);
 	return 0;
 }
 

@@ -23,6 +23,7 @@ use crate::{
     abi::VmIoEvent,
     disks::Dev,
     model::{Hist, Op},
+    stitch::{HostIo, Stitcher},
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -65,6 +66,8 @@ pub struct Correlator {
     latest_ns: u64,
     pub splits: BTreeMap<SplitKey, HostSplit>,
     pub counters: SplitCounters,
+    /// Joins split requests of VMs with a guest agent to the guest's records.
+    pub stitch: Stitcher,
 }
 
 impl Correlator {
@@ -76,6 +79,9 @@ impl Correlator {
             latest_ns: 0,
             splits: BTreeMap::new(),
             counters: SplitCounters::default(),
+            // Guest records arrive in batches (the guest agent sends every
+            // 100 ms): a partner may be a second late.
+            stitch: Stitcher::new(2_000_000_000),
         }
     }
 
@@ -107,6 +113,7 @@ impl Correlator {
     /// Settles every request still waiting, with the signals there are.
     pub fn finish(&mut self) {
         self.settle(true);
+        self.stitch.finish();
     }
 
     /// Settles requests from the oldest on, stopping at the first that must
@@ -159,6 +166,12 @@ impl Correlator {
         s.engine.record((start - pick) + (sig - done));
         s.device.record(done - start);
         s.window.record(sig - kick);
+        if self.stitch.has_guest(ev.vm) {
+            self.stitch.on_host(HostIo {
+                ev: *ev,
+                signal_ns: sig,
+            });
+        }
     }
 }
 

@@ -35,7 +35,7 @@ pub struct GuestOptions {
 
 /// Bytes of frames kept while the channel is blocked.
 const QUEUE_BYTES: usize = 8 << 20;
-const HELLO_EVERY: Duration = Duration::from_secs(5);
+const HELLO_EVERY: Duration = Duration::from_secs(1);
 const DRAIN_EVERY: Duration = Duration::from_millis(100);
 const STATS_EVERY: Duration = Duration::from_secs(1);
 /// How long a stopping agent keeps trying to deliver what it holds.
@@ -124,15 +124,19 @@ pub fn find_port() -> Option<PathBuf> {
     if by_name.exists() {
         return Some(by_name);
     }
-    std::fs::read_dir("/sys/class/virtio-ports").ok()?.flatten().find_map(|e| {
-        let name = std::fs::read_to_string(e.path().join("name")).ok()?;
-        (name.trim() == transport::PORT_NAME).then(|| Path::new("/dev").join(e.file_name()))
-    })
+    std::fs::read_dir("/sys/class/virtio-ports")
+        .ok()?
+        .flatten()
+        .find_map(|e| {
+            let name = std::fs::read_to_string(e.path().join("name")).ok()?;
+            (name.trim() == transport::PORT_NAME).then(|| Path::new("/dev").join(e.file_name()))
+        })
 }
 
 fn open_channel(opts: &GuestOptions) -> Result<Channel> {
     if let Some(addr) = &opts.connect {
-        let s = std::net::TcpStream::connect(addr).with_context(|| format!("connecting to the host agent at {addr}"))?;
+        let s = std::net::TcpStream::connect(addr)
+            .with_context(|| format!("connecting to the host agent at {addr}"))?;
         s.set_nonblocking(true)?;
         return Ok(Channel::Tcp(s));
     }
@@ -156,7 +160,11 @@ fn open_channel(opts: &GuestOptions) -> Result<Channel> {
 }
 
 fn hello(coverage: &str) -> Hello {
-    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
     let disks = std::fs::read_dir("/sys/block")
         .map(|rd| {
             rd.flatten()
@@ -165,10 +173,13 @@ fn hello(coverage: &str) -> Hello {
                     let dev = read(&format!("/sys/block/{name}/dev"));
                     let (maj, min) = dev.split_once(':')?;
                     let dev = (maj.parse::<u32>().ok()? << 20) | min.parse::<u32>().ok()?;
-                    let serial = [format!("/sys/block/{name}/serial"), format!("/sys/block/{name}/device/serial")]
-                        .iter()
-                        .map(|p| read(p))
-                        .find(|s| !s.is_empty());
+                    let serial = [
+                        format!("/sys/block/{name}/serial"),
+                        format!("/sys/block/{name}/device/serial"),
+                    ]
+                    .iter()
+                    .map(|p| read(p))
+                    .find(|s| !s.is_empty());
                     Some(GuestDisk { dev, name, serial })
                 })
                 .collect()
@@ -196,9 +207,15 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
     }
     eprintln!("iospan: guest agent: {}", probes.coverage);
     if let Some(f) = &opts.ready_file {
-        std::fs::write(f, b"ready\n").with_context(|| format!("writing --ready-file {}", f.display()))?;
+        std::fs::write(f, b"ready\n")
+            .with_context(|| format!("writing --ready-file {}", f.display()))?;
     }
-    let mut q = SendQueue { frames: VecDeque::new(), bytes: 0, seq: 0, stats: SenderStats::default() };
+    let mut q = SendQueue {
+        frames: VecDeque::new(),
+        bytes: 0,
+        seq: 0,
+        stats: SenderStats::default(),
+    };
     let mut last_hello: Option<Instant> = None;
     let mut last_stats = Instant::now();
     let mut stop_at: Option<Instant> = None;

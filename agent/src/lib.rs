@@ -6,6 +6,7 @@
 
 pub mod abi;
 pub mod bpf;
+pub mod channel;
 pub mod correlate;
 pub mod demo;
 pub mod disks;
@@ -17,5 +18,6 @@ pub mod preflight;
 pub mod report;
 pub mod run;
 pub mod scratch;
+pub mod stitch;
 pub mod transport;
 pub mod vms;

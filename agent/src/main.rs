@@ -151,11 +151,22 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
             })
         }
-        Cmd::Agent { guest, port, connect, ready_file } => {
+        Cmd::Agent {
+            guest,
+            port,
+            connect,
+            ready_file,
+        } => {
             if !guest {
-                anyhow::bail!("`iospan agent` runs inside a VM: add --guest (on the host, use `iospan run`)");
+                anyhow::bail!(
+                    "`iospan agent` runs inside a VM: add --guest (on the host, use `iospan run`)"
+                );
             }
-            iospan::guest_agent::run(&iospan::guest_agent::GuestOptions { port, connect, ready_file })?;
+            iospan::guest_agent::run(&iospan::guest_agent::GuestOptions {
+                port,
+                connect,
+                ready_file,
+            })?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Demo { json_out } => {

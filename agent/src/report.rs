@@ -10,10 +10,12 @@ use crate::{
         progstats::ProgStats,
         Attachment,
     },
+    channel::ChannelStats,
     correlate::{HostSplit, SplitKey},
     disks::{self, Dev},
     diskstats::{DiskStat, KernelCount},
     model::{BlkSegment, DiskOpStats, Op, Summary},
+    stitch::{ClockEstimate, StitchCounters, StitchKey, Stitched, Stitcher},
     vms::{KickSource, Registry},
 };
 
@@ -30,6 +32,12 @@ pub struct RunReport {
     pub lost: Counters,
     pub probes: Vec<Attachment>,
     pub agent: AgentCost,
+    /// Guest agents heard from, per VM.
+    #[serde(default)]
+    pub guests: Vec<GuestSummary>,
+    /// Guest and host requests not joined (see `stitch::StitchCounters`).
+    #[serde(default)]
+    pub stitch: StitchCounters,
     /// The VMs seen during the run.
     #[serde(default)]
     pub vms: Vec<VmSummary>,
@@ -43,6 +51,18 @@ pub struct VmSummary {
     /// Virtual disk ids.
     pub disks: Vec<String>,
     pub kicks: KickSource,
+}
+
+pub fn guests(known: &Registry, stitch: &Stitcher) -> Vec<GuestSummary> {
+    stitch
+        .channels
+        .iter()
+        .map(|(slot, ch)| GuestSummary {
+            vm: known.name(*slot),
+            channel: ch.clone(),
+            clock: stitch.clocks.get(slot).and_then(|c| c.estimate()),
+        })
+        .collect()
 }
 
 pub fn vms(known: &Registry) -> Vec<VmSummary> {
@@ -92,6 +112,26 @@ pub struct Entry {
     pub kernel: Option<KernelCount>,
     pub total: Summary,
     pub segments: BTreeMap<String, Summary>,
+    /// The requests joined with the guest agent's records: guest-observed
+    /// latency (`total`) split into guest, hypervisor, engine and device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stitched: Option<StitchedEntry>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StitchedEntry {
+    pub count: u64,
+    /// guest, hypervisor, engine, device, total.
+    pub segments: BTreeMap<String, Summary>,
+}
+
+/// One VM's guest agent over the run: its channel and its clock.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GuestSummary {
+    pub vm: String,
+    pub channel: ChannelStats,
+    /// host = guest + offset, estimated from the joined requests.
+    pub clock: Option<ClockEstimate>,
 }
 
 impl Entry {
@@ -130,6 +170,7 @@ impl Entry {
             kernel: None,
             total: s.segment(BlkSegment::Total).summary(),
             segments,
+            stitched: None,
         }
     }
 }
@@ -163,6 +204,7 @@ pub fn entries(
 pub fn vm_entries(
     stats: &BTreeMap<VmStatKey, DiskOpStats>,
     splits: &BTreeMap<SplitKey, HostSplit>,
+    stitched: &BTreeMap<StitchKey, Stitched>,
     vms: &Registry,
     only: &[Dev],
     duration_s: f64,
@@ -189,6 +231,26 @@ pub fn vm_entries(
                 e.segments.insert("engine".into(), h.engine.summary());
                 e.segments.insert("device".into(), h.device.summary());
                 e.segments.insert("host_window".into(), h.window.summary());
+            }
+            if let Some(s) = stitched.get(&StitchKey {
+                vm: k.vm,
+                vdisk: k.vdisk,
+                op: k.op,
+            }) {
+                let segments: BTreeMap<String, Summary> = [
+                    ("guest", &s.guest),
+                    ("hypervisor", &s.hypervisor),
+                    ("engine", &s.engine),
+                    ("device", &s.device),
+                    ("total", &s.total),
+                ]
+                .into_iter()
+                .map(|(k, h)| (k.to_string(), h.summary()))
+                .collect();
+                e.stitched = Some(StitchedEntry {
+                    count: s.total.summary().count,
+                    segments,
+                });
             }
             e
         })
@@ -261,6 +323,19 @@ impl RunReport {
                     .iter()
                     .filter_map(|k| e.segments.get(*k).map(|v| (*k, v))),
             );
+            // The guest agent's view after the host's: guest-observed latency
+            // and its four segments.
+            const STITCHED: [&str; 5] = ["total", "guest", "hypervisor", "engine", "device"];
+            let stitched: Vec<(String, &Summary)> = e
+                .stitched
+                .iter()
+                .flat_map(|st| {
+                    STITCHED
+                        .iter()
+                        .filter_map(move |k| st.segments.get(*k).map(|v| (format!("g.{k}"), v)))
+                })
+                .collect();
+            let rows = rows.map(|(k, v)| (k.to_string(), v)).chain(stitched);
             for (i, (seg, s)) in rows.enumerate() {
                 let (vm, disk, op, ios, iops, mbs) = if i == 0 {
                     (

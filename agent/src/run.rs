@@ -20,6 +20,7 @@ use tokio::{
 use crate::{
     abi::{BlkIoEvent, Record, RQ_F_NO_ISSUE, RQ_F_NO_START},
     bpf::block::{BlockConfig, BlockProbes},
+    channel,
     correlate::Correlator,
     disks::{self, Dev},
     diskstats,
@@ -114,6 +115,17 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // VM requests' host windows are split from records in the ring buffer;
     // a request waits up to 50 ms of stream time for the guest's signal.
     let correlator = Arc::new(Mutex::new(Correlator::new(50_000_000)));
+    // Guest channels of the VMs running now; later VMs' as they are named.
+    let mut channel_tasks = Vec::new();
+    for (slot, path) in guest_channels(&known.lock().unwrap_or_else(|p| p.into_inner())) {
+        channel_tasks.push(tokio::spawn(channel::follow(
+            slot,
+            path,
+            known.clone(),
+            correlator.clone(),
+            stop_rx.clone(),
+        )));
+    }
     let events_task = if opts.events_out.is_some() || opts.vms {
         let ring = probes.take_events()?;
         let out = match &opts.events_out {
@@ -128,7 +140,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             out,
             known.clone(),
             correlator.clone(),
-            stop_rx,
+            stop_rx.clone(),
         )))
     } else {
         None
@@ -190,7 +202,11 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
                 }
                 break;
             }
-            _ = vm_tick.tick(), if opts.vms => name_new_vms(&mut probes, &known),
+            _ = vm_tick.tick(), if opts.vms => {
+                for (slot, path) in name_new_vms(&mut probes, &known) {
+                    channel_tasks.push(tokio::spawn(channel::follow(slot, path, known.clone(), correlator.clone(), stop_rx.clone())));
+                }
+            }
             _ = tick.tick() => {
                 // Progress from the kernel's own counters: reading our
                 // per-CPU histograms every second would cost more than the
@@ -212,11 +228,17 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let mut snap = probes
         .snapshot()
         .context("reading the block-layer statistics")?;
-    name_new_vms(&mut probes, &known);
+    // A VM named this late has finished: nothing left to read on its channel.
+    let _ = name_new_vms(&mut probes, &known);
     snap.counters.unseen = report::unseen(&snap.stats, &kernel, &only);
     progress.done();
 
     let _ = stop_tx.send(true);
+    // Guest records still on their way first: the stitcher must see them
+    // before the ring's last records settle it.
+    for t in channel_tasks {
+        let _ = t.await;
+    }
     let mut events_written = 0;
     if let Some(t) = events_task {
         events_written = t
@@ -230,9 +252,20 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         .unwrap_or_else(|p| p.into_inner())
         .counters
         .clone();
-    // A guard taken in the literal below would live to its end, across the
-    // entries' own lock of the registry.
-    let vms = report::vms(&known.lock().unwrap_or_else(|p| p.into_inner()));
+    // Guards taken in the literal below would live to its end: the
+    // registry's and the correlator's are taken here, one at a time.
+    let (vms, guests) = {
+        // The correlator, then the registry: the order every task takes them in.
+        let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
+        let known = known.lock().unwrap_or_else(|p| p.into_inner());
+        (report::vms(&known), report::guests(&known, &corr.stitch))
+    };
+    let stitch = correlator
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .stitch
+        .counters
+        .clone();
     let report = RunReport {
         schema: SCHEMA.into(),
         duration_s: (elapsed * 1000.0).round() / 1000.0,
@@ -246,12 +279,15 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             bpf: opts.bpf_stats.then(|| probes.program_stats()),
         },
         vms,
+        guests,
+        stitch,
         entries: {
             let mut e = report::entries(&snap.stats, &kernel, &only, elapsed);
             let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
             e.extend(report::vm_entries(
                 &snap.vm_stats,
                 &corr.splits,
+                &corr.stitch.stitched,
                 &known.lock().unwrap_or_else(|p| p.into_inner()),
                 &only,
                 elapsed,
@@ -275,8 +311,12 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
 
 /// Names VM slots the kernel side handed out since the last look, and
 /// tells it their backing files.
-fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) {
-    let Ok(pids) = probes.vm_pids() else { return };
+/// Returns the guest channels of the VMs it named.
+fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) -> Vec<(u32, PathBuf)> {
+    let mut channels = Vec::new();
+    let Ok(pids) = probes.vm_pids() else {
+        return channels;
+    };
     let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
     for (tgid, slot) in pids {
         if known.vms.contains_key(&slot) {
@@ -303,12 +343,25 @@ fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) {
                 vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>()
             );
             attach_vm_probes(probes, &vm);
+            if let Some(p) = &vm.guest_channel {
+                channels.push((slot, p.clone()));
+            }
             let maps = known.add(slot, vm);
             if let Err(e) = probes.add_vm_maps(&maps) {
                 log::warn!("VM pid {tgid}: {}", crate::bpf::error_chain(&e));
             }
         }
     }
+    channels
+}
+
+/// The guest channels of the VMs known now.
+fn guest_channels(known: &Registry) -> Vec<(u32, PathBuf)> {
+    known
+        .vms
+        .iter()
+        .filter_map(|(slot, vm)| Some((*slot, vm.guest_channel.clone()?)))
+        .collect()
 }
 
 /// The per-VM probes: the worker hand-off for aio=threads disks, and the

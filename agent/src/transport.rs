@@ -137,7 +137,11 @@ impl FrameReader {
         if self.buf.len() < HEADER_LEN + len {
             return Ok(None);
         }
-        let payload: Vec<u8> = self.buf.drain(..HEADER_LEN + len).skip(HEADER_LEN).collect();
+        let payload: Vec<u8> = self
+            .buf
+            .drain(..HEADER_LEN + len)
+            .skip(HEADER_LEN)
+            .collect();
         match self.next_seq {
             Some(n) if seq > n => self.lost_frames += seq - n,
             Some(n) if seq < n => self.restarts += 1,
@@ -146,17 +150,26 @@ impl FrameReader {
         self.next_seq = Some(seq + 1);
         let bad = |what, why: String| DecodeError::Payload { what, why };
         let frame = match kind {
-            HELLO => Frame::Hello(serde_json::from_slice(&payload).map_err(|e| bad("hello", e.to_string()))?),
-            STATS => Frame::Stats(serde_json::from_slice(&payload).map_err(|e| bad("stats", e.to_string()))?),
+            HELLO => Frame::Hello(
+                serde_json::from_slice(&payload).map_err(|e| bad("hello", e.to_string()))?,
+            ),
+            STATS => Frame::Stats(
+                serde_json::from_slice(&payload).map_err(|e| bad("stats", e.to_string()))?,
+            ),
             RECORDS => {
                 if payload.len() % GuestIoEvent::SIZE != 0 {
-                    return Err(bad("records", format!("{} bytes is not whole records", payload.len())));
+                    return Err(bad(
+                        "records",
+                        format!("{} bytes is not whole records", payload.len()),
+                    ));
                 }
                 Frame::Records(
                     payload
                         .chunks_exact(GuestIoEvent::SIZE)
                         // SAFETY: exact size; every bit pattern is a valid record.
-                        .map(|c| unsafe { std::ptr::read_unaligned(c.as_ptr().cast::<GuestIoEvent>()) })
+                        .map(|c| unsafe {
+                            std::ptr::read_unaligned(c.as_ptr().cast::<GuestIoEvent>())
+                        })
                         .collect(),
                 )
             }
@@ -172,14 +185,28 @@ mod tests {
     use super::*;
 
     fn rec(sector: u64) -> GuestIoEvent {
-        GuestIoEvent { kind: crate::abi::EVENT_GUEST_IO, sector, bytes: 4096, done_ns: 7, ..Default::default() }
+        GuestIoEvent {
+            kind: crate::abi::EVENT_GUEST_IO,
+            sector,
+            bytes: 4096,
+            done_ns: 7,
+            ..Default::default()
+        }
     }
 
     #[test]
     fn frames_survive_any_split_of_the_stream() {
-        let hello = Frame::Hello(Hello { boot_id: "b".into(), kernel: "k".into(), disks: vec![], probes: "p".into() });
+        let hello = Frame::Hello(Hello {
+            boot_id: "b".into(),
+            kernel: "k".into(),
+            disks: vec![],
+            probes: "p".into(),
+        });
         let recs = Frame::Records(vec![rec(8), rec(16)]);
-        let stats = Frame::Stats(SenderStats { dropped_records: 3, ..Default::default() });
+        let stats = Frame::Stats(SenderStats {
+            dropped_records: 3,
+            ..Default::default()
+        });
         let bytes: Vec<u8> = [encode(0, &hello), encode(1, &recs), encode(2, &stats)].concat();
         for step in [1, 7, 20, bytes.len()] {
             let mut r = FrameReader::default();
@@ -190,7 +217,11 @@ mod tests {
                     got.push(f);
                 }
             }
-            assert_eq!(got, vec![hello.clone(), recs.clone(), stats.clone()], "pieces of {step}");
+            assert_eq!(
+                got,
+                vec![hello.clone(), recs.clone(), stats.clone()],
+                "pieces of {step}"
+            );
             assert_eq!((r.lost_frames, r.restarts), (0, 0));
         }
     }

@@ -32,6 +32,14 @@ pub struct Vm {
     /// runs it): vCPU threads, and so the guest's kicks, can be told apart.
     #[serde(default)]
     pub named_threads: bool,
+    /// The host end of the guest agent's channel: the unix socket of the
+    /// chardev behind a virtserialport named `org.iospan.0`.
+    #[serde(default)]
+    pub guest_channel: Option<PathBuf>,
+    /// Device serials (`serial=`) by virtual disk id, to match the guest's
+    /// disks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub serials: Vec<(String, String)>,
 }
 
 /// Which vCPU eventfd writes count as the guest's kicks.
@@ -143,7 +151,10 @@ fn get<'a>(opts: &'a [(String, String)], key: &str) -> Option<&'a str> {
 pub fn from_args(pid: u32, args: &[String]) -> Vm {
     let mut name = None;
     let mut named_threads = false;
-    // drive/node id -> backing file
+    let mut chardevs: Vec<(String, PathBuf)> = Vec::new(); // (id, unix socket path)
+    let mut channel_dev: Option<String> = None; // chardev of the guest agent's port
+    let mut serials: Vec<(String, String)> = Vec::new(); // (device or drive id, serial)
+                                                         // drive/node id -> backing file
     let mut files: Vec<(String, Option<PathBuf>, Option<String>)> = Vec::new(); // (id, file, child node)
     let mut aio: Vec<(String, String)> = Vec::new(); // (drive/node id, aio mode)
     let mut devices: Vec<(String, Option<String>, String, bool)> = Vec::new(); // (model, id, drive, ioeventfd)
@@ -203,12 +214,32 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                 {
                     let ioeventfd =
                         get(&o, "ioeventfd").is_some_and(|v| matches!(v, "on" | "true" | "yes"));
+                    if let Some(serial) = get(&o, "serial") {
+                        serials.push((
+                            get(&o, "id").unwrap_or(drive).to_string(),
+                            serial.to_string(),
+                        ));
+                    }
                     devices.push((
                         model.to_string(),
                         get(&o, "id").map(str::to_string),
                         drive.to_string(),
                         ioeventfd,
                     ));
+                }
+                if get(&o, "").or_else(|| get(&o, "driver")) == Some("virtserialport")
+                    && get(&o, "name") == Some(crate::transport::PORT_NAME)
+                {
+                    channel_dev = get(&o, "chardev").map(str::to_string);
+                }
+                i += 1;
+            }
+            (true, "chardev") => {
+                let o = options(v);
+                if let (Some("socket"), Some(id), Some(path)) =
+                    (get(&o, ""), get(&o, "id"), get(&o, "path"))
+                {
+                    chardevs.push((id.to_string(), PathBuf::from(path)));
                 }
                 i += 1;
             }
@@ -282,6 +313,13 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         exe: None,
         kicks: KickSource::default(),
         named_threads,
+        guest_channel: channel_dev.and_then(|c| {
+            chardevs
+                .into_iter()
+                .find(|(id, _)| *id == c)
+                .map(|(_, p)| p)
+        }),
+        serials,
     }
 }
 
@@ -438,9 +476,19 @@ mod tests {
                 "-device", "virtio-blk-pci,drive=drive-virtio-disk0,id=virtio-disk0,bootindex=1",
                 "-drive", "file=/data/db,,with,,commas.raw,if=none,id=d1",
                 "-device", "nvme,drive=d1,serial=abc",
+                "-chardev", "socket,id=charchannel0,path=/run/libvirt/qemu/other.sock,server=on,wait=off",
+                "-chardev", "socket,id=charchannel1,path=/run/iospan/web01.sock,server=on,wait=off",
+                "-device", "virtio-serial-pci,id=virtio-serial0",
+                "-device", "virtserialport,bus=virtio-serial0.0,nr=1,chardev=charchannel0,id=channel0,name=org.qemu.guest_agent.0",
+                "-device", "virtserialport,bus=virtio-serial0.0,nr=2,chardev=charchannel1,id=channel1,name=org.iospan.0",
             ]),
         );
         assert_eq!(vm.name, "web01");
+        assert_eq!(
+            vm.guest_channel.as_deref(),
+            Some(Path::new("/run/iospan/web01.sock"))
+        );
+        assert_eq!(vm.serials, [("d1".to_string(), "abc".to_string())]);
         assert_eq!(vm.disks.len(), 2);
         assert_eq!(vm.disks[0].id, "virtio-disk0");
         assert_eq!(vm.disks[0].model.as_deref(), Some("virtio-blk-pci"));
@@ -534,6 +582,8 @@ mod tests {
                 exe: None,
                 kicks: KickSource::default(),
                 named_threads: true,
+                guest_channel: None,
+                serials: Vec::new(),
             },
         );
         let m2 = r.add(
@@ -545,6 +595,8 @@ mod tests {
                 exe: None,
                 kicks: KickSource::default(),
                 named_threads: true,
+                guest_channel: None,
+                serials: Vec::new(),
             },
         );
         assert_eq!(m1.disks, [(crate::abi::VmDevKey { vm: 1, dev: a.0 }, 1)]);

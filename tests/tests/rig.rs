@@ -189,6 +189,86 @@ fn traced_boot(a: RunArgs) {
         assert_eq!(split["not_followed"].as_u64(), Some(vm_ios), "{split}");
     }
 
+    // The guest agent's view, joined: its channel lost nothing, and every
+    // guest request of a followed disk has its four segments.
+    let guest = rep["guests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["vm"] == a.name.as_str())
+        .unwrap_or_else(|| panic!("no guest agent heard from: {:#}", rep["guests"]));
+    let ch = &guest["channel"];
+    for k in ["lost_frames", "decode_errors"] {
+        assert_eq!(ch[k].as_u64(), Some(0), "channel.{k}: {ch}");
+    }
+    for k in ["ring_lost", "inflight_lost", "dropped_records"] {
+        assert_eq!(ch["sender"][k].as_u64(), Some(0), "guest agent's {k}: {ch}");
+    }
+    // (The kernel's partition scan may precede the agent: the workload's
+    // requests are the ones it must see.)
+    assert!(
+        ch["records"].as_u64().unwrap() >= r.workload_reads,
+        "{ch} vs {} workload reads",
+        r.workload_reads
+    );
+    if followed {
+        let st = vm["stitched"].clone();
+        let n = st["count"].as_u64().unwrap_or(0);
+        // aio=threads at depth: a worker that takes its next request without
+        // sleeping keeps its previous pickup, and the guest's view refuses
+        // the few whose host window then outgrows the guest's (counted).
+        let pct = if a.aio == Aio::Threads && a.qd > 1 {
+            95
+        } else {
+            99
+        };
+        assert!(
+            n * 100 >= r.workload_reads * pct,
+            "stitched {n} of {} workload reads: {}",
+            r.workload_reads,
+            rep["stitch"]
+        );
+        let m = |k: &str| st["segments"][k]["mean_us"].as_f64().unwrap();
+        let parts = m("guest") + m("hypervisor") + m("engine") + m("device");
+        assert!(
+            (parts - m("total")).abs() <= 0.01 * m("total"),
+            "segments {parts} vs guest-observed {}: {st}",
+            m("total")
+        );
+        // The guest's block layer lifetime lies inside what the workload
+        // timed around its system calls.
+        assert!(
+            m("total") <= guest_mean * 1.02,
+            "guest-observed {} vs the workload's {guest_mean}",
+            m("total")
+        );
+        assert!(m("hypervisor") > 0.0 && m("guest") > 0.0, "{st}");
+        let clock = &guest["clock"];
+        assert!(clock["pairs"].as_u64().unwrap_or(0) >= n, "{clock}");
+        // Few bounds contradict the offset found (see stitch::Clock).
+        assert!(
+            clock["contradicting_bounds"].as_u64().unwrap_or(u64::MAX) * 10 <= n,
+            "{clock}"
+        );
+        assert!(
+            clock["uncertainty_ns"].as_i64().is_some_and(|u| u >= 0),
+            "{clock}"
+        );
+        if pct == 99 {
+            assert!(
+                rep["stitch"]["inconsistent"].as_u64().unwrap() * 100 <= r.workload_reads,
+                "{}",
+                rep["stitch"]
+            );
+        }
+        eprintln!(
+            "{:?} {:?} QD{}: guest-observed {:.1} µs (workload {guest_mean:.1}): guest {:.1} + hypervisor {:.1} + engine {:.1} + device {:.1}; clock ±{} ns",
+            a.disk, a.aio, a.qd, m("total"), m("guest"), m("hypervisor"), m("engine"), m("device"), clock["uncertainty_ns"]
+        );
+    } else {
+        assert!(vm.get("stitched").is_none(), "{vm}");
+    }
+
     // Every one of those requests is in the per-request stream, named.
     let records: Vec<Value> = std::fs::read_to_string(&events)
         .unwrap()

@@ -136,7 +136,10 @@ fn the_vm_and_vdisk_taken_at_start_survive_issue_requeue_and_partials() {
     // A new I/O on the same request without a start event has no submitter.
     rq::issue(&mut s, K, 500);
     let o = rq::complete(Some(&mut s), &done(K, 450, 0, 600, 4096, 4096)).unwrap();
-    assert_eq!((o.vm, o.vdisk, o.kick_ns, o.pick_ns, o.pos), (0, 0, 0, 0, 0));
+    assert_eq!(
+        (o.vm, o.vdisk, o.kick_ns, o.pick_ns, o.pos),
+        (0, 0, 0, 0, 0)
+    );
 }
 
 #[test]

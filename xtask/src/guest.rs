@@ -318,8 +318,18 @@ fn module_order(kernel_dir: &Path) -> Result<Vec<PathBuf>> {
 /// the agent changed.
 fn build_guest_agent() -> Result<PathBuf> {
     setup::ensure_rust_target(GUEST_TARGET)?;
-    sh::cargo(&["build", "--release", "-p", "iospan", "--target", GUEST_TARGET])?;
-    Ok(sh::root().join("target").join(GUEST_TARGET).join("release/iospan"))
+    sh::cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "iospan",
+        "--target",
+        GUEST_TARGET,
+    ])?;
+    Ok(sh::root()
+        .join("target")
+        .join(GUEST_TARGET)
+        .join("release/iospan"))
 }
 
 fn build_initrd(kernel_dir: &Path, initrd: &Path, agent: &Path) -> Result<()> {
@@ -340,7 +350,12 @@ fn build_initrd(kernel_dir: &Path, initrd: &Path, agent: &Path) -> Result<()> {
         .context("copying /bin/busybox (busybox-static)")?;
     std::fs::copy(src.join("init"), stage.join("init"))?;
     // Stripped: debug info would triple the initramfs and the boot.
-    sh::run(Command::new("strip").arg("-o").arg(stage.join("bin/iospan")).arg(agent))?;
+    sh::run(
+        Command::new("strip")
+            .arg("-o")
+            .arg(stage.join("bin/iospan"))
+            .arg(agent),
+    )?;
     let mut names = Vec::new();
     for m in module_order(kernel_dir)? {
         let name = m
@@ -390,7 +405,10 @@ pub fn ensure_image(path: &Path, mib: u64) -> Result<()> {
 fn channel_path(vm: &str) -> PathBuf {
     let dir = dir().join("chan");
     let _ = std::fs::create_dir_all(&dir);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
     let p = dir.join(format!("{vm}-{}-{nanos}.sock", std::process::id()));
     let _ = std::fs::remove_file(&p);
     p
@@ -433,8 +451,14 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
         // socket QEMU listens on; the host agent finds it in QEMU's argv.
         let chan = channel_path(&a.name);
         c.args(["-device", "virtio-serial-pci", "-chardev"])
-            .arg(format!("socket,id=iospan-chan,path={},server=on,wait=off", chan.display()))
-            .args(["-device", "virtserialport,chardev=iospan-chan,name=org.iospan.0"]);
+            .arg(format!(
+                "socket,id=iospan-chan,path={},server=on,wait=off",
+                chan.display()
+            ))
+            .args([
+                "-device",
+                "virtserialport,chardev=iospan-chan,name=org.iospan.0",
+            ]);
     }
     match a.disk {
         DiskModel::VirtioBlk if a.iothread => {

@@ -56,8 +56,12 @@ pub fn ensure_rig() -> Result<()> {
 
 /// A Rust standard library for `target` (rustup fetches it once).
 pub fn ensure_rust_target(target: &str) -> Result<()> {
-    let installed = crate::sh::output(Command::new("rustup").args(["target", "list", "--installed"]))?;
-    if String::from_utf8_lossy(&installed.stdout).lines().any(|l| l.trim() == target) {
+    let installed =
+        crate::sh::output(Command::new("rustup").args(["target", "list", "--installed"]))?;
+    if String::from_utf8_lossy(&installed.stdout)
+        .lines()
+        .any(|l| l.trim() == target)
+    {
         return Ok(());
     }
     eprintln!("xtask: adding the Rust target {target}");

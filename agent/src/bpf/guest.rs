@@ -30,23 +30,40 @@ impl GuestProbes {
     /// The block layer is required; the kick and completion probes are
     /// taken where the kernel has them, and `coverage` says which.
     pub fn load() -> Result<Self, GuestProbeError> {
-        let btf = Btf::from_sys_fs().map_err(|e| GuestProbeError::Load(format!("no kernel BTF: {}", error_chain(&e))))?;
-        let mut ebpf = EbpfLoader::new().btf(Some(&btf)).load(OBJECT).map_err(|e| GuestProbeError::Load(error_chain(&e)))?;
+        let btf = Btf::from_sys_fs()
+            .map_err(|e| GuestProbeError::Load(format!("no kernel BTF: {}", error_chain(&e))))?;
+        let mut ebpf = EbpfLoader::new()
+            .btf(Some(&btf))
+            .load(OBJECT)
+            .map_err(|e| GuestProbeError::Load(error_chain(&e)))?;
         for tp in ["block_rq_issue", "block_rq_complete"] {
             let mut attach = || -> Result<(), String> {
-                let p: &mut BtfTracePoint =
-                    ebpf.program_mut(tp).ok_or("missing program")?.try_into().map_err(|e| error_chain(&e))?;
+                let p: &mut BtfTracePoint = ebpf
+                    .program_mut(tp)
+                    .ok_or("missing program")?
+                    .try_into()
+                    .map_err(|e| error_chain(&e))?;
                 p.load(tp, &btf).map_err(|e| error_chain(&e))?;
                 p.attach().map_err(|e| error_chain(&e))?;
                 Ok(())
             };
-            attach().map_err(|why| GuestProbeError::Attach { what: "the block tracepoints", why })?;
+            attach().map_err(|why| GuestProbeError::Attach {
+                what: "the block tracepoints",
+                why,
+            })?;
         }
         let mut seen = Vec::new();
         let mut missing = Vec::new();
-        for (prog, symbol) in [("virtqueue_notify", "virtqueue_notify"), ("blk_mq_complete_request", "blk_mq_complete_request")] {
+        for (prog, symbol) in [
+            ("virtqueue_notify", "virtqueue_notify"),
+            ("blk_mq_complete_request", "blk_mq_complete_request"),
+        ] {
             let r = (|| -> Result<(), String> {
-                let p: &mut KProbe = ebpf.program_mut(prog).ok_or("missing program")?.try_into().map_err(|e| error_chain(&e))?;
+                let p: &mut KProbe = ebpf
+                    .program_mut(prog)
+                    .ok_or("missing program")?
+                    .try_into()
+                    .map_err(|e| error_chain(&e))?;
                 p.load().map_err(|e| error_chain(&e))?;
                 p.attach(symbol, 0).map_err(|e| error_chain(&e))?;
                 Ok(())
@@ -58,8 +75,11 @@ impl GuestProbes {
         }
         for tp in ["nvme_setup_cmd", "nvme_complete_rq"] {
             let r = (|| -> Result<(), String> {
-                let p: &mut RawTracePoint =
-                    ebpf.program_mut(tp).ok_or("missing program")?.try_into().map_err(|e| error_chain(&e))?;
+                let p: &mut RawTracePoint = ebpf
+                    .program_mut(tp)
+                    .ok_or("missing program")?
+                    .try_into()
+                    .map_err(|e| error_chain(&e))?;
                 p.load().map_err(|e| error_chain(&e))?;
                 p.attach(tp).map_err(|e| error_chain(&e))?;
                 Ok(())
@@ -83,15 +103,22 @@ impl GuestProbes {
     }
 
     pub fn take_events(&mut self) -> Result<RingBuf<MapData>, GuestProbeError> {
-        let map = self.ebpf.take_map("guest_events").ok_or_else(|| GuestProbeError::Load("no guest_events map".into()))?;
+        let map = self
+            .ebpf
+            .take_map("guest_events")
+            .ok_or_else(|| GuestProbeError::Load("no guest_events map".into()))?;
         RingBuf::try_from(map).map_err(|e| GuestProbeError::Load(error_chain(&e)))
     }
 
     /// (records the ring had no room for, requests the in-flight table had
     /// no room for), cumulative.
     pub fn lost(&self) -> (u64, u64) {
-        let Some(map) = self.ebpf.map("guest_lost") else { return (0, 0) };
-        let Ok(arr) = PerCpuArray::<_, u64>::try_from(map) else { return (0, 0) };
+        let Some(map) = self.ebpf.map("guest_lost") else {
+            return (0, 0);
+        };
+        let Ok(arr) = PerCpuArray::<_, u64>::try_from(map) else {
+            return (0, 0);
+        };
         let sum = |i: u32| arr.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0);
         (sum(0), sum(1))
     }

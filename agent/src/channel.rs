@@ -1,0 +1,178 @@
+//! The host end of a VM's guest channel: connects to the unix socket of
+//! QEMU's chardev, reads the guest agent's frames, and hands guest records
+//! to the stitcher. Reconnects while the run lasts (the guest agent or the
+//! VM may restart), counts what is lost on the way.
+
+use std::{
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use serde::{Deserialize, Serialize};
+use tokio::{io::AsyncReadExt, net::UnixStream, sync::watch};
+
+use crate::{
+    correlate::Correlator,
+    transport::{Frame, FrameReader, Hello, SenderStats},
+    vms::Registry,
+};
+
+/// One VM's guest channel, as the host saw it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChannelStats {
+    /// Connections made to the channel's socket.
+    pub connections: u64,
+    pub records: u64,
+    /// Frames missing from the sender's sequence (lost on the way).
+    pub lost_frames: u64,
+    /// The sender started over (guest agent restarted, guest rebooted).
+    pub sender_restarts: u64,
+    /// Connections dropped on a malformed stream.
+    pub decode_errors: u64,
+    /// The guest agent's own account (its latest STATS frame).
+    pub sender: SenderStats,
+    /// What the guest kernel let the guest agent see.
+    pub guest_probes: Option<String>,
+    pub guest_kernel: Option<String>,
+}
+
+/// Follows the channel until `stop`, then reads what is already there.
+pub async fn follow(
+    vm: u32,
+    path: PathBuf,
+    known: Arc<Mutex<Registry>>,
+    correlator: Arc<Mutex<Correlator>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; 1 << 16];
+    correlator
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .stitch
+        .expect_guest(vm);
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        let mut stream = match UnixStream::connect(&path).await {
+            Ok(s) => s,
+            Err(_) => {
+                // QEMU not listening yet, or gone: try again shortly.
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => continue,
+                    _ = stop.changed() => return,
+                }
+            }
+        };
+        with_stats(&correlator, vm, |s| s.connections += 1);
+        let mut reader = FrameReader::default();
+        let mut stopping = false;
+        loop {
+            let n = if stopping {
+                // Stopping: what the socket already holds, briefly.
+                match tokio::time::timeout(Duration::from_millis(300), stream.read(&mut buf)).await
+                {
+                    Ok(Ok(n)) => n,
+                    _ => 0,
+                }
+            } else {
+                tokio::select! {
+                    r = stream.read(&mut buf) => r.unwrap_or(0),
+                    _ = stop.changed() => { stopping = true; continue; }
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            reader.push(&buf[..n]);
+            loop {
+                match reader.next_frame() {
+                    Ok(Some(frame)) => handle(vm, frame, &known, &correlator),
+                    Ok(None) => break,
+                    Err(e) => {
+                        log::warn!(
+                            "VM slot {vm}: guest channel {}: {e}; reconnecting",
+                            path.display()
+                        );
+                        with_stats(&correlator, vm, |s| s.decode_errors += 1);
+                        reader = FrameReader::default();
+                        break;
+                    }
+                }
+            }
+            with_stats(&correlator, vm, |s| {
+                s.lost_frames = s.lost_frames.max(reader.lost_frames);
+                s.sender_restarts = s.sender_restarts.max(reader.restarts);
+            });
+        }
+        if stopping {
+            return;
+        }
+    }
+}
+
+fn with_stats(correlator: &Mutex<Correlator>, vm: u32, f: impl FnOnce(&mut ChannelStats)) {
+    let mut c = correlator.lock().unwrap_or_else(|p| p.into_inner());
+    f(c.stitch.channels.entry(vm).or_default());
+}
+
+fn handle(vm: u32, frame: Frame, known: &Mutex<Registry>, correlator: &Mutex<Correlator>) {
+    match frame {
+        Frame::Hello(h) => {
+            let map = disk_map(vm, &h, &known.lock().unwrap_or_else(|p| p.into_inner()));
+            let mut c = correlator.lock().unwrap_or_else(|p| p.into_inner());
+            for (dev, vdisk) in map {
+                c.stitch.map_disk(vm, dev, vdisk);
+            }
+            let s = c.stitch.channels.entry(vm).or_default();
+            s.guest_probes = Some(h.probes);
+            s.guest_kernel = Some(h.kernel);
+        }
+        Frame::Records(recs) => {
+            let mut c = correlator.lock().unwrap_or_else(|p| p.into_inner());
+            c.stitch.channels.entry(vm).or_default().records += recs.len() as u64;
+            for r in recs {
+                c.stitch.on_guest(vm, r);
+            }
+        }
+        Frame::Stats(s) => with_stats(correlator, vm, |c| c.sender = s),
+    }
+}
+
+/// Guest disk → virtual disk slot: by serial where the VM gives its disks
+/// one; otherwise a VM with a single virtual disk and a guest with a single
+/// disk are each other's.
+fn disk_map(vm: u32, hello: &Hello, known: &Registry) -> Vec<(u32, u32)> {
+    let Some(v) = known.vms.get(&vm) else {
+        return Vec::new();
+    };
+    let slots: Vec<(u32, &str)> = known
+        .vdisks
+        .iter()
+        .filter(|(_, (owner, _))| *owner == vm)
+        .map(|(slot, (_, id))| (*slot, id.as_str()))
+        .collect();
+    let mut out = Vec::new();
+    for d in &hello.disks {
+        let Some(serial) = &d.serial else { continue };
+        if let Some((id, _)) = v.serials.iter().find(|(_, s)| s == serial) {
+            if let Some((slot, _)) = slots.iter().find(|(_, i)| i == id) {
+                out.push((d.dev, *slot));
+            }
+        }
+    }
+    let real: Vec<_> = hello
+        .disks
+        .iter()
+        .filter(|d| {
+            !["loop", "ram", "zram", "sr", "dm-", "md", "nbd"]
+                .iter()
+                .any(|p| d.name.starts_with(p))
+        })
+        .collect();
+    if out.is_empty() && slots.len() == 1 && real.len() == 1 {
+        out.push((real[0].dev, slots[0].0));
+    }
+    out
+}
