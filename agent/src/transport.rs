@@ -157,7 +157,7 @@ impl FrameReader {
                 serde_json::from_slice(&payload).map_err(|e| bad("stats", e.to_string()))?,
             ),
             RECORDS => {
-                if payload.len() % GuestIoEvent::SIZE != 0 {
+                if !payload.len().is_multiple_of(GuestIoEvent::SIZE) {
                     return Err(bad(
                         "records",
                         format!("{} bytes is not whole records", payload.len()),
