@@ -828,9 +828,19 @@ static __always_inline void on_eventfd_created(long fd)
 	bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
 }
 
-/* QEMU closing its last queue notifier: its devices stopped (VM stopped or
- * shut down, or the guest reset them all); until a notifier is made again,
- * its requests are QEMU's own. */
+/* QEMU closing its last queue notifier: the VM stopped or shut down (or
+ * the guest reset its every notified device); until a notifier is made
+ * again, its requests are QEMU's own. A VM none of whose disks is notified
+ * through an eventfd (NVMe's default doorbells) is exempt (vm_no_stop):
+ * its only notifiers may be another device's (a console's), reset while
+ * its disks are busy. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u8);
+} vm_no_stop SEC(".maps");
+
 SEC("tracepoint/syscalls/sys_enter_close")
 int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
 {
@@ -847,7 +857,7 @@ int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
 	bpf_map_delete_elem(&vq_notifiers, &k);
 	bpf_map_delete_elem(&pending_kicks, &k);
 	open = bpf_map_lookup_elem(&vm_open_notifiers, &k.tgid);
-	if (open && __sync_fetch_and_add(open, -1) <= 1)
+	if (open && __sync_fetch_and_add(open, -1) <= 1 && !bpf_map_lookup_elem(&vm_no_stop, &k.tgid))
 		bpf_map_update_elem(&vm_started, &k.tgid, &stopped, BPF_ANY);
 	return 0;
 }

@@ -368,6 +368,11 @@ fn guest_channels(known: &Registry) -> Vec<(u32, PathBuf)> {
 /// probes that end its host windows. A failure costs the VM its split,
 /// not the run.
 fn attach_vm_probes(probes: &mut BlockProbes, vm: &vms::Vm) {
+    if !vm.disks.iter().any(|d| d.split_supported()) {
+        if let Err(e) = probes.exempt_from_stop(vm.pid) {
+            log::warn!("VM {}: {}", vm.name, crate::bpf::error_chain(&e));
+        }
+    }
     if vm
         .disks
         .iter()

@@ -632,6 +632,24 @@ impl BlockProbes {
         })
     }
 
+    /// The VM stays running through its notifiers all closing (none of its
+    /// disks is notified through one; see vm_no_stop).
+    pub fn exempt_from_stop(&mut self, pid: u32) -> Result<(), LoadError> {
+        let mut map: HashMap<_, u32, u8> =
+            HashMap::try_from(self.ebpf.map_mut("vm_no_stop").ok_or(LoadError::Map {
+                map: "vm_no_stop",
+                source: None,
+            })?)
+            .map_err(|e| LoadError::Map {
+                map: "vm_no_stop",
+                source: Some(e),
+            })?;
+        map.insert(pid, 1, 0).map_err(|e| LoadError::Map {
+            map: "vm_no_stop",
+            source: Some(e),
+        })
+    }
+
     /// (tgid, VM slot) of every process known as a VM so far.
     pub fn vm_pids(&self) -> Result<Vec<(u32, u32)>, LoadError> {
         let map: HashMap<_, u32, u32> =
