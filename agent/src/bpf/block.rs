@@ -617,35 +617,28 @@ impl BlockProbes {
     /// Takes the VM's requests as its guest's from now on, for a VM whose
     /// vCPU threads cannot be told apart (no `debug-threads=on`).
     pub fn mark_started(&mut self, pid: u32) -> Result<(), LoadError> {
-        let mut map: HashMap<_, u32, u8> =
-            HashMap::try_from(self.ebpf.map_mut("vm_started").ok_or(LoadError::Map {
-                map: "vm_started",
-                source: None,
-            })?)
-            .map_err(|e| LoadError::Map {
-                map: "vm_started",
-                source: Some(e),
-            })?;
-        map.insert(pid, 1, 0).map_err(|e| LoadError::Map {
-            map: "vm_started",
-            source: Some(e),
-        })
+        self.flag_vm("vm_started", pid)
     }
 
     /// The VM stays running through its notifiers all closing (none of its
     /// disks is notified through one; see vm_no_stop).
     pub fn exempt_from_stop(&mut self, pid: u32) -> Result<(), LoadError> {
-        let mut map: HashMap<_, u32, u8> =
-            HashMap::try_from(self.ebpf.map_mut("vm_no_stop").ok_or(LoadError::Map {
-                map: "vm_no_stop",
-                source: None,
-            })?)
-            .map_err(|e| LoadError::Map {
-                map: "vm_no_stop",
-                source: Some(e),
-            })?;
-        map.insert(pid, 1, 0).map_err(|e| LoadError::Map {
-            map: "vm_no_stop",
+        self.flag_vm("vm_no_stop", pid)
+    }
+
+    /// Sets `pid` -> 1 in one of the per-VM flag maps.
+    fn flag_vm(&mut self, map: &'static str, pid: u32) -> Result<(), LoadError> {
+        let mut m: HashMap<_, u32, u8> = HashMap::try_from(
+            self.ebpf
+                .map_mut(map)
+                .ok_or(LoadError::Map { map, source: None })?,
+        )
+        .map_err(|e| LoadError::Map {
+            map,
+            source: Some(e),
+        })?;
+        m.insert(pid, 1, 0).map_err(|e| LoadError::Map {
+            map,
             source: Some(e),
         })
     }
