@@ -185,7 +185,23 @@ struct {
 struct pick {
 	__u64 kick_ns;
 	__u64 pick_ns;
+	__u64 flags; /* PICK_* */
 };
+
+#define PICK_HANDED (1 << 0) /* handed to a worker it woke (aio=threads) */
+#define PICK_USED (1 << 1)   /* a worker submitted with it */
+
+/* Each VM's latest pickup: a worker that goes on to its next request
+ * without sleeping (no hand-off) takes this one. It may be later than the
+ * notification that queued the request (the queueing then shows as
+ * hypervisor time); the worker's previous one would be earlier than the
+ * request's kick, making its window outgrow what the guest saw. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, struct pick);
+} vm_last_pick SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
@@ -525,6 +541,10 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 			if (targ_vm_segments) {
 				struct pick *p = bpf_map_lookup_elem(&thread_picks, &tid);
 
+				if (p && (p->flags & PICK_USED))
+					p = bpf_map_lookup_elem(&vm_last_pick, &tgid);
+				else if (p && (p->flags & PICK_HANDED))
+					p->flags |= PICK_USED;
 				if (p) {
 					kick_ns = p->kick_ns;
 					pick_ns = p->pick_ns;
@@ -989,14 +1009,14 @@ int kvm_fast_mmio(struct kvm_fast_mmio_record *ctx)
  * picked up: with aio=threads the engine thread picks the kick up and
  * queues the request to a worker, which wakes and submits it. Picks only
  * move forward (a worker waking the engine back leaves its newer pick). A
- * worker that takes its next request without sleeping keeps its previous
- * pick: its window then starts at that earlier kick. Attached only while a
- * VM with such a disk runs. */
+ * worker that takes its next request without sleeping has used its handed
+ * pick: it takes the VM's latest (vm_last_pick). Attached only while a VM
+ * with such a disk runs. */
 static __always_inline void on_waking(__u32 wakee_tgid, __u32 wakee_tid)
 {
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
-	struct pick *mine, *theirs;
+	struct pick *mine, *theirs, handed;
 
 	if (!targ_vm_segments || wakee_tgid != tgid || wakee_tid == tid || !bpf_map_lookup_elem(&vm_pids, &tgid))
 		return;
@@ -1006,7 +1026,9 @@ static __always_inline void on_waking(__u32 wakee_tgid, __u32 wakee_tid)
 	theirs = bpf_map_lookup_elem(&thread_picks, &wakee_tid);
 	if (theirs && theirs->pick_ns >= mine->pick_ns)
 		return;
-	bpf_map_update_elem(&thread_picks, &wakee_tid, mine, BPF_ANY);
+	handed = *mine;
+	handed.flags = PICK_HANDED;
+	bpf_map_update_elem(&thread_picks, &wakee_tid, &handed, BPF_ANY);
 }
 
 SEC("tp_btf/sched_waking")
@@ -1090,8 +1112,10 @@ int sys_enter_read(struct trace_event_raw_sys_enter *ctx)
 		return 0;
 	p.kick_ns = *kick;
 	p.pick_ns = bpf_ktime_get_ns();
+	p.flags = 0;
 	bpf_map_delete_elem(&pending_kicks, &k);
 	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
+	bpf_map_update_elem(&vm_last_pick, &k.tgid, &p, BPF_ANY);
 	return 0;
 }
 
