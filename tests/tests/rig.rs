@@ -325,6 +325,50 @@ rig_case!(nvme_ioeventfd_native_qd16, Nvme, Native, 16, ioeventfd: true);
 rig_case!(nvme_io_uring_qd1, Nvme, IoUring, 1);
 rig_case!(nvme_native_qd16, Nvme, Native, 16);
 
+/// No host agent on the other end of the guest channel: the guest agent
+/// neither blocks the guest's I/O nor fails; it keeps what it can and says
+/// what it could not deliver.
+#[test]
+fn the_guest_agent_survives_an_absent_host() {
+    let (rig, image) = rig_and_image();
+    let a = RunArgs {
+        ios: 1000,
+        name: "alone".into(),
+        ..Default::default()
+    };
+    let (mut qemu, dev) = guest::qemu_command(&rig, &a, &image);
+    let t = std::time::Instant::now();
+    let out = run(&mut qemu);
+    let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64())
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(
+        (r.workload["ios"].as_u64(), r.workload["errors"].as_u64()),
+        (Some(1000), Some(0))
+    );
+    // "iospan: guest agent: S records sent, D dropped, U undelivered at exit"
+    let last = console
+        .iter()
+        .find(|l| l.contains("iospan: guest agent:") && l.contains("undelivered"))
+        .unwrap_or_else(|| panic!("the guest agent's closing line: {}", console.join("\n")));
+    let n = |word: &str| -> u64 {
+        let w: Vec<&str> = last.split_whitespace().collect();
+        let i = w
+            .iter()
+            .position(|x| x.starts_with(word))
+            .unwrap_or_else(|| panic!("{word} in {last}"));
+        w[i - 1]
+            .trim_end_matches(',')
+            .parse()
+            .unwrap_or_else(|_| panic!("{last}"))
+    };
+    assert_eq!(n("records"), 0, "{last}");
+    assert!(n("undelivered") + n("dropped") >= a.ios, "{last}");
+}
+
 #[test]
 fn doctor_names_a_running_vm_and_its_disks() {
     let (rig, image) = rig_and_image();
