@@ -257,6 +257,18 @@ impl Doctor {
                     "none: QEMU's threads are unnamed (add debug-threads=on to -name), vCPUs cannot be told apart"
                 }
             );
+            let _ = writeln!(
+                out,
+                "    guest channel: {}",
+                match &vm.guest_channel {
+                    Some(p) => format!("{} (guest segment from `iospan agent --guest` in the VM)", p.display()),
+                    None => format!(
+                        "none: no guest segment (add -device virtio-serial-pci -chardev socket,id=iospan,path=PATH,\
+                         server=on,wait=off -device virtserialport,chardev=iospan,name={})",
+                        crate::transport::PORT_NAME
+                    ),
+                }
+            );
             for d in &vm.disks {
                 let host = d
                     .host_dev

@@ -406,7 +406,8 @@ fn doctor_names_a_running_vm_and_its_disks() {
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(
         text.contains("completion probe: virtqueue_flush, entered with a push")
-            && text.contains("host window split"),
+            && text.contains("host window split")
+            && text.contains("guest channel: /"),
         "{text}"
     );
 }
