@@ -12,6 +12,7 @@
 #include <bpf/bpf_core_read.h>
 #include "agent_abi.h"
 #include "blk_op.bpf.h"
+#include "maps.bpf.h"
 
 /* Requests between issue and completion: request pointer -> stamps. */
 struct guest_slot {
@@ -51,23 +52,6 @@ struct {
 	__uint(max_entries, 1 << 22);
 } guest_events SEC(".maps");
 
-/* Lost records, read by the agent: [0] ring full, [1] in-flight table full. */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 2);
-	__type(key, __u32);
-	__type(value, __u64);
-} guest_lost SEC(".maps");
-
-static __always_inline void lost(__u32 which)
-{
-	__u64 *c = bpf_map_lookup_elem(&guest_lost, &which);
-
-	if (c)
-		__sync_fetch_and_add(c, 1);
-}
-
-
 SEC("tp_btf/block_rq_issue")
 int BPF_PROG(block_rq_issue, struct request *rq)
 {
@@ -87,7 +71,7 @@ int BPF_PROG(block_rq_issue, struct request *rq)
 	s.issue_ns = bpf_ktime_get_ns();
 	s.start_ns = rq->start_time_ns;
 	if (bpf_map_update_elem(&guest_inflight, &key, &s, BPF_ANY)) {
-		lost(1);
+		count(CNT_GUEST_INFLIGHT_FULL);
 		return 0;
 	}
 	u = bpf_map_lookup_elem(&guest_unkicked, &zero);
@@ -124,16 +108,23 @@ int BPF_KPROBE(virtqueue_notify)
 	return 0;
 }
 
-/* The driver handing a completed request to the block layer, in its
- * interrupt handler. */
-SEC("kprobe/blk_mq_complete_request")
-int BPF_KPROBE(blk_mq_complete_request, struct request *rq)
+/* The driver's first sight of a request's completion, in its interrupt
+ * handler. */
+static __always_inline void completion_seen(struct request *rq)
 {
 	__u64 key = (__u64)rq;
 	struct guest_slot *s = bpf_map_lookup_elem(&guest_inflight, &key);
 
 	if (s && !s->irq_ns)
 		s->irq_ns = bpf_ktime_get_ns();
+}
+
+/* virtio-blk (and other drivers) handing a completed request to the block
+ * layer. */
+SEC("kprobe/blk_mq_complete_request")
+int BPF_KPROBE(blk_mq_complete_request, struct request *rq)
+{
+	completion_seen(rq);
 	return 0;
 }
 
@@ -149,18 +140,14 @@ int BPF_PROG(nvme_setup_cmd, struct request *rq)
 	 * building its command): the slot begins here. */
 	s.kick_ns = bpf_ktime_get_ns();
 	if (bpf_map_update_elem(&guest_inflight, &key, &s, BPF_ANY))
-		lost(1);
+		count(CNT_GUEST_INFLIGHT_FULL);
 	return 0;
 }
 
 SEC("raw_tp/nvme_complete_rq")
 int BPF_PROG(nvme_complete_rq, struct request *rq)
 {
-	__u64 key = (__u64)rq;
-	struct guest_slot *s = bpf_map_lookup_elem(&guest_inflight, &key);
-
-	if (s && !s->irq_ns)
-		s->irq_ns = bpf_ktime_get_ns();
+	completion_seen(rq);
 	return 0;
 }
 
@@ -179,7 +166,7 @@ int BPF_PROG(block_rq_complete, struct request *rq, int error, unsigned int nr_b
 		return 0;
 	ev = bpf_ringbuf_reserve(&guest_events, sizeof(*ev), 0);
 	if (!ev) {
-		lost(0);
+		count(CNT_GUEST_RING_LOST);
 		bpf_map_delete_elem(&guest_inflight, &key);
 		return 0;
 	}

@@ -43,7 +43,9 @@ pub mod counter {
     pub const REQUEUES: u32 = 6;
     pub const SAMPLED: u32 = 7;
     pub const VM_TABLE_FULL: u32 = 8;
-    pub const NR: u32 = 9;
+    pub const GUEST_RING_LOST: u32 = 9;
+    pub const GUEST_INFLIGHT_FULL: u32 = 10;
+    pub const NR: u32 = 11;
 }
 
 #[repr(C)]

@@ -274,11 +274,14 @@ impl Stitcher {
             pos: g.sector * 512,
             bytes: g.bytes,
         };
+        let offset = self.clocks.get(&vm).and_then(Clock::offset);
         let found = self.host.get_mut(&key).and_then(|q| {
-            let offset = self.clocks.get(&vm).and_then(Clock::offset);
             let i = best(q.iter().map(|h| h.ev.kick_ns), g.kick_ns, offset)?;
             q.remove(i)
         });
+        if self.host.get(&key).is_some_and(VecDeque::is_empty) {
+            self.host.remove(&key);
+        }
         match found {
             Some(h) => self.join(&h, &g),
             None => {
@@ -295,15 +298,18 @@ impl Stitcher {
     fn take_guest(&mut self, key: JoinKey, h: &HostIo) -> Option<GuestIoEvent> {
         let offset = self.clocks.get(&key.vm).and_then(Clock::offset);
         let q = self.guest.get_mut(&key)?;
+        // Guest kicks against the host's kick moved to the guest's clock.
         let i = best(
             q.iter().map(|(_, g)| g.kick_ns),
-            0,
-            offset.map(|o| h.ev.kick_ns as i64 - o),
-        )
-        .or((!q.is_empty()).then_some(0))?;
-        q.remove(i).map(|(_, g)| g)
+            h.ev.kick_ns,
+            offset.map(|o| -o),
+        )?;
+        let g = q.remove(i).map(|(_, g)| g);
+        if q.is_empty() {
+            self.guest.remove(&key);
+        }
+        g
     }
-
     fn join(&mut self, h: &HostIo, g: &GuestIoEvent) {
         let ev = &h.ev;
         let total = g.done_ns.saturating_sub(g.start_ns);
@@ -348,6 +354,7 @@ impl Stitcher {
     }
 
     /// Drops what waited longer than the hold (all of it when `all`).
+    /// Only the keys it touches are looked at: constant work per record.
     fn evict(&mut self, all: bool) {
         while let Some(&(t, key, is_guest)) = self.order.front() {
             if !all && t + self.hold_ns > self.latest_ns {
@@ -362,16 +369,20 @@ impl Stitcher {
                         q.remove(i);
                         self.counters.unmatched_guest += 1;
                     }
+                    if q.is_empty() {
+                        self.guest.remove(&key);
+                    }
                 }
             } else if let Some(q) = self.host.get_mut(&key) {
                 if let Some(i) = q.iter().position(|h| h.ev.done_ns <= t) {
                     q.remove(i);
                     self.counters.unmatched_host += 1;
                 }
+                if q.is_empty() {
+                    self.host.remove(&key);
+                }
             }
         }
-        self.host.retain(|_, q| !q.is_empty());
-        self.guest.retain(|_, q| !q.is_empty());
     }
 
     /// The end of a run: whatever still waits is unmatched.
@@ -380,21 +391,16 @@ impl Stitcher {
     }
 }
 
-/// The candidate whose kick, mapped by the clock offset, is nearest;
-/// without an offset, the oldest.
-fn best(kicks: impl Iterator<Item = u64>, guest_kick: u64, offset: Option<i64>) -> Option<usize> {
-    let kicks: Vec<u64> = kicks.collect();
-    if kicks.is_empty() {
-        return None;
-    }
-    let Some(off) = offset.filter(|_| guest_kick != 0) else {
-        return Some(0);
+/// The candidate kick nearest to `reference + shift` (a kick moved to the
+/// candidates' clock); without a shift (or a reference), the oldest.
+fn best(mut kicks: impl Iterator<Item = u64>, reference: u64, shift: Option<i64>) -> Option<usize> {
+    let Some(shift) = shift.filter(|_| reference != 0) else {
+        return kicks.next().map(|_| 0);
     };
-    let want = guest_kick as i64 + off;
+    let want = reference as i64 + shift;
     kicks
-        .iter()
         .enumerate()
-        .min_by_key(|(_, &k)| (k as i64 - want).unsigned_abs())
+        .min_by_key(|&(_, k)| (k as i64 - want).unsigned_abs())
         .map(|(i, _)| i)
 }
 

@@ -117,7 +117,9 @@ enum counter {
 	CNT_REQUEUES = 6,        /* requeue events */
 	CNT_SAMPLED = 7,         /* per-I/O records submitted */
 	CNT_VM_TABLE_FULL = 8,   /* requests of a VM whose (vm, disk, op) found vm_latency full */
-	NR_COUNTERS = 9,
+	CNT_GUEST_RING_LOST = 9, /* guest mode: records the ring buffer had no room for */
+	CNT_GUEST_INFLIGHT_FULL = 10, /* guest mode: requests the in-flight table had no room for */
+	NR_COUNTERS = 11,
 };
 
 /* Key of the per-CPU hash `vm_latency`: requests a VM's process submitted,

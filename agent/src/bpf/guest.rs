@@ -9,6 +9,7 @@ use aya::{
 };
 
 use super::error_chain;
+use crate::abi::counter;
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/guest.bpf.o"));
 
@@ -113,13 +114,16 @@ impl GuestProbes {
     /// (records the ring had no room for, requests the in-flight table had
     /// no room for), cumulative.
     pub fn lost(&self) -> (u64, u64) {
-        let Some(map) = self.ebpf.map("guest_lost") else {
+        let Some(map) = self.ebpf.map("counters") else {
             return (0, 0);
         };
         let Ok(arr) = PerCpuArray::<_, u64>::try_from(map) else {
             return (0, 0);
         };
         let sum = |i: u32| arr.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0);
-        (sum(0), sum(1))
+        (
+            sum(counter::GUEST_RING_LOST),
+            sum(counter::GUEST_INFLIGHT_FULL),
+        )
     }
 }
