@@ -27,10 +27,16 @@ pub const EVENT_BLK_IO: u16 = 1;
 pub const EVENT_VM_IO: u16 = 2;
 pub const EVENT_VM_SIGNAL: u16 = 3;
 pub const EVENT_GUEST_IO: u16 = 4;
+pub const EVENT_GUEST_REAP: u16 = 5;
 
 pub const GUEST_F_NO_KICK: u8 = 1 << 0;
 pub const GUEST_F_NO_IRQ: u8 = 1 << 1;
 pub const GUEST_F_NVME: u8 = 1 << 2;
+pub const GUEST_F_SYSCALL: u8 = 1 << 3;
+pub const GUEST_F_SYNC: u8 = 1 << 4;
+pub const GUEST_F_STACKED: u8 = 1 << 5;
+pub const GUEST_F_REAPED: u8 = 1 << 6;
+pub const GUEST_REAP_SYNC: u8 = 1 << 0;
 
 /// Indices of the per-CPU array `counters` (enum counter).
 pub mod counter {
@@ -198,6 +204,7 @@ pub enum Record {
     VmIo(VmIoEvent),
     VmSignal(VmSignalEvent),
     GuestIo(GuestIoEvent),
+    GuestReap(GuestReapEvent),
 }
 
 /// One request as the guest saw it (`struct guest_io_event`), guest clock.
@@ -216,9 +223,27 @@ pub struct GuestIoEvent {
     pub done_ns: u64,
     pub bytes: u32,
     pub queue: u32,
+    pub sys_ns: u64,
+    pub reap_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
 }
 
-const _: () = assert!(size_of::<GuestIoEvent>() == 64);
+const _: () = assert!(size_of::<GuestIoEvent>() == 88);
+
+/// A system call handing completions back to the application
+/// (`struct guest_reap_event`), guest clock.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GuestReapEvent {
+    pub kind: u16,
+    pub flags: u8,
+    pub _pad: u8,
+    pub id: u32,
+    pub ts_ns: u64,
+}
+
+const _: () = assert!(size_of::<GuestReapEvent>() == 16);
 
 impl GuestIoEvent {
     pub const SIZE: usize = size_of::<Self>();
@@ -247,6 +272,7 @@ impl Record {
             EVENT_VM_IO => read(buf).map(Record::VmIo),
             EVENT_VM_SIGNAL => read(buf).map(Record::VmSignal),
             EVENT_GUEST_IO => read(buf).map(Record::GuestIo),
+            EVENT_GUEST_REAP => read(buf).map(Record::GuestReap),
             _ => None,
         }
     }

@@ -20,6 +20,7 @@ use anyhow::{bail, Context, Result};
 use crate::{
     abi::{GuestIoEvent, Record},
     bpf::guest::GuestProbes,
+    reap::{self, Reaper},
     transport::{self, Frame, GuestDisk, Hello, SenderStats},
 };
 
@@ -31,6 +32,10 @@ pub struct GuestOptions {
     /// Written once the probes are attached (for scripts that must not
     /// start their workload before).
     pub ready_file: Option<PathBuf>,
+    /// Run as SCHED_IDLE: a guest's workload is never preempted by the
+    /// agent (a wake-up of the agent between a benchmark's clock read and
+    /// its system call would be the benchmark's latency, not its I/O's).
+    pub idle_priority: bool,
 }
 
 /// Bytes of frames kept while the channel is blocked.
@@ -200,6 +205,18 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
     let mut probes = GuestProbes::load().context("the guest probes")?;
     let mut ring = probes.take_events()?;
     let mut ch = open_channel(opts)?;
+    if opts.idle_priority {
+        // SAFETY: sched_param is plain integers (musl adds fields glibc
+        // lacks): zeroed is priority 0, the only one SCHED_IDLE takes.
+        let param: libc::sched_param = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid sched_param for this thread (pid 0 = caller).
+        if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
+            log::warn!(
+                "could not run as SCHED_IDLE ({}): the agent may delay the guest's work",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
     // SAFETY: the handler only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
@@ -216,6 +233,7 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
         seq: 0,
         stats: SenderStats::default(),
     };
+    let mut reaper = Reaper::default();
     let mut last_hello: Option<Instant> = None;
     let mut last_stats = Instant::now();
     let mut stop_at: Option<Instant> = None;
@@ -227,9 +245,16 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
         std::thread::sleep(DRAIN_EVERY);
         let mut batch: Vec<GuestIoEvent> = Vec::new();
         while let Some(item) = ring.next() {
-            if let Some(Record::GuestIo(ev)) = Record::from_bytes(&item) {
-                batch.push(ev);
+            match Record::from_bytes(&item) {
+                Some(Record::GuestIo(ev)) => reaper.on_io(ev, &mut batch),
+                Some(Record::GuestReap(r)) => reaper.on_reap(r, &mut batch),
+                _ => {}
             }
+        }
+        if stop_at.is_some() {
+            reaper.flush(&mut batch);
+        } else {
+            reaper.expire(reap::monotonic_ns(), &mut batch);
         }
         if last_hello.is_none_or(|t| t.elapsed() >= HELLO_EVERY) {
             q.push(&Frame::Hello(hello(&probes.coverage)));
@@ -243,6 +268,8 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
             let (ring_lost, inflight_lost) = probes.lost();
             q.stats.ring_lost = ring_lost;
             q.stats.inflight_lost = inflight_lost;
+            q.stats.unreaped = reaper.stats.unreaped;
+            q.stats.no_syscall = reaper.stats.no_syscall;
             let stats = q.stats.clone();
             q.push(&Frame::Stats(stats));
             last_stats = Instant::now();

@@ -15,6 +15,7 @@ pub mod doctor;
 pub mod guest_agent;
 pub mod model;
 pub mod preflight;
+pub mod reap;
 pub mod report;
 pub mod run;
 pub mod scratch;

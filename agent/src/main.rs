@@ -42,6 +42,11 @@ enum Cmd {
         /// Create FILE once the probes are attached.
         #[arg(long, value_name = "FILE")]
         ready_file: Option<PathBuf>,
+        /// Run at normal CPU priority. By default the agent runs as SCHED_IDLE, only when the
+        /// guest has nothing else to run, so it never delays the guest's own work (if the guest
+        /// is never idle, its records wait in the kernel's buffer and what overflows is counted).
+        #[arg(long)]
+        normal_priority: bool,
     },
     /// Built-in default job: fio on a scratch loop device, traced, with the table printed.
     Demo {
@@ -156,6 +161,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             port,
             connect,
             ready_file,
+            normal_priority,
         } => {
             if !guest {
                 anyhow::bail!(
@@ -166,6 +172,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 port,
                 connect,
                 ready_file,
+                idle_priority: !normal_priority,
             })?;
             Ok(ExitCode::SUCCESS)
         }

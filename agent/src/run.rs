@@ -461,7 +461,7 @@ async fn drain_events<W: Write>(
                 }
                 Some(Record::VmSignal(ev)) => corr.on_signal(ev.vm, ev.ts_ns),
                 // Guest records travel the guest channel, never this ring.
-                Some(Record::GuestIo(_)) | None => malformed += 1,
+                Some(Record::GuestIo(_) | Record::GuestReap(_)) | None => malformed += 1,
             }
         }
         if stopping {

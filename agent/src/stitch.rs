@@ -3,12 +3,16 @@
 //! four segments:
 //!
 //! ```text
-//!  guest:   start ──guest── kick ·············· irq ──guest── done     (guest clock)
+//!  guest:   begin ──guest── kick ·············· irq ──guest── end       (guest clock)
 //!  host:              kick ─hv─ pick ─engine─ start ─device─ done ─engine─ signal
 //! ```
 //!
-//! total = guest done − guest start (what the guest observed); guest =
-//! (kick − start) + (done − irq); engine and device as on the host; and
+//! The guest's ends are the application's: begin is the entry of the
+//! system call that submitted the request, end the return of the one that
+//! handed its completion back (the block layer's own stamps where the guest
+//! agent saw no such call, counted). total = end − begin (what the guest
+//! observed); guest = (kick − begin) + (end − irq); engine and device as on
+//! the host; and
 //! hypervisor = the rest: the guest's kick to its interrupt, less the host's
 //! window, plus the host's kick → pickup. The four tile the total exactly
 //! and need no common clock: each difference is taken on one clock.
@@ -29,7 +33,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    abi::{GuestIoEvent, VmIoEvent, GUEST_F_NO_IRQ, GUEST_F_NO_KICK},
+    abi::{
+        GuestIoEvent, VmIoEvent, GUEST_F_NO_IRQ, GUEST_F_NO_KICK, GUEST_F_REAPED, GUEST_F_SYSCALL,
+    },
     channel::ChannelStats,
     model::{Hist, Op},
 };
@@ -84,6 +90,12 @@ pub struct StitchCounters {
     /// guest kernel lacks the probes, or the driver skipped the kick): their
     /// guest segment runs to the block layer's issue and completion.
     pub guest_ends_from_block_layer: u64,
+    /// Joined requests without the system call that submitted them or the
+    /// one that reaped them (the guest kernel's own I/O, io_uring workers, a
+    /// completion queue polled from user space): the guest-observed latency
+    /// starts or ends at the block layer's stamp instead.
+    #[serde(default)]
+    pub app_ends_from_block_layer: u64,
 }
 
 /// The offset of one VM's guest clock, from the bounds its requests give.
@@ -312,7 +324,17 @@ impl Stitcher {
     }
     fn join(&mut self, h: &HostIo, g: &GuestIoEvent) {
         let ev = &h.ev;
-        let total = g.done_ns.saturating_sub(g.start_ns);
+        let begin = if g.flags & GUEST_F_SYSCALL != 0 && g.sys_ns != 0 {
+            g.sys_ns.min(g.start_ns)
+        } else {
+            g.start_ns
+        };
+        let end = if g.flags & GUEST_F_REAPED != 0 {
+            g.reap_ns.max(g.done_ns)
+        } else {
+            g.done_ns
+        };
+        let total = end.saturating_sub(begin);
         let from_block = g.flags & (GUEST_F_NO_KICK | GUEST_F_NO_IRQ) != 0;
         let kick = if g.flags & GUEST_F_NO_KICK != 0 {
             g.issue_ns
@@ -324,7 +346,7 @@ impl Stitcher {
         } else {
             g.irq_ns
         };
-        let guest = kick.saturating_sub(g.start_ns) + g.done_ns.saturating_sub(irq);
+        let guest = kick.saturating_sub(begin) + end.saturating_sub(irq);
         let device = ev.done_ns - ev.start_ns;
         let engine = (ev.start_ns - ev.pick_ns) + (h.signal_ns - ev.done_ns);
         let Some(hypervisor) = total.checked_sub(guest + engine + device) else {
@@ -333,6 +355,9 @@ impl Stitcher {
         };
         if from_block {
             self.counters.guest_ends_from_block_layer += 1;
+        }
+        if g.flags & GUEST_F_SYSCALL == 0 || g.flags & GUEST_F_REAPED == 0 {
+            self.counters.app_ends_from_block_layer += 1;
         }
         let clock = self.clocks.entry(ev.vm).or_default();
         clock.add(
@@ -455,6 +480,36 @@ mod tests {
         s.expect_guest(1);
         s.map_disk(1, 7, 3);
         s
+    }
+
+    #[test]
+    fn the_applications_system_calls_bound_the_guest_observed_latency() {
+        let mut s = stitcher();
+        let (mut g, h) = pair(4096, 1_000_000);
+        // Submitted by a call entered 30 µs before the block layer's start,
+        // reaped by one returning 25 µs after its completion.
+        g.flags |= GUEST_F_SYSCALL | GUEST_F_REAPED;
+        g.sys_ns = g.start_ns - 30_000;
+        g.reap_ns = g.done_ns + 25_000;
+        s.on_guest(1, g);
+        s.on_host(h);
+        let st = &s.stitched[&StitchKey {
+            vm: 1,
+            vdisk: 3,
+            op: Op::Read,
+        }];
+        let mean = |h: &Hist| h.summary().mean_us;
+        assert!((mean(&st.total) - 135.0).abs() < 0.5, "{}", mean(&st.total));
+        assert!((mean(&st.guest) - 70.0).abs() < 0.5, "{}", mean(&st.guest));
+        assert!((mean(&st.hypervisor) - 10.0).abs() < 0.5);
+        assert_eq!(s.counters.app_ends_from_block_layer, 0);
+        // Without its reaping call: the block layer's completion ends it.
+        let (mut g, h) = pair(8192, 2_000_000);
+        g.flags |= GUEST_F_SYSCALL;
+        g.sys_ns = g.start_ns - 30_000;
+        s.on_guest(1, g);
+        s.on_host(h);
+        assert_eq!(s.counters.app_ends_from_block_layer, 1);
     }
 
     #[test]

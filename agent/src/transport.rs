@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::abi::GuestIoEvent;
 
 pub const MAGIC: [u8; 4] = *b"IOSP";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 4 + 2 + 2 + 8 + 4;
 /// Frames above this are refused: a corrupt length must not make the
 /// receiver allocate without bound.
@@ -62,6 +62,13 @@ pub struct SenderStats {
     /// and the send queue was full.
     pub dropped_records: u64,
     pub sent_records: u64,
+    /// Requests whose completion no system call was seen handing back
+    /// (their guest segment ends at the block layer's completion).
+    #[serde(default)]
+    pub unreaped: u64,
+    /// Requests no I/O system call submitted (the guest kernel's own).
+    #[serde(default)]
+    pub no_syscall: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]

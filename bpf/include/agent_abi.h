@@ -162,12 +162,17 @@ enum event_kind {
 	EVENT_VM_IO = 2,
 	EVENT_VM_SIGNAL = 3,
 	EVENT_GUEST_IO = 4,
+	EVENT_GUEST_REAP = 5,
 };
 
 /* One request as a guest sees it (`iospan agent --guest`), on the guest's
  * clock: the guest's ends of its latency. The kick and interrupt come from
  * kprobes where the guest kernel has them (virtio) or NVMe's tracepoints;
- * without them they are 0 and GUEST_F_NO_KICK / GUEST_F_NO_IRQ say so. */
+ * without them they are 0 and GUEST_F_NO_KICK / GUEST_F_NO_IRQ say so.
+ * The application's ends: the system call that submitted it (sys_ns, its
+ * thread and process) and, filled in by the guest agent from a
+ * guest_reap_event, the return of the system call that handed its
+ * completion back (reap_ns). */
 struct guest_io_event {
 	__u16 kind;      /* EVENT_GUEST_IO */
 	__u8 op;         /* enum blk_op_class */
@@ -181,11 +186,33 @@ struct guest_io_event {
 	__u64 done_ns;   /* block layer completion */
 	__u32 bytes;
 	__u32 queue;     /* hardware queue */
+	__u64 sys_ns;    /* entry of the submitting system call (GUEST_F_SYSCALL) */
+	__u64 reap_ns;   /* return of the reaping system call (GUEST_F_REAPED) */
+	__u32 tgid;      /* submitting process, 0 when not known */
+	__u32 tid;       /* submitting thread */
 };
+
+/* A system call handing completions back to the application: the return
+ * of a synchronous read/write (the thread's own request) or of
+ * io_getevents / io_uring_enter (any of the process's). Emitted only when a
+ * request of that thread or process completed since its last one. */
+struct guest_reap_event {
+	__u16 kind;      /* EVENT_GUEST_REAP */
+	__u8 flags;      /* GUEST_REAP_SYNC: `id` is a thread, else a process */
+	__u8 _pad;
+	__u32 id;
+	__u64 ts_ns;
+};
+
+#define GUEST_REAP_SYNC (1 << 0)
 
 #define GUEST_F_NO_KICK (1 << 0) /* no kick seen after the issue (suppressed or not probed) */
 #define GUEST_F_NO_IRQ (1 << 1)  /* no driver completion seen */
 #define GUEST_F_NVME (1 << 2)    /* kick and completion from NVMe's tracepoints */
+#define GUEST_F_SYSCALL (1 << 3) /* sys_ns, tgid, tid: submitted by a system call */
+#define GUEST_F_SYNC (1 << 4)    /* that call was synchronous: the same thread's return reaps it */
+#define GUEST_F_STACKED (1 << 5) /* came through a stacked device (device mapper, md) */
+#define GUEST_F_REAPED (1 << 6)  /* reap_ns set by the guest agent */
 
 /* A VM's request at its final host completion, with the notification that
  * led to it: the guest's kick (an eventfd write by a vCPU thread) and the
@@ -237,7 +264,8 @@ struct blk_io_event {
 };
 
 _Static_assert(sizeof(struct blk_io_event) == 56, "abi: blk_io_event");
-_Static_assert(sizeof(struct guest_io_event) == 64, "abi: guest_io_event");
+_Static_assert(sizeof(struct guest_io_event) == 88, "abi: guest_io_event");
+_Static_assert(sizeof(struct guest_reap_event) == 16, "abi: guest_reap_event");
 _Static_assert(sizeof(struct vm_key) == 16, "abi: vm_key");
 _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");

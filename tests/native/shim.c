@@ -60,7 +60,10 @@ static const struct shim_field fields[] = {
 	S(guest_io_event), F(guest_io_event, kind), F(guest_io_event, op), F(guest_io_event, flags),
 	F(guest_io_event, dev), F(guest_io_event, sector), F(guest_io_event, start_ns), F(guest_io_event, issue_ns),
 	F(guest_io_event, kick_ns), F(guest_io_event, irq_ns), F(guest_io_event, done_ns), F(guest_io_event, bytes),
-	F(guest_io_event, queue),
+	F(guest_io_event, queue), F(guest_io_event, sys_ns), F(guest_io_event, reap_ns), F(guest_io_event, tgid),
+	F(guest_io_event, tid),
+	S(guest_reap_event), F(guest_reap_event, kind), F(guest_reap_event, flags), F(guest_reap_event, id),
+	F(guest_reap_event, ts_ns),
 	{ 0, 0, 0 },
 };
 

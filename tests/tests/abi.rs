@@ -6,7 +6,7 @@ use std::mem::{offset_of, size_of};
 use agent_integration::{c_consts, c_hist_bucket, c_layout, RqCompletion, RqOutcome};
 use iospan::{
     abi::{
-        self, BlkIoEvent, BlkStats, DiskSlot, FileKey, GuestIoEvent, RqSlot, VmDevKey, VmIoEvent,
+        self, BlkIoEvent, BlkStats, DiskSlot, FileKey, GuestIoEvent, GuestReapEvent, RqSlot, VmDevKey, VmIoEvent,
         VmKey, VmSignalEvent,
     },
     model::hist,
@@ -46,7 +46,8 @@ fn abi_layout() {
         "blk_stats" => BlkStats { busy, ios, bytes, errors, requeued, partial, sum_ns, max_ns, hist }
         "rq_completion" => RqCompletion { rq, kstart_ns, kissue_ns, now_ns, remaining, nr_bytes }
         "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos }
-        "guest_io_event" => GuestIoEvent { kind, op, flags, dev, sector, start_ns, issue_ns, kick_ns, irq_ns, done_ns, bytes, queue }
+        "guest_io_event" => GuestIoEvent { kind, op, flags, dev, sector, start_ns, issue_ns, kick_ns, irq_ns, done_ns, bytes, queue, sys_ns, reap_ns, tgid, tid }
+        "guest_reap_event" => GuestReapEvent { kind, flags, id, ts_ns }
     };
     let c = c_layout();
     assert_eq!(

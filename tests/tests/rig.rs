@@ -84,8 +84,7 @@ fn traced_boot(a: RunArgs) {
         );
     }
 
-    // Every guest read reaches the host disk (cache=none), and the host's
-    // request lifetime is inside what the guest observed.
+    // Every guest read reaches the host disk (cache=none).
     let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     let reads = rep["entries"]
         .as_array()
@@ -99,12 +98,10 @@ fn traced_boot(a: RunArgs) {
         reads["ios"].as_u64().unwrap() + unseen >= r.guest_reads,
         "host {reads} vs {ctx}"
     );
-    let host_mean = reads["total"]["mean_us"].as_f64().unwrap();
+    // (The disk's mean covers every process's reads, e.g. a freshly built
+    // binary paged in: only the VM's requests below are held to the
+    // guest's mean.)
     let guest_mean = r.workload["mean_us"].as_f64().unwrap();
-    assert!(
-        host_mean > 0.0 && host_mean <= guest_mean,
-        "host mean {host_mean} µs vs guest {guest_mean} µs"
-    );
 
     // The same requests attributed to the VM, by the name QEMU was given
     // and the virtual disk's id (resolved from each request's file at
@@ -243,13 +240,20 @@ fn traced_boot(a: RunArgs) {
             "segments {parts} vs guest-observed {}: {st}",
             m("total")
         );
-        // The guest's block layer lifetime lies inside what the workload
-        // timed around its system calls.
+        // Guest-observed: from the workload's submitting system call to the
+        // return of the one that reaped it, what the workload timed around
+        // them (its mean within 10 %, its p99 within 20 %).
+        let p99 = st["segments"]["total"]["p99_us"].as_f64().unwrap();
+        let guest_p99 = r.workload["p99_us"].as_f64().unwrap();
         assert!(
-            m("total") <= guest_mean * 1.02,
-            "guest-observed {} vs the workload's {guest_mean}",
-            m("total")
+            (m("total") - guest_mean).abs() <= 0.10 * guest_mean
+                && (p99 - guest_p99).abs() <= 0.20 * guest_p99,
+            "guest-observed mean {} p99 {p99} vs the workload's {guest_mean} / {guest_p99}: {st} {} {ch}",
+            m("total"),
+            rep["stitch"]
         );
+        let from_block = rep["stitch"]["app_ends_from_block_layer"].as_u64().unwrap();
+        assert!(from_block * 100 <= n, "{} {ch}", rep["stitch"]);
         assert!(m("hypervisor") > 0.0 && m("guest") > 0.0, "{st}");
         let clock = &guest["clock"];
         assert!(clock["pairs"].as_u64().unwrap_or(0) >= n, "{clock}");
