@@ -595,3 +595,83 @@ fn a_qemu_throttle_is_engine_time() {
     assert!((device_slow - device_free).abs() <= 0.10 * added, "{ctx}");
     assert!((hv_slow - hv_free).abs() <= 0.10 * added, "{ctx}");
 }
+
+/// A delay inside the guest (device mapper's "delay" target stacked on the
+/// guest's disk, holding each read d ms before it reaches the virtio disk)
+/// is guest time: the guest segment, which runs from the workload's
+/// submitting system call, takes it; the host's segments do not move.
+#[test]
+fn a_guest_side_delay_is_guest_time() {
+    const DELAY_MS: u32 = 5;
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let boot = |delay_ms: u32| {
+        let a = RunArgs {
+            ios: 200,
+            dm_delay_ms: Some(delay_ms),
+            name: "delayed".into(),
+            ..Default::default()
+        };
+        let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
+        let report = std::env::temp_dir().join(format!(
+            "iospan-dm-delay-{}-{delay_ms}.json",
+            std::process::id()
+        ));
+        let t = std::time::Instant::now();
+        let out = run(Command::new(iospan_bin())
+            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .arg(&report)
+            .arg("--")
+            .arg(qemu.get_program())
+            .args(qemu.get_args()));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect();
+        let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64()).unwrap();
+        assert_eq!(r.workload["errors"].as_u64(), Some(0), "{:?}", r.workload);
+        let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+        let vm = rep["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["vm"] == "delayed" && e["disk"] == "vd0" && e["op"] == "read")
+            .cloned()
+            .unwrap_or_else(|| panic!("no entry for the VM: {rep:#}"));
+        let st = &vm["stitched"];
+        // Every workload read joined, each with the workload's own system
+        // calls at its ends, stacked device or not.
+        assert!(
+            st["count"].as_u64().unwrap_or(0) * 100 >= r.workload_reads * 99,
+            "{st} {}",
+            rep["stitch"]
+        );
+        assert_eq!(rep["stitch"]["app_ends_from_block_layer"].as_u64(), Some(0), "{}", rep["stitch"]);
+        let m = |k: &str| {
+            st["segments"][k]["mean_us"]
+                .as_f64()
+                .unwrap_or_else(|| panic!("no {k}: {st}"))
+        };
+        (
+            r.workload["mean_us"].as_f64().unwrap(),
+            [m("guest"), m("hypervisor"), m("engine"), m("device")],
+        )
+    };
+    let (free, [guest_free, hv_free, engine_free, device_free]) = boot(0);
+    let (slow, [guest_slow, hv_slow, engine_slow, device_slow]) = boot(DELAY_MS);
+    let d = f64::from(DELAY_MS) * 1000.0;
+    let ctx = format!(
+        "d {d} µs; workload {free} -> {slow}; guest {guest_free} -> {guest_slow}, hypervisor {hv_free} -> {hv_slow}, \
+         engine {engine_free} -> {engine_slow}, device {device_free} -> {device_slow}"
+    );
+    eprintln!("dm-delay: {ctx}");
+    assert!(guest_slow - guest_free >= 0.80 * d, "{ctx}");
+    for (free, slow) in [(hv_free, hv_slow), (engine_free, engine_slow), (device_free, device_slow)] {
+        assert!((slow - free).abs() <= 0.10 * d, "{ctx}");
+    }
+}

@@ -7,11 +7,15 @@
  *                    "p50_us":…,"p90_us":…,"p99_us":…,"p999_us":…,"max_us":…}
  * where ios is the exact number of I/Os completed and the latencies are
  * per I/O, submission to reaped completion, as the guest observed them.
+ * With -x MS the I/O goes through a device-mapper "delay" target stacked on
+ * the disk (reads and writes held MS milliseconds in the guest), set up
+ * here with the device-mapper ioctls (no dmsetup in the initramfs).
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/aio_abi.h>
+#include <linux/dm-ioctl.h>
 #include <linux/fs.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -19,6 +23,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -38,6 +43,66 @@ static uint64_t now_ns(void)
 
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+/* One device-mapper ioctl: the header, then (for a table load) one target
+ * spec and its parameters. */
+static int dm_ioctl_(int ctl, unsigned long cmd, struct dm_ioctl *io, const char *name)
+{
+	io->version[0] = DM_VERSION_MAJOR;
+	io->version[1] = 0;
+	io->version[2] = 0;
+	if (!io->data_size)
+		io->data_size = sizeof(*io);
+	io->data_start = sizeof(*io);
+	snprintf(io->name, sizeof(io->name), "%s", name);
+	return ioctl(ctl, cmd, io);
+}
+
+/* Stacks "delay" (ms on reads and writes) on dev; returns the new device's
+ * path in out. */
+static int dm_delay(const char *dev, long ms, char *out, size_t outlen)
+{
+	const char *name = "iospan-delay";
+	int fd = open(dev, O_RDONLY), ctl = open("/dev/mapper/control", O_RDWR);
+	uint64_t size = 0;
+
+	if (fd < 0 || ctl < 0 || ioctl(fd, BLKGETSIZE64, &size)) {
+		fprintf(stderr, "workload: dm-delay on %s: %s\n", dev, strerror(errno));
+		return -1;
+	}
+	close(fd);
+	struct dm_ioctl create = {0};
+	if (dm_ioctl_(ctl, DM_DEV_CREATE, &create, name)) {
+		fprintf(stderr, "workload: DM_DEV_CREATE: %s\n", strerror(errno));
+		return -1;
+	}
+	struct {
+		struct dm_ioctl io;
+		struct dm_target_spec spec;
+		char params[256];
+	} load = {0};
+	load.io.data_size = sizeof(load);
+	load.io.target_count = 1;
+	load.spec.sector_start = 0;
+	load.spec.length = size / 512;
+	snprintf(load.spec.target_type, sizeof(load.spec.target_type), "delay");
+	snprintf(load.params, sizeof(load.params), "%s 0 %ld", dev, ms);
+	load.spec.next = 0;
+	if (dm_ioctl_(ctl, DM_TABLE_LOAD, &load.io, name)) {
+		fprintf(stderr, "workload: DM_TABLE_LOAD delay %s: %s\n", load.params, strerror(errno));
+		return -1;
+	}
+	struct dm_ioctl resume = {0};
+	if (dm_ioctl_(ctl, DM_DEV_SUSPEND, &resume, name)) {
+		fprintf(stderr, "workload: resuming %s: %s\n", name, strerror(errno));
+		return -1;
+	}
+	close(ctl);
+	snprintf(out, outlen, "/dev/dm-%u", minor(resume.dev));
+	for (int i = 0; i < 100 && access(out, F_OK); i++)
+		usleep(10000);
+	return 0;
 }
 
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
@@ -68,23 +133,30 @@ static double pct(const uint64_t *v, long n, double q)
 int main(int argc, char **argv)
 {
 	const char *dev = "/dev/vda", *rw = "randread";
-	long qd = 1, ios = 1000;
+	long qd = 1, ios = 1000, delay_ms = -1;
+	static char dm_path[64];
 	int opt;
 
-	while ((opt = getopt(argc, argv, "d:q:n:w:")) != -1) {
+	while ((opt = getopt(argc, argv, "d:q:n:w:x:")) != -1) {
 		switch (opt) {
 		case 'd': dev = optarg; break;
 		case 'q': qd = atol(optarg); break;
 		case 'n': ios = atol(optarg); break;
 		case 'w': rw = optarg; break;
+		case 'x': delay_ms = atol(optarg); break;
 		default:
-			fprintf(stderr, "usage: %s -d DEV -q QD -n IOS -w randread|randwrite\n", argv[0]);
+			fprintf(stderr, "usage: %s -d DEV -q QD -n IOS -w randread|randwrite [-x DELAY_MS]\n", argv[0]);
 			return 2;
 		}
 	}
 	if (qd < 1 || qd > MAX_QD || ios < 1) {
 		fprintf(stderr, "workload: qd must be 1..%d and ios >= 1\n", MAX_QD);
 		return 2;
+	}
+	if (delay_ms >= 0) {
+		if (dm_delay(dev, delay_ms, dm_path, sizeof(dm_path)))
+			return 1;
+		dev = dm_path;
 	}
 	int write = strcmp(rw, "randwrite") == 0;
 	int fd = open(dev, (write ? O_RDWR : O_RDONLY) | O_DIRECT);

@@ -21,7 +21,7 @@ use crate::{setup, sh};
 
 /// Modules the initramfs loads, with their dependencies (NVMe is built in):
 /// the disk, and the virtio-serial port of the guest agent's channel.
-const MODULES: &[&str] = &["virtio_blk", "virtio_pci", "virtio_console"];
+const MODULES: &[&str] = &["virtio_blk", "virtio_pci", "virtio_console", "dm_delay"];
 
 /// The target the guest agent is built for: static, runs in any guest.
 pub const GUEST_TARGET: &str = "x86_64-unknown-linux-musl";
@@ -73,6 +73,10 @@ pub struct RunArgs {
     /// Boot without the guest agent (no guest channel, no guest segment).
     #[arg(long)]
     pub no_guest_agent: bool,
+    /// Stack a device-mapper "delay" target holding each I/O this many
+    /// milliseconds inside the guest, and run the workload on it.
+    #[arg(long, value_name = "MS")]
+    pub dm_delay_ms: Option<u32>,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -118,6 +122,7 @@ impl Default for RunArgs {
             throttle_iops: None,
             ioeventfd: false,
             no_guest_agent: false,
+            dm_delay_ms: None,
             json: false,
         }
     }
@@ -432,11 +437,12 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
         .arg(&rig.initrd)
         .arg("-append")
         .arg(format!(
-            "console=ttyS0 quiet panic=-1 iospan.dev={guest_dev} iospan.qd={} iospan.ios={} iospan.rw={} iospan.agent={}",
+            "console=ttyS0 quiet panic=-1 iospan.dev={guest_dev} iospan.qd={} iospan.ios={} iospan.rw={} iospan.agent={} iospan.dmdelay={}",
             a.qd,
             a.ios,
             a.rw,
-            u8::from(!a.no_guest_agent)
+            u8::from(!a.no_guest_agent),
+            a.dm_delay_ms.map(i64::from).unwrap_or(-1)
         ))
         .arg("-drive")
         .arg(format!(
