@@ -67,19 +67,22 @@ pub async fn follow(
         };
         with_stats(&correlator, vm, |s| s.connections += 1);
         let mut reader = FrameReader::default();
-        let mut stopping = false;
+        let mut stopping: Option<tokio::time::Instant> = None;
         loop {
-            let n = if stopping {
-                // Stopping: what the socket already holds, briefly.
-                match tokio::time::timeout(Duration::from_millis(300), stream.read(&mut buf)).await
-                {
+            let n = if let Some(until) = stopping {
+                // Stopping: what the guest agent sent up to now (it drains
+                // every 100 ms), not what it goes on sending.
+                match tokio::time::timeout_at(until, stream.read(&mut buf)).await {
                     Ok(Ok(n)) => n,
                     _ => 0,
                 }
             } else {
                 tokio::select! {
                     r = stream.read(&mut buf) => r.unwrap_or(0),
-                    _ = stop.changed() => { stopping = true; continue; }
+                    _ = stop.changed() => {
+                        stopping = Some(tokio::time::Instant::now() + Duration::from_millis(300));
+                        continue;
+                    }
                 }
             };
             if n == 0 {
@@ -106,7 +109,7 @@ pub async fn follow(
                 s.sender_restarts = s.sender_restarts.max(reader.restarts);
             });
         }
-        if stopping {
+        if stopping.is_some() {
             return;
         }
     }

@@ -77,6 +77,10 @@ pub struct RunArgs {
     /// milliseconds inside the guest, and run the workload on it.
     #[arg(long, value_name = "MS")]
     pub dm_delay_ms: Option<u32>,
+    /// Stop the guest agent this many seconds into the workload and start
+    /// it again (the host sees its sender start over).
+    #[arg(long, value_name = "S")]
+    pub agent_restart_s: Option<u32>,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -123,6 +127,7 @@ impl Default for RunArgs {
             ioeventfd: false,
             no_guest_agent: false,
             dm_delay_ms: None,
+            agent_restart_s: None,
             json: false,
         }
     }
@@ -437,12 +442,13 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
         .arg(&rig.initrd)
         .arg("-append")
         .arg(format!(
-            "console=ttyS0 quiet panic=-1 iospan.dev={guest_dev} iospan.qd={} iospan.ios={} iospan.rw={} iospan.agent={} iospan.dmdelay={}",
+            "console=ttyS0 quiet panic=-1 iospan.dev={guest_dev} iospan.qd={} iospan.ios={} iospan.rw={} iospan.agent={} iospan.dmdelay={}{}",
             a.qd,
             a.ios,
             a.rw,
             u8::from(!a.no_guest_agent),
-            a.dm_delay_ms.map(i64::from).unwrap_or(-1)
+            a.dm_delay_ms.map(i64::from).unwrap_or(-1),
+            a.agent_restart_s.map(|s| format!(" iospan.agentrestart={s}")).unwrap_or_default()
         ))
         .arg("-drive")
         .arg(format!(
