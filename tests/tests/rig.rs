@@ -850,3 +850,65 @@ fn the_guest_channel_survives_a_host_agent_restart() {
         .unwrap_or(0);
     assert!(joined > 0, "the second host agent joined nothing: {}", second["stitch"]);
 }
+
+/// The guest reboots mid-run: its new agent starts over on the same
+/// channel, the host counts the restart and joins the second boot's
+/// requests too.
+#[test]
+fn the_host_follows_a_guest_reboot() {
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let a = RunArgs {
+        ios: 1000,
+        reboot: true,
+        name: "rebooted".into(),
+        ..Default::default()
+    };
+    let (qemu, _) = guest::qemu_command(&rig, &a, &image);
+    let report = std::env::temp_dir().join(format!("iospan-reboot-{}.json", std::process::id()));
+    let out = run(Command::new(iospan_bin())
+        .args(["run", "--quiet", "--disk", &host, "--json-out"])
+        .arg(&report)
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args()));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let console = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(console.contains("IOSPAN-REBOOTING"), "{console}");
+    let runs: Vec<Value> = console
+        .lines()
+        .filter_map(|l| l.split_once("IOSPAN-WORKLOAD ").map(|(_, j)| j))
+        .map(|j| serde_json::from_str(j).unwrap())
+        .collect();
+    assert_eq!(runs.len(), 2, "one workload per boot: {console}");
+    for w in &runs {
+        assert_eq!((w["ios"].as_u64(), w["errors"].as_u64()), (Some(a.ios), Some(0)), "{w}");
+    }
+    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let ch = rep["guests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["vm"] == "rebooted")
+        .map(|g| g["channel"].clone())
+        .unwrap_or_else(|| panic!("no guest agent heard from: {:#}", rep["guests"]));
+    assert!(ch["sender_restarts"].as_u64().unwrap() >= 1, "{ch}");
+    assert_eq!(ch["lost_frames"].as_u64(), Some(0), "{ch}");
+    assert_eq!(ch["decode_errors"].as_u64(), Some(0), "{ch}");
+    assert!(ch["records"].as_u64().unwrap() >= 2 * a.ios, "{ch}");
+    let vm = rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == "rebooted" && e["disk"] == "vd0" && e["op"] == "read")
+        .cloned()
+        .unwrap_or_else(|| panic!("no entry for the VM: {rep:#}"));
+    let joined = vm["stitched"]["count"].as_u64().unwrap_or(0);
+    let stitch = &rep["stitch"];
+    // Both boots' requests are the virtual disk's and are joined.
+    assert!(
+        joined * 100 >= 2 * a.ios * 95,
+        "joined {joined} of {} over two boots: {stitch} {ch}",
+        2 * a.ios
+    );
+}

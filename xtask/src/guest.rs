@@ -81,6 +81,9 @@ pub struct RunArgs {
     /// it again (the host sees its sender start over).
     #[arg(long, value_name = "S")]
     pub agent_restart_s: Option<u32>,
+    /// Run the workload, reboot the guest once, run it again.
+    #[arg(long)]
+    pub reboot: bool,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -128,6 +131,7 @@ impl Default for RunArgs {
             no_guest_agent: false,
             dm_delay_ms: None,
             agent_restart_s: None,
+            reboot: false,
             json: false,
         }
     }
@@ -431,7 +435,8 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
         DiskModel::Nvme => "nvme0n1",
     };
     let mut c = Command::new("qemu-system-x86_64");
-    c.args(["-accel", "tcg", "-m", "512", "-smp", "1", "-display", "none", "-serial", "stdio", "-monitor", "none", "-no-reboot"])
+    c.args(["-accel", "tcg", "-m", "512", "-smp", "1", "-display", "none", "-serial", "stdio", "-monitor", "none"])
+        .args(if a.reboot { &[][..] } else { &["-no-reboot"][..] })
         // qboot: a firmware that loads -kernel without touching the disks,
         // so the guest kernel's own counters cover all guest I/O.
         .args(["-bios", "qboot.rom"])
@@ -449,7 +454,7 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
             u8::from(!a.no_guest_agent),
             a.dm_delay_ms.map(i64::from).unwrap_or(-1),
             a.agent_restart_s.map(|s| format!(" iospan.agentrestart={s}")).unwrap_or_default()
-        ))
+        ) + if a.reboot { " iospan.reboot=1" } else { "" })
         .arg("-drive")
         .arg(format!(
             "file={},if=none,id={},format=raw,cache=none,aio={}{}",
