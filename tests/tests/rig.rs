@@ -255,6 +255,21 @@ fn traced_boot(a: RunArgs) {
         } else {
             0.30
         };
+        // Requests whose host completion the tracepoints never delivered
+        // (`unseen`, a whole batch at once, which the host also held for
+        // milliseconds) cannot be joined: they are the run's slowest, so
+        // with any unseen the p99 of the joined ones is not the workload's;
+        // those guest records are counted as unmatched instead.
+        let p99_within = if unseen > 0 {
+            assert!(
+                rep["stitch"]["unmatched_guest"].as_u64().unwrap() >= unseen.min(r.workload_reads - n),
+                "{}",
+                rep["stitch"]
+            );
+            f64::INFINITY
+        } else {
+            p99_within
+        };
         assert!(
             (m("total") - guest_mean).abs() <= 0.10 * guest_mean
                 && (p99 - guest_p99).abs() <= p99_within * guest_p99,
