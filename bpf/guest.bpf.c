@@ -37,10 +37,11 @@ struct guest_slot {
 	struct origin from;
 };
 
-/* The I/O system call a thread is in: entry time and number. */
+/* The I/O system call a thread is in: entry time and kind (enum io_call). */
 struct io_syscall {
 	__u64 entry_ns;
-	long nr;
+	__u32 call;
+	__u32 _pad;
 };
 
 struct {
@@ -154,28 +155,35 @@ static __always_inline int current_origin(struct origin *o)
 	__u64 id;
 
 	sc = bpf_task_storage_get(&io_syscalls, bpf_get_current_task_btf(), 0, 0);
-	if (!sc || !sc->entry_ns || io_call_of(sc->nr) == IO_CALL_REAP)
+	if (!sc || !sc->entry_ns || sc->call == IO_CALL_REAP)
 		return 0;
 	id = bpf_get_current_pid_tgid();
 	o->sys_ns = sc->entry_ns;
 	o->tgid = id >> 32;
 	o->tid = (__u32)id;
-	o->flags = GUEST_F_SYSCALL | (io_call_of(sc->nr) == IO_CALL_SYNC ? GUEST_F_SYNC : 0);
+	o->flags = GUEST_F_SYSCALL | (sc->call == IO_CALL_SYNC ? GUEST_F_SYNC : 0);
 	return 1;
+}
+
+/* reap_waiting's key: the thread for a synchronous call, else the process. */
+static __always_inline __u64 waiter_key(int sync, __u32 tid, __u32 tgid)
+{
+	return sync ? tid : (1ULL << 32) | tgid;
 }
 
 SEC("tp_btf/sys_enter")
 int BPF_PROG(sys_enter, struct pt_regs *regs, long nr)
 {
+	enum io_call call = io_call_of(nr);
 	struct io_syscall *sc;
 
-	if (io_call_of(nr) == IO_CALL_NONE)
+	if (call == IO_CALL_NONE)
 		return 0;
 	sc = bpf_task_storage_get(&io_syscalls, bpf_get_current_task_btf(), 0,
 				  BPF_LOCAL_STORAGE_GET_F_CREATE);
 	if (sc) {
 		sc->entry_ns = bpf_ktime_get_ns();
-		sc->nr = nr;
+		sc->call = call;
 	}
 	return 0;
 }
@@ -190,28 +198,30 @@ int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
 	struct guest_reap_event *ev;
 	enum io_call call;
 	__u64 id, key;
+	int sync;
 
 	sc = bpf_task_storage_get(&io_syscalls, bpf_get_current_task_btf(), 0, 0);
 	if (!sc || !sc->entry_ns)
 		return 0;
 	sc->entry_ns = 0;
-	call = io_call_of(sc->nr);
+	call = sc->call;
 	if (call == IO_CALL_SUBMIT)
 		return 0;
 	id = bpf_get_current_pid_tgid();
-	key = call == IO_CALL_SYNC ? (__u32)id : (1ULL << 32) | (id >> 32);
-	if (!bpf_map_lookup_elem(&reap_waiting, &key))
+	sync = call == IO_CALL_SYNC;
+	key = waiter_key(sync, (__u32)id, id >> 32);
+	/* Deleting is the test: one map operation per reaping call. */
+	if (bpf_map_delete_elem(&reap_waiting, &key))
 		return 0;
-	bpf_map_delete_elem(&reap_waiting, &key);
 	ev = bpf_ringbuf_reserve(&guest_events, sizeof(*ev), 0);
 	if (!ev) {
 		count(CNT_GUEST_RING_LOST);
 		return 0;
 	}
 	ev->kind = EVENT_GUEST_REAP;
-	ev->flags = call == IO_CALL_SYNC ? GUEST_REAP_SYNC : 0;
+	ev->flags = sync ? GUEST_REAP_SYNC : 0;
 	ev->_pad = 0;
-	ev->id = call == IO_CALL_SYNC ? (__u32)id : id >> 32;
+	ev->id = sync ? (__u32)id : id >> 32;
 	ev->ts_ns = bpf_ktime_get_ns();
 	bpf_ringbuf_submit(ev, BPF_RB_NO_WAKEUP);
 	return 0;
@@ -426,7 +436,7 @@ int BPF_PROG(block_rq_complete, struct request *rq, int error, unsigned int nr_b
 	ev->tgid = s->from.tgid;
 	ev->tid = s->from.tid;
 	if (s->from.tgid) {
-		__u64 key = (s->from.flags & GUEST_F_SYNC) ? s->from.tid : (1ULL << 32) | s->from.tgid;
+		__u64 key = waiter_key(s->from.flags & GUEST_F_SYNC, s->from.tid, s->from.tgid);
 		__u8 one = 1;
 
 		bpf_map_update_elem(&reap_waiting, &key, &one, BPF_ANY);

@@ -64,11 +64,11 @@ impl Reaper {
         let Some(q) = self.waiting.get_mut(&key) else {
             return;
         };
-        while let Some(ev) = q.front() {
+        while let Some(mut ev) = q.pop_front() {
             if ev.done_ns > r.ts_ns {
+                q.push_front(ev);
                 break;
             }
-            let mut ev = q.pop_front().unwrap_or_default();
             ev.reap_ns = r.ts_ns;
             ev.flags |= GUEST_F_REAPED;
             self.stats.reaped += 1;
@@ -145,7 +145,9 @@ mod tests {
         assert!(out.is_empty(), "held for their reap");
         r.on_reap(reap(false, 7, 1200), &mut out);
         assert_eq!(out.len(), 2);
-        assert!(out.iter().all(|e| e.reap_ns == 1200 && e.flags & GUEST_F_REAPED != 0));
+        assert!(out
+            .iter()
+            .all(|e| e.reap_ns == 1200 && e.flags & GUEST_F_REAPED != 0));
         r.on_reap(reap(false, 7, 1400), &mut out);
         assert_eq!(out[2].reap_ns, 1400);
         assert_eq!(r.stats.reaped, 3);
@@ -170,7 +172,13 @@ mod tests {
     fn unreaped_and_unsubmitted_requests_are_sent_and_counted() {
         let mut r = Reaper::default();
         let mut out = Vec::new();
-        r.on_io(GuestIoEvent { done_ns: 10, ..Default::default() }, &mut out);
+        r.on_io(
+            GuestIoEvent {
+                done_ns: 10,
+                ..Default::default()
+            },
+            &mut out,
+        );
         assert_eq!((out.len(), r.stats.no_syscall), (1, 1));
         r.on_io(io(7, 8, false, 1000), &mut out);
         r.expire(1000 + HOLD_NS - 1, &mut out);

@@ -6,8 +6,8 @@ use std::mem::{offset_of, size_of};
 use agent_integration::{c_consts, c_hist_bucket, c_layout, RqCompletion, RqOutcome};
 use iospan::{
     abi::{
-        self, BlkIoEvent, BlkStats, DiskSlot, FileKey, GuestIoEvent, GuestReapEvent, RqSlot, VmDevKey, VmIoEvent,
-        VmKey, VmSignalEvent,
+        self, BlkIoEvent, BlkStats, DiskSlot, FileKey, GuestIoEvent, GuestReapEvent, RqSlot,
+        VmDevKey, VmIoEvent, VmKey, VmSignalEvent,
     },
     model::hist,
 };

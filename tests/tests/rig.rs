@@ -35,6 +35,51 @@ fn host_disk_of(path: &std::path::Path) -> String {
 /// never left QEMU). Tolerated, one per boot, until explained.
 const NO_HOST_READ: u64 = 1;
 
+/// `iospan run` around one rig boot (a report under `tag`): the guest's
+/// console and iospan's JSON report.
+fn traced_run(qemu: &Command, host: &str, tag: &str) -> (Vec<String>, Value) {
+    let report = std::env::temp_dir().join(format!("iospan-{tag}-{}.json", std::process::id()));
+    let out = run(Command::new(iospan_bin())
+        .args(["run", "--quiet", "--disk", host, "--json-out"])
+        .arg(&report)
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let console = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let rep = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    (console, rep)
+}
+
+/// The report's entry for the VM's reads on its virtual disk vd0.
+fn vd0_reads(rep: &Value, vm: &str) -> Value {
+    rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == vm && e["disk"] == "vd0" && e["op"] == "read")
+        .cloned()
+        .unwrap_or_else(|| panic!("no entry for VM {vm}: {rep:#}"))
+}
+
+/// The VM's guest channel, as the report has it.
+fn guest_channel(rep: &Value, vm: &str) -> Value {
+    rep["guests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["vm"] == vm)
+        .map(|g| g["channel"].clone())
+        .unwrap_or_else(|| panic!("no guest agent heard from: {:#}", rep["guests"]))
+}
+
 fn traced_boot(a: RunArgs) {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
@@ -262,7 +307,8 @@ fn traced_boot(a: RunArgs) {
         // those guest records are counted as unmatched instead.
         let p99_within = if unseen > 0 {
             assert!(
-                rep["stitch"]["unmatched_guest"].as_u64().unwrap() >= unseen.min(r.workload_reads - n),
+                rep["stitch"]["unmatched_guest"].as_u64().unwrap()
+                    >= unseen.min(r.workload_reads.saturating_sub(n)),
                 "{}",
                 rep["stitch"]
             );
@@ -556,36 +602,10 @@ fn a_qemu_throttle_is_engine_time() {
             ..Default::default()
         };
         let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
-        let report = std::env::temp_dir().join(format!(
-            "iospan-throttle-{}-{}.json",
-            std::process::id(),
-            throttle.is_some()
-        ));
         let t = std::time::Instant::now();
-        let out = run(Command::new(iospan_bin())
-            .args(["run", "--quiet", "--disk", &host, "--json-out"])
-            .arg(&report)
-            .arg("--")
-            .arg(qemu.get_program())
-            .args(qemu.get_args()));
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(str::to_string)
-            .collect();
+        let (console, rep) = traced_run(&qemu, &host, &format!("throttle-{}", throttle.is_some()));
         let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64()).unwrap();
-        let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-        let vm = rep["entries"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|e| e["vm"] == "throttled" && e["disk"] == "vd0" && e["op"] == "read")
-            .cloned()
-            .unwrap();
+        let vm = vd0_reads(&rep, "throttled");
         let m = |k: &str| {
             vm["segments"][k]["mean_us"]
                 .as_f64()
@@ -638,36 +658,11 @@ fn a_guest_side_delay_is_guest_time() {
             ..Default::default()
         };
         let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
-        let report = std::env::temp_dir().join(format!(
-            "iospan-dm-delay-{}-{delay_ms}.json",
-            std::process::id()
-        ));
         let t = std::time::Instant::now();
-        let out = run(Command::new(iospan_bin())
-            .args(["run", "--quiet", "--disk", &host, "--json-out"])
-            .arg(&report)
-            .arg("--")
-            .arg(qemu.get_program())
-            .args(qemu.get_args()));
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(str::to_string)
-            .collect();
+        let (console, rep) = traced_run(&qemu, &host, &format!("dm-delay-{delay_ms}"));
         let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64()).unwrap();
         assert_eq!(r.workload["errors"].as_u64(), Some(0), "{:?}", r.workload);
-        let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-        let vm = rep["entries"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|e| e["vm"] == "delayed" && e["disk"] == "vd0" && e["op"] == "read")
-            .cloned()
-            .unwrap_or_else(|| panic!("no entry for the VM: {rep:#}"));
+        let vm = vd0_reads(&rep, "delayed");
         let st = &vm["stitched"];
         // Every workload read joined, each with the workload's own system
         // calls at its ends, stacked device or not.
@@ -676,7 +671,12 @@ fn a_guest_side_delay_is_guest_time() {
             "{st} {}",
             rep["stitch"]
         );
-        assert_eq!(rep["stitch"]["app_ends_from_block_layer"].as_u64(), Some(0), "{}", rep["stitch"]);
+        assert_eq!(
+            rep["stitch"]["app_ends_from_block_layer"].as_u64(),
+            Some(0),
+            "{}",
+            rep["stitch"]
+        );
         let m = |k: &str| {
             st["segments"][k]["mean_us"]
                 .as_f64()
@@ -696,7 +696,11 @@ fn a_guest_side_delay_is_guest_time() {
     );
     eprintln!("dm-delay: {ctx}");
     assert!(guest_slow - guest_free >= 0.80 * d, "{ctx}");
-    for (free, slow) in [(hv_free, hv_slow), (engine_free, engine_slow), (device_free, device_slow)] {
+    for (free, slow) in [
+        (hv_free, hv_slow),
+        (engine_free, engine_slow),
+        (device_free, device_slow),
+    ] {
         assert!((slow - free).abs() <= 0.10 * d, "{ctx}");
     }
 }
@@ -716,44 +720,19 @@ fn the_host_follows_a_guest_agent_restart() {
         ..Default::default()
     };
     let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
-    let report = std::env::temp_dir().join(format!("iospan-agent-restart-{}.json", std::process::id()));
     let t = std::time::Instant::now();
-    let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--disk", &host, "--json-out"])
-        .arg(&report)
-        .arg("--")
-        .arg(qemu.get_program())
-        .args(qemu.get_args()));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_string)
-        .collect();
+    let (console, rep) = traced_run(&qemu, &host, "agent-restart");
     assert!(
         console.iter().any(|l| l.contains("IOSPAN-AGENT-RESTART")),
         "{}",
         console.join("\n")
     );
     let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64()).unwrap();
-    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    let guest = rep["guests"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|g| g["vm"] == "restarted")
-        .cloned()
-        .unwrap_or_else(|| panic!("no guest agent heard from: {:#}", rep["guests"]));
-    let ch = &guest["channel"];
+    let ch = guest_channel(&rep, "restarted");
     assert!(ch["sender_restarts"].as_u64().unwrap() >= 1, "{ch}");
     assert_eq!(ch["lost_frames"].as_u64(), Some(0), "{ch}");
     assert_eq!(ch["decode_errors"].as_u64(), Some(0), "{ch}");
-    let vm = rep["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["vm"] == "restarted" && e["disk"] == "vd0" && e["op"] == "read")
-        .cloned()
-        .unwrap();
+    let vm = vd0_reads(&rep, "restarted");
     let joined = vm["stitched"]["count"].as_u64().unwrap_or(0);
     let stitch = &rep["stitch"];
     let unmatched = stitch["unmatched_host"].as_u64().unwrap();
@@ -762,7 +741,11 @@ fn the_host_follows_a_guest_agent_restart() {
     // Most of the run had an agent; every workload read is joined or
     // counted: no guest record (the agent was down), a join refused, or a
     // host completion never delivered.
-    assert!(joined * 2 >= r.workload_reads, "joined {joined} of {}: {stitch} {ch}", r.workload_reads);
+    assert!(
+        joined * 2 >= r.workload_reads,
+        "joined {joined} of {}: {stitch} {ch}",
+        r.workload_reads
+    );
     assert!(
         joined + unmatched + refused + unseen >= r.workload_reads,
         "joined {joined} + unmatched {unmatched} + refused {refused} + unseen {unseen} of {}: {stitch}",
@@ -809,27 +792,50 @@ fn the_guest_channel_survives_a_host_agent_restart() {
     loop {
         let line = rx
             .recv_timeout(std::time::Duration::from_secs(60))
-            .unwrap_or_else(|e| panic!("no guest agent on the console after {:?}: {e}", started.elapsed()));
+            .unwrap_or_else(|e| {
+                panic!(
+                    "no guest agent on the console after {:?}: {e}",
+                    started.elapsed()
+                )
+            });
         if line.contains("iospan: guest agent:") {
             break;
         }
     }
     let report = |i: u32| {
-        std::env::temp_dir().join(format!("iospan-host-restart-{}-{i}.json", std::process::id()))
+        std::env::temp_dir().join(format!(
+            "iospan-host-restart-{}-{i}.json",
+            std::process::id()
+        ))
     };
     let host_run = |i: u32| {
         let mut c = Command::new(iospan_bin());
-        c.args(["run", "--quiet", "--disk", &host, "-d", if i == 1 { "2s" } else { "5m" }, "--json-out"])
-            .arg(report(i));
+        c.args([
+            "run",
+            "--quiet",
+            "--disk",
+            &host,
+            "-d",
+            if i == 1 { "2s" } else { "5m" },
+            "--json-out",
+        ])
+        .arg(report(i));
         c
     };
     let load = |i: u32, out: std::process::Output| -> Value {
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         serde_json::from_slice(&std::fs::read(report(i)).unwrap()).unwrap()
     };
     let first = load(1, run(&mut host_run(1)));
     // The second until the VM is gone, then stopped as an operator would.
-    let second = host_run(2).stdout(std::process::Stdio::null()).spawn().expect("iospan");
+    let second = host_run(2)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("iospan");
     let _ = child.wait();
     std::thread::sleep(std::time::Duration::from_secs(1));
     // SAFETY: signalling a child we spawned and have not reaped.
@@ -839,20 +845,18 @@ fn the_guest_channel_survives_a_host_agent_restart() {
     let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64())
         .unwrap_or_else(|e| panic!("{e:#}"));
     assert!(
-        first["vms"].as_array().unwrap().iter().any(|v| v["name"] == "hostrestart"),
-        "the first host agent did not find the VM: {}",
         first["vms"]
-    );
-    let channel = |rep: &Value| {
-        rep["guests"]
             .as_array()
             .unwrap()
             .iter()
-            .find(|g| g["vm"] == "hostrestart")
-            .map(|g| g["channel"].clone())
-            .unwrap_or_else(|| panic!("no guest agent heard from: {:#}", rep["guests"]))
-    };
-    let (c1, c2) = (channel(&first), channel(&second));
+            .any(|v| v["name"] == "hostrestart"),
+        "the first host agent did not find the VM: {}",
+        first["vms"]
+    );
+    let (c1, c2) = (
+        guest_channel(&first, "hostrestart"),
+        guest_channel(&second, "hostrestart"),
+    );
     for c in [&c1, &c2] {
         assert_eq!(c["decode_errors"].as_u64(), Some(0), "{c}");
         assert!(c["records"].as_u64().unwrap() > 0, "{c}");
@@ -860,20 +864,24 @@ fn the_guest_channel_survives_a_host_agent_restart() {
     // Both halves delivered everything the guest saw; the guest agent
     // dropped nothing and left nothing undelivered.
     let records = c1["records"].as_u64().unwrap() + c2["records"].as_u64().unwrap();
-    assert!(records >= r.workload_reads, "{c1} {c2} vs {} workload reads", r.workload_reads);
+    assert!(
+        records >= r.workload_reads,
+        "{c1} {c2} vs {} workload reads",
+        r.workload_reads
+    );
     let last = console
         .iter()
         .find(|l| l.contains("iospan: guest agent:") && l.contains("undelivered"))
         .unwrap_or_else(|| panic!("the guest agent's closing line: {}", console.join("\n")));
     assert!(last.contains(" 0 dropped, 0 undelivered"), "{last}");
-    let joined = second["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["vm"] == "hostrestart" && e["disk"] == "vd0" && e["op"] == "read")
-        .and_then(|e| e["stitched"]["count"].as_u64())
+    let joined = vd0_reads(&second, "hostrestart")["stitched"]["count"]
+        .as_u64()
         .unwrap_or(0);
-    assert!(joined > 0, "the second host agent joined nothing: {}", second["stitch"]);
+    assert!(
+        joined > 0,
+        "the second host agent joined nothing: {}",
+        second["stitch"]
+    );
 }
 
 /// The guest reboots mid-run: its new agent starts over on the same
@@ -890,15 +898,8 @@ fn the_host_follows_a_guest_reboot() {
         ..Default::default()
     };
     let (qemu, _) = guest::qemu_command(&rig, &a, &image);
-    let report = std::env::temp_dir().join(format!("iospan-reboot-{}.json", std::process::id()));
-    let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--disk", &host, "--json-out"])
-        .arg(&report)
-        .arg("--")
-        .arg(qemu.get_program())
-        .args(qemu.get_args()));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let console = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (console, rep) = traced_run(&qemu, &host, "reboot");
+    let console = console.join("\n");
     assert!(console.contains("IOSPAN-REBOOTING"), "{console}");
     let runs: Vec<Value> = console
         .lines()
@@ -907,27 +908,18 @@ fn the_host_follows_a_guest_reboot() {
         .collect();
     assert_eq!(runs.len(), 2, "one workload per boot: {console}");
     for w in &runs {
-        assert_eq!((w["ios"].as_u64(), w["errors"].as_u64()), (Some(a.ios), Some(0)), "{w}");
+        assert_eq!(
+            (w["ios"].as_u64(), w["errors"].as_u64()),
+            (Some(a.ios), Some(0)),
+            "{w}"
+        );
     }
-    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    let ch = rep["guests"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|g| g["vm"] == "rebooted")
-        .map(|g| g["channel"].clone())
-        .unwrap_or_else(|| panic!("no guest agent heard from: {:#}", rep["guests"]));
+    let ch = guest_channel(&rep, "rebooted");
     assert!(ch["sender_restarts"].as_u64().unwrap() >= 1, "{ch}");
     assert_eq!(ch["lost_frames"].as_u64(), Some(0), "{ch}");
     assert_eq!(ch["decode_errors"].as_u64(), Some(0), "{ch}");
     assert!(ch["records"].as_u64().unwrap() >= 2 * a.ios, "{ch}");
-    let vm = rep["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["vm"] == "rebooted" && e["disk"] == "vd0" && e["op"] == "read")
-        .cloned()
-        .unwrap_or_else(|| panic!("no entry for the VM: {rep:#}"));
+    let vm = vd0_reads(&rep, "rebooted");
     let joined = vm["stitched"]["count"].as_u64().unwrap_or(0);
     let stitch = &rep["stitch"];
     // Both boots' requests are the virtual disk's and are joined.

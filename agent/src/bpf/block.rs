@@ -9,7 +9,7 @@ use aya::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::{attach, Attachment, Flavour, LoadError};
+use super::{attach, map_mut_of, map_of, Attachment, Flavour, LoadError};
 use crate::{
     abi::{
         counter, BlkStats, DiskSlot, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS,
@@ -187,18 +187,9 @@ fn insert_all<K: aya::Pod>(
     name: &'static str,
     items: &[(K, u32)],
 ) -> Result<(), LoadError> {
-    let err = |e| LoadError::Map {
-        map: name,
-        source: Some(e),
-    };
-    let mut map: HashMap<_, K, u32> =
-        HashMap::try_from(ebpf.map_mut(name).ok_or(LoadError::Map {
-            map: name,
-            source: None,
-        })?)
-        .map_err(err)?;
+    let mut map: HashMap<_, K, u32> = map_mut_of(ebpf, name)?;
     for (k, v) in items {
-        map.insert(k, v, 0).map_err(err)?;
+        map.insert(k, v, 0).map_err(LoadError::map_op(name))?;
     }
     Ok(())
 }
@@ -284,37 +275,17 @@ impl BlockProbes {
         // VMs running now get slots 1..; a QEMU exec'd later takes the next
         // slot itself, before its first request.
         if cfg.track_vms {
-            let mut pids: HashMap<_, u32, u32> =
-                HashMap::try_from(ebpf.map_mut("vm_pids").ok_or(LoadError::Map {
-                    map: "vm_pids",
-                    source: None,
-                })?)
-                .map_err(|e| LoadError::Map {
-                    map: "vm_pids",
-                    source: Some(e),
-                })?;
+            let mut pids: HashMap<_, u32, u32> = map_mut_of(&mut ebpf, "vm_pids")?;
             for (i, pid) in cfg.vm_pids.iter().enumerate() {
                 pids.insert(pid, i as u32 + 1, 0)
-                    .map_err(|e| LoadError::Map {
-                        map: "vm_pids",
-                        source: Some(e),
-                    })?;
+                    .map_err(LoadError::map_op("vm_pids"))?;
             }
             // Running VMs' guests have started: their requests are the guests'.
-            let mut vcpus: HashMap<_, u32, u8> =
-                HashMap::try_from(ebpf.map_mut("vm_started").ok_or(LoadError::Map {
-                    map: "vm_started",
-                    source: None,
-                })?)
-                .map_err(|e| LoadError::Map {
-                    map: "vm_started",
-                    source: Some(e),
-                })?;
+            let mut started: HashMap<_, u32, u8> = map_mut_of(&mut ebpf, "vm_started")?;
             for pid in &cfg.vm_pids {
-                vcpus.insert(pid, 1, 0).map_err(|e| LoadError::Map {
-                    map: "vm_started",
-                    source: Some(e),
-                })?;
+                started
+                    .insert(pid, 1, 0)
+                    .map_err(LoadError::map_op("vm_started"))?;
             }
             attachments.push(attach(&mut ebpf, btf, "sched_process_exec", flavour)?);
             add_vm_maps(&mut ebpf, &cfg.vm_maps)?;
@@ -374,37 +345,14 @@ impl BlockProbes {
             map: "events",
             source: None,
         })?;
-        RingBuf::try_from(map).map_err(|e| LoadError::Map {
-            map: "events",
-            source: Some(e),
-        })
+        RingBuf::try_from(map).map_err(LoadError::map_op("events"))
     }
 
     pub fn snapshot(&self) -> Result<BlockSnapshot, LoadError> {
-        let map_err = |map: &'static str| {
-            move |e| LoadError::Map {
-                map,
-                source: Some(e),
-            }
-        };
-        let disks: Array<_, DiskSlot> =
-            Array::try_from(self.ebpf.map("disk_queues").ok_or(LoadError::Map {
-                map: "disk_queues",
-                source: None,
-            })?)
-            .map_err(map_err("disk_queues"))?;
-        let latency: PerCpuArray<_, BlkStats> =
-            PerCpuArray::try_from(self.ebpf.map("blk_latency").ok_or(LoadError::Map {
-                map: "blk_latency",
-                source: None,
-            })?)
-            .map_err(map_err("blk_latency"))?;
-        let nested: Array<_, BlkStats> =
-            Array::try_from(self.ebpf.map("blk_latency_nested").ok_or(LoadError::Map {
-                map: "blk_latency_nested",
-                source: None,
-            })?)
-            .map_err(map_err("blk_latency_nested"))?;
+        let map_err = LoadError::map_op;
+        let disks: Array<_, DiskSlot> = map_of(&self.ebpf, "disk_queues")?;
+        let latency: PerCpuArray<_, BlkStats> = map_of(&self.ebpf, "blk_latency")?;
+        let nested: Array<_, BlkStats> = map_of(&self.ebpf, "blk_latency_nested")?;
 
         let mut snap = BlockSnapshot::default();
         for slot in 0..self.max_disks {
@@ -425,18 +373,8 @@ impl BlockProbes {
                 }
             }
         }
-        let vm_latency: PerCpuHashMap<_, VmKey, BlkStats> =
-            PerCpuHashMap::try_from(self.ebpf.map("vm_latency").ok_or(LoadError::Map {
-                map: "vm_latency",
-                source: None,
-            })?)
-            .map_err(map_err("vm_latency"))?;
-        let vm_nested: HashMap<_, VmKey, BlkStats> =
-            HashMap::try_from(self.ebpf.map("vm_latency_nested").ok_or(LoadError::Map {
-                map: "vm_latency_nested",
-                source: None,
-            })?)
-            .map_err(map_err("vm_latency_nested"))?;
+        let vm_latency: PerCpuHashMap<_, VmKey, BlkStats> = map_of(&self.ebpf, "vm_latency")?;
+        let vm_nested: HashMap<_, VmKey, BlkStats> = map_of(&self.ebpf, "vm_latency_nested")?;
         let key = |k: &VmKey| VmStatKey {
             vm: k.vm,
             dev: Dev(k.dev),
@@ -628,59 +566,24 @@ impl BlockProbes {
 
     /// Sets `pid` -> 1 in one of the per-VM flag maps.
     fn flag_vm(&mut self, map: &'static str, pid: u32) -> Result<(), LoadError> {
-        let mut m: HashMap<_, u32, u8> = HashMap::try_from(
-            self.ebpf
-                .map_mut(map)
-                .ok_or(LoadError::Map { map, source: None })?,
-        )
-        .map_err(|e| LoadError::Map {
-            map,
-            source: Some(e),
-        })?;
-        m.insert(pid, 1, 0).map_err(|e| LoadError::Map {
-            map,
-            source: Some(e),
-        })
+        let mut m: HashMap<_, u32, u8> = map_mut_of(&mut self.ebpf, map)?;
+        m.insert(pid, 1, 0).map_err(LoadError::map_op(map))
     }
 
     /// (tgid, VM slot) of every process known as a VM so far.
     pub fn vm_pids(&self) -> Result<Vec<(u32, u32)>, LoadError> {
-        let map: HashMap<_, u32, u32> =
-            HashMap::try_from(self.ebpf.map("vm_pids").ok_or(LoadError::Map {
-                map: "vm_pids",
-                source: None,
-            })?)
-            .map_err(|e| LoadError::Map {
-                map: "vm_pids",
-                source: Some(e),
-            })?;
+        let map: HashMap<_, u32, u32> = map_of(&self.ebpf, "vm_pids")?;
         map.iter()
-            .map(|r| {
-                r.map_err(|e| LoadError::Map {
-                    map: "vm_pids",
-                    source: Some(e),
-                })
-            })
+            .map(|r| r.map_err(LoadError::map_op("vm_pids")))
             .collect()
     }
 
     fn counters(&self) -> Result<Counters, LoadError> {
-        let counters: PerCpuArray<_, u64> =
-            PerCpuArray::try_from(self.ebpf.map("counters").ok_or(LoadError::Map {
-                map: "counters",
-                source: None,
-            })?)
-            .map_err(|e| LoadError::Map {
-                map: "counters",
-                source: Some(e),
-            })?;
+        let counters: PerCpuArray<_, u64> = map_of(&self.ebpf, "counters")?;
         let sum = |i: u32| -> Result<u64, LoadError> {
             Ok(counters
                 .get(&i, 0)
-                .map_err(|e| LoadError::Map {
-                    map: "counters",
-                    source: Some(e),
-                })?
+                .map_err(LoadError::map_op("counters"))?
                 .iter()
                 .sum())
         };

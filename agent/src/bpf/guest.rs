@@ -21,6 +21,38 @@ pub enum GuestProbeError {
     Attach { what: &'static str, why: String },
 }
 
+/// How a guest program attaches; each is named after what it attaches to.
+#[derive(Clone, Copy)]
+enum Kind {
+    BtfTracePoint,
+    KProbe,
+    RawTracePoint,
+}
+
+fn attach(ebpf: &mut Ebpf, btf: &Btf, kind: Kind, name: &str) -> Result<(), String> {
+    fn why(e: impl std::error::Error) -> String {
+        error_chain(&e)
+    }
+    let prog = ebpf.program_mut(name).ok_or("missing program")?;
+    match kind {
+        Kind::BtfTracePoint => {
+            let p: &mut BtfTracePoint = prog.try_into().map_err(why)?;
+            p.load(name, btf).map_err(why)?;
+            p.attach().map(drop).map_err(why)
+        }
+        Kind::KProbe => {
+            let p: &mut KProbe = prog.try_into().map_err(why)?;
+            p.load().map_err(why)?;
+            p.attach(name, 0).map(drop).map_err(why)
+        }
+        Kind::RawTracePoint => {
+            let p: &mut RawTracePoint = prog.try_into().map_err(why)?;
+            p.load().map_err(why)?;
+            p.attach(name).map(drop).map_err(why)
+        }
+    }
+}
+
 pub struct GuestProbes {
     ebpf: Ebpf,
     /// What the guest kernel lets us see beyond the block layer, in words.
@@ -41,80 +73,39 @@ impl GuestProbes {
             .load(OBJECT)
             .map_err(|e| GuestProbeError::Load(error_chain(&e)))?;
         for tp in ["block_rq_issue", "block_rq_complete"] {
-            let mut attach = || -> Result<(), String> {
-                let p: &mut BtfTracePoint = ebpf
-                    .program_mut(tp)
-                    .ok_or("missing program")?
-                    .try_into()
-                    .map_err(|e| error_chain(&e))?;
-                p.load(tp, &btf).map_err(|e| error_chain(&e))?;
-                p.attach().map_err(|e| error_chain(&e))?;
-                Ok(())
-            };
-            attach().map_err(|why| GuestProbeError::Attach {
-                what: "the block tracepoints",
-                why,
+            attach(&mut ebpf, &btf, Kind::BtfTracePoint, tp).map_err(|why| {
+                GuestProbeError::Attach {
+                    what: "the block tracepoints",
+                    why,
+                }
             })?;
         }
-        let mut seen = Vec::new();
+        let mut seen: Vec<String> = Vec::new();
         let mut missing = Vec::new();
-        // The application's ends: the system calls around each I/O, and
-        // bios through stacked devices.
-        for (tp, what) in [
-            ("sys_enter", "system calls"),
-            ("sys_exit", "system calls"),
-            ("block_bio_queue", "stacked devices"),
-            ("block_bio_remap", "stacked devices"),
+        // The application's ends (the system calls around each I/O, bios
+        // through stacked devices), then the driver's kick and completion.
+        for (kind, name, what) in [
+            (Kind::BtfTracePoint, "sys_enter", "system calls"),
+            (Kind::BtfTracePoint, "sys_exit", "system calls"),
+            (Kind::BtfTracePoint, "block_bio_queue", "stacked devices"),
+            (Kind::BtfTracePoint, "block_bio_remap", "stacked devices"),
+            (Kind::KProbe, "virtqueue_notify", "kprobe virtqueue_notify"),
+            (
+                Kind::KProbe,
+                "blk_mq_complete_request",
+                "kprobe blk_mq_complete_request",
+            ),
+            (Kind::RawTracePoint, "nvme_setup_cmd", "nvme:nvme_setup_cmd"),
+            (
+                Kind::RawTracePoint,
+                "nvme_complete_rq",
+                "nvme:nvme_complete_rq",
+            ),
         ] {
-            let r = (|| -> Result<(), String> {
-                let p: &mut BtfTracePoint = ebpf
-                    .program_mut(tp)
-                    .ok_or("missing program")?
-                    .try_into()
-                    .map_err(|e| error_chain(&e))?;
-                p.load(tp, &btf).map_err(|e| error_chain(&e))?;
-                p.attach().map_err(|e| error_chain(&e))?;
-                Ok(())
-            })();
-            match r {
-                Ok(()) if !seen.iter().any(|s: &String| s == what) => seen.push(what.to_string()),
+            match attach(&mut ebpf, &btf, kind, name) {
+                Ok(()) if !seen.iter().any(|s| s == what) => seen.push(what.to_string()),
                 Ok(()) => {}
-                Err(e) => missing.push(format!("{what}: {tp} ({e})")),
-            }
-        }
-        for (prog, symbol) in [
-            ("virtqueue_notify", "virtqueue_notify"),
-            ("blk_mq_complete_request", "blk_mq_complete_request"),
-        ] {
-            let r = (|| -> Result<(), String> {
-                let p: &mut KProbe = ebpf
-                    .program_mut(prog)
-                    .ok_or("missing program")?
-                    .try_into()
-                    .map_err(|e| error_chain(&e))?;
-                p.load().map_err(|e| error_chain(&e))?;
-                p.attach(symbol, 0).map_err(|e| error_chain(&e))?;
-                Ok(())
-            })();
-            match r {
-                Ok(()) => seen.push(format!("kprobe {symbol}")),
-                Err(e) => missing.push(format!("kprobe {symbol} ({e})")),
-            }
-        }
-        for tp in ["nvme_setup_cmd", "nvme_complete_rq"] {
-            let r = (|| -> Result<(), String> {
-                let p: &mut RawTracePoint = ebpf
-                    .program_mut(tp)
-                    .ok_or("missing program")?
-                    .try_into()
-                    .map_err(|e| error_chain(&e))?;
-                p.load().map_err(|e| error_chain(&e))?;
-                p.attach(tp).map_err(|e| error_chain(&e))?;
-                Ok(())
-            })();
-            match r {
-                Ok(()) => seen.push(format!("nvme:{tp}")),
-                Err(e) => missing.push(format!("nvme:{tp} ({e})")),
+                Err(e) => missing.push(format!("{what}: {name} ({e})")),
             }
         }
         let coverage = if missing.is_empty() {

@@ -40,6 +40,40 @@ pub enum LoadError {
     },
 }
 
+impl LoadError {
+    /// For `map_err` on an operation of map `map`.
+    pub fn map_op(map: &'static str) -> impl Fn(aya::maps::MapError) -> Self {
+        move |e| LoadError::Map {
+            map,
+            source: Some(e),
+        }
+    }
+}
+
+/// Map `name` of `ebpf`, as a `T`.
+pub fn map_of<'a, T>(ebpf: &'a Ebpf, name: &'static str) -> Result<T, LoadError>
+where
+    T: TryFrom<&'a aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.map(name).ok_or(LoadError::Map {
+        map: name,
+        source: None,
+    })?;
+    T::try_from(map).map_err(LoadError::map_op(name))
+}
+
+/// Map `name` of `ebpf`, as a `T` it can update.
+pub fn map_mut_of<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<T, LoadError>
+where
+    T: TryFrom<&'a mut aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.map_mut(name).ok_or(LoadError::Map {
+        map: name,
+        source: None,
+    })?;
+    T::try_from(map).map_err(LoadError::map_op(name))
+}
+
 /// How a tracepoint was attached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
