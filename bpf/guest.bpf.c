@@ -210,9 +210,11 @@ int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
 	id = bpf_get_current_pid_tgid();
 	sync = call == IO_CALL_SYNC;
 	key = waiter_key(sync, (__u32)id, id >> 32);
-	/* Deleting is the test: one map operation per reaping call. */
-	if (bpf_map_delete_elem(&reap_waiting, &key))
+	/* Looked up first: most calls find nothing, and a lookup takes no
+	 * lock where a delete takes the bucket's. */
+	if (!bpf_map_lookup_elem(&reap_waiting, &key))
 		return 0;
+	bpf_map_delete_elem(&reap_waiting, &key);
 	ev = bpf_ringbuf_reserve(&guest_events, sizeof(*ev), 0);
 	if (!ev) {
 		count(CNT_GUEST_RING_LOST);
