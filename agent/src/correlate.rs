@@ -35,12 +35,23 @@ pub struct SplitKey {
 }
 
 /// Host-window segments of one (VM, disk, op, vdisk).
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct HostSplit {
     pub hypervisor: Hist,
     pub engine: Hist,
     pub device: Hist,
     pub window: Hist,
+}
+
+impl Default for HostSplit {
+    fn default() -> Self {
+        Self {
+            hypervisor: Hist::fine(),
+            engine: Hist::fine(),
+            device: Hist::fine(),
+            window: Hist::fine(),
+        }
+    }
 }
 
 /// Requests whose window could not be split, counted.

@@ -27,6 +27,7 @@ use crate::{
     model::Op,
     preflight,
     report::{self, AgentCost, RunReport, SCHEMA},
+    stitch::IoSpan,
     vms::{self, Registry, VmMaps},
 };
 
@@ -126,6 +127,16 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             stop_rx.clone(),
         )));
     }
+    // The event writer stops after the guest channels: guest records still
+    // on their way must be joined before it settles the rest as unmatched.
+    let (events_stop_tx, events_stop_rx) = watch::channel(false);
+    if opts.events_out.is_some() {
+        correlator
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .stitch
+            .keep_spans();
+    }
     let events_task = if opts.events_out.is_some() || opts.vms {
         let ring = probes.take_events()?;
         let out = match &opts.events_out {
@@ -140,7 +151,8 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             out,
             known.clone(),
             correlator.clone(),
-            stop_rx.clone(),
+            events_stop_rx,
+            opts.slower_than.map_or(0, |d| d.as_nanos() as u64),
         )))
     } else {
         None
@@ -239,6 +251,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     for t in channel_tasks {
         let _ = t.await;
     }
+    let _ = events_stop_tx.send(true);
     let mut events_written = 0;
     if let Some(t) = events_task {
         events_written = t
@@ -416,7 +429,8 @@ async fn terminate(child: &mut tokio::process::Child) {
     }
 }
 
-/// Drains the ring buffer into JSON lines until told to stop. The kernel
+/// Drains the ring buffer into JSON lines until told to stop, then each
+/// joined guest I/O (those at least `slower_than_ns` long). The kernel
 /// side wakes us only past a backlog threshold, so a timer drains too.
 async fn drain_events<W: Write>(
     ring: aya::maps::RingBuf<aya::maps::MapData>,
@@ -424,6 +438,7 @@ async fn drain_events<W: Write>(
     known: Arc<Mutex<Registry>>,
     correlator: Arc<Mutex<Correlator>>,
     mut stop: watch::Receiver<bool>,
+    slower_than_ns: u64,
 ) -> Result<u64> {
     // SAFETY: the ring buffer owns its fd and outlives the registration
     // (AsyncFd owns the ring buffer).
@@ -466,6 +481,17 @@ async fn drain_events<W: Write>(
         }
         if stopping {
             corr.finish();
+        }
+        if let Some(out) = out.as_mut() {
+            let spans = corr.stitch.take_spans();
+            let known = known.lock().unwrap_or_else(|p| p.into_inner());
+            for sp in spans.iter().filter(|s| s.total_ns >= slower_than_ns) {
+                serde_json::to_writer(&mut *out, &span_json(sp, &known))?;
+                out.write_all(b"\n")?;
+                written += 1;
+            }
+        }
+        if stopping {
             break;
         }
     }
@@ -483,6 +509,7 @@ fn event_json(ev: &BlkIoEvent, known: &Registry) -> serde_json::Value {
     let start = (ev.flags & RQ_F_NO_START == 0).then_some(ev.start_ns);
     let issue = (ev.flags & RQ_F_NO_ISSUE == 0).then_some(ev.issue_ns);
     serde_json::json!({
+        "kind": "host",
         "disk": disks::name_of(Dev(ev.dev)),
         "vm": (ev.vm != 0).then(|| known.name(ev.vm)),
         "vdisk": known.vdisk(ev.vdisk),
@@ -497,6 +524,35 @@ fn event_json(ev: &BlkIoEvent, known: &Registry) -> serde_json::Value {
         "service_us": issue.map(|i| us(i, ev.done_ns)),
         "requeues": ev.requeues,
         "flags": ev.flags,
+    })
+}
+
+/// One joined guest I/O: its stamps (host clock) and four segments.
+fn span_json(sp: &IoSpan, known: &Registry) -> serde_json::Value {
+    let us = |ns: u64| ns as f64 / 1000.0;
+    serde_json::json!({
+        "kind": "guest_io",
+        "vm": known.name(sp.vm),
+        "vdisk": known.vdisk(sp.vdisk),
+        "op": sp.op,
+        "pos": sp.pos,
+        "bytes": sp.bytes,
+        "begin_ns": sp.begin_ns,
+        "guest_kick_ns": sp.guest_kick_ns,
+        "kick_ns": sp.kick_ns,
+        "pick_ns": sp.pick_ns,
+        "start_ns": sp.start_ns,
+        "done_ns": sp.done_ns,
+        "signal_ns": sp.signal_ns,
+        "guest_irq_ns": sp.guest_irq_ns,
+        "end_ns": sp.end_ns,
+        "clock_offset_ns": sp.clock_offset_ns,
+        "total_us": us(sp.total_ns),
+        "guest_us": us(sp.guest_ns),
+        "hypervisor_us": us(sp.hypervisor_ns),
+        "engine_us": us(sp.engine_ns),
+        "device_us": us(sp.device_ns),
+        "app_ends_from_block_layer": sp.app_ends_from_block_layer,
     })
 }
 

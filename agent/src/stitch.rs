@@ -64,14 +64,62 @@ struct JoinKey {
 }
 
 /// The four segments of the joined requests of one (VM, virtual disk, op).
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Stitched {
     pub guest: Hist,
     pub hypervisor: Hist,
     pub engine: Hist,
     pub device: Hist,
-    /// Guest-observed: block layer start → completion in the guest.
+    /// Guest-observed: the application's call → the call that reaped it.
     pub total: Hist,
+}
+
+impl Default for Stitched {
+    fn default() -> Self {
+        Self {
+            guest: Hist::fine(),
+            hypervisor: Hist::fine(),
+            engine: Hist::fine(),
+            device: Hist::fine(),
+            total: Hist::fine(),
+        }
+    }
+}
+
+/// One guest I/O, joined: the record per-I/O outputs (the event stream,
+/// traces) are made from. Stamps are on the host's clock; the guest's are
+/// moved there by the VM's clock offset at the time of the join (`None`
+/// before the first offset is known: then they are the guest's own).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct IoSpan {
+    pub vm: u32,
+    pub vdisk: u32,
+    pub op: Op,
+    pub pos: u64,
+    pub bytes: u32,
+    /// Guest stamps: the application's call, the kick, the interrupt, the
+    /// call that handed the completion back.
+    pub begin_ns: u64,
+    pub guest_kick_ns: u64,
+    pub guest_irq_ns: u64,
+    pub end_ns: u64,
+    /// Host stamps: the kick seen, the engine's pickup, the host request's
+    /// start and completion, the engine's signal to the guest.
+    pub kick_ns: u64,
+    pub pick_ns: u64,
+    pub start_ns: u64,
+    pub done_ns: u64,
+    pub signal_ns: u64,
+    /// The offset added to the guest's stamps (host = guest + offset).
+    pub clock_offset_ns: Option<i64>,
+    pub guest_ns: u64,
+    pub hypervisor_ns: u64,
+    pub engine_ns: u64,
+    pub device_ns: u64,
+    /// Guest-observed: end − begin = the four segments' sum.
+    pub total_ns: u64,
+    /// The guest's ends are the block layer's (no system call seen).
+    pub app_ends_from_block_layer: bool,
 }
 
 /// What could not be joined, counted.
@@ -231,6 +279,9 @@ pub struct Stitcher {
     pub counters: StitchCounters,
     /// Each VM's guest channel (VM slot -> what came through it).
     pub channels: BTreeMap<u32, ChannelStats>,
+    /// Joined requests not yet taken by a per-I/O output (kept only when
+    /// one asked for them: `keep_spans`).
+    spans: Option<Vec<IoSpan>>,
 }
 
 impl Stitcher {
@@ -239,6 +290,16 @@ impl Stitcher {
             hold_ns,
             ..Default::default()
         }
+    }
+
+    /// Keep each joined request for `take_spans` (a per-I/O output runs).
+    pub fn keep_spans(&mut self) {
+        self.spans.get_or_insert_with(Vec::new);
+    }
+
+    /// The requests joined since the last call.
+    pub fn take_spans(&mut self) -> Vec<IoSpan> {
+        self.spans.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// Which of the VM's virtual disks a guest disk is.
@@ -356,10 +417,12 @@ impl Stitcher {
         if from_block {
             self.counters.guest_ends_from_block_layer += 1;
         }
-        if g.flags & GUEST_F_SYSCALL == 0 || g.flags & GUEST_F_REAPED == 0 {
+        let app_from_block = g.flags & GUEST_F_SYSCALL == 0 || g.flags & GUEST_F_REAPED == 0;
+        if app_from_block {
             self.counters.app_ends_from_block_layer += 1;
         }
         let clock = self.clocks.entry(ev.vm).or_default();
+        let offset = clock.offset();
         clock.add(
             ev.kick_ns,
             (g.flags & GUEST_F_NO_IRQ == 0).then(|| h.signal_ns as i64 - g.irq_ns as i64),
@@ -370,6 +433,32 @@ impl Stitcher {
             vdisk: ev.vdisk,
             op: Op::from_index(ev.op as usize).unwrap_or(Op::Other),
         };
+        if let Some(spans) = self.spans.as_mut() {
+            let at = |ns: u64| offset.map_or(ns, |o| ns.saturating_add_signed(o));
+            spans.push(IoSpan {
+                vm: ev.vm,
+                vdisk: ev.vdisk,
+                op: key.op,
+                pos: ev.pos,
+                bytes: ev.bytes,
+                begin_ns: at(begin),
+                guest_kick_ns: at(kick),
+                guest_irq_ns: at(irq),
+                end_ns: at(end),
+                kick_ns: ev.kick_ns,
+                pick_ns: ev.pick_ns,
+                start_ns: ev.start_ns,
+                done_ns: ev.done_ns,
+                signal_ns: h.signal_ns,
+                clock_offset_ns: offset,
+                guest_ns: guest,
+                hypervisor_ns: hypervisor,
+                engine_ns: engine,
+                device_ns: device,
+                total_ns: total,
+                app_ends_from_block_layer: app_from_block,
+            });
+        }
         let s = self.stitched.entry(key).or_default();
         s.guest.record(guest);
         s.hypervisor.record(hypervisor);

@@ -2,7 +2,11 @@
 //! the guest's exact counts, and the host's block window inside the
 //! guest-observed latency (root).
 
-use std::{os::unix::fs::MetadataExt, process::Command};
+use std::{
+    collections::{HashMap, VecDeque},
+    os::unix::fs::MetadataExt,
+    process::Command,
+};
 
 use agent_integration::{iospan_bin, run};
 use serde_json::Value;
@@ -222,11 +226,18 @@ fn traced_boot(a: RunArgs) {
             "host window {} above the guest's {guest_mean}",
             mean("host_window")
         );
-        assert!(
-            mean("host_window") >= 0.3 * guest_mean,
-            "host window {} below 30% of the guest's {guest_mean}",
-            mean("host_window")
-        );
+        // The host window's share of what the guest observed, on boots
+        // without the guest agent: under TCG its probes and its own work
+        // run on the guest's one emulated CPU, which at depth is the
+        // bottleneck, so they lengthen the guest's time, not the host's
+        // (`cargo xtask bench guest --qd 16` measures by how much).
+        if a.no_guest_agent {
+            assert!(
+                mean("host_window") >= 0.3 * guest_mean,
+                "host window {} below 30% of the guest's {guest_mean}",
+                mean("host_window")
+            );
+        }
         assert!(
             split["no_kick"].as_u64().unwrap() + split["no_signal"].as_u64().unwrap() <= unseen
                 && split["unordered"] == 0,
@@ -237,8 +248,48 @@ fn traced_boot(a: RunArgs) {
         assert_eq!(split["not_followed"].as_u64(), Some(vm_ios), "{split}");
     }
 
-    // The guest agent's view, joined: its channel lost nothing, and every
-    // guest request of a followed disk has its four segments.
+    let events: Vec<Value> = std::fs::read_to_string(&events)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    if a.no_guest_agent {
+        assert!(vm.get("stitched").is_none(), "{vm}");
+    } else {
+        guest_view(&a, &r, &rep, vm, &events, unseen, followed);
+    }
+
+    // Every one of those requests is in the per-request stream, named.
+    let mine = events
+        .iter()
+        .filter(|r| {
+            r["kind"] == "host"
+                && r["vm"] == a.name.as_str()
+                && r["vdisk"] == a.disk_id.as_str()
+                && r["op"] == "read"
+        })
+        .count();
+    assert_eq!(rep["lost"]["ringbuf_drops"].as_u64(), Some(0));
+    assert_eq!(
+        mine as u64, vm_ios,
+        "streamed records of {}/{}",
+        a.name, a.disk_id
+    );
+}
+
+/// The guest agent's view, joined: its channel lost nothing, and every
+/// guest request of a followed disk has its four segments, each I/O's
+/// guest-observed latency what the workload itself timed.
+fn guest_view(
+    a: &RunArgs,
+    r: &guest::RigResult,
+    rep: &Value,
+    vm: &Value,
+    events: &[Value],
+    unseen: u64,
+    followed: bool,
+) {
+    let guest_mean = r.workload["mean_us"].as_f64().unwrap();
     let guest = rep["guests"]
         .as_array()
         .unwrap()
@@ -287,16 +338,11 @@ fn traced_boot(a: RunArgs) {
         );
         // Guest-observed: from the workload's submitting system call to the
         // return of the one that reaped it, what the workload timed around
-        // them (its mean within 10 %, its p99 within 20 %).
-        // The acceptance asks p99 within 20 %; held here to 30 %: at QD1 a
-        // few of the slowest I/Os hold time after the reaping call's return
-        // tracepoint (the return to user space, where the guest may
-        // reschedule) that the workload times and no tracepoint marks; in
-        // clean-clone runs io_uring QD1 showed -25 % once (1311 vs 1744 µs)
-        // and threads QD1 -23 % (1967 vs 2557 µs) with means within 2 %.
+        // them (its mean within 10 %, its p99 within 20 %; both p99s by
+        // nearest rank).
         let p99 = st["segments"]["total"]["p99_us"].as_f64().unwrap();
         let guest_p99 = r.workload["p99_us"].as_f64().unwrap();
-        let p99_within = 0.30;
+        let p99_within = 0.20;
         // Requests whose host completion the tracepoints never delivered
         // (`unseen`, a whole batch at once, which the host also held for
         // milliseconds) cannot be joined: they are the run's slowest, so
@@ -319,6 +365,54 @@ fn traced_boot(a: RunArgs) {
             "guest-observed mean {} p99 {p99} vs the workload's {guest_mean} / {guest_p99}: {st} {} {ch}",
             m("total"),
             rep["stitch"]
+        );
+        // I/O by I/O (joined by offset, in completion order): iospan's
+        // window lies inside the workload's (its clock reads and the trip
+        // to and from the kernel are outside the system calls), and for
+        // nearly every I/O it is all but a few microseconds of it.
+        let spans: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["kind"] == "guest_io" && e["vm"] == a.name.as_str())
+            .collect();
+        assert_eq!(spans.len() as u64, n, "per-I/O records vs stitched count");
+        for sp in &spans {
+            let parts: f64 = ["guest_us", "hypervisor_us", "engine_us", "device_us"]
+                .iter()
+                .map(|k| sp[*k].as_f64().unwrap())
+                .sum();
+            assert!((parts - sp["total_us"].as_f64().unwrap()).abs() < 0.005, "{sp}");
+        }
+        let mut by_pos: HashMap<u64, VecDeque<f64>> = HashMap::new();
+        for sp in &spans {
+            by_pos
+                .entry(sp["pos"].as_u64().unwrap())
+                .or_default()
+                .push_back(sp["total_us"].as_f64().unwrap());
+        }
+        assert_eq!(r.per_io.len() as u64, a.ios, "the workload's per-I/O lines");
+        let (mut joined, mut close, mut outside) = (0u64, 0u64, Vec::new());
+        for &(pos, ns) in &r.per_io {
+            let Some(total) = by_pos.get_mut(&pos).and_then(VecDeque::pop_front) else {
+                continue;
+            };
+            let own = ns as f64 / 1000.0;
+            joined += 1;
+            if total > own + 0.001 {
+                outside.push((pos, own, total));
+            }
+            if own - total <= (0.1 * own).max(50.0) {
+                close += 1;
+            }
+        }
+        assert!(
+            (joined + unseen) * 100 >= a.ios * 99,
+            "{joined} of the workload's {} I/Os have a per-I/O record",
+            a.ios
+        );
+        assert!(outside.is_empty(), "longer than the workload timed: {outside:?}");
+        assert!(
+            close * 100 >= joined * 98,
+            "{close} of {joined} I/Os within 10 % (or 50 µs) of the workload's own timing"
         );
         let from_block = rep["stitch"]["app_ends_from_block_layer"].as_u64().unwrap();
         assert!(from_block * 100 <= n, "{} {ch}", rep["stitch"]);
@@ -348,28 +442,11 @@ fn traced_boot(a: RunArgs) {
     } else {
         assert!(vm.get("stitched").is_none(), "{vm}");
     }
-
-    // Every one of those requests is in the per-request stream, named.
-    let records: Vec<Value> = std::fs::read_to_string(&events)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let mine = records
-        .iter()
-        .filter(|r| {
-            r["vm"] == a.name.as_str() && r["vdisk"] == a.disk_id.as_str() && r["op"] == "read"
-        })
-        .count();
-    assert_eq!(rep["lost"]["ringbuf_drops"].as_u64(), Some(0));
-    assert_eq!(
-        mine as u64, vm_ios,
-        "streamed records of {}/{}",
-        a.name, a.disk_id
-    );
 }
 
-/// One traced boot per (device, engine, queue depth).
+/// One traced boot per (device, engine, queue depth). The guest agent runs
+/// in the engines the guest segment is accepted on (virtio-blk io_uring,
+/// NVMe); the others, and a host-only boot of those, show the host alone.
 macro_rules! rig_case {
     ($name:ident, $disk:ident, $aio:ident, $qd:expr $(, $field:ident: $value:expr)*) => {
         #[test]
@@ -386,18 +463,22 @@ macro_rules! rig_case {
     };
 }
 
-rig_case!(virtio_blk_io_uring_qd1, VirtioBlk, IoUring, 1);
-rig_case!(virtio_blk_io_uring_qd16, VirtioBlk, IoUring, 16);
-rig_case!(virtio_blk_native_qd1, VirtioBlk, Native, 1);
-rig_case!(virtio_blk_native_qd16, VirtioBlk, Native, 16);
-rig_case!(virtio_blk_threads_qd1, VirtioBlk, Threads, 1);
-rig_case!(virtio_blk_threads_qd16, VirtioBlk, Threads, 16);
-rig_case!(virtio_blk_threads_iothread_qd16, VirtioBlk, Threads, 16, iothread: true);
-rig_case!(nvme_ioeventfd_io_uring_qd1, Nvme, IoUring, 1, ioeventfd: true);
-rig_case!(nvme_ioeventfd_native_qd16, Nvme, Native, 16, ioeventfd: true);
+rig_case!(virtio_blk_io_uring_qd1, VirtioBlk, IoUring, 1, per_io: true);
+rig_case!(virtio_blk_io_uring_qd16, VirtioBlk, IoUring, 16, per_io: true);
+rig_case!(virtio_blk_io_uring_qd1_host_only, VirtioBlk, IoUring, 1, no_guest_agent: true);
+rig_case!(virtio_blk_io_uring_qd16_host_only, VirtioBlk, IoUring, 16, no_guest_agent: true);
+rig_case!(virtio_blk_native_qd1, VirtioBlk, Native, 1, no_guest_agent: true);
+rig_case!(virtio_blk_native_qd16, VirtioBlk, Native, 16, no_guest_agent: true);
+rig_case!(virtio_blk_threads_qd1, VirtioBlk, Threads, 1, no_guest_agent: true);
+rig_case!(virtio_blk_threads_qd16, VirtioBlk, Threads, 16, no_guest_agent: true);
+rig_case!(virtio_blk_threads_iothread_qd16, VirtioBlk, Threads, 16, iothread: true, no_guest_agent: true);
+rig_case!(nvme_ioeventfd_io_uring_qd1, Nvme, IoUring, 1, ioeventfd: true, per_io: true);
+rig_case!(nvme_ioeventfd_io_uring_qd16, Nvme, IoUring, 16, ioeventfd: true, per_io: true);
+rig_case!(nvme_ioeventfd_native_qd16_host_only, Nvme, Native, 16, ioeventfd: true, no_guest_agent: true);
+rig_case!(nvme_ioeventfd_io_uring_qd1_host_only, Nvme, IoUring, 1, ioeventfd: true, no_guest_agent: true);
 // NVMe's default doorbells: counted, attributed, not split.
-rig_case!(nvme_io_uring_qd1, Nvme, IoUring, 1);
-rig_case!(nvme_native_qd16, Nvme, Native, 16);
+rig_case!(nvme_io_uring_qd1, Nvme, IoUring, 1, no_guest_agent: true);
+rig_case!(nvme_native_qd16, Nvme, Native, 16, no_guest_agent: true);
 
 /// No host agent on the other end of the guest channel: the guest agent
 /// neither blocks the guest's I/O nor fails; it keeps what it can and says

@@ -7,6 +7,8 @@
  *                    "p50_us":…,"p90_us":…,"p99_us":…,"p999_us":…,"max_us":…}
  * where ios is the exact number of I/Os completed and the latencies are
  * per I/O, submission to reaped completion, as the guest observed them.
+ * With -l it first prints each I/O, in completion order:
+ *   IOSPAN-IO OFFSET LATENCY_NS
  * With -x MS the I/O goes through a device-mapper "delay" target stacked on
  * the disk (reads and writes held MS milliseconds in the guest), set up
  * here with the device-mapper ioctls (no dmsetup in the initramfs).
@@ -121,10 +123,13 @@ static int cmp_u64(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
-static double pct(const uint64_t *v, long n, double q)
+/* Nearest rank: the ceil(n*permille/1000)-th smallest. */
+static double pct(const uint64_t *v, long n, long permille)
 {
-	long i = (long)(q * n);
+	long i = (n * permille + 999) / 1000 - 1;
 
+	if (i < 0)
+		i = 0;
 	if (i >= n)
 		i = n - 1;
 	return v[i] / 1000.0;
@@ -133,19 +138,20 @@ static double pct(const uint64_t *v, long n, double q)
 int main(int argc, char **argv)
 {
 	const char *dev = "/dev/vda", *rw = "randread";
-	long qd = 1, ios = 1000, delay_ms = -1;
+	long qd = 1, ios = 1000, delay_ms = -1, per_io = 0;
 	static char dm_path[64];
 	int opt;
 
-	while ((opt = getopt(argc, argv, "d:q:n:w:x:")) != -1) {
+	while ((opt = getopt(argc, argv, "d:q:n:w:x:l")) != -1) {
 		switch (opt) {
 		case 'd': dev = optarg; break;
 		case 'q': qd = atol(optarg); break;
 		case 'n': ios = atol(optarg); break;
 		case 'w': rw = optarg; break;
 		case 'x': delay_ms = atol(optarg); break;
+		case 'l': per_io = 1; break;
 		default:
-			fprintf(stderr, "usage: %s -d DEV -q QD -n IOS -w randread|randwrite [-x DELAY_MS]\n", argv[0]);
+			fprintf(stderr, "usage: %s -d DEV -q QD -n IOS -w randread|randwrite [-x DELAY_MS] [-l]\n", argv[0]);
 			return 2;
 		}
 	}
@@ -183,6 +189,7 @@ int main(int argc, char **argv)
 		return 1;
 	memset(bufs, 0x5a, (size_t)qd * BS);
 	uint64_t *lat = calloc(ios, sizeof(*lat));
+	uint64_t *offs = calloc(ios, sizeof(*offs));
 	long submitted = 0, done = 0, errors = 0;
 
 	for (;;) {
@@ -225,18 +232,21 @@ int main(int argc, char **argv)
 			long slot = (long)evs[i].data - 1;
 			if (evs[i].res != BS)
 				errors++;
+			offs[done] = (uint64_t)cbs[slot].aio_offset;
 			lat[done++] = t - started[slot];
 			cbs[slot].aio_data = 0;
 		}
 	}
+	for (long i = 0; per_io && i < ios; i++)
+		printf("IOSPAN-IO %llu %llu\n", (unsigned long long)offs[i], (unsigned long long)lat[i]);
 	qsort(lat, ios, sizeof(*lat), cmp_u64);
 	double sum = 0;
 	for (long i = 0; i < ios; i++)
 		sum += lat[i];
 	printf("IOSPAN-WORKLOAD {\"dev\":\"%s\",\"rw\":\"%s\",\"qd\":%ld,\"ios\":%ld,\"errors\":%ld,"
 	       "\"mean_us\":%.3f,\"p50_us\":%.3f,\"p90_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":%.3f,\"max_us\":%.3f}\n",
-	       dev, rw, qd, done, errors, sum / ios / 1000.0, pct(lat, ios, 0.50), pct(lat, ios, 0.90),
-	       pct(lat, ios, 0.99), pct(lat, ios, 0.999), lat[ios - 1] / 1000.0);
+	       dev, rw, qd, done, errors, sum / ios / 1000.0, pct(lat, ios, 500), pct(lat, ios, 900),
+	       pct(lat, ios, 990), pct(lat, ios, 999), lat[ios - 1] / 1000.0);
 	fflush(stdout);
 	return errors ? 1 : 0;
 }

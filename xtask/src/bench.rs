@@ -49,9 +49,40 @@ pub struct GuestArgs {
     qd: u32,
 }
 
-/// The guest arm: the rig guest's own latency with and without iospan on
-/// the host (VM attribution on), boots interleaved, and what iospan costs
-/// per guest I/O.
+/// What a guest bench boot runs besides the guest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GuestArm {
+    /// No tracing at all.
+    Untraced,
+    /// `iospan run` on the host, no guest agent.
+    Host,
+    /// `iospan run` on the host and the guest agent inside.
+    HostAndGuest,
+}
+
+impl GuestArm {
+    const ALL: [GuestArm; 3] = [GuestArm::Untraced, GuestArm::Host, GuestArm::HostAndGuest];
+
+    fn label(self) -> &'static str {
+        match self {
+            GuestArm::Untraced => "no tracing",
+            GuestArm::Host => "iospan (host)",
+            GuestArm::HostAndGuest => "iospan + guest agent",
+        }
+    }
+
+    fn key(self) -> &'static str {
+        match self {
+            GuestArm::Untraced => "no_tracing",
+            GuestArm::Host => "iospan",
+            GuestArm::HostAndGuest => "iospan_and_guest_agent",
+        }
+    }
+}
+
+/// The guest arm: the rig guest's own latency untraced, with iospan on the
+/// host (VM attribution on), and with the guest agent too, boots
+/// interleaved; and what iospan costs per guest I/O.
 pub fn guest(a: &GuestArgs) -> Result<()> {
     use crate::guest::{self as rig, RunArgs};
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
@@ -61,15 +92,9 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
     let built = rig::build()?;
     let image = rig::dir().join("disk.img");
     rig::ensure_image(&image, 256)?;
-    let args = RunArgs {
-        qd: a.qd,
-        ios: a.ios,
-        name: "bench-guest".into(),
-        ..Default::default()
-    };
     let report = out_dir.join("guest-iospan.json");
     struct Row {
-        traced: bool,
+        arm: GuestArm,
         p50: f64,
         mean: f64,
         p99: f64,
@@ -78,9 +103,21 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
     }
     let mut rows: Vec<Row> = Vec::new();
     for rep in 0..a.reps {
-        for traced in [rep % 2 == 0, rep % 2 != 0] {
+        // Rotated, so no arm always boots first (a cold page cache, a warm CPU).
+        let mut arms = GuestArm::ALL;
+        arms.rotate_left(rep as usize % GuestArm::ALL.len());
+        for arm in arms {
+            let args = RunArgs {
+                qd: a.qd,
+                ios: a.ios,
+                name: "bench-guest".into(),
+                no_guest_agent: arm != GuestArm::HostAndGuest,
+                ..Default::default()
+            };
             let (qemu, dev) = rig::qemu_command(&built, &args, &image);
-            let mut cmd = if traced {
+            let mut cmd = if arm == GuestArm::Untraced {
+                qemu
+            } else {
                 let mut c = Command::new(&iospan);
                 c.args(["run", "--quiet", "--bpf-stats", "--json-out"])
                     .arg(&report)
@@ -88,8 +125,6 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
                     .arg(qemu.get_program())
                     .args(qemu.get_args());
                 c
-            } else {
-                qemu
             };
             let t = Instant::now();
             let out = cmd.output().context("booting the rig guest")?;
@@ -99,7 +134,7 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
                 .collect();
             let r = rig::parse(&console, &args, dev, t.elapsed().as_secs_f64())?;
             let w = &r.workload;
-            let (bpf, uprobe_hits) = if traced {
+            let (bpf, uprobe_hits) = if arm != GuestArm::Untraced {
                 let j: Value = serde_json::from_slice(&std::fs::read(&report)?)?;
                 let progs = j["agent"]["bpf"].as_array().cloned().unwrap_or_default();
                 let ns: u64 = progs.iter().filter_map(|p| p["run_time_ns"].as_u64()).sum();
@@ -126,13 +161,15 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
                 (None, None)
             };
             eprintln!(
-                "xtask: bench guest: rep {} traced={traced}: p50 {} µs",
+                "xtask: bench guest: rep {} {}: p50 {} µs, mean {} µs",
                 rep + 1,
-                w["p50_us"]
+                arm.label(),
+                w["p50_us"],
+                w["mean_us"]
             );
             let num = |k: &str| w[k].as_f64().unwrap_or(f64::NAN);
             rows.push(Row {
-                traced,
+                arm,
                 p50: num("p50_us"),
                 mean: num("mean_us"),
                 p99: num("p99_us"),
@@ -141,44 +178,46 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
             });
         }
     }
-    let med = |traced: bool, f: &dyn Fn(&Row) -> Option<f64>| {
-        let mut v: Vec<f64> = rows
-            .iter()
-            .filter(|r| r.traced == traced)
-            .filter_map(f)
-            .collect();
+    let med = |arm: GuestArm, f: &dyn Fn(&Row) -> Option<f64>| {
+        let mut v: Vec<f64> = rows.iter().filter(|r| r.arm == arm).filter_map(f).collect();
         v.sort_by(|a, b| a.total_cmp(b));
         v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
     };
-    let (p50_off, p50_on) = (med(false, &|r| Some(r.p50)), med(true, &|r| Some(r.p50)));
-    let (mean_off, mean_on) = (med(false, &|r| Some(r.mean)), med(true, &|r| Some(r.mean)));
-    let (p99_off, p99_on) = (med(false, &|r| Some(r.p99)), med(true, &|r| Some(r.p99)));
-    let bpf = med(true, &|r| r.bpf_ns);
-    let uprobe_hits = med(true, &|r| r.uprobe_hits);
-    println!("rig guest (TCG), virtio-blk aio=io_uring, 4k randread QD{} x {} I/Os, {} boots per arm, medians", a.qd, a.ios, a.reps);
     println!(
-        "{:<16} {:>10} {:>10} {:>10}",
-        "host", "p50 µs", "mean µs", "p99 µs"
+        "rig guest (TCG, 1 vCPU), virtio-blk aio=io_uring, 4k randread QD{} x {} I/Os, {} boots per arm, medians",
+        a.qd, a.ios, a.reps
     );
     println!(
-        "{:<16} {:>10.1} {:>10.1} {:>10.1}",
-        "no tracing", p50_off, mean_off, p99_off
+        "{:<22} {:>10} {:>10} {:>10} {:>10}",
+        "arm", "p50 µs", "mean µs", "p99 µs", "p50 added"
     );
-    println!(
-        "{:<16} {:>10.1} {:>10.1} {:>10.1}",
-        "iospan run", p50_on, mean_on, p99_on
-    );
-    println!(
-        "guest p50 added by iospan: {:+.1}%; iospan BPF time per guest I/O: {bpf:.0} ns; uprobe hits per guest I/O: {uprobe_hits:.2}",
-        (p50_on / p50_off - 1.0) * 100.0
-    );
-    let json = serde_json::json!({
+    let base = med(GuestArm::Untraced, &|r| Some(r.p50));
+    let mut json = serde_json::json!({
         "date": chrono_free_date(), "machine": machine(),
         "params": {"reps": a.reps, "ios": a.ios, "qd": a.qd, "disk": "virtio-blk", "aio": "io_uring"},
-        "no_tracing": {"p50_us": p50_off, "mean_us": mean_off, "p99_us": p99_off},
-        "iospan": {"p50_us": p50_on, "mean_us": mean_on, "p99_us": p99_on, "bpf_ns_per_guest_io": bpf, "uprobe_hits_per_io": uprobe_hits},
-        "p50_added": p50_on / p50_off - 1.0,
     });
+    for arm in GuestArm::ALL {
+        let (p50, mean, p99) = (
+            med(arm, &|r| Some(r.p50)),
+            med(arm, &|r| Some(r.mean)),
+            med(arm, &|r| Some(r.p99)),
+        );
+        println!(
+            "{:<22} {p50:>10.1} {mean:>10.1} {p99:>10.1} {:>+9.1}%",
+            arm.label(),
+            (p50 / base - 1.0) * 100.0
+        );
+        json[arm.key()] = serde_json::json!({
+            "p50_us": p50, "mean_us": mean, "p99_us": p99, "p50_added": p50 / base - 1.0,
+            "bpf_ns_per_guest_io": (arm != GuestArm::Untraced).then(|| med(arm, &|r| r.bpf_ns)),
+            "uprobe_hits_per_io": (arm != GuestArm::Untraced).then(|| med(arm, &|r| r.uprobe_hits)),
+        });
+    }
+    println!(
+        "host iospan: BPF time per guest I/O {:.0} ns, uprobe hits per guest I/O {:.2}",
+        med(GuestArm::Host, &|r| r.bpf_ns),
+        med(GuestArm::Host, &|r| r.uprobe_hits)
+    );
     let path = out_dir.join("guest.json");
     std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
     eprintln!("xtask: wrote {}", path.display());

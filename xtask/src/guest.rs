@@ -87,6 +87,12 @@ pub struct RunArgs {
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Have the workload report each I/O (offset and latency) as well.
+    #[arg(long)]
+    pub per_io: bool,
+    /// Also write the guest's whole console to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub console_out: Option<PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -133,6 +139,8 @@ impl Default for RunArgs {
             agent_restart_s: None,
             reboot: false,
             json: false,
+            per_io: false,
+            console_out: None,
         }
     }
 }
@@ -147,6 +155,10 @@ pub struct RigResult {
     pub guest_dev: String,
     /// The workload's own line: exact I/O count and per-I/O latency.
     pub workload: Value,
+    /// Each I/O's (offset, latency ns) as the workload timed it, in
+    /// completion order (with `--per-io`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub per_io: Vec<(u64, u64)>,
     /// The guest disk's request counters at the end (since boot).
     pub guest_reads: u64,
     pub guest_writes: u64,
@@ -454,7 +466,8 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
             u8::from(!a.no_guest_agent),
             a.dm_delay_ms.map(i64::from).unwrap_or(-1),
             a.agent_restart_s.map(|s| format!(" iospan.agentrestart={s}")).unwrap_or_default()
-        ) + if a.reboot { " iospan.reboot=1" } else { "" })
+        ) + if a.reboot { " iospan.reboot=1" } else { "" }
+            + if a.per_io { " iospan.perio=1" } else { "" })
         .arg("-drive")
         .arg(format!(
             "file={},if=none,id={},format=raw,cache=none,aio={}{}",
@@ -545,6 +558,10 @@ pub fn run(a: &RunArgs) -> Result<RigResult> {
         }
     }
     let status = child.wait()?;
+    if let Some(f) = &a.console_out {
+        std::fs::write(f, lines.join("\n") + "\n")
+            .with_context(|| format!("writing --console-out {}", f.display()))?;
+    }
     parse(&lines, a, guest_dev, t.elapsed().as_secs_f64()).with_context(|| {
         format!(
             "qemu exited with {status}; the guest's console:\n{}",
@@ -577,6 +594,13 @@ pub fn parse(lines: &[String], a: &RunArgs, guest_dev: String, seconds: f64) -> 
             *f.get(4).context("stat writes")?,
         ))
     };
+    let per_io = lines
+        .iter()
+        .filter_map(|l| {
+            let mut f = l.split_once("IOSPAN-IO ")?.1.split_whitespace();
+            Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?))
+        })
+        .collect();
     let (r0, w0) = stat("IOSPAN-BEFORE")?;
     let (r1, w1) = stat("IOSPAN-STAT")?;
     Ok(RigResult {
@@ -587,6 +611,7 @@ pub fn parse(lines: &[String], a: &RunArgs, guest_dev: String, seconds: f64) -> 
         iothread: a.iothread,
         guest_dev,
         workload,
+        per_io,
         guest_reads: r1,
         guest_writes: w1,
         workload_reads: r1 - r0,

@@ -1,52 +1,70 @@
-//! Log-linear latency histograms, bucket for bucket the same as
-//! `bpf/include/hist.h` (pinned by the agent-integration test `hist_buckets`).
+//! Log-linear latency histograms. The kernel's layout (`bpf/include/hist.h`,
+//! pinned by the agent-integration test `hist_buckets`) has eight
+//! sub-buckets per power of two; distributions recorded here in user space
+//! (the joined segments of guest I/O) take a finer one, 64 sub-buckets,
+//! so their percentiles are within 1.6 % rather than 12.5 %.
 
 use serde::{Deserialize, Serialize};
 
-use crate::abi::{HIST_BUCKETS, HIST_MAX_LOG2, HIST_SUB, HIST_SUB_BITS};
+use crate::abi::{HIST_MAX_LOG2, HIST_SUB_BITS};
 
-/// The bucket a value in nanoseconds falls into.
+/// Sub-bucket bits of the user-space layout.
+pub const FINE_SUB_BITS: u32 = 6;
+
+/// Buckets of a layout with 2^`bits` sub-buckets per power of two.
+const fn buckets_for(bits: u32) -> usize {
+    ((HIST_MAX_LOG2 - bits + 2) << bits) as usize
+}
+
+/// The kernel-layout bucket a value in nanoseconds falls into.
 pub fn bucket_of(v: u64) -> usize {
-    if v < 2 * HIST_SUB as u64 {
+    bucket_in(v, HIST_SUB_BITS)
+}
+
+/// `[lower, upper)` of a kernel-layout bucket, in nanoseconds.
+pub fn bucket_bounds(b: usize) -> (u64, u64) {
+    bounds_in(b, HIST_SUB_BITS)
+}
+
+fn bucket_in(v: u64, bits: u32) -> usize {
+    let sub = 1u64 << bits;
+    if v < 2 * sub {
         return v as usize;
     }
     let e = 63 - v.leading_zeros();
     if e > HIST_MAX_LOG2 {
-        return HIST_BUCKETS - 1;
+        return buckets_for(bits) - 1;
     }
-    let sub = (v >> (e - HIST_SUB_BITS)) as u32 & (HIST_SUB - 1);
-    ((e - HIST_SUB_BITS + 1) * HIST_SUB + sub) as usize
+    let s = (v >> (e - bits)) & (sub - 1);
+    (((e - bits + 1) as u64) * sub + s) as usize
 }
 
-/// `[lower, upper)` of a bucket, in nanoseconds.
-pub fn bucket_bounds(b: usize) -> (u64, u64) {
+fn bounds_in(b: usize, bits: u32) -> (u64, u64) {
     let b = b as u64;
-    let sub = HIST_SUB as u64;
+    let sub = 1u64 << bits;
     if b < 2 * sub {
         return (b, b + 1);
     }
-    let e = b / sub + HIST_SUB_BITS as u64 - 1;
-    let width = 1u64 << (e - HIST_SUB_BITS as u64);
+    let e = b / sub + bits as u64 - 1;
+    let width = 1u64 << (e - bits as u64);
     let lower = (1u64 << e) + (b % sub) * width;
     (lower, lower + width)
 }
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Hist {
+    /// Sub-bucket bits of this histogram's layout.
+    sub_bits: u32,
     pub buckets: Vec<u64>,
     pub count: u64,
     pub sum_ns: u64,
     pub max_ns: u64,
 }
 
+/// The kernel's layout: what its per-CPU histograms are summed into.
 impl Default for Hist {
     fn default() -> Self {
-        Self {
-            buckets: vec![0; HIST_BUCKETS],
-            count: 0,
-            sum_ns: 0,
-            max_ns: 0,
-        }
+        Self::with_sub_bits(HIST_SUB_BITS)
     }
 }
 
@@ -63,14 +81,31 @@ pub struct Summary {
 }
 
 impl Hist {
+    fn with_sub_bits(sub_bits: u32) -> Self {
+        Self {
+            sub_bits,
+            buckets: vec![0; buckets_for(sub_bits)],
+            count: 0,
+            sum_ns: 0,
+            max_ns: 0,
+        }
+    }
+
+    /// The user-space layout, for values recorded one by one here.
+    pub fn fine() -> Self {
+        Self::with_sub_bits(FINE_SUB_BITS)
+    }
+
     pub fn record(&mut self, v: u64) {
-        self.buckets[bucket_of(v)] += 1;
+        self.buckets[bucket_in(v, self.sub_bits)] += 1;
         self.count += 1;
         self.sum_ns += v;
         self.max_ns = self.max_ns.max(v);
     }
 
+    /// Adds another histogram of the same layout.
     pub fn merge(&mut self, other: &Hist) {
+        debug_assert_eq!(self.sub_bits, other.sub_bits, "merging histograms of two layouts");
         for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
             *a += b;
         }
@@ -101,7 +136,7 @@ impl Hist {
                 continue;
             }
             if (seen + n) as f64 >= rank {
-                let (lo, hi) = bucket_bounds(b);
+                let (lo, hi) = bounds_in(b, self.sub_bits);
                 let frac = (rank - seen as f64) / n as f64;
                 let v = lo as f64 + frac * (hi - lo) as f64;
                 return v.min(self.max_ns as f64);
@@ -132,29 +167,50 @@ mod tests {
 
     #[test]
     fn buckets_are_contiguous_and_cover_their_values() {
-        let mut prev_hi = 0;
-        for b in 0..HIST_BUCKETS {
-            let (lo, hi) = bucket_bounds(b);
-            assert_eq!(
-                lo,
-                prev_hi,
-                "bucket {b} starts where {} ended",
-                b.saturating_sub(1)
-            );
-            assert!(hi > lo);
-            assert_eq!(bucket_of(lo), b);
-            assert_eq!(bucket_of(hi - 1), b);
-            prev_hi = hi;
+        for bits in [HIST_SUB_BITS, FINE_SUB_BITS] {
+            let n = buckets_for(bits);
+            let mut prev_hi = 0;
+            for b in 0..n {
+                let (lo, hi) = bounds_in(b, bits);
+                assert_eq!(lo, prev_hi, "layout {bits}: bucket {b} starts where the last ended");
+                assert!(hi > lo);
+                assert_eq!(bucket_in(lo, bits), b);
+                assert_eq!(bucket_in(hi - 1, bits), b);
+                prev_hi = hi;
+            }
+            assert_eq!(bucket_in(u64::MAX, bits), n - 1);
         }
-        assert_eq!(bucket_of(u64::MAX), HIST_BUCKETS - 1);
+        assert_eq!(buckets_for(HIST_SUB_BITS), crate::abi::HIST_BUCKETS);
     }
 
     #[test]
-    fn bucket_width_is_within_an_eighth() {
-        for b in 2 * HIST_SUB as usize..HIST_BUCKETS {
-            let (lo, hi) = bucket_bounds(b);
-            assert!((hi - lo) as f64 / lo as f64 <= 1.0 / HIST_SUB as f64 + 1e-12);
+    fn bucket_width_is_within_one_sub_bucket() {
+        for bits in [HIST_SUB_BITS, FINE_SUB_BITS] {
+            let sub = 1usize << bits;
+            for b in 2 * sub..buckets_for(bits) {
+                let (lo, hi) = bounds_in(b, bits);
+                assert!((hi - lo) as f64 / lo as f64 <= 1.0 / sub as f64 + 1e-12);
+            }
         }
+    }
+
+    /// A tail with a cliff (most requests fast, one in seventy slow): the
+    /// p99 falls among the few in between, where the kernel's layout can
+    /// only interpolate across an eighth; the fine one stays within 2 %.
+    #[test]
+    fn the_fine_layout_finds_a_p99_at_a_cliff() {
+        let mut vals: Vec<u64> = (0..1970).map(|i| 300_000 + i * 50).collect();
+        vals.extend([1_190_000, 1_230_000, 1_250_000, 1_280_000, 1_300_000]);
+        vals.extend((0..25).map(|i| 3_000_000 + i * 100_000));
+        let mut fine = Hist::fine();
+        for &v in &vals {
+            fine.record(v);
+        }
+        vals.sort_unstable();
+        // Nearest rank: the ceil(q·n)-th smallest.
+        let exact = vals[(0.99 * vals.len() as f64).ceil() as usize - 1] as f64;
+        let got = fine.quantile_ns(0.99);
+        assert!((got - exact).abs() / exact < 0.02, "p99 {got} vs {exact}");
     }
 
     #[test]
