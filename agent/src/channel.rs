@@ -14,7 +14,7 @@ use tokio::{io::AsyncReadExt, net::UnixStream, sync::watch};
 
 use crate::{
     correlate::Correlator,
-    transport::{Frame, FrameReader, Hello, SenderStats},
+    transport::{encode_control, Control, Frame, FrameReader, Hello, SenderStats},
     vms::Registry,
 };
 
@@ -28,6 +28,9 @@ pub struct ChannelStats {
     pub lost_frames: u64,
     /// The sender started over (guest agent restarted, guest rebooted).
     pub sender_restarts: u64,
+    /// Frames sent again (after a reconnection) that had arrived already.
+    #[serde(default)]
+    pub resent_duplicates: u64,
     /// Connections dropped on a malformed stream.
     pub decode_errors: u64,
     /// The guest agent's own account (its latest STATS frame).
@@ -46,6 +49,8 @@ pub async fn follow(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut buf = vec![0u8; 1 << 16];
+    // One sequence across reconnections: resent frames are not counted twice.
+    let mut reader = FrameReader::default();
     correlator
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -55,7 +60,7 @@ pub async fn follow(
         if *stop.borrow() {
             return;
         }
-        let mut stream = match UnixStream::connect(&path).await {
+        let stream = match UnixStream::connect(&path).await {
             Ok(s) => s,
             Err(_) => {
                 // QEMU not listening yet, or gone: try again shortly.
@@ -66,19 +71,26 @@ pub async fn follow(
             }
         };
         with_stats(&correlator, vm, |s| s.connections += 1);
-        let mut reader = FrameReader::default();
+        let (mut rd, wr) = stream.into_split();
+        // Whatever the guest agent wrote that nobody acknowledged (a host
+        // agent before this one, a broken connection) comes again.
+        let mut owe_resend = true;
+        reader.new_stream();
         let mut stopping: Option<tokio::time::Instant> = None;
         loop {
+            if owe_resend {
+                owe_resend = !send_control(&wr, Control::Resend);
+            }
             let n = if let Some(until) = stopping {
                 // Stopping: what the guest agent sent up to now (it drains
                 // every 100 ms), not what it goes on sending.
-                match tokio::time::timeout_at(until, stream.read(&mut buf)).await {
+                match tokio::time::timeout_at(until, rd.read(&mut buf)).await {
                     Ok(Ok(n)) => n,
                     _ => 0,
                 }
             } else {
                 tokio::select! {
-                    r = stream.read(&mut buf) => r.unwrap_or(0),
+                    r = rd.read(&mut buf) => r.unwrap_or(0),
                     _ = stop.changed() => {
                         stopping = Some(tokio::time::Instant::now() + Duration::from_millis(300));
                         continue;
@@ -94,25 +106,35 @@ pub async fn follow(
                     Ok(Some(frame)) => handle(vm, frame, &known, &correlator),
                     Ok(None) => break,
                     Err(e) => {
-                        log::warn!(
-                            "VM slot {vm}: guest channel {}: {e}; reconnecting",
-                            path.display()
-                        );
+                        // The reader skipped to the next frame's start.
+                        log::warn!("VM slot {vm}: guest channel {}: {e}", path.display());
                         with_stats(&correlator, vm, |s| s.decode_errors += 1);
-                        reader = FrameReader::default();
-                        break;
                     }
                 }
             }
+            // Handled: the guest agent may forget them. (Again after each
+            // read: frames resent after a crossing acknowledgement are
+            // acknowledged anew.)
+            if let Some(a) = reader.acked() {
+                send_control(&wr, Control::Ack(a));
+            }
             with_stats(&correlator, vm, |s| {
-                s.lost_frames = s.lost_frames.max(reader.lost_frames);
-                s.sender_restarts = s.sender_restarts.max(reader.restarts);
+                s.lost_frames = reader.lost_frames;
+                s.sender_restarts = reader.restarts;
+                s.resent_duplicates = reader.duplicates;
             });
         }
         if stopping.is_some() {
             return;
         }
     }
+}
+
+/// Sends a control message if the socket takes it now (an acknowledgement
+/// not taken is carried by the next one).
+fn send_control(wr: &tokio::net::unix::OwnedWriteHalf, c: Control) -> bool {
+    let msg = encode_control(c);
+    matches!(wr.try_write(&msg), Ok(n) if n == msg.len())
 }
 
 fn with_stats(correlator: &Mutex<Correlator>, vm: u32, f: impl FnOnce(&mut ChannelStats)) {

@@ -4,11 +4,13 @@
 //! Nothing here may block the guest's I/O or grow without bound: the port
 //! is written without blocking, frames wait in a bounded queue while the
 //! host side is absent, and what the queue cannot hold is dropped and
-//! counted (sent in the next `STATS` frame).
+//! counted (sent in the next `STATS` frame). Written frames are kept until
+//! the host agent acknowledges them and sent again to a host agent that
+//! (re)connects, so a host agent's restart loses nothing.
 
 use std::{
     collections::VecDeque,
-    io::Write,
+    io::{Read, Write},
     os::unix::fs::OpenOptionsExt,
     path::{Path, PathBuf},
     sync::atomic::{AtomicBool, Ordering},
@@ -21,7 +23,7 @@ use crate::{
     abi::{GuestIoEvent, Record},
     bpf::guest::GuestProbes,
     reap::{self, Reaper},
-    transport::{self, Frame, GuestDisk, Hello, SenderStats},
+    transport::{self, Control, ControlReader, Frame, GuestDisk, Hello, SenderStats},
 };
 
 pub struct GuestOptions {
@@ -64,47 +66,104 @@ impl Channel {
             Channel::Tcp(s) => s.write(buf),
         }
     }
+
+    /// What the host agent sent back, without waiting (empty: nothing,
+    /// or no host agent on the other end).
+    fn read_now(&mut self, buf: &mut [u8]) -> Vec<u8> {
+        let r = match self {
+            Channel::Port(f) => f.read(buf),
+            Channel::Tcp(s) => s.read(buf),
+        };
+        match r {
+            Ok(n) => buf[..n].to_vec(),
+            Err(_) => Vec::new(),
+        }
+    }
 }
 
-/// Frames waiting to be written, bounded; the front may be half written.
+/// One encoded frame and the records in it.
+struct Queued {
+    seq: u64,
+    bytes: Vec<u8>,
+    records: usize,
+}
+
+/// Frames waiting to be written (the front may be half written) and frames
+/// written but not yet acknowledged, bounded together.
 struct SendQueue {
-    frames: VecDeque<(Vec<u8>, usize)>,
+    sender: u32,
+    pending: VecDeque<Queued>,
+    /// Bytes of the front pending frame already written.
+    front_written: usize,
+    unacked: VecDeque<Queued>,
     bytes: usize,
     seq: u64,
     stats: SenderStats,
 }
 
 impl SendQueue {
+    fn new(sender: u32) -> Self {
+        Self {
+            sender,
+            pending: VecDeque::new(),
+            front_written: 0,
+            unacked: VecDeque::new(),
+            bytes: 0,
+            seq: 0,
+            stats: SenderStats::default(),
+        }
+    }
+
     fn push(&mut self, frame: &Frame) {
-        let bytes = transport::encode(self.seq, frame);
-        self.seq += 1;
+        let bytes = transport::encode(self.sender, self.seq, frame);
         if let Frame::Records(r) = frame {
             self.stats.sent_records += r.len() as u64;
         }
         self.bytes += bytes.len();
-        self.frames.push_back((bytes, records_in(frame)));
-        // Oldest records go first; a half-written front frame stays (the
-        // stream must stay in step).
-        while self.bytes > QUEUE_BYTES && self.frames.len() > 1 {
-            let (f, n) = self.frames.remove(1).unwrap_or_default();
-            self.bytes -= f.len();
-            self.stats.dropped_records += n as u64;
-            self.stats.sent_records -= n as u64;
+        self.pending.push_back(Queued {
+            seq: self.seq,
+            bytes,
+            records: records_in(frame),
+        });
+        self.seq += 1;
+        // For room: first what was written and never confirmed, then the
+        // oldest waiting (never the half-written front: the stream must
+        // stay in step).
+        while self.bytes > QUEUE_BYTES {
+            let (q, confirmed_never) = if let Some(q) = self.unacked.pop_front() {
+                (q, true)
+            } else if self.pending.len() > 1 {
+                let at = usize::from(self.front_written > 0);
+                match self.pending.remove(at) {
+                    Some(q) => (q, false),
+                    None => break,
+                }
+            } else {
+                break;
+            };
+            self.bytes -= q.bytes.len();
+            if confirmed_never {
+                self.stats.unconfirmed_records += q.records as u64;
+            } else {
+                self.stats.dropped_records += q.records as u64;
+                self.stats.sent_records -= q.records as u64;
+            }
         }
     }
 
     /// Writes what the channel takes now. Err only for a broken channel.
     fn flush(&mut self, ch: &mut Channel) -> std::io::Result<()> {
-        while let Some((front, _)) = self.frames.front_mut() {
-            match ch.write_some(front) {
+        while let Some(front) = self.pending.front() {
+            match ch.write_some(&front.bytes[self.front_written..]) {
                 Ok(0) => return Ok(()),
-                Ok(n) if n == front.len() => {
-                    self.bytes -= n;
-                    self.frames.pop_front();
-                }
                 Ok(n) => {
-                    self.bytes -= n;
-                    front.drain(..n);
+                    self.front_written += n;
+                    if self.front_written == front.bytes.len() {
+                        self.front_written = 0;
+                        if let Some(q) = self.pending.pop_front() {
+                            self.unacked.push_back(q);
+                        }
+                    }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -113,6 +172,63 @@ impl SendQueue {
         }
         Ok(())
     }
+
+    fn on_control(&mut self, c: Control) {
+        match c {
+            Control::Ack(below) => {
+                while self.unacked.front().is_some_and(|q| q.seq < below) {
+                    if let Some(q) = self.unacked.pop_front() {
+                        self.bytes -= q.bytes.len();
+                    }
+                }
+                // Queued again by a resend request that crossed this
+                // acknowledgement (a half-written front stays: the stream
+                // must stay in step; the receiver skips it).
+                let keep_front = usize::from(self.front_written > 0);
+                let mut i = keep_front;
+                while i < self.pending.len() {
+                    if self.pending[i].seq < below {
+                        if let Some(q) = self.pending.remove(i) {
+                            self.bytes -= q.bytes.len();
+                        }
+                    } else {
+                        i += 1;
+                    }
+                }
+            }
+            Control::Resend => {
+                // A new receiver starts at a frame's start: a half-written
+                // front is written again whole (the receiver skips to the
+                // next magic past the tail it may get of the old one).
+                self.front_written = 0;
+                while let Some(q) = self.unacked.pop_back() {
+                    self.pending.push_front(q);
+                }
+            }
+        }
+    }
+
+    /// Records not known to have reached a host agent.
+    fn undelivered(&self) -> usize {
+        self.pending.iter().chain(&self.unacked).map(|q| q.records).sum()
+    }
+}
+
+/// A number telling this run of the agent from any other (its frames'
+/// `sender`): the kernel's random source, else time and pid.
+fn sender_id() -> u32 {
+    let mut b = [0u8; 4];
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_ok()
+    {
+        return u32::from_le_bytes(b);
+    }
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    t ^ std::process::id().rotate_left(16)
 }
 
 fn records_in(frame: &Frame) -> usize {
@@ -157,6 +273,7 @@ fn open_channel(opts: &GuestOptions) -> Result<Channel> {
         })?,
     };
     let f = std::fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(&port)
@@ -227,18 +344,16 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
         std::fs::write(f, b"ready\n")
             .with_context(|| format!("writing --ready-file {}", f.display()))?;
     }
-    let mut q = SendQueue {
-        frames: VecDeque::new(),
-        bytes: 0,
-        seq: 0,
-        stats: SenderStats::default(),
-    };
+    let mut q = SendQueue::new(sender_id());
+    let mut control = ControlReader::default();
+    let mut inbox = vec![0u8; 4096];
     let mut reaper = Reaper::default();
     let mut last_hello: Option<Instant> = None;
     let mut last_stats = Instant::now();
     let mut stop_at: Option<Instant> = None;
     loop {
-        if STOP.load(Ordering::Relaxed) && stop_at.is_none() {
+        let stopping_now = STOP.load(Ordering::Relaxed) && stop_at.is_none();
+        if stopping_now {
             stop_at = Some(Instant::now() + FLUSH_FOR);
         }
         // Records are submitted without wake-ups: drain on a timer.
@@ -256,7 +371,7 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
         } else {
             reaper.expire(reap::monotonic_ns(), &mut batch);
         }
-        if last_hello.is_none_or(|t| t.elapsed() >= HELLO_EVERY) {
+        if stop_at.is_none() && last_hello.is_none_or(|t| t.elapsed() >= HELLO_EVERY) {
             q.push(&Frame::Hello(hello(&probes.coverage)));
             last_hello = Some(Instant::now());
         }
@@ -264,7 +379,11 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
         for chunk in batch.chunks(1024) {
             q.push(&Frame::Records(chunk.to_vec()));
         }
-        if last_stats.elapsed() >= STATS_EVERY || stop_at.is_some() {
+        // Stopping: the final account once, and again only after records
+        // (so the queue can run empty and the agent exit once all is
+        // acknowledged).
+        let final_account = stopping_now || (stop_at.is_some() && !batch.is_empty());
+        if last_stats.elapsed() >= STATS_EVERY || final_account {
             let (ring_lost, inflight_lost) = probes.lost();
             q.stats.ring_lost = ring_lost;
             q.stats.inflight_lost = inflight_lost;
@@ -273,6 +392,9 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
             let stats = q.stats.clone();
             q.push(&Frame::Stats(stats));
             last_stats = Instant::now();
+        }
+        for c in control.push(&ch.read_now(&mut inbox)) {
+            q.on_control(c);
         }
         if let Err(e) = q.flush(&mut ch) {
             // The host side went away (TCP): reconnect on the next round.
@@ -283,12 +405,13 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
             }
         }
         if let Some(t) = stop_at {
-            if q.frames.is_empty() || Instant::now() >= t {
-                let undelivered: usize = q.frames.iter().map(|(_, n)| n).sum();
+            if (q.pending.is_empty() && q.unacked.is_empty()) || Instant::now() >= t {
+                let undelivered = q.undelivered();
                 eprintln!(
-                    "iospan: guest agent: {} records sent, {} dropped, {} undelivered at exit",
+                    "iospan: guest agent: {} records sent, {} dropped, {} unconfirmed, {} undelivered at exit",
                     q.stats.sent_records - undelivered as u64,
                     q.stats.dropped_records,
+                    q.stats.unconfirmed_records,
                     undelivered
                 );
                 return Ok(());

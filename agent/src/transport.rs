@@ -2,12 +2,19 @@
 //! over a virtio-serial port (no guest networking needed) or TCP.
 //!
 //! ```text
-//!  magic "IOSP" | version u16 | kind u16 | seq u64 | len u32 | payload (len bytes)
+//!  magic "IOSP" | version u16 | kind u16 | sender u32 | seq u64 | len u32 | payload (len bytes)
 //! ```
 //!
-//! All integers little-endian. `seq` counts the sender's frames from 0 since
-//! it started, so a receiver counts frames lost in between (and sees a
-//! restart as `seq` going back). Kinds: `HELLO` (JSON: who the guest is and
+//! All integers little-endian. `sender` is chosen at random when the guest
+//! agent starts (a new one: the agent restarted or the guest rebooted);
+//! `seq` counts its frames from 0, so a receiver counts frames lost in
+//! between. The other way, the host agent sends 16-byte control messages
+//! (`magic "IOSC" | kind u32 | seq u64`): `RESEND` when it connects (send
+//! again every frame not yet acknowledged: a host agent that stopped, or a
+//! connection that broke, took some without confirming them) and `ACK`
+//! once frames are handled (every frame below `seq`: the sender forgets
+//! them). A frame is dropped by the sender only for room, and counted; a
+//! resent frame a receiver already has is skipped. Kinds: `HELLO` (JSON: who the guest is and
 //! its disks, sent at start and every few seconds so a receiver joining
 //! late learns them), `RECORDS` (whole `GuestIoEvent`s back to back),
 //! `STATS` (JSON: the sender's own losses).
@@ -17,8 +24,72 @@ use serde::{Deserialize, Serialize};
 use crate::abi::GuestIoEvent;
 
 pub const MAGIC: [u8; 4] = *b"IOSP";
-pub const VERSION: u16 = 2;
-pub const HEADER_LEN: usize = 4 + 2 + 2 + 8 + 4;
+pub const VERSION: u16 = 3;
+pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 4;
+
+/// Host → guest control messages.
+pub const CONTROL_MAGIC: [u8; 4] = *b"IOSC";
+pub const CONTROL_LEN: usize = 16;
+pub const CONTROL_ACK: u32 = 1;
+pub const CONTROL_RESEND: u32 = 2;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Control {
+    /// Every frame below this sequence number was handled.
+    Ack(u64),
+    /// A receiver that has nothing: send every unacknowledged frame again.
+    Resend,
+}
+
+pub fn encode_control(c: Control) -> [u8; CONTROL_LEN] {
+    let (kind, seq) = match c {
+        Control::Ack(seq) => (CONTROL_ACK, seq),
+        Control::Resend => (CONTROL_RESEND, 0),
+    };
+    let mut out = [0u8; CONTROL_LEN];
+    out[..4].copy_from_slice(&CONTROL_MAGIC);
+    out[4..8].copy_from_slice(&kind.to_le_bytes());
+    out[8..].copy_from_slice(&seq.to_le_bytes());
+    out
+}
+
+/// Control messages out of a byte stream (skipping anything else).
+#[derive(Default)]
+pub struct ControlReader {
+    buf: Vec<u8>,
+}
+
+impl ControlReader {
+    pub fn push(&mut self, bytes: &[u8]) -> Vec<Control> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        loop {
+            let Some(at) = find(&self.buf, &CONTROL_MAGIC) else {
+                // Keep a possible start of a magic.
+                let keep = self.buf.len().min(CONTROL_MAGIC.len() - 1);
+                self.buf.drain(..self.buf.len() - keep);
+                return out;
+            };
+            self.buf.drain(..at);
+            if self.buf.len() < CONTROL_LEN {
+                return out;
+            }
+            let kind = u32::from_le_bytes([self.buf[4], self.buf[5], self.buf[6], self.buf[7]]);
+            let mut seq = [0u8; 8];
+            seq.copy_from_slice(&self.buf[8..CONTROL_LEN]);
+            match kind {
+                CONTROL_ACK => out.push(Control::Ack(u64::from_le_bytes(seq))),
+                CONTROL_RESEND => out.push(Control::Resend),
+                _ => {}
+            }
+            self.buf.drain(..CONTROL_LEN);
+        }
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
 /// Frames above this are refused: a corrupt length must not make the
 /// receiver allocate without bound.
 pub const MAX_PAYLOAD: usize = 1 << 20;
@@ -62,6 +133,10 @@ pub struct SenderStats {
     /// and the send queue was full.
     pub dropped_records: u64,
     pub sent_records: u64,
+    /// Records written but dropped for room before any host agent
+    /// acknowledged them (a host agent that reads and never acknowledges).
+    #[serde(default)]
+    pub unconfirmed_records: u64,
     /// Requests whose completion no system call was seen handing back
     /// (their guest segment ends at the block layer's completion).
     #[serde(default)]
@@ -78,7 +153,7 @@ pub enum Frame {
     Stats(SenderStats),
 }
 
-pub fn encode(seq: u64, frame: &Frame) -> Vec<u8> {
+pub fn encode(sender: u32, seq: u64, frame: &Frame) -> Vec<u8> {
     let (kind, payload) = match frame {
         Frame::Hello(h) => (HELLO, serde_json::to_vec(h).unwrap_or_default()),
         Frame::Records(r) => (RECORDS, r.iter().flat_map(|e| e.to_bytes()).collect()),
@@ -88,6 +163,7 @@ pub fn encode(seq: u64, frame: &Frame) -> Vec<u8> {
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&kind.to_le_bytes());
+    out.extend_from_slice(&sender.to_le_bytes());
     out.extend_from_slice(&seq.to_le_bytes());
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
     out.extend_from_slice(&payload);
@@ -106,14 +182,18 @@ pub enum DecodeError {
     Payload { what: &'static str, why: String },
 }
 
-/// Reassembles frames from a byte stream read in arbitrary pieces.
+/// Reassembles frames from a byte stream read in arbitrary pieces, and
+/// follows the sender's sequence across connections: gaps counted as lost,
+/// frames seen before (resent) skipped, a new sender counted as a restart.
 #[derive(Default)]
 pub struct FrameReader {
     buf: Vec<u8>,
-    /// The next `seq` expected, and frames found missing.
-    next_seq: Option<u64>,
+    /// (sender, next sequence number expected).
+    next: Option<(u32, u64)>,
     pub lost_frames: u64,
     pub restarts: u64,
+    /// Resent frames this receiver already had.
+    pub duplicates: u64,
 }
 
 impl FrameReader {
@@ -121,40 +201,75 @@ impl FrameReader {
         self.buf.extend_from_slice(bytes);
     }
 
-    /// The next whole frame, if buffered. After an error the stream is out
-    /// of step: the caller drops the connection (and with it the buffer).
+    /// A new connection: whatever is buffered of the old one is dropped,
+    /// the sequence is kept.
+    pub fn new_stream(&mut self) {
+        self.buf.clear();
+    }
+
+    /// The sequence number below which every frame was handled: what to
+    /// acknowledge.
+    pub fn acked(&self) -> Option<u64> {
+        self.next.map(|(_, n)| n)
+    }
+
+    /// Skips past a bad header to the next magic.
+    fn resync(&mut self) {
+        let at = find(&self.buf[1..], &MAGIC).map_or_else(
+            || self.buf.len().saturating_sub(MAGIC.len() - 1).max(1),
+            |i| i + 1,
+        );
+        self.buf.drain(..at.min(self.buf.len()));
+    }
+
+    /// The next whole frame, if buffered. An error names what was wrong;
+    /// the reader has already skipped to the next frame's start.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, DecodeError> {
-        if self.buf.len() < HEADER_LEN {
-            return Ok(None);
+        loop {
+            if self.buf.len() < HEADER_LEN {
+                return Ok(None);
+            }
+            if self.buf[..4] != MAGIC {
+                self.resync();
+                return Err(DecodeError::Magic);
+            }
+            let u16_at = |i: usize| u16::from_le_bytes([self.buf[i], self.buf[i + 1]]);
+            let version = u16_at(4);
+            if version != VERSION {
+                self.resync();
+                return Err(DecodeError::Version(version));
+            }
+            let kind = u16_at(6);
+            let sender = u32::from_le_bytes(self.buf[8..12].try_into().unwrap_or_default());
+            let seq = u64::from_le_bytes(self.buf[12..20].try_into().unwrap_or_default());
+            let len = u32::from_le_bytes(self.buf[20..24].try_into().unwrap_or_default()) as usize;
+            if len > MAX_PAYLOAD {
+                self.resync();
+                return Err(DecodeError::TooLong(len));
+            }
+            if self.buf.len() < HEADER_LEN + len {
+                return Ok(None);
+            }
+            let payload: Vec<u8> = self
+                .buf
+                .drain(..HEADER_LEN + len)
+                .skip(HEADER_LEN)
+                .collect();
+            match self.next {
+                Some((s, n)) if s == sender && seq < n => {
+                    self.duplicates += 1;
+                    continue;
+                }
+                Some((s, n)) if s == sender && seq > n => self.lost_frames += seq - n,
+                Some((s, _)) if s != sender => self.restarts += 1,
+                _ => {}
+            }
+            self.next = Some((sender, seq + 1));
+            return self.decode(kind, payload);
         }
-        if self.buf[..4] != MAGIC {
-            return Err(DecodeError::Magic);
-        }
-        let u16_at = |i: usize| u16::from_le_bytes([self.buf[i], self.buf[i + 1]]);
-        let version = u16_at(4);
-        if version != VERSION {
-            return Err(DecodeError::Version(version));
-        }
-        let kind = u16_at(6);
-        let seq = u64::from_le_bytes(self.buf[8..16].try_into().unwrap_or_default());
-        let len = u32::from_le_bytes(self.buf[16..20].try_into().unwrap_or_default()) as usize;
-        if len > MAX_PAYLOAD {
-            return Err(DecodeError::TooLong(len));
-        }
-        if self.buf.len() < HEADER_LEN + len {
-            return Ok(None);
-        }
-        let payload: Vec<u8> = self
-            .buf
-            .drain(..HEADER_LEN + len)
-            .skip(HEADER_LEN)
-            .collect();
-        match self.next_seq {
-            Some(n) if seq > n => self.lost_frames += seq - n,
-            Some(n) if seq < n => self.restarts += 1,
-            _ => {}
-        }
-        self.next_seq = Some(seq + 1);
+    }
+
+    fn decode(&mut self, kind: u16, payload: Vec<u8>) -> Result<Option<Frame>, DecodeError> {
         let bad = |what, why: String| DecodeError::Payload { what, why };
         let frame = match kind {
             HELLO => Frame::Hello(
@@ -214,7 +329,7 @@ mod tests {
             dropped_records: 3,
             ..Default::default()
         });
-        let bytes: Vec<u8> = [encode(0, &hello), encode(1, &recs), encode(2, &stats)].concat();
+        let bytes: Vec<u8> = [encode(7, 0, &hello), encode(7, 1, &recs), encode(7, 2, &stats)].concat();
         for step in [1, 7, 20, bytes.len()] {
             let mut r = FrameReader::default();
             let mut got = Vec::new();
@@ -234,26 +349,65 @@ mod tests {
     }
 
     #[test]
-    fn gaps_and_restarts_are_counted() {
+    fn gaps_restarts_and_resent_frames_are_counted() {
         let mut r = FrameReader::default();
-        for seq in [0, 1, 5, 6, 0, 1] {
-            r.push(&encode(seq, &Frame::Records(vec![rec(seq)])));
-            assert!(r.next_frame().unwrap().is_some());
+        // Sender 1: a gap of three; its frames 5 and 6 resent after a
+        // reconnection (skipped); then sender 2 (a restarted agent) from 0.
+        for (sender, seq, new) in [
+            (1, 0, true),
+            (1, 1, true),
+            (1, 5, true),
+            (1, 6, true),
+            (1, 5, false),
+            (1, 6, false),
+            (1, 7, true),
+            (2, 0, true),
+            (2, 1, true),
+        ] {
+            r.new_stream();
+            r.push(&encode(sender, seq, &Frame::Records(vec![rec(seq)])));
+            assert_eq!(r.next_frame().unwrap().is_some(), new, "{sender}/{seq}");
         }
-        assert_eq!((r.lost_frames, r.restarts), (3, 1));
+        assert_eq!((r.lost_frames, r.restarts, r.duplicates), (3, 1, 2));
+        assert_eq!(r.acked(), Some(2));
+    }
+
+    #[test]
+    fn the_tail_of_a_broken_frame_is_skipped_to_the_next() {
+        let whole = encode(3, 0, &Frame::Records(vec![rec(8)]));
+        let next = encode(3, 1, &Frame::Records(vec![rec(16)]));
+        let mut r = FrameReader::default();
+        r.push(&whole[10..]);
+        r.push(&next);
+        assert_eq!(r.next_frame(), Err(DecodeError::Magic));
+        assert_eq!(r.next_frame().unwrap(), Some(Frame::Records(vec![rec(16)])));
+        assert_eq!(r.next_frame().unwrap(), None);
+    }
+
+    #[test]
+    fn control_messages_survive_any_split_and_noise() {
+        let mut bytes = b"xx".to_vec();
+        bytes.extend(encode_control(Control::Resend));
+        bytes.extend(b"IOS");
+        bytes.extend(encode_control(Control::Ack(42)));
+        for step in [1, 5, 16, bytes.len()] {
+            let mut c = ControlReader::default();
+            let got: Vec<Control> = bytes.chunks(step).flat_map(|p| c.push(p)).collect();
+            assert_eq!(got, vec![Control::Resend, Control::Ack(42)], "pieces of {step}");
+        }
     }
 
     #[test]
     fn garbage_and_oversize_frames_are_refused() {
         let mut r = FrameReader::default();
-        r.push(b"GET / HTTP/1.1\r\n\r\n....");
+        r.push(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
         assert_eq!(r.next_frame(), Err(DecodeError::Magic));
-        let mut f = encode(0, &Frame::Records(vec![rec(1)]));
-        f[16..20].copy_from_slice(&(u32::MAX).to_le_bytes());
+        let mut f = encode(0, 0, &Frame::Records(vec![rec(1)]));
+        f[20..24].copy_from_slice(&(u32::MAX).to_le_bytes());
         let mut r = FrameReader::default();
         r.push(&f);
         assert!(matches!(r.next_frame(), Err(DecodeError::TooLong(_))));
-        let mut f = encode(0, &Frame::Records(vec![rec(1)]));
+        let mut f = encode(0, 0, &Frame::Records(vec![rec(1)]));
         f[4] = 9;
         let mut r = FrameReader::default();
         r.push(&f);
@@ -262,11 +416,11 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_skipped_in_step() {
-        let mut unknown = encode(0, &Frame::Stats(SenderStats::default()));
+        let mut unknown = encode(0, 0, &Frame::Stats(SenderStats::default()));
         unknown[6..8].copy_from_slice(&99u16.to_le_bytes());
         let mut r = FrameReader::default();
         r.push(&unknown);
-        r.push(&encode(1, &Frame::Records(vec![rec(3)])));
+        r.push(&encode(0, 1, &Frame::Records(vec![rec(3)])));
         assert_eq!(r.next_frame().unwrap(), Some(Frame::Records(vec![rec(3)])));
     }
 }

@@ -937,17 +937,22 @@ fn the_guest_channel_survives_a_host_agent_restart() {
         guest_channel(&second, "hostrestart"),
     );
     for c in [&c1, &c2] {
-        assert_eq!(c["decode_errors"].as_u64(), Some(0), "{c}");
         assert!(c["records"].as_u64().unwrap() > 0, "{c}");
+        assert_eq!(c["lost_frames"].as_u64(), Some(0), "{c}");
     }
-    // Both halves delivered what the guest saw, but for the frames in
-    // flight when the first host agent closed its end (it reads for 300 ms
-    // after its stop; QEMU may have more in the socket then): those are
-    // lost and not yet counted by the second (see issue notes). The guest
-    // agent dropped nothing and left nothing undelivered.
+    // The first host agent's stream ends where it stopped reading; the
+    // second may start on the tail of a frame the guest agent was writing
+    // then (skipped to the next frame, counted as one decode error).
+    assert_eq!(c1["decode_errors"].as_u64(), Some(0), "{c1}");
+    assert!(c2["decode_errors"].as_u64().unwrap() <= 1, "{c2}");
+    // Nothing lost at the handover: what the first host agent did not
+    // acknowledge, the guest agent sent again to the second (which may
+    // thus also hear a few the first handled). Every workload read reached
+    // one of them; the guest agent dropped nothing and had nothing left
+    // undelivered when it exited.
     let records = c1["records"].as_u64().unwrap() + c2["records"].as_u64().unwrap();
     assert!(
-        records * 100 >= r.workload_reads * 95,
+        records >= r.workload_reads,
         "{c1} {c2} vs {} workload reads",
         r.workload_reads
     );
@@ -955,7 +960,10 @@ fn the_guest_channel_survives_a_host_agent_restart() {
         .iter()
         .find(|l| l.contains("iospan: guest agent:") && l.contains("undelivered"))
         .unwrap_or_else(|| panic!("the guest agent's closing line: {}", console.join("\n")));
-    assert!(last.contains(" 0 dropped, 0 undelivered"), "{last}");
+    assert!(
+        last.contains(" 0 dropped, 0 unconfirmed, 0 undelivered"),
+        "{last}"
+    );
     let joined = vd0_reads(&second, "hostrestart")["stitched"]["count"]
         .as_u64()
         .unwrap_or(0);
