@@ -115,8 +115,8 @@ pub async fn follow(
             // Handled: the guest agent may forget them. (Again after each
             // read: frames resent after a crossing acknowledgement are
             // acknowledged anew.)
-            if let Some(a) = reader.acked() {
-                send_control(&wr, Control::Ack(a));
+            if let Some(a) = reader.ack() {
+                send_control(&wr, a);
             }
             with_stats(&correlator, vm, |s| {
                 s.lost_frames = reader.lost_frames;

@@ -175,10 +175,20 @@ impl SendQueue {
 
     fn on_control(&mut self, c: Control) {
         match c {
-            Control::Ack(below) => {
-                while self.unacked.front().is_some_and(|q| q.seq < below) {
-                    if let Some(q) = self.unacked.pop_front() {
+            // Another sender's (this guest's agent before a restart or
+            // reboot, on a connection that outlived it).
+            Control::Ack { sender, .. } if sender != self.sender => {}
+            Control::Ack { first, next, .. } => {
+                let had = |q: &Queued| q.seq >= first && q.seq < next;
+                // Written while nobody listened: the receiver never had them.
+                let mut again = Vec::new();
+                for q in std::mem::take(&mut self.unacked) {
+                    if had(&q) {
                         self.bytes -= q.bytes.len();
+                    } else if q.seq < first {
+                        again.push(q);
+                    } else {
+                        self.unacked.push_back(q);
                     }
                 }
                 // Queued again by a resend request that crossed this
@@ -187,13 +197,16 @@ impl SendQueue {
                 let keep_front = usize::from(self.front_written > 0);
                 let mut i = keep_front;
                 while i < self.pending.len() {
-                    if self.pending[i].seq < below {
+                    if had(&self.pending[i]) {
                         if let Some(q) = self.pending.remove(i) {
                             self.bytes -= q.bytes.len();
                         }
                     } else {
                         i += 1;
                     }
+                }
+                for q in again.into_iter().rev() {
+                    self.pending.insert(keep_front, q);
                 }
             }
             Control::Resend => {
@@ -210,7 +223,11 @@ impl SendQueue {
 
     /// Records not known to have reached a host agent.
     fn undelivered(&self) -> usize {
-        self.pending.iter().chain(&self.unacked).map(|q| q.records).sum()
+        self.pending
+            .iter()
+            .chain(&self.unacked)
+            .map(|q| q.records)
+            .sum()
     }
 }
 
@@ -326,8 +343,18 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
         // SAFETY: sched_param is plain integers (musl adds fields glibc
         // lacks): zeroed is priority 0, the only one SCHED_IDLE takes.
         let param: libc::sched_param = unsafe { std::mem::zeroed() };
+        // The system call itself: musl's sched_setscheduler() is a stub
+        // that always fails with ENOSYS.
         // SAFETY: a valid sched_param for this thread (pid 0 = caller).
-        if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
+        if unsafe {
+            libc::syscall(
+                libc::SYS_sched_setscheduler,
+                0,
+                libc::SCHED_IDLE,
+                &param as *const libc::sched_param,
+            )
+        } != 0
+        {
             log::warn!(
                 "could not run as SCHED_IDLE ({}): the agent may delay the guest's work",
                 std::io::Error::last_os_error()
@@ -371,7 +398,11 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
         } else {
             reaper.expire(reap::monotonic_ns(), &mut batch);
         }
-        if stop_at.is_none() && last_hello.is_none_or(|t| t.elapsed() >= HELLO_EVERY) {
+        // (The first always: an agent stopped within its first drain still
+        // says who it is.)
+        if last_hello.is_none()
+            || (stop_at.is_none() && last_hello.is_some_and(|t| t.elapsed() >= HELLO_EVERY))
+        {
             q.push(&Frame::Hello(hello(&probes.coverage)));
             last_hello = Some(Instant::now());
         }

@@ -29,27 +29,34 @@ pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 4;
 
 /// Host → guest control messages.
 pub const CONTROL_MAGIC: [u8; 4] = *b"IOSC";
-pub const CONTROL_LEN: usize = 16;
+pub const CONTROL_LEN: usize = 4 + 4 + 4 + 8 + 8;
 pub const CONTROL_ACK: u32 = 1;
 pub const CONTROL_RESEND: u32 = 2;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Control {
-    /// Every frame below this sequence number was handled.
-    Ack(u64),
+    /// Of `sender`'s frames, the receiver has every one in `first..next`
+    /// (frames below `first` it never had: written while nobody listened).
+    Ack { sender: u32, first: u64, next: u64 },
     /// A receiver that has nothing: send every unacknowledged frame again.
     Resend,
 }
 
 pub fn encode_control(c: Control) -> [u8; CONTROL_LEN] {
-    let (kind, seq) = match c {
-        Control::Ack(seq) => (CONTROL_ACK, seq),
-        Control::Resend => (CONTROL_RESEND, 0),
+    let (kind, sender, first, next) = match c {
+        Control::Ack {
+            sender,
+            first,
+            next,
+        } => (CONTROL_ACK, sender, first, next),
+        Control::Resend => (CONTROL_RESEND, 0, 0, 0),
     };
     let mut out = [0u8; CONTROL_LEN];
     out[..4].copy_from_slice(&CONTROL_MAGIC);
     out[4..8].copy_from_slice(&kind.to_le_bytes());
-    out[8..].copy_from_slice(&seq.to_le_bytes());
+    out[8..12].copy_from_slice(&sender.to_le_bytes());
+    out[12..20].copy_from_slice(&first.to_le_bytes());
+    out[20..28].copy_from_slice(&next.to_le_bytes());
     out
 }
 
@@ -74,11 +81,16 @@ impl ControlReader {
             if self.buf.len() < CONTROL_LEN {
                 return out;
             }
-            let kind = u32::from_le_bytes([self.buf[4], self.buf[5], self.buf[6], self.buf[7]]);
-            let mut seq = [0u8; 8];
-            seq.copy_from_slice(&self.buf[8..CONTROL_LEN]);
-            match kind {
-                CONTROL_ACK => out.push(Control::Ack(u64::from_le_bytes(seq))),
+            let u32_at =
+                |i: usize| u32::from_le_bytes(self.buf[i..i + 4].try_into().unwrap_or_default());
+            let u64_at =
+                |i: usize| u64::from_le_bytes(self.buf[i..i + 8].try_into().unwrap_or_default());
+            match u32_at(4) {
+                CONTROL_ACK => out.push(Control::Ack {
+                    sender: u32_at(8),
+                    first: u64_at(12),
+                    next: u64_at(20),
+                }),
                 CONTROL_RESEND => out.push(Control::Resend),
                 _ => {}
             }
@@ -188,8 +200,12 @@ pub enum DecodeError {
 #[derive(Default)]
 pub struct FrameReader {
     buf: Vec<u8>,
-    /// (sender, next sequence number expected).
-    next: Option<(u32, u64)>,
+    /// (sender, the lowest frame had, the next expected): every frame in
+    /// between was had or counted lost.
+    next: Option<(u32, u64, u64)>,
+    /// Frames older than the lowest, resent (in order) after later ones
+    /// arrived: `lo..hi`, merged into the range above once it reaches it.
+    backfill: Option<(u64, u64)>,
     pub lost_frames: u64,
     pub restarts: u64,
     /// Resent frames this receiver already had.
@@ -207,10 +223,13 @@ impl FrameReader {
         self.buf.clear();
     }
 
-    /// The sequence number below which every frame was handled: what to
-    /// acknowledge.
-    pub fn acked(&self) -> Option<u64> {
-        self.next.map(|(_, n)| n)
+    /// What to acknowledge: the sender's frames handled (or counted lost).
+    pub fn ack(&self) -> Option<Control> {
+        self.next.map(|(sender, first, next)| Control::Ack {
+            sender,
+            first,
+            next,
+        })
     }
 
     /// Skips past a bad header to the next magic.
@@ -255,16 +274,41 @@ impl FrameReader {
                 .drain(..HEADER_LEN + len)
                 .skip(HEADER_LEN)
                 .collect();
-            match self.next {
-                Some((s, n)) if s == sender && seq < n => {
+            self.next = match self.next {
+                // Written before this receiver heard the sender (resent to
+                // it now): new here, and the gap down to it was not a loss.
+                Some((s, first, n)) if s == sender && seq < first => {
+                    match self.backfill {
+                        Some((lo, hi)) if (lo..hi).contains(&seq) => {
+                            self.duplicates += 1;
+                            continue;
+                        }
+                        Some((lo, hi)) if seq == hi => self.backfill = Some((lo, hi + 1)),
+                        _ => self.backfill = Some((seq, seq + 1)),
+                    }
+                    match self.backfill {
+                        Some((lo, hi)) if hi == first => {
+                            self.backfill = None;
+                            Some((s, lo, n))
+                        }
+                        _ => Some((s, first, n)),
+                    }
+                }
+                Some((s, _, n)) if s == sender && seq < n => {
                     self.duplicates += 1;
                     continue;
                 }
-                Some((s, n)) if s == sender && seq > n => self.lost_frames += seq - n,
-                Some((s, _)) if s != sender => self.restarts += 1,
-                _ => {}
-            }
-            self.next = Some((sender, seq + 1));
+                Some((s, first, n)) if s == sender => {
+                    self.lost_frames += seq - n;
+                    Some((s, first, seq + 1))
+                }
+                Some(_) => {
+                    self.restarts += 1;
+                    self.backfill = None;
+                    Some((sender, seq, seq + 1))
+                }
+                None => Some((sender, seq, seq + 1)),
+            };
             return self.decode(kind, payload);
         }
     }
@@ -329,7 +373,12 @@ mod tests {
             dropped_records: 3,
             ..Default::default()
         });
-        let bytes: Vec<u8> = [encode(7, 0, &hello), encode(7, 1, &recs), encode(7, 2, &stats)].concat();
+        let bytes: Vec<u8> = [
+            encode(7, 0, &hello),
+            encode(7, 1, &recs),
+            encode(7, 2, &stats),
+        ]
+        .concat();
         for step in [1, 7, 20, bytes.len()] {
             let mut r = FrameReader::default();
             let mut got = Vec::new();
@@ -369,7 +418,35 @@ mod tests {
             assert_eq!(r.next_frame().unwrap().is_some(), new, "{sender}/{seq}");
         }
         assert_eq!((r.lost_frames, r.restarts, r.duplicates), (3, 1, 2));
-        assert_eq!(r.acked(), Some(2));
+        assert_eq!(
+            r.ack(),
+            Some(Control::Ack {
+                sender: 2,
+                first: 0,
+                next: 2
+            })
+        );
+    }
+
+    /// Frames written before anyone listened, resent after later ones
+    /// arrived: new to the receiver, and its acknowledgement covers them.
+    #[test]
+    fn frames_older_than_the_first_heard_are_taken() {
+        let mut r = FrameReader::default();
+        for seq in [2, 3, 0, 1, 0] {
+            r.push(&encode(9, seq, &Frame::Records(vec![rec(seq)])));
+            let new = r.next_frame().unwrap().is_some();
+            assert_eq!(new, !(seq == 0 && r.duplicates == 1), "seq {seq}");
+        }
+        assert_eq!((r.lost_frames, r.duplicates), (0, 1));
+        assert_eq!(
+            r.ack(),
+            Some(Control::Ack {
+                sender: 9,
+                first: 0,
+                next: 4
+            })
+        );
     }
 
     #[test]
@@ -389,11 +466,16 @@ mod tests {
         let mut bytes = b"xx".to_vec();
         bytes.extend(encode_control(Control::Resend));
         bytes.extend(b"IOS");
-        bytes.extend(encode_control(Control::Ack(42)));
+        let ack = Control::Ack {
+            sender: 5,
+            first: 3,
+            next: 42,
+        };
+        bytes.extend(encode_control(ack));
         for step in [1, 5, 16, bytes.len()] {
             let mut c = ControlReader::default();
             let got: Vec<Control> = bytes.chunks(step).flat_map(|p| c.push(p)).collect();
-            assert_eq!(got, vec![Control::Resend, Control::Ack(42)], "pieces of {step}");
+            assert_eq!(got, vec![Control::Resend, ack], "pieces of {step}");
         }
     }
 

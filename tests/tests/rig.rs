@@ -380,7 +380,10 @@ fn guest_view(
                 .iter()
                 .map(|k| sp[*k].as_f64().unwrap())
                 .sum();
-            assert!((parts - sp["total_us"].as_f64().unwrap()).abs() < 0.005, "{sp}");
+            assert!(
+                (parts - sp["total_us"].as_f64().unwrap()).abs() < 0.005,
+                "{sp}"
+            );
         }
         let mut by_pos: HashMap<u64, VecDeque<f64>> = HashMap::new();
         for sp in &spans {
@@ -409,7 +412,10 @@ fn guest_view(
             "{joined} of the workload's {} I/Os have a per-I/O record",
             a.ios
         );
-        assert!(outside.is_empty(), "longer than the workload timed: {outside:?}");
+        assert!(
+            outside.is_empty(),
+            "longer than the workload timed: {outside:?}"
+        );
         assert!(
             close * 100 >= joined * 98,
             "{close} of {joined} I/Os within 10 % (or 50 µs) of the workload's own timing"

@@ -105,7 +105,10 @@ impl Hist {
 
     /// Adds another histogram of the same layout.
     pub fn merge(&mut self, other: &Hist) {
-        debug_assert_eq!(self.sub_bits, other.sub_bits, "merging histograms of two layouts");
+        debug_assert_eq!(
+            self.sub_bits, other.sub_bits,
+            "merging histograms of two layouts"
+        );
         for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
             *a += b;
         }
@@ -172,7 +175,10 @@ mod tests {
             let mut prev_hi = 0;
             for b in 0..n {
                 let (lo, hi) = bounds_in(b, bits);
-                assert_eq!(lo, prev_hi, "layout {bits}: bucket {b} starts where the last ended");
+                assert_eq!(
+                    lo, prev_hi,
+                    "layout {bits}: bucket {b} starts where the last ended"
+                );
                 assert!(hi > lo);
                 assert_eq!(bucket_in(lo, bits), b);
                 assert_eq!(bucket_in(hi - 1, bits), b);
