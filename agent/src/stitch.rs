@@ -74,6 +74,16 @@ pub struct Stitched {
     pub total: Hist,
 }
 
+impl Stitched {
+    fn record(&mut self, sp: &IoSpan) {
+        self.guest.record(sp.guest_ns);
+        self.hypervisor.record(sp.hypervisor_ns);
+        self.engine.record(sp.engine_ns);
+        self.device.record(sp.device_ns);
+        self.total.record(sp.total_ns);
+    }
+}
+
 impl Default for Stitched {
     fn default() -> Self {
         Self {
@@ -90,7 +100,7 @@ impl Default for Stitched {
 /// traces) are made from. Stamps are on the host's clock; the guest's are
 /// moved there by the VM's clock offset at the time of the join (`None`
 /// before the first offset is known: then they are the guest's own).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct IoSpan {
     pub vm: u32,
     pub vdisk: u32,
@@ -433,38 +443,34 @@ impl Stitcher {
             vdisk: ev.vdisk,
             op: Op::from_index(ev.op as usize).unwrap_or(Op::Other),
         };
+        let at = |ns: u64| offset.map_or(ns, |o| ns.saturating_add_signed(o));
+        let span = IoSpan {
+            vm: ev.vm,
+            vdisk: ev.vdisk,
+            op: key.op,
+            pos: ev.pos,
+            bytes: ev.bytes,
+            begin_ns: at(begin),
+            guest_kick_ns: at(kick),
+            guest_irq_ns: at(irq),
+            end_ns: at(end),
+            kick_ns: ev.kick_ns,
+            pick_ns: ev.pick_ns,
+            start_ns: ev.start_ns,
+            done_ns: ev.done_ns,
+            signal_ns: h.signal_ns,
+            clock_offset_ns: offset,
+            guest_ns: guest,
+            hypervisor_ns: hypervisor,
+            engine_ns: engine,
+            device_ns: device,
+            total_ns: total,
+            app_ends_from_block_layer: app_from_block,
+        };
+        self.stitched.entry(key).or_default().record(&span);
         if let Some(spans) = self.spans.as_mut() {
-            let at = |ns: u64| offset.map_or(ns, |o| ns.saturating_add_signed(o));
-            spans.push(IoSpan {
-                vm: ev.vm,
-                vdisk: ev.vdisk,
-                op: key.op,
-                pos: ev.pos,
-                bytes: ev.bytes,
-                begin_ns: at(begin),
-                guest_kick_ns: at(kick),
-                guest_irq_ns: at(irq),
-                end_ns: at(end),
-                kick_ns: ev.kick_ns,
-                pick_ns: ev.pick_ns,
-                start_ns: ev.start_ns,
-                done_ns: ev.done_ns,
-                signal_ns: h.signal_ns,
-                clock_offset_ns: offset,
-                guest_ns: guest,
-                hypervisor_ns: hypervisor,
-                engine_ns: engine,
-                device_ns: device,
-                total_ns: total,
-                app_ends_from_block_layer: app_from_block,
-            });
+            spans.push(span);
         }
-        let s = self.stitched.entry(key).or_default();
-        s.guest.record(guest);
-        s.hypervisor.record(hypervisor);
-        s.engine.record(engine);
-        s.device.record(device);
-        s.total.record(total);
     }
 
     /// Drops what waited longer than the hold (all of it when `all`).
