@@ -83,6 +83,15 @@ struct {
 	__type(value, __u32);
 } vm_pids SEC(".maps");
 
+/* VM slot -> its requests whose completion never reached us (see
+ * rq_undelivered). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u64);
+} vm_undelivered SEC(".maps");
+
 /* Backing files of VMs' virtual disks -> virtual disk slot. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -517,6 +526,27 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, _
 	return slot ? *slot : 0;
 }
 
+/* Counted globally, and per VM where the lost request was a VM's. */
+static __always_inline void note_undelivered(const struct rq_slot *s)
+{
+	__u32 vm = s->vm;
+	__u64 one = 1, *n;
+
+	count(CNT_UNDELIVERED);
+	if (!vm)
+		return;
+	n = bpf_map_lookup_elem(&vm_undelivered, &vm);
+	if (n) {
+		__sync_fetch_and_add(n, 1);
+		return;
+	}
+	if (bpf_map_update_elem(&vm_undelivered, &vm, &one, BPF_NOEXIST)) {
+		n = bpf_map_lookup_elem(&vm_undelivered, &vm);
+		if (n)
+			__sync_fetch_and_add(n, 1);
+	}
+}
+
 /* `btf`: a constant per inlined call site, choosing direct or probe reads.
  * Most requests return before any read of the request: the kernel keeps
  * their start time and no VM submitted them. */
@@ -556,16 +586,22 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 		return;
 	key = btf ? rq_key_btf(rq) : rq_key_raw(rq);
 	s = rq_slot_of(key, 1);
-	if (s)
-		rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns, pos);
+	if (!s)
+		return;
+	if (rq_undelivered(s, key))
+		note_undelivered(s);
+	rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns, pos);
 }
 
 static __always_inline void on_issue(__u64 key)
 {
 	struct rq_slot *s = rq_slot_of(key, 1);
 
-	if (s)
-		rq_on_issue(s, key, bpf_ktime_get_ns());
+	if (!s)
+		return;
+	if (rq_undelivered(s, key))
+		note_undelivered(s);
+	rq_on_issue(s, key, bpf_ktime_get_ns());
 }
 
 static __always_inline void on_requeue(__u64 key)

@@ -51,7 +51,8 @@ pub mod counter {
     pub const VM_TABLE_FULL: u32 = 8;
     pub const GUEST_RING_LOST: u32 = 9;
     pub const GUEST_INFLIGHT_FULL: u32 = 10;
-    pub const NR: u32 = 11;
+    pub const UNDELIVERED: u32 = 11;
+    pub const NR: u32 = 12;
 }
 
 #[repr(C)]

@@ -51,6 +51,9 @@ pub struct VmSummary {
     /// Virtual disk ids.
     pub disks: Vec<String>,
     pub kicks: KickSource,
+    /// Its requests whose completion never reached us (not in `entries`).
+    #[serde(default)]
+    pub undelivered: u64,
 }
 
 pub fn guests(known: &Registry, stitch: &Stitcher) -> Vec<GuestSummary> {
@@ -65,15 +68,16 @@ pub fn guests(known: &Registry, stitch: &Stitcher) -> Vec<GuestSummary> {
         .collect()
 }
 
-pub fn vms(known: &Registry) -> Vec<VmSummary> {
+pub fn vms(known: &Registry, undelivered: &BTreeMap<u32, u64>) -> Vec<VmSummary> {
     known
         .vms
-        .values()
-        .map(|v| VmSummary {
+        .iter()
+        .map(|(slot, v)| VmSummary {
             name: v.name.clone(),
             pid: v.pid,
             disks: v.disks.iter().map(|d| d.id.clone()).collect(),
             kicks: v.kicks,
+            undelivered: undelivered.get(slot).copied().unwrap_or(0),
         })
         .collect()
 }
@@ -390,6 +394,7 @@ impl RunReport {
             ("no start time", c.no_start),
             ("skipped by the kernel (recursion)", c.bpf_recursion_misses),
             ("completed but never delivered by the tracepoints", c.unseen),
+            ("issued, completion never delivered", c.undelivered),
             ("VM table full", c.vm_table_full),
             ("VM requests without a kick", c.host_split.no_kick),
             ("VM requests without a signal", c.host_split.no_signal),

@@ -271,7 +271,10 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         // The correlator, then the registry: the order every task takes them in.
         let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
         let known = known.lock().unwrap_or_else(|p| p.into_inner());
-        (report::vms(&known), report::guests(&known, &corr.stitch))
+        (
+            report::vms(&known, &snap.vm_undelivered),
+            report::guests(&known, &corr.stitch),
+        )
     };
     let stitch = correlator
         .lock()

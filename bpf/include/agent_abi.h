@@ -119,7 +119,8 @@ enum counter {
 	CNT_VM_TABLE_FULL = 8,   /* requests of a VM whose (vm, disk, op) found vm_latency full */
 	CNT_GUEST_RING_LOST = 9, /* guest mode: records the ring buffer had no room for */
 	CNT_GUEST_INFLIGHT_FULL = 10, /* guest mode: requests the in-flight table had no room for */
-	NR_COUNTERS = 11,
+	CNT_UNDELIVERED = 11,    /* issued requests whose completion never reached us (their tag came back first) */
+	NR_COUNTERS = 12,
 };
 
 /* Key of the per-CPU hash `vm_latency`: requests a VM's process submitted,

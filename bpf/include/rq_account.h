@@ -59,6 +59,18 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
 	s->pos = 0;
 }
 
+/* The slot still holds an issued request of this key that never finished,
+ * and its key (queue, context, tag) is being used again: that request's
+ * completion never reached us, though the kernel completed it (a tag is
+ * only reused once its request has ended). The kernel skips tracing
+ * programs now and then without counting it anywhere, e.g. for a
+ * completion in a softirq that interrupted some task: this is how such a
+ * loss is seen, and whose request it was. */
+static __always_inline int rq_undelivered(const struct rq_slot *s, __u64 rq)
+{
+	return s->rq == rq && s->issue_ns && !(s->flags & (RQ_F_DONE | RQ_F_REQUEUE_PENDING));
+}
+
 /* block_io_start (block_rq_insert before v6.5), in the submitter's context:
  * `now` is our start stamp (0 when the kernel keeps one), `vm` and `vdisk`
  * who submitted it and for which virtual disk — completions run in

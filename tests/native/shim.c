@@ -19,6 +19,7 @@ void shim_rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 vm, __u32 vd
 }
 void shim_rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now) { rq_on_issue(s, rq, now); }
 void shim_rq_on_requeue(struct rq_slot *s, __u64 rq) { rq_on_requeue(s, rq); }
+int shim_rq_undelivered(const struct rq_slot *s, __u64 rq) { return rq_undelivered(s, rq); }
 int shim_rq_on_complete(struct rq_slot *s, const struct rq_completion *c, struct rq_outcome *o)
 {
 	return rq_on_complete(s, c, o);

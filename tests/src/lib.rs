@@ -81,6 +81,7 @@ extern "C" {
     );
     fn shim_rq_on_issue(s: *mut RqSlot, rq: u64, now: u64);
     fn shim_rq_on_requeue(s: *mut RqSlot, rq: u64);
+    fn shim_rq_undelivered(s: *const RqSlot, rq: u64) -> i32;
     fn shim_rq_on_complete(s: *mut RqSlot, c: *const RqCompletion, o: *mut RqOutcome) -> i32;
     fn shim_rq_segments(o: *const RqOutcome, now: u64, seg: *mut u64);
     fn shim_layout() -> *const ShimField;
@@ -113,6 +114,12 @@ pub mod rq {
     pub fn requeue(s: &mut RqSlot, rq: u64) {
         // SAFETY: as above.
         unsafe { shim_rq_on_requeue(s, rq) }
+    }
+    /// Whether `s` holds an issued, unfinished request of key `rq` (asked
+    /// when that key starts or is issued again).
+    pub fn undelivered(s: &RqSlot, rq: u64) -> bool {
+        // SAFETY: pure function over a valid slot.
+        unsafe { shim_rq_undelivered(s, rq) != 0 }
     }
     /// `None` for a partial completion.
     pub fn complete(s: Option<&mut RqSlot>, c: &RqCompletion) -> Option<RqOutcome> {

@@ -193,6 +193,36 @@ fn a_leftover_slot_of_the_same_request_starts_afresh() {
 }
 
 #[test]
+fn a_completion_never_delivered_is_noticed_when_its_tag_comes_back() {
+    let vm = (7, 2, 0, 0);
+    let mut s = RqSlot::default();
+    // Delivered: started, issued, completed.
+    rq::start(&mut s, K, 10, vm);
+    assert!(!rq::undelivered(&s, K), "a fresh slot holds nothing");
+    rq::issue(&mut s, K, 20);
+    rq::complete(Some(&mut s), &done(K, 0, 0, 30, 4096, 4096)).unwrap();
+    assert!(!rq::undelivered(&s, K));
+    // Started and issued, its completion never seen: the tag's next start
+    // (or issue, where starts are not followed) tells, with whose it was.
+    rq::start(&mut s, K, 40, vm);
+    assert!(!rq::undelivered(&s, K), "started, not yet issued");
+    rq::issue(&mut s, K, 50);
+    assert!(rq::undelivered(&s, K));
+    assert_eq!(s.vm, 7);
+    assert!(
+        !rq::undelivered(&s, K + 1),
+        "another key's slot says nothing"
+    );
+    // A requeued request is still the kernel's, not lost.
+    rq::requeue(&mut s, K);
+    assert!(!rq::undelivered(&s, K));
+    rq::issue(&mut s, K, 60);
+    assert!(rq::undelivered(&s, K));
+    rq::start(&mut s, K, 70, (0, 0, 0, 0));
+    assert!(!rq::undelivered(&s, K), "the new request took the slot");
+}
+
+#[test]
 fn another_requests_slot_is_neither_used_nor_disturbed() {
     let other = K + 1;
     let mut s = RqSlot::default();

@@ -80,6 +80,11 @@ pub struct Counters {
     /// completion tracepoint delivered to us (filled in by the run).
     #[serde(default)]
     pub unseen: u64,
+    /// Issued requests whose completion never reached our program (seen
+    /// when their tag came back in use): the kernel ran the tracepoint's
+    /// other listeners but not ours, and counted it nowhere.
+    #[serde(default)]
+    pub undelivered: u64,
     /// Not losses: partial-completion pieces, requeue events and records
     /// streamed, for context.
     pub partial_pieces: u64,
@@ -99,6 +104,8 @@ pub struct BlockSnapshot {
     pub stats: BTreeMap<(Dev, Op), DiskOpStats>,
     /// Requests VMs submitted, by VM, host disk, op and virtual disk.
     pub vm_stats: BTreeMap<VmStatKey, DiskOpStats>,
+    /// VM slot -> its requests whose completion never reached us.
+    pub vm_undelivered: BTreeMap<u32, u64>,
     pub counters: Counters,
 }
 
@@ -392,6 +399,11 @@ impl BlockProbes {
             let (k, v) = item.map_err(map_err("vm_latency_nested"))?;
             snap.vm_stats.entry(key(&k)).or_default().add_cpu(&v);
         }
+        let undelivered: HashMap<_, u32, u64> = map_of(&self.ebpf, "vm_undelivered")?;
+        for item in undelivered.iter() {
+            let (vm, n) = item.map_err(map_err("vm_undelivered"))?;
+            snap.vm_undelivered.insert(vm, n);
+        }
         snap.counters = self.counters()?;
         Ok(snap)
     }
@@ -599,6 +611,7 @@ impl BlockProbes {
                 .map(|p| p.recursion_misses)
                 .sum(),
             unseen: 0,
+            undelivered: sum(counter::UNDELIVERED)?,
             partial_pieces: sum(counter::PARTIAL_PIECES)?,
             requeue_events: sum(counter::REQUEUES)?,
             records_streamed: sum(counter::SAMPLED)?,
