@@ -23,7 +23,7 @@ use crate::{
     abi::VmIoEvent,
     disks::Dev,
     model::{Hist, Op},
-    stitch::{HostIo, Stitcher},
+    stitch::{HostIo, IoSpan, Stitcher},
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -182,6 +182,8 @@ impl Correlator {
                 ev: *ev,
                 signal_ns: sig,
             });
+        } else if self.stitch.keeping_spans() {
+            self.stitch.keep(IoSpan::host_only(ev, sig));
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod demo;
 pub mod disks;
 pub mod diskstats;
 pub mod doctor;
+pub mod export;
 pub mod guest_agent;
 pub mod model;
 pub mod preflight;

@@ -94,6 +94,39 @@ struct RunArgs {
     /// No progress line on stderr.
     #[arg(short, long)]
     quiet: bool,
+    /// Export per-I/O traces over OTLP to this collector (e.g.
+    /// http://127.0.0.1:4318, or :4317 with --otlp-protocol grpc). Default:
+    /// OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; neither set, no traces.
+    #[arg(long, value_name = "URL", help_heading = "Traces (OTLP)")]
+    otlp_endpoint: Option<String>,
+    /// grpc or http/protobuf. Default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else http/protobuf.
+    #[arg(long, value_name = "P", help_heading = "Traces (OTLP)")]
+    otlp_protocol: Option<String>,
+    /// Export the slowest K I/Os of each virtual disk per second.
+    #[arg(
+        long,
+        value_name = "K",
+        default_value_t = 5,
+        help_heading = "Traces (OTLP)"
+    )]
+    trace_slowest: usize,
+    /// Also export every I/O at least this long (e.g. 2ms).
+    #[arg(long, value_parser = humantime::parse_duration, value_name = "D", help_heading = "Traces (OTLP)")]
+    trace_slower_than: Option<Duration>,
+    /// Also export one I/O in N, whatever its latency.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        help_heading = "Traces (OTLP)"
+    )]
+    trace_one_in: u64,
+    /// Traces waiting for the collector; more are dropped and counted.
+    #[arg(long, value_name = "N", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_000_000), help_heading = "Traces (OTLP)")]
+    trace_queue: u64,
+    /// A label for this run (the benchmark's name), on every exported span.
+    #[arg(long, value_name = "LABEL", help_heading = "Traces (OTLP)")]
+    run_label: Option<String>,
     /// Command to trace, after `--`.
     #[arg(last = true, value_name = "CMD")]
     command: Vec<String>,
@@ -148,6 +181,18 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 vms: !a.no_vms,
                 quiet: a.quiet,
                 command: a.command,
+                traces: iospan::export::TraceOpts {
+                    endpoint: a.otlp_endpoint,
+                    protocol: a.otlp_protocol,
+                    policy: iospan::export::Policy {
+                        slowest: a.trace_slowest,
+                        slower_than_ns: a.trace_slower_than.map_or(0, |d| d.as_nanos() as u64),
+                        one_in: a.trace_one_in,
+                        queue: a.trace_queue as usize,
+                        ..Default::default()
+                    },
+                    run_label: a.run_label,
+                },
             }))?;
             print!("{}", outcome.report.table());
             // A traced command's failure is the run's failure, for scripts.

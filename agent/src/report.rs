@@ -38,6 +38,10 @@ pub struct RunReport {
     /// Guest and host requests not joined (see `stitch::StitchCounters`).
     #[serde(default)]
     pub stitch: StitchCounters,
+    /// Per-I/O traces: offered, chosen, exported, dropped, failed (when
+    /// exporting).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub export: Option<crate::export::ExportCounters>,
     /// The VMs seen during the run.
     #[serde(default)]
     pub vms: Vec<VmSummary>,

@@ -24,6 +24,7 @@ use crate::{
     correlate::Correlator,
     disks::{self, Dev},
     diskstats,
+    export::{ExportCounters, Names, TraceOpts, Tracer},
     model::Op,
     preflight,
     report::{self, AgentCost, RunReport, SCHEMA},
@@ -46,6 +47,8 @@ pub struct RunOptions {
     pub vms: bool,
     pub quiet: bool,
     pub command: Vec<String>,
+    /// Per-I/O traces over OTLP (when an endpoint is set).
+    pub traces: TraceOpts,
 }
 
 pub struct RunOutcome {
@@ -63,6 +66,14 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     if let Some(cmd) = opts.command.first() {
         preflight::require_command(cmd)?;
     }
+    let tracer = if opts.traces.enabled() {
+        if !opts.vms {
+            bail!("traces are of VM I/O: drop --no-vms, or unset OTEL_EXPORTER_OTLP_ENDPOINT and --otlp-endpoint");
+        }
+        Some(Tracer::start(&opts.traces)?)
+    } else {
+        None
+    };
     if opts.events_out.is_none() && (opts.sample_every > 0 || opts.slower_than.is_some()) {
         bail!("--sample and --slower-than choose which requests go to --events-out FILE; add --events-out");
     }
@@ -130,7 +141,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // The event writer stops after the guest channels: guest records still
     // on their way must be joined before it settles the rest as unmatched.
     let (events_stop_tx, events_stop_rx) = watch::channel(false);
-    if opts.events_out.is_some() {
+    if opts.events_out.is_some() || tracer.is_some() {
         correlator
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -153,6 +164,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             correlator.clone(),
             events_stop_rx,
             opts.slower_than.map_or(0, |d| d.as_nanos() as u64),
+            tracer,
         )))
     } else {
         None
@@ -253,8 +265,9 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     }
     let _ = events_stop_tx.send(true);
     let mut events_written = 0;
+    let mut export = None;
     if let Some(t) = events_task {
-        events_written = t
+        (events_written, export) = t
             .await
             .context("event writer")?
             .context("writing --events-out")?;
@@ -297,6 +310,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         vms,
         guests,
         stitch,
+        export,
         entries: {
             let mut e = report::entries(&snap.stats, &kernel, &only, elapsed);
             let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
@@ -442,7 +456,8 @@ async fn drain_events<W: Write>(
     correlator: Arc<Mutex<Correlator>>,
     mut stop: watch::Receiver<bool>,
     slower_than_ns: u64,
-) -> Result<u64> {
+    mut tracer: Option<Tracer>,
+) -> Result<(u64, Option<ExportCounters>)> {
     // SAFETY: the ring buffer owns its fd and outlives the registration
     // (AsyncFd owns the ring buffer).
     let mut fd = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
@@ -485,13 +500,22 @@ async fn drain_events<W: Write>(
         if stopping {
             corr.finish();
         }
-        if let Some(out) = out.as_mut() {
-            let spans = corr.stitch.take_spans();
+        let spans = corr.stitch.take_spans();
+        drop(corr);
+        {
             let known = known.lock().unwrap_or_else(|p| p.into_inner());
-            for sp in spans.iter().filter(|s| s.total_ns >= slower_than_ns) {
-                serde_json::to_writer(&mut *out, &span_json(sp, &known))?;
-                out.write_all(b"\n")?;
-                written += 1;
+            if let Some(out) = out.as_mut() {
+                for sp in spans.iter().filter(|s| s.total_ns >= slower_than_ns) {
+                    serde_json::to_writer(&mut *out, &span_json(sp, &known))?;
+                    out.write_all(b"\n")?;
+                    written += 1;
+                }
+            }
+            if let Some(t) = tracer.as_mut() {
+                for sp in spans {
+                    t.offer(sp);
+                }
+                t.tick(|sp| names_of(sp, &known));
             }
         }
         if stopping {
@@ -504,7 +528,24 @@ async fn drain_events<W: Write>(
     if malformed > 0 {
         log::warn!("{malformed} ring-buffer records of unexpected size or kind were dropped");
     }
-    Ok(written)
+    let export = match tracer {
+        Some(t) => {
+            let names =
+                |sp: &IoSpan| names_of(sp, &known.lock().unwrap_or_else(|p| p.into_inner()));
+            Some(t.finish(names, Duration::from_secs(10)).await)
+        }
+        None => None,
+    };
+    Ok((written, export))
+}
+
+/// What an I/O's VM, virtual disk and host disk are called.
+fn names_of(sp: &IoSpan, known: &Registry) -> Names {
+    Names {
+        vm: known.name(sp.vm),
+        vdisk: known.vdisk(sp.vdisk).unwrap_or_default().to_string(),
+        host_disk: disks::name_of(Dev(sp.dev)),
+    }
 }
 
 fn event_json(ev: &BlkIoEvent, known: &Registry) -> serde_json::Value {
@@ -534,7 +575,8 @@ fn event_json(ev: &BlkIoEvent, known: &Registry) -> serde_json::Value {
 fn span_json(sp: &IoSpan, known: &Registry) -> serde_json::Value {
     let us = |ns: u64| ns as f64 / 1000.0;
     serde_json::json!({
-        "kind": "guest_io",
+        // A host window alone where the VM has no guest agent.
+        "kind": if sp.has_guest { "guest_io" } else { "vm_io" },
         "vm": known.name(sp.vm),
         "vdisk": known.vdisk(sp.vdisk),
         "op": sp.op,
@@ -545,6 +587,7 @@ fn span_json(sp: &IoSpan, known: &Registry) -> serde_json::Value {
         "kick_ns": sp.kick_ns,
         "pick_ns": sp.pick_ns,
         "start_ns": sp.start_ns,
+        "issue_ns": sp.issue_ns,
         "done_ns": sp.done_ns,
         "signal_ns": sp.signal_ns,
         "guest_irq_ns": sp.guest_irq_ns,

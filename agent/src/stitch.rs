@@ -104,6 +104,8 @@ impl Default for Stitched {
 pub struct IoSpan {
     pub vm: u32,
     pub vdisk: u32,
+    /// The host disk the engine's request went to.
+    pub dev: u32,
     pub op: Op,
     pub pos: u64,
     pub bytes: u32,
@@ -114,10 +116,12 @@ pub struct IoSpan {
     pub guest_irq_ns: u64,
     pub end_ns: u64,
     /// Host stamps: the kick seen, the engine's pickup, the host request's
-    /// start and completion, the engine's signal to the guest.
+    /// start, issue to the driver and completion, the engine's signal to
+    /// the guest.
     pub kick_ns: u64,
     pub pick_ns: u64,
     pub start_ns: u64,
+    pub issue_ns: u64,
     pub done_ns: u64,
     pub signal_ns: u64,
     /// The offset added to the guest's stamps (host = guest + offset).
@@ -130,6 +134,42 @@ pub struct IoSpan {
     pub total_ns: u64,
     /// The guest's ends are the block layer's (no system call seen).
     pub app_ends_from_block_layer: bool,
+    /// Whether the guest's side was joined; without it the I/O is the host
+    /// window only (kick to signal) and the guest stamps are 0.
+    pub has_guest: bool,
+}
+
+impl IoSpan {
+    /// A VM request's host window alone, for VMs without a guest agent.
+    pub fn host_only(ev: &VmIoEvent, signal_ns: u64) -> Self {
+        let engine = (ev.start_ns - ev.pick_ns) + (signal_ns - ev.done_ns);
+        Self {
+            vm: ev.vm,
+            vdisk: ev.vdisk,
+            dev: ev.dev,
+            op: Op::from_index(ev.op as usize).unwrap_or(Op::Other),
+            pos: ev.pos,
+            bytes: ev.bytes,
+            begin_ns: 0,
+            guest_kick_ns: 0,
+            guest_irq_ns: 0,
+            end_ns: 0,
+            kick_ns: ev.kick_ns,
+            pick_ns: ev.pick_ns,
+            start_ns: ev.start_ns,
+            issue_ns: ev.issue_ns.clamp(ev.start_ns, ev.done_ns),
+            done_ns: ev.done_ns,
+            signal_ns,
+            clock_offset_ns: None,
+            guest_ns: 0,
+            hypervisor_ns: ev.pick_ns - ev.kick_ns,
+            engine_ns: engine,
+            device_ns: ev.done_ns - ev.start_ns,
+            total_ns: signal_ns - ev.kick_ns,
+            app_ends_from_block_layer: false,
+            has_guest: false,
+        }
+    }
 }
 
 /// What could not be joined, counted.
@@ -307,6 +347,18 @@ impl Stitcher {
         self.spans.get_or_insert_with(Vec::new);
     }
 
+    /// Whether per-I/O records are being kept.
+    pub fn keeping_spans(&self) -> bool {
+        self.spans.is_some()
+    }
+
+    /// Keeps a record made elsewhere (a host window without a guest side).
+    pub fn keep(&mut self, span: IoSpan) {
+        if let Some(spans) = self.spans.as_mut() {
+            spans.push(span);
+        }
+    }
+
     /// The requests joined since the last call.
     pub fn take_spans(&mut self) -> Vec<IoSpan> {
         self.spans.as_mut().map(std::mem::take).unwrap_or_default()
@@ -447,6 +499,7 @@ impl Stitcher {
         let span = IoSpan {
             vm: ev.vm,
             vdisk: ev.vdisk,
+            dev: ev.dev,
             op: key.op,
             pos: ev.pos,
             bytes: ev.bytes,
@@ -457,6 +510,7 @@ impl Stitcher {
             kick_ns: ev.kick_ns,
             pick_ns: ev.pick_ns,
             start_ns: ev.start_ns,
+            issue_ns: ev.issue_ns.clamp(ev.start_ns, ev.done_ns),
             done_ns: ev.done_ns,
             signal_ns: h.signal_ns,
             clock_offset_ns: offset,
@@ -466,6 +520,7 @@ impl Stitcher {
             device_ns: device,
             total_ns: total,
             app_ends_from_block_layer: app_from_block,
+            has_guest: true,
         };
         self.stitched.entry(key).or_default().record(&span);
         if let Some(spans) = self.spans.as_mut() {

@@ -349,6 +349,8 @@ fn build_guest_agent() -> Result<PathBuf> {
         "--release",
         "-p",
         "iospan",
+        // The guest agent exports nothing itself: no OTLP stack.
+        "--no-default-features",
         "--target",
         GUEST_TARGET,
     ])?;

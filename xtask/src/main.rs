@@ -3,7 +3,7 @@
 //! xtask depends on nothing of the agent, so it builds on a machine that
 //! still lacks clang and libbpf: `setup` is what installs them.
 
-use xtask::{bench, guest, setup, sh};
+use xtask::{backends, bench, guest, setup, sh};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -45,6 +45,12 @@ enum Cmd {
     },
     /// Regenerate bpf/include/vmlinux/<arch>/vmlinux.h from this kernel's BTF.
     Vmlinux,
+    /// Tracing backends (Jaeger) built from source and cached outside the
+    /// checkout: for the tests, and a local stack to export to.
+    Backends {
+        #[command(subcommand)]
+        cmd: backends::BackendsCmd,
+    },
 }
 
 #[derive(Subcommand)]
@@ -74,6 +80,7 @@ fn main() -> Result<()> {
         } => bench::guest(&a),
         Cmd::Guest { cmd } => guest::main(cmd),
         Cmd::Vmlinux => setup::vmlinux(),
+        Cmd::Backends { cmd } => backends::main(cmd),
     }
 }
 
@@ -110,6 +117,9 @@ fn test(args: &[String]) -> Result<()> {
     setup::ensure(false)?;
     // The rig's kernel and initramfs, before the tests that boot it.
     guest::build()?;
+    // The tracing backend the export tests send to (cached outside the
+    // checkout: minutes on a fresh machine, nothing after).
+    backends::ensure(backends::Backend::Jaeger)?;
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
     // One test thread: the integration tests share the kernel's tracepoints
     // and the machine's two CPUs, and compare latencies. Every test binary

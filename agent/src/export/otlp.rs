@@ -1,0 +1,439 @@
+//! One chosen I/O as an OTLP trace, and the exporter task behind a bounded
+//! queue.
+
+use std::{
+    borrow::Cow,
+    sync::{atomic::Ordering, Arc},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{bail, Context, Result};
+use opentelemetry::{
+    trace::{Event, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceState},
+    InstrumentationScope, KeyValue,
+};
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::{
+    trace::{IdGenerator, RandomIdGenerator, SpanData, SpanEvents, SpanExporter as _, SpanLinks},
+    Resource,
+};
+use tokio::sync::mpsc;
+
+use super::{ExportCounters, ExportStats, Names, Reason, TraceOpts};
+use crate::{model::Op, stitch::IoSpan};
+
+/// The monotonic clock the kernel stamps with, mapped to wall time.
+#[derive(Clone, Copy, Debug)]
+pub struct WallClock {
+    /// Wall time minus monotonic time, ns.
+    offset_ns: i128,
+}
+
+impl WallClock {
+    pub fn now() -> Self {
+        let mono = clock_ns(libc::CLOCK_MONOTONIC);
+        let wall = clock_ns(libc::CLOCK_REALTIME);
+        Self {
+            offset_ns: i128::from(wall) - i128::from(mono),
+        }
+    }
+
+    pub fn at(&self, mono_ns: u64) -> SystemTime {
+        let wall = (i128::from(mono_ns) + self.offset_ns).max(0);
+        UNIX_EPOCH + Duration::from_nanos(u64::try_from(wall).unwrap_or(u64::MAX))
+    }
+}
+
+fn clock_ns(clock: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The root span's name for an operation.
+pub fn root_name(op: Op) -> &'static str {
+    match op {
+        Op::Read => "vdisk.read",
+        Op::Write => "vdisk.write",
+        Op::Flush => "vdisk.flush",
+        Op::Discard => "vdisk.discard",
+        Op::Other => "vdisk.other",
+    }
+}
+
+/// One segment child: name, the four-segment class it belongs to, length.
+struct Piece {
+    name: &'static str,
+    segment: &'static str,
+    ns: u64,
+}
+
+/// The children of an I/O, in time order; their lengths add up to the
+/// root's exactly. With a guest side the hypervisor's time is the rest of
+/// the guest-observed total (the clocks' offset is an estimate); the part
+/// before the pickup is the host-measured kick-to-pickup plus the
+/// guest-kick-to-host-kick gap where the offset puts it in range.
+fn pieces(s: &IoSpan) -> Vec<Piece> {
+    let p = |name, segment, ns| Piece { name, segment, ns };
+    let queue = s.issue_ns - s.start_ns;
+    let service = s.done_ns - s.issue_ns;
+    let submit = s.start_ns - s.pick_ns;
+    let complete = s.signal_ns - s.done_ns;
+    if !s.has_guest {
+        return vec![
+            p("hypervisor.notify", "hypervisor", s.pick_ns - s.kick_ns),
+            p("engine.submit", "engine", submit),
+            p("host.queue", "device", queue),
+            p("device", "device", service),
+            p("engine.complete", "engine", complete),
+        ];
+    }
+    let guest_submit = s.guest_kick_ns.saturating_sub(s.begin_ns).min(s.guest_ns);
+    let guest_complete = s.guest_ns - guest_submit;
+    let notify = if s.clock_offset_ns.is_some() && s.guest_kick_ns <= s.pick_ns {
+        s.pick_ns - s.guest_kick_ns
+    } else {
+        s.pick_ns - s.kick_ns
+    }
+    .min(s.hypervisor_ns);
+    vec![
+        p("guest.submit", "guest", guest_submit),
+        p("hypervisor.notify", "hypervisor", notify),
+        p("engine.submit", "engine", submit),
+        p("host.queue", "device", queue),
+        p("device", "device", service),
+        p("engine.complete", "engine", complete),
+        p(
+            "hypervisor.interrupt",
+            "hypervisor",
+            s.hypervisor_ns - notify,
+        ),
+        p("guest.complete", "guest", guest_complete),
+    ]
+}
+
+/// One I/O as a trace: the root span first, then its children.
+pub fn trace_of(
+    s: &IoSpan,
+    names: &Names,
+    reason: Reason,
+    run_label: Option<&str>,
+    clock: &WallClock,
+    ids: &RandomIdGenerator,
+) -> Vec<SpanData> {
+    let trace_id = ids.new_trace_id();
+    let root_id = ids.new_span_id();
+    let ctx = |id| SpanContext::new(trace_id, id, TraceFlags::SAMPLED, false, TraceState::NONE);
+    let scope = InstrumentationScope::builder("iospan")
+        .with_version(env!("CARGO_PKG_VERSION"))
+        .build();
+    let start_ns = if s.has_guest { s.begin_ns } else { s.kick_ns };
+    let mut attrs = vec![
+        KeyValue::new("virt.vm.name", names.vm.clone()),
+        KeyValue::new("virt.disk.id", names.vdisk.clone()),
+        KeyValue::new("system.device", names.host_disk.clone()),
+        KeyValue::new("disk.io.direction", direction(s.op)),
+        KeyValue::new("iospan.io.offset", s.pos as i64),
+        KeyValue::new("iospan.io.bytes", i64::from(s.bytes)),
+        KeyValue::new("iospan.has_guest", s.has_guest),
+        KeyValue::new("iospan.sampled_by", reason.as_str()),
+        KeyValue::new("iospan.guest_ns", s.guest_ns as i64),
+        KeyValue::new("iospan.hypervisor_ns", s.hypervisor_ns as i64),
+        KeyValue::new("iospan.engine_ns", s.engine_ns as i64),
+        KeyValue::new("iospan.device_ns", s.device_ns as i64),
+    ];
+    if let Some(l) = run_label {
+        attrs.push(KeyValue::new("iospan.run.label", l.to_string()));
+    }
+    if let Some(o) = s.clock_offset_ns {
+        attrs.push(KeyValue::new("iospan.clock_offset_ns", o));
+    }
+    // Instants on the host clock: the kick seen, the interrupt raised.
+    let mut events = vec![
+        Event::new("kick", clock.at(s.kick_ns), vec![], 0),
+        Event::new("interrupt.raised", clock.at(s.signal_ns), vec![], 0),
+    ];
+    if s.has_guest {
+        events.push(Event::new(
+            "interrupt.received",
+            clock.at(s.guest_irq_ns),
+            vec![],
+            0,
+        ));
+    }
+    let span =
+        |id, parent, name: Cow<'static, str>, from: u64, to: u64, attributes, events| SpanData {
+            span_context: ctx(id),
+            parent_span_id: parent,
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name,
+            start_time: clock.at(from),
+            end_time: clock.at(to),
+            attributes,
+            dropped_attributes_count: 0,
+            events: {
+                let mut e = SpanEvents::default();
+                e.events = events;
+                e
+            },
+            links: SpanLinks::default(),
+            status: Status::Unset,
+            instrumentation_scope: scope.clone(),
+        };
+    let mut out = vec![span(
+        root_id,
+        SpanId::INVALID,
+        Cow::Borrowed(root_name(s.op)),
+        start_ns,
+        start_ns + s.total_ns,
+        attrs,
+        events,
+    )];
+    let mut at = start_ns;
+    for piece in pieces(s) {
+        out.push(span(
+            ids.new_span_id(),
+            root_id,
+            Cow::Borrowed(piece.name),
+            at,
+            at + piece.ns,
+            vec![KeyValue::new("iospan.segment", piece.segment)],
+            vec![],
+        ));
+        at += piece.ns;
+    }
+    out
+}
+
+fn direction(op: Op) -> &'static str {
+    match op {
+        Op::Read => "read",
+        Op::Write => "write",
+        _ => op.as_str(),
+    }
+}
+
+/// The service's resource: `service.name` iospan unless OTEL_SERVICE_NAME
+/// or OTEL_RESOURCE_ATTRIBUTES name it, `host.name`, the agent's version.
+pub fn resource() -> Resource {
+    let named = std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.is_empty())
+        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|v| v.contains("service.name="));
+    let mut b = Resource::builder();
+    if !named {
+        b = b.with_service_name("iospan");
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
+    b.with_attribute(KeyValue::new("host.name", host))
+        .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+        .build()
+}
+
+/// The exporter's side of the queue: a task that batches traces and sends
+/// them, counting what the backend took and what it did not.
+pub struct Exporter {
+    tx: Option<mpsc::Sender<Vec<SpanData>>>,
+    task: tokio::task::JoinHandle<()>,
+    pub stats: Arc<ExportStats>,
+    clock: WallClock,
+    ids: RandomIdGenerator,
+    run_label: Option<String>,
+}
+
+impl Exporter {
+    pub fn start(opts: &TraceOpts) -> Result<Self> {
+        let mut exporter = build_exporter(opts)?;
+        exporter.set_resource(&resource());
+        let (tx, mut rx) = mpsc::channel::<Vec<SpanData>>(opts.policy.queue.max(1));
+        let stats = Arc::new(ExportStats::default());
+        let st = stats.clone();
+        let task = tokio::spawn(async move {
+            const BATCH_SPANS: usize = 512;
+            while let Some(first) = rx.recv().await {
+                let mut traces = 1u64;
+                let mut batch = first;
+                while batch.len() < BATCH_SPANS {
+                    match rx.try_recv() {
+                        Ok(more) => {
+                            batch.extend(more);
+                            traces += 1;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                let spans = batch.len() as u64;
+                match exporter.export(batch).await {
+                    Ok(()) => {
+                        st.exported_traces.fetch_add(traces, Ordering::Relaxed);
+                        st.exported_spans.fetch_add(spans, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        log::debug!("OTLP export of {traces} traces failed: {e}");
+                        st.failed_traces.fetch_add(traces, Ordering::Relaxed);
+                    }
+                }
+            }
+            let _ = exporter.shutdown();
+        });
+        Ok(Self {
+            tx: Some(tx),
+            task,
+            stats,
+            clock: WallClock::now(),
+            ids: RandomIdGenerator::default(),
+            run_label: opts.run_label.clone(),
+        })
+    }
+
+    /// Queues one chosen I/O; a full queue drops it, counted.
+    pub fn send(&self, s: &IoSpan, names: &Names, reason: Reason) {
+        self.stats.chosen.fetch_add(1, Ordering::Relaxed);
+        let Some(tx) = self.tx.as_ref() else { return };
+        let trace = trace_of(
+            s,
+            names,
+            reason,
+            self.run_label.as_deref(),
+            &self.clock,
+            &self.ids,
+        );
+        if tx.try_send(trace).is_err() {
+            self.stats
+                .dropped_queue_full
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Sends what is queued, waiting at most `grace` for the backend.
+    pub async fn finish(mut self, grace: Duration) -> ExportCounters {
+        self.tx = None;
+        let abort = self.task.abort_handle();
+        if tokio::time::timeout(grace, &mut self.task).await.is_err() {
+            abort.abort();
+        }
+        let c = self.stats.snapshot();
+        // Whatever never got an answer is failed, not silently gone.
+        let settled = c.exported_traces + c.failed_traces + c.dropped_queue_full;
+        ExportCounters {
+            failed_traces: c.failed_traces + c.chosen.saturating_sub(settled),
+            ..c
+        }
+    }
+}
+
+fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::SpanExporter> {
+    let protocol = opts.protocol.clone().or_else(|| {
+        [
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+    });
+    let timeout = Duration::from_secs(5);
+    let built = match protocol.as_deref().unwrap_or("http/protobuf") {
+        "grpc" => {
+            let mut b = opentelemetry_otlp::SpanExporter::builder()
+                .with_tonic()
+                .with_timeout(timeout);
+            if let Some(e) = &opts.endpoint {
+                b = b.with_endpoint(e.clone());
+            }
+            b.build()
+        }
+        "http/protobuf" => {
+            let mut b = opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .with_timeout(timeout);
+            if let Some(e) = &opts.endpoint {
+                // The flag names the collector, as the environment does:
+                // the traces path is added here.
+                let e = e.trim_end_matches('/');
+                b = b.with_endpoint(if e.ends_with("/v1/traces") {
+                    e.to_string()
+                } else {
+                    format!("{e}/v1/traces")
+                });
+            }
+            b.build()
+        }
+        other => bail!(
+            "unknown OTLP protocol {other:?} (--otlp-protocol or OTEL_EXPORTER_OTLP_PROTOCOL): \
+             use grpc or http/protobuf"
+        ),
+    };
+    built.context("setting up the OTLP trace exporter")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn children_tile_the_root_with_and_without_the_guest() {
+        let host = IoSpan {
+            vm: 1,
+            vdisk: 1,
+            dev: 0,
+            op: Op::Write,
+            pos: 0,
+            bytes: 512,
+            begin_ns: 900,
+            guest_kick_ns: 950,
+            guest_irq_ns: 1460,
+            end_ns: 1500,
+            kick_ns: 1000,
+            pick_ns: 1030,
+            start_ns: 1100,
+            issue_ns: 1120,
+            done_ns: 1400,
+            signal_ns: 1420,
+            clock_offset_ns: Some(-7),
+            guest_ns: 90,
+            hypervisor_ns: 120,
+            engine_ns: 90,
+            device_ns: 300,
+            total_ns: 600,
+            app_ends_from_block_layer: false,
+            has_guest: true,
+        };
+        let clock = WallClock { offset_ns: 0 };
+        let ids = RandomIdGenerator::default();
+        for s in [
+            host.clone(),
+            IoSpan {
+                has_guest: false,
+                total_ns: 420,
+                ..host
+            },
+        ] {
+            let t = trace_of(&s, &Names::default(), Reason::Slowest, None, &clock, &ids);
+            let root = &t[0];
+            assert_eq!(root.name, "vdisk.write");
+            let dur = |x: &SpanData| x.end_time.duration_since(x.start_time).unwrap();
+            let mut at = root.start_time;
+            for c in &t[1..] {
+                assert_eq!(c.parent_span_id, root.span_context.span_id());
+                assert_eq!(c.span_context.trace_id(), root.span_context.trace_id());
+                assert_eq!(c.start_time, at, "{}", c.name);
+                at = c.end_time;
+            }
+            assert_eq!(at, root.end_time);
+            let total: Duration = t[1..].iter().map(dur).sum();
+            if s.has_guest {
+                assert_eq!(t.len(), 9);
+                assert_eq!(total.as_nanos(), 600);
+            } else {
+                // Kick to signal.
+                assert_eq!(t.len(), 6);
+                assert_eq!(total.as_nanos(), 420);
+            }
+        }
+    }
+}

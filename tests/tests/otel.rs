@@ -1,0 +1,245 @@
+//! Per-I/O traces of a real guest, exported over OTLP to a real Jaeger and
+//! read back through its query API; and a run whose collector is down.
+
+use std::{collections::BTreeMap, os::unix::fs::MetadataExt, process::Command, time::Duration};
+
+use agent_integration::{iospan_bin, run};
+use serde_json::Value;
+use xtask::{
+    backends::{free_port, Jaeger},
+    guest::{self, RunArgs},
+};
+
+const ONE_IN: u64 = 50;
+const SLOWEST: usize = 3;
+
+/// One rig boot under `iospan run` exporting to `endpoint`; the report.
+fn traced(a: &RunArgs, endpoint: &str, protocol: &str, tag: &str) -> Value {
+    let rig = guest::build().expect("rig build");
+    let image = guest::dir().join("disk.img");
+    guest::ensure_image(&image, 256).expect("rig image");
+    let dev = std::fs::metadata(&image).unwrap().dev();
+    let sys = std::fs::canonicalize(format!(
+        "/sys/dev/block/{}:{}",
+        libc::major(dev),
+        libc::minor(dev)
+    ))
+    .unwrap();
+    let disk = if sys.join("partition").exists() {
+        sys.parent().unwrap().to_path_buf()
+    } else {
+        sys
+    };
+    let host = disk.file_name().unwrap().to_string_lossy().into_owned();
+    let (qemu, _) = guest::qemu_command(&rig, a, &image);
+    let report =
+        std::env::temp_dir().join(format!("iospan-otel-{tag}-{}.json", std::process::id()));
+    let out = run(Command::new(iospan_bin())
+        .args(["run", "--quiet", "--disk", &host, "--json-out"])
+        .arg(&report)
+        .args(["--otlp-endpoint", endpoint, "--otlp-protocol", protocol])
+        .args(["--trace-slowest", &SLOWEST.to_string()])
+        .args(["--trace-one-in", &ONE_IN.to_string()])
+        .args(["--run-label", tag])
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap()
+}
+
+fn tag<'a>(span: &'a Value, key: &str) -> Option<&'a Value> {
+    span["tags"]
+        .as_array()?
+        .iter()
+        .find(|t| t["key"] == key)
+        .map(|t| &t["value"])
+}
+
+fn check_jaeger(protocol: &str) {
+    let jaeger = Jaeger::start().expect("jaeger");
+    let endpoint = if protocol == "grpc" {
+        format!("http://{}", jaeger.otlp_grpc)
+    } else {
+        format!("http://{}", jaeger.otlp_http)
+    };
+    let vm = format!("otel-{}", protocol.replace('/', "-"));
+    let a = RunArgs {
+        qd: 4,
+        ios: 2000,
+        name: vm.clone(),
+        ..Default::default()
+    };
+    let rep = traced(&a, &endpoint, protocol, &vm);
+    let ex = &rep["export"];
+    let n = |k: &str| ex[k].as_u64().unwrap_or_else(|| panic!("{k}: {ex}"));
+    let (offered, chosen, exported) = (n("offered"), n("chosen"), n("exported_traces"));
+    assert!(offered >= 1900, "joined guest I/Os offered: {ex}");
+    assert_eq!(n("dropped_queue_full") + n("failed_traces"), 0, "{ex}");
+    assert_eq!(exported, chosen, "{ex}");
+
+    // Everything the agent says it exported is in Jaeger, and nothing else.
+    let mut traces = Vec::new();
+    for _ in 0..60 {
+        let (code, body) = jaeger
+            .get("/api/traces?service=iospan&limit=100000&lookback=1h")
+            .expect("query");
+        assert_eq!(code, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        traces = v["data"].as_array().cloned().unwrap_or_default();
+        if traces.len() as u64 >= exported {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(traces.len() as u64, exported, "{}", jaeger.log());
+
+    let mut by_reason: BTreeMap<String, u64> = BTreeMap::new();
+    for t in &traces {
+        let spans = t["spans"].as_array().unwrap();
+        let roots: Vec<&Value> = spans
+            .iter()
+            .filter(|s| s["references"].as_array().is_none_or(Vec::is_empty))
+            .collect();
+        assert_eq!(roots.len(), 1, "{t:#}");
+        let root = roots[0];
+        assert_eq!(root["operationName"], "vdisk.read", "{root:#}");
+        assert_eq!(tag(root, "virt.vm.name"), Some(&Value::from(vm.clone())));
+        assert_eq!(tag(root, "virt.disk.id"), Some(&Value::from("vd0")));
+        assert_eq!(tag(root, "disk.io.direction"), Some(&Value::from("read")));
+        assert_eq!(tag(root, "iospan.has_guest"), Some(&Value::from(true)));
+        assert_eq!(
+            tag(root, "iospan.run.label"),
+            Some(&Value::from(vm.clone()))
+        );
+        assert_eq!(tag(root, "iospan.io.bytes"), Some(&Value::from(4096)));
+        *by_reason
+            .entry(
+                tag(root, "iospan.sampled_by")
+                    .unwrap()
+                    .as_str()
+                    .unwrap()
+                    .into(),
+            )
+            .or_default() += 1;
+        let events: Vec<&str> = root["logs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|l| l["fields"].as_array().unwrap())
+            .filter(|f| f["key"] == "event")
+            .map(|f| f["value"].as_str().unwrap())
+            .collect();
+        for e in ["kick", "interrupt.raised", "interrupt.received"] {
+            assert!(events.contains(&e), "{e} not in {events:?}");
+        }
+
+        // The children: every one the root's, back to back, in order,
+        // tiling the root (Jaeger keeps microseconds: one of rounding each).
+        let mut children: Vec<&Value> = spans.iter().filter(|s| !std::ptr::eq(*s, root)).collect();
+        children.sort_by_key(|s| s["startTime"].as_u64().unwrap());
+        let names: Vec<&str> = children
+            .iter()
+            .map(|s| s["operationName"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "guest.submit",
+                "hypervisor.notify",
+                "engine.submit",
+                "host.queue",
+                "device",
+                "engine.complete",
+                "hypervisor.interrupt",
+                "guest.complete"
+            ],
+            "{t:#}"
+        );
+        for c in &children {
+            let r = &c["references"][0];
+            assert_eq!(r["refType"], "CHILD_OF");
+            assert_eq!(r["spanID"], root["spanID"]);
+            assert!(tag(c, "iospan.segment").is_some(), "{c:#}");
+        }
+        let us = |s: &Value, k: &str| s[k].as_u64().unwrap() as f64;
+        let sum: f64 = children.iter().map(|c| us(c, "duration")).sum();
+        let total = us(root, "duration");
+        let slack = (0.01 * total).max(children.len() as f64);
+        assert!(
+            (sum - total).abs() <= slack,
+            "children {sum} µs vs root {total} µs: {t:#}"
+        );
+        for w in children.windows(2) {
+            let end = us(w[0], "startTime") + us(w[0], "duration");
+            assert!((us(w[1], "startTime") - end).abs() <= 1.0, "gap: {t:#}");
+        }
+        assert!((us(children[0], "startTime") - us(root, "startTime")).abs() <= 1.0);
+    }
+
+    // The policy: one in ONE_IN of the offered, and at most SLOWEST per
+    // second of the run (and the run's last part) for the one virtual disk.
+    let get = |k: &str| by_reason.get(k).copied().unwrap_or(0);
+    assert_eq!(
+        get("uniform"),
+        offered / ONE_IN,
+        "{by_reason:?} of {offered}"
+    );
+    let seconds = rep["duration_s"].as_f64().unwrap().ceil() as u64 + 1;
+    assert!(
+        get("slowest") >= SLOWEST as u64 && get("slowest") <= SLOWEST as u64 * seconds,
+        "{by_reason:?} over {seconds} s"
+    );
+    assert_eq!(get("slower_than"), 0, "{by_reason:?}");
+}
+
+#[test]
+fn traces_reach_jaeger_over_http() {
+    check_jaeger("http/protobuf");
+}
+
+#[test]
+fn traces_reach_jaeger_over_grpc() {
+    check_jaeger("grpc");
+}
+
+#[test]
+fn a_collector_that_is_down_loses_only_traces_and_counts_them() {
+    let port = free_port().unwrap();
+    let a = RunArgs {
+        qd: 4,
+        ios: 1000,
+        name: "otel-down".into(),
+        no_guest_agent: true,
+        ..Default::default()
+    };
+    let rep = traced(
+        &a,
+        &format!("http://127.0.0.1:{port}"),
+        "http/protobuf",
+        "down",
+    );
+    let ex = &rep["export"];
+    let n = |k: &str| ex[k].as_u64().unwrap();
+    // Host windows without a guest agent are offered too.
+    assert!(n("offered") >= 900, "{ex}");
+    assert!(n("chosen") > 0, "{ex}");
+    assert_eq!(n("exported_traces"), 0, "{ex}");
+    assert_eq!(
+        n("chosen"),
+        n("failed_traces") + n("dropped_queue_full"),
+        "{ex}"
+    );
+    // The run's own measurements are whole.
+    let vm = rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == "otel-down" && e["disk"] == "vd0")
+        .unwrap_or_else(|| panic!("{rep:#}"));
+    assert!(vm["ios"].as_u64().unwrap() >= 1000, "{vm}");
+}
