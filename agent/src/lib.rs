@@ -14,6 +14,7 @@ pub mod diskstats;
 pub mod doctor;
 pub mod export;
 pub mod guest_agent;
+pub mod metrics;
 pub mod model;
 pub mod preflight;
 pub mod reap;

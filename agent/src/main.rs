@@ -127,6 +127,11 @@ struct RunArgs {
     /// A label for this run (the benchmark's name), on every exported span.
     #[arg(long, value_name = "LABEL", help_heading = "Traces (OTLP)")]
     run_label: Option<String>,
+    /// Serve Prometheus metrics (latency histograms per disk and per VM,
+    /// virtual disk, op and segment; losses; the agent's cost) on
+    /// http://ADDR/metrics, e.g. 127.0.0.1:9464.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
     /// Command to trace, after `--`.
     #[arg(last = true, value_name = "CMD")]
     command: Vec<String>,
@@ -193,6 +198,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                     },
                     run_label: a.run_label,
                 },
+                metrics_listen: a.metrics_listen,
             }))?;
             print!("{}", outcome.report.table());
             // A traced command's failure is the run's failure, for scripts.

@@ -49,6 +49,8 @@ pub struct RunOptions {
     pub command: Vec<String>,
     /// Per-I/O traces over OTLP (when an endpoint is set).
     pub traces: TraceOpts,
+    /// Serve Prometheus text on http://ADDR/metrics.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 pub struct RunOutcome {
@@ -174,6 +176,10 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // way to land): any request the kernel counts from here on has passed
     // our completion tracepoint first.
     tokio::time::sleep(Duration::from_millis(5)).await;
+    let metrics = match opts.metrics_listen {
+        Some(addr) => Some(serve_metrics(addr).await?),
+        None => None,
+    };
     let kernel0 = diskstats::read_all();
     let cpu0 = preflight::self_cpu();
     let t0 = Instant::now();
@@ -241,6 +247,13 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
                     .map(|(_, k)| k.reads + k.writes + k.discards + k.flushes)
                     .sum();
                 progress.show(t0.elapsed(), ios);
+                // Only when scraped since the last refresh: an agent nobody
+                // scrapes reads no histograms.
+                if let Some(m) = metrics.as_ref() {
+                    if m.wanted.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                        refresh_metrics(m, &probes, &correlator, &known);
+                    }
+                }
             }
         }
     }
@@ -644,4 +657,67 @@ impl Progress {
             eprintln!();
         }
     }
+}
+
+/// The latest /metrics text, and whether a scrape asked since it was made.
+pub struct MetricsState {
+    text: Mutex<String>,
+    wanted: std::sync::atomic::AtomicBool,
+}
+
+#[cfg(feature = "serve")]
+async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<MetricsState>> {
+    use axum::{routing::get, Router};
+    let state = Arc::new(MetricsState {
+        text: Mutex::new(String::new()),
+        wanted: std::sync::atomic::AtomicBool::new(true),
+    });
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("--metrics-listen {addr}: binding"))?;
+    let st = state.clone();
+    let app = Router::new().route(
+        "/metrics",
+        get(move || {
+            let st = st.clone();
+            async move {
+                st.wanted.store(true, std::sync::atomic::Ordering::Relaxed);
+                (
+                    [("content-type", "text/plain; version=0.0.4")],
+                    st.text.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+                )
+            }
+        }),
+    );
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            log::warn!("/metrics server stopped: {e}");
+        }
+    });
+    Ok(state)
+}
+
+#[cfg(not(feature = "serve"))]
+async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<MetricsState>> {
+    bail!("--metrics-listen {addr}: this iospan was built without the HTTP server (the `serve` feature)")
+}
+
+fn refresh_metrics(
+    m: &MetricsState,
+    probes: &BlockProbes,
+    correlator: &Mutex<Correlator>,
+    known: &Mutex<Registry>,
+) {
+    let Ok(snap) = probes.snapshot() else { return };
+    let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
+    let known = known.lock().unwrap_or_else(|p| p.into_inner());
+    let text = crate::metrics::render(&crate::metrics::View {
+        snap: &snap,
+        splits: &corr.splits,
+        stitched: &corr.stitch.stitched,
+        known: &known,
+        export: None,
+        cpu_s: preflight::self_cpu(),
+    });
+    *m.text.lock().unwrap_or_else(|p| p.into_inner()) = text;
 }

@@ -149,6 +149,17 @@ impl Hist {
         self.max_ns as f64
     }
 
+    /// How many values fell below `le_ns` — exact where `le_ns` is a bucket
+    /// boundary of this layout (the classic buckets of `metrics` are).
+    pub fn count_below(&self, le_ns: u64) -> u64 {
+        self.buckets
+            .iter()
+            .enumerate()
+            .take_while(|(b, _)| bounds_in(*b, self.sub_bits).1 <= le_ns)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
     pub fn summary(&self) -> Summary {
         // µs with ns precision.
         let us = |ns: f64| ns.round() / 1000.0;
