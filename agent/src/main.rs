@@ -26,7 +26,7 @@ enum Cmd {
     },
     /// Trace block I/O while CMD runs (or for --duration, or until Ctrl-C), then report
     /// IOPS, MB/s and latency percentiles per disk and op, split into queue and service.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Inside a VM (--guest): send each request's guest-side stamps to the host agent over
     /// the guest channel (a virtio-serial port named org.iospan.0, or TCP), until stopped.
     Agent {
@@ -173,6 +173,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Run(a) => {
+            let a = *a;
             let outcome = rt.block_on(run::run(run::RunOptions {
                 duration: a.duration,
                 disks: a.disks,
