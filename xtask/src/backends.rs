@@ -18,18 +18,40 @@ use crate::sh;
 pub enum Backend {
     /// Jaeger v2 (OTLP in, query API `/api/traces`, `/api/v3/traces`).
     Jaeger,
+    /// Prometheus (scrapes /metrics) and promtool (checks PromQL).
+    Prometheus,
 }
 
 impl Backend {
-    fn module(self) -> (&'static str, &'static str, &'static str) {
+    /// Module, version, and the binaries built from it: (name, package).
+    fn module(
+        self,
+    ) -> (
+        &'static str,
+        &'static str,
+        &'static [(&'static str, &'static str)],
+    ) {
         match self {
-            Self::Jaeger => ("github.com/jaegertracing/jaeger", "v1.76.0", "./cmd/jaeger"),
+            Self::Jaeger => (
+                "github.com/jaegertracing/jaeger",
+                "v1.76.0",
+                &[("jaeger", "./cmd/jaeger")],
+            ),
+            Self::Prometheus => (
+                "github.com/prometheus/prometheus",
+                "v0.315.0",
+                &[
+                    ("prometheus", "./cmd/prometheus"),
+                    ("promtool", "./cmd/promtool"),
+                ],
+            ),
         }
     }
 
     fn name(self) -> &'static str {
         match self {
             Self::Jaeger => "jaeger",
+            Self::Prometheus => "prometheus",
         }
     }
 }
@@ -59,6 +81,9 @@ pub fn main(cmd: BackendsCmd) -> Result<()> {
             Ok(())
         }
         BackendsCmd::Run { which } => {
+            if which != Backend::Jaeger {
+                bail!("`run` starts jaeger; prometheus is started by the tests with a scrape config of theirs");
+            }
             let mut j = Jaeger::start()?;
             eprintln!(
                 "xtask: {} running: OTLP grpc {} http {}, query http://{}",
@@ -83,14 +108,15 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache/iospan")
 }
 
-/// The backend's binary, built if not cached yet.
+/// The backend's (main) binary, built if not cached yet; the others
+/// built from the same module lie beside it.
 pub fn ensure(b: Backend) -> Result<PathBuf> {
-    let (module, version, pkg) = b.module();
-    let bin = cache_dir()
+    let (module, version, bins) = b.module();
+    let dir = cache_dir()
         .join("backends")
-        .join(format!("{}-{version}", b.name()))
-        .join(b.name());
-    if bin.exists() {
+        .join(format!("{}-{version}", b.name()));
+    let bin = dir.join(bins[0].0);
+    if bins.iter().all(|(name, _)| dir.join(name).exists()) {
         return Ok(bin);
     }
     if !sh::which("go") {
@@ -131,18 +157,21 @@ pub fn ensure(b: Backend) -> Result<PathBuf> {
     std::fs::create_dir_all(work.parent().expect("has parent"))?;
     sh::run(Command::new("cp").arg("-r").arg(src).arg(&work))?;
     sh::run(Command::new("chmod").args(["-R", "u+w"]).arg(&work))?;
-    let tmp = bin.with_extension("partial");
-    std::fs::create_dir_all(bin.parent().expect("has parent"))?;
-    sh::run(
-        Command::new("go")
-            .args(["build", "-o"])
-            .arg(&tmp)
-            .arg(pkg)
-            .current_dir(&work)
-            .env("GOWORK", "off")
-            .env("GOFLAGS", "-mod=mod"),
-    )?;
-    std::fs::rename(&tmp, &bin)?;
+    std::fs::create_dir_all(&dir)?;
+    for (name, pkg) in bins {
+        let out = dir.join(name);
+        let tmp = out.with_extension("partial");
+        sh::run(
+            Command::new("go")
+                .args(["build", "-o"])
+                .arg(&tmp)
+                .arg(pkg)
+                .current_dir(&work)
+                .env("GOWORK", "off")
+                .env("GOFLAGS", "-mod=mod"),
+        )?;
+        std::fs::rename(&tmp, &out)?;
+    }
     let _ = std::fs::remove_dir_all(&work);
     Ok(bin)
 }
@@ -334,4 +363,88 @@ impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// A running Prometheus scraping one target every second, stopped when
+/// dropped.
+pub struct Prometheus {
+    pub child: Child,
+    /// host:port of its HTTP API.
+    pub api: String,
+    dir: TempDir,
+}
+
+impl Prometheus {
+    /// Scrapes `target` (host:port, path /metrics).
+    pub fn start(target: &str) -> Result<Self> {
+        let bin = ensure(Backend::Prometheus)?;
+        let dir = TempDir::new("prometheus")?;
+        let api = format!("127.0.0.1:{}", free_port()?);
+        let config = dir.0.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
+                 scrape_configs:\n  - job_name: iospan\n    static_configs:\n      - targets: [\"{target}\"]\n"
+            ),
+        )?;
+        let log = std::fs::File::create(dir.0.join("prometheus.log"))?;
+        let child = Command::new(&bin)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.0.join("data").display()
+            ))
+            .arg(format!("--web.listen-address={api}"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let mut p = Self { child, api, dir };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = p.child.try_wait()? {
+                bail!("prometheus exited at start ({status}):\n{}", p.log());
+            }
+            if http_get(&p.api, "/-/ready").is_ok_and(|(code, _)| code == 200) {
+                return Ok(p);
+            }
+            if Instant::now() > deadline {
+                bail!("prometheus not ready after 60 s:\n{}", p.log());
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// An instant PromQL query at `time` (Unix seconds): the JSON answer.
+    pub fn query(&self, promql: &str, time: f64) -> Result<serde_json::Value> {
+        let path = format!("/api/v1/query?query={}&time={time:.3}", urlencode(promql));
+        let (code, body) = http_get(&self.api, &path)?;
+        if code != 200 {
+            bail!("query {promql}: HTTP {code}: {body}");
+        }
+        Ok(serde_json::from_str(&body)?)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.0.join("prometheus.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }

@@ -120,6 +120,7 @@ fn test(args: &[String]) -> Result<()> {
     // The tracing backend the export tests send to (cached outside the
     // checkout: minutes on a fresh machine, nothing after).
     backends::ensure(backends::Backend::Jaeger)?;
+    backends::ensure(backends::Backend::Prometheus)?;
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
     // One test thread: the integration tests share the kernel's tracepoints
     // and the machine's two CPUs, and compare latencies. Every test binary

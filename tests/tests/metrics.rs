@@ -1,0 +1,148 @@
+//! /metrics of a run tracing a real guest, scraped by a real Prometheus:
+//! PromQL percentiles from the histograms agree with iospan's own report.
+
+use std::{
+    os::unix::fs::MetadataExt,
+    process::Command,
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use agent_integration::{iospan_bin, run};
+use serde_json::Value;
+use xtask::{
+    backends::{free_port, http_get, Prometheus},
+    guest::{self, RunArgs},
+};
+
+fn host_disk_of(path: &std::path::Path) -> String {
+    let dev = std::fs::metadata(path).unwrap().dev();
+    let sys = std::fs::canonicalize(format!(
+        "/sys/dev/block/{}:{}",
+        libc::major(dev),
+        libc::minor(dev)
+    ))
+    .unwrap();
+    let disk = if sys.join("partition").exists() {
+        sys.parent().unwrap().to_path_buf()
+    } else {
+        sys
+    };
+    disk.file_name().unwrap().to_string_lossy().into_owned()
+}
+
+/// The classic bucket `[lo, hi)` (seconds) holding `v`.
+fn bucket_of(v: f64) -> (f64, f64) {
+    let ns = (v * 1e9) as u64;
+    let bounds = iospan::metrics::bounds_ns();
+    let hi = bounds.iter().copied().find(|&b| b > ns).unwrap_or(u64::MAX);
+    let lo = bounds.iter().copied().rev().find(|&b| b <= ns).unwrap_or(0);
+    (lo as f64 / 1e9, hi as f64 / 1e9)
+}
+
+#[test]
+fn prometheus_percentiles_match_the_report() {
+    let port = free_port().unwrap();
+    let target = format!("127.0.0.1:{port}");
+    let prom = Prometheus::start(&target).expect("prometheus");
+
+    let rig = guest::build().expect("rig build");
+    let image = guest::dir().join("disk.img");
+    guest::ensure_image(&image, 256).expect("rig image");
+    let host = host_disk_of(&image);
+    let a = RunArgs {
+        qd: 4,
+        ios: 3000,
+        name: "prom-rig".into(),
+        ..Default::default()
+    };
+    let (qemu, _) = guest::qemu_command(&rig, &a, &image);
+    let report = std::env::temp_dir().join(format!("iospan-prom-{}.json", std::process::id()));
+    // The VM, then three seconds more of serving: the last scrapes see the
+    // finished run.
+    let mut shell = format!("'{}'", qemu.get_program().to_string_lossy());
+    for arg in qemu.get_args() {
+        shell.push_str(&format!(
+            " '{}'",
+            arg.to_string_lossy().replace('\'', "'\\''")
+        ));
+    }
+    shell.push_str(" && sleep 3");
+    let out = run(Command::new(iospan_bin())
+        .args(["run", "--quiet", "--disk", &host, "--json-out"])
+        .arg(&report)
+        .args(["--metrics-listen", &target])
+        .args(["--", "sh", "-c", &shell]));
+    let ended = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        http_get(&target, "/metrics").is_err(),
+        "the endpoint goes with the run"
+    );
+    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let entry = rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == "prom-rig" && e["disk"] == "vd0" && e["op"] == "read")
+        .unwrap_or_else(|| panic!("{rep:#}"))
+        .clone();
+
+    // A moment before the run ended: the series are current there.
+    let at = ended - 1.0;
+    let sel = "vm=\"prom-rig\",vdisk=\"vd0\",op=\"read\"";
+    let scalar = |q: &str| -> f64 {
+        let v = prom
+            .query(q, at)
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", prom.log()));
+        let r = &v["data"]["result"];
+        assert_eq!(r.as_array().map(Vec::len), Some(1), "{q}: {v}");
+        r[0]["value"][1].as_str().unwrap().parse().unwrap()
+    };
+    let ios = scalar(&format!("iospan_vm_ios_total{{{sel}}}"));
+    assert_eq!(ios as u64, entry["ios"].as_u64().unwrap(), "{entry}");
+
+    let mut checked = Vec::new();
+    for (seg, summary) in [
+        ("total", &entry["total"]),
+        ("hypervisor", &entry["segments"]["hypervisor"]),
+        ("engine", &entry["segments"]["engine"]),
+        ("device", &entry["segments"]["device"]),
+        ("host_window", &entry["segments"]["host_window"]),
+        ("g_total", &entry["stitched"]["segments"]["total"]),
+        ("g_guest", &entry["stitched"]["segments"]["guest"]),
+    ] {
+        let count = scalar(&format!(
+            "iospan_vm_latency_seconds_count{{{sel},segment=\"{seg}\"}}"
+        ));
+        assert_eq!(
+            count as u64,
+            summary["count"].as_u64().unwrap(),
+            "{seg}: {summary}"
+        );
+        for (q, key) in [(0.5, "p50_us"), (0.99, "p99_us")] {
+            let promql = scalar(&format!(
+                "histogram_quantile({q}, iospan_vm_latency_seconds_bucket{{{sel},segment=\"{seg}\"}})"
+            ));
+            let ours = summary[key].as_f64().unwrap() / 1e6;
+            // Within the resolution of the classic bucket holding ours.
+            let (lo, hi) = bucket_of(ours);
+            assert!(
+                (promql - ours).abs() <= hi - lo,
+                "{seg} {key}: PromQL {promql} s vs report {ours} s (bucket {lo}..{hi})"
+            );
+            checked.push(format!(
+                "{seg} {key}: {:.1} vs {:.1} µs",
+                promql * 1e6,
+                ours * 1e6
+            ));
+        }
+    }
+    eprintln!("{}", checked.join("\n"));
+}
