@@ -4,6 +4,7 @@
 
 pub mod backends;
 pub mod bench;
+pub mod dashboards;
 pub mod guest;
 pub mod setup;
 pub mod sh;

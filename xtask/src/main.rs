@@ -51,6 +51,9 @@ enum Cmd {
         #[command(subcommand)]
         cmd: backends::BackendsCmd,
     },
+    /// Check dashboards/ offline: Grafana's schema types (tsc --strict) and
+    /// every PromQL expression (promtool).
+    Dashboards,
 }
 
 #[derive(Subcommand)]
@@ -81,6 +84,7 @@ fn main() -> Result<()> {
         Cmd::Guest { cmd } => guest::main(cmd),
         Cmd::Vmlinux => setup::vmlinux(),
         Cmd::Backends { cmd } => backends::main(cmd),
+        Cmd::Dashboards => xtask::dashboards::check(),
     }
 }
 
