@@ -158,19 +158,18 @@ fn check_into(files: &[PathBuf], work: &Path, npm: &Path, promtool: &Path) -> Re
     sh::run(
         Command::new(npm.join("node_modules/.bin/tsc"))
             .args(["-p", "tsconfig.json"])
-            .current_dir(&work)
+            .current_dir(work)
             .env("NODE_PATH", npm.join("node_modules")),
     )
     .context("dashboards do not match Grafana's schema types")?;
     let rules_file = work.join("rules.yml");
     std::fs::write(&rules_file, &rules)?;
     sh::run(
-        Command::new(&promtool)
+        Command::new(promtool)
             .args(["check", "rules"])
             .arg(&rules_file),
     )
     .context("a dashboard's PromQL does not parse")?;
-    let _ = npm;
     eprintln!(
         "xtask: {} dashboards match {SCHEMA}; their {n_expr} PromQL expressions parse",
         files.len()
