@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, os::unix::fs::MetadataExt, process::Command, ti
 use agent_integration::{iospan_bin, run};
 use serde_json::Value;
 use xtask::{
-    backends::{free_port, Jaeger},
+    backends::{free_port, Jaeger, Tempo},
     guest::{self, RunArgs},
 };
 
@@ -242,4 +242,130 @@ fn a_collector_that_is_down_loses_only_traces_and_counts_them() {
         .find(|e| e["vm"] == "otel-down" && e["disk"] == "vd0")
         .unwrap_or_else(|| panic!("{rep:#}"));
     assert!(vm["ios"].as_u64().unwrap() >= 1000, "{vm}");
+}
+
+/// The same export to Tempo, found again by TraceQL on the VM's name.
+#[test]
+fn traces_reach_tempo_and_traceql_finds_them_by_vm() {
+    let tempo = Tempo::start().expect("tempo");
+    let vm = "otel-tempo".to_string();
+    let a = RunArgs {
+        qd: 4,
+        ios: 1000,
+        name: vm.clone(),
+        ..Default::default()
+    };
+    let rep = traced(&a, &format!("http://{}", tempo.otlp_grpc), "grpc", &vm);
+    let ex = &rep["export"];
+    let exported = ex["exported_traces"].as_u64().unwrap();
+    assert!(
+        exported > 0 && exported == ex["chosen"].as_u64().unwrap(),
+        "{ex}"
+    );
+
+    // Search sees a trace once it has been idle a while: poll.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let (start, end) = ((now - 3600).to_string(), (now + 60).to_string());
+    let q = format!("{{ span.virt.vm.name = \"{vm}\" && name = \"vdisk.read\" }}");
+    let mut found = Vec::new();
+    for _ in 0..90 {
+        let (code, body) = tempo
+            .get(
+                "/api/search",
+                &[
+                    ("q", &q),
+                    ("limit", "100000"),
+                    ("start", &start),
+                    ("end", &end),
+                ],
+            )
+            .expect("search");
+        assert_eq!(code, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        found = v["traces"].as_array().cloned().unwrap_or_default();
+        if found.len() as u64 >= exported {
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    if found.len() as u64 != exported {
+        let count = |q: &str| {
+            let (_, body) = tempo
+                .get(
+                    "/api/search",
+                    &[
+                        ("q", q),
+                        ("limit", "100000"),
+                        ("start", &start),
+                        ("end", &end),
+                    ],
+                )
+                .unwrap();
+            let v: Value = serde_json::from_str(&body).unwrap();
+            v["traces"].as_array().map_or(0, Vec::len)
+        };
+        panic!(
+            "found {} of {exported}; all: {}, by vm alone: {}, by name alone: {}\n{}",
+            found.len(),
+            count("{ }"),
+            count(&format!("{{ span.virt.vm.name = \"{vm}\" }}")),
+            count("{ name = \"vdisk.read\" }"),
+            tempo.log()
+        );
+    }
+    // Another VM's name finds nothing.
+    let (_, body) = tempo
+        .get(
+            "/api/search",
+            &[
+                ("q", "{ span.virt.vm.name = \"no-such-vm\" }"),
+                ("start", &start),
+                ("end", &end),
+            ],
+        )
+        .unwrap();
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["traces"].as_array().map_or(0, Vec::len), 0, "{body}");
+
+    // A trace read back whole: the root and its eight children.
+    for t in found.iter().take(5) {
+        assert_eq!(t["rootServiceName"], "iospan", "{t}");
+        assert_eq!(t["rootTraceName"], "vdisk.read", "{t}");
+        let id = t["traceID"].as_str().unwrap();
+        let (code, body) = tempo.get(&format!("/api/traces/{id}"), &[]).unwrap();
+        assert_eq!(code, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let spans: Vec<&Value> = v["batches"]
+            .as_array()
+            .or(v["resourceSpans"].as_array())
+            .unwrap_or_else(|| panic!("{v}"))
+            .iter()
+            .flat_map(|b| {
+                b["scopeSpans"]
+                    .as_array()
+                    .or(b["instrumentationLibrarySpans"].as_array())
+                    .into_iter()
+                    .flatten()
+            })
+            .flat_map(|s| s["spans"].as_array().into_iter().flatten())
+            .collect();
+        assert_eq!(spans.len(), 9, "{v}");
+        let root: Vec<&&Value> = spans
+            .iter()
+            .filter(|s| s["parentSpanId"].as_str().is_none_or(str::is_empty))
+            .collect();
+        assert_eq!(root.len(), 1, "{v}");
+        let root_id = &root[0]["spanId"];
+        assert_eq!(
+            spans
+                .iter()
+                .filter(|s| &s["parentSpanId"] == root_id)
+                .count(),
+            8,
+            "{v}"
+        );
+    }
 }

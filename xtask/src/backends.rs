@@ -20,6 +20,8 @@ pub enum Backend {
     Jaeger,
     /// Prometheus (scrapes /metrics) and promtool (checks PromQL).
     Prometheus,
+    /// Grafana Tempo 2.9 (OTLP in, TraceQL search).
+    Tempo,
 }
 
 impl Backend {
@@ -45,6 +47,11 @@ impl Backend {
                     ("promtool", "./cmd/promtool"),
                 ],
             ),
+            Self::Tempo => (
+                "github.com/grafana/tempo",
+                "v1.5.1-0.20251008140505-607c7fb69662",
+                &[("tempo", "./cmd/tempo")],
+            ),
         }
     }
 
@@ -52,6 +59,7 @@ impl Backend {
         match self {
             Self::Jaeger => "jaeger",
             Self::Prometheus => "prometheus",
+            Self::Tempo => "tempo",
         }
     }
 }
@@ -447,4 +455,126 @@ fn urlencode(s: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
+}
+
+/// A running Tempo (single binary, local storage), stopped when dropped.
+pub struct Tempo {
+    pub child: Child,
+    pub otlp_grpc: String,
+    pub otlp_http: String,
+    /// host:port of its HTTP API (search, traces by id).
+    pub api: String,
+    dir: TempDir,
+}
+
+impl Tempo {
+    pub fn start() -> Result<Self> {
+        let bin = ensure(Backend::Tempo)?;
+        let dir = TempDir::new("tempo")?;
+        let (http, grpc) = (free_port()?, free_port()?);
+        let (otlp_grpc, otlp_http) = (
+            format!("127.0.0.1:{}", free_port()?),
+            format!("127.0.0.1:{}", free_port()?),
+        );
+        let memberlist = free_port()?;
+        let d = dir.0.display();
+        let config = dir.0.join("tempo.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                r#"stream_over_http_enabled: true
+server:
+  http_listen_address: 127.0.0.1
+  http_listen_port: {http}
+  grpc_listen_address: 127.0.0.1
+  grpc_listen_port: {grpc}
+  log_level: warn
+memberlist:
+  bind_addr: [127.0.0.1]
+  bind_port: {memberlist}
+  join_members: []
+usage_report:
+  reporting_enabled: false
+distributor:
+  receivers:
+    otlp:
+      protocols:
+        grpc:
+          endpoint: "{otlp_grpc}"
+        http:
+          endpoint: "{otlp_http}"
+ingester:
+  trace_idle_period: 1s
+  max_block_duration: 1m
+  lifecycler:
+    address: 127.0.0.1
+    ring:
+      kvstore:
+        store: inmemory
+      replication_factor: 1
+storage:
+  trace:
+    backend: local
+    wal:
+      path: {d}/wal
+    local:
+      path: {d}/blocks
+"#
+            ),
+        )?;
+        let log = std::fs::File::create(dir.0.join("tempo.log"))?;
+        let child = Command::new(&bin)
+            .arg(format!("-config.file={}", config.display()))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let api = format!("127.0.0.1:{http}");
+        let mut t = Self {
+            child,
+            otlp_grpc,
+            otlp_http,
+            api,
+            dir,
+        };
+        // /ready answers 503 for its first ~15 s.
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            if let Some(status) = t.child.try_wait()? {
+                bail!("tempo exited at start ({status}):\n{}", t.log());
+            }
+            if http_get(&t.api, "/ready").is_ok_and(|(code, _)| code == 200) {
+                return Ok(t);
+            }
+            if Instant::now() > deadline {
+                bail!("tempo not ready after 90 s:\n{}", t.log());
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    /// GET on the API with a query string built from `params`.
+    pub fn get(&self, path: &str, params: &[(&str, &str)]) -> Result<(u16, String)> {
+        let q: Vec<String> = params
+            .iter()
+            .map(|(k, v)| format!("{k}={}", urlencode(v)))
+            .collect();
+        let full = if q.is_empty() {
+            path.to_string()
+        } else {
+            format!("{path}?{}", q.join("&"))
+        };
+        http_get(&self.api, &full)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.0.join("tempo.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Tempo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -125,6 +125,7 @@ fn test(args: &[String]) -> Result<()> {
     // checkout: minutes on a fresh machine, nothing after).
     backends::ensure(backends::Backend::Jaeger)?;
     backends::ensure(backends::Backend::Prometheus)?;
+    backends::ensure(backends::Backend::Tempo)?;
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
     // One test thread: the integration tests share the kernel's tracepoints
     // and the machine's two CPUs, and compare latencies. Every test binary

@@ -131,7 +131,19 @@ pub fn trace_of(
     let scope = InstrumentationScope::builder("iospan")
         .with_version(env!("CARGO_PKG_VERSION"))
         .build();
-    let start_ns = if s.has_guest { s.begin_ns } else { s.kick_ns };
+    // Guest stamps are on the host clock once the VM's clock offset is
+    // known; before that they are the guest's own, and this I/O's kick
+    // (seen on both sides within the hypervisor's notification time)
+    // places them.
+    let guest_at = |g: u64| match s.clock_offset_ns {
+        Some(_) => g,
+        None => g.saturating_add(s.kick_ns).saturating_sub(s.guest_kick_ns),
+    };
+    let start_ns = if s.has_guest {
+        guest_at(s.begin_ns)
+    } else {
+        s.kick_ns
+    };
     let mut attrs = vec![
         KeyValue::new("virt.vm.name", names.vm.clone()),
         KeyValue::new("virt.disk.id", names.vdisk.clone()),
@@ -160,7 +172,7 @@ pub fn trace_of(
     if s.has_guest {
         events.push(Event::new(
             "interrupt.received",
-            clock.at(s.guest_irq_ns),
+            clock.at(guest_at(s.guest_irq_ns)),
             vec![],
             0,
         ));
@@ -428,6 +440,25 @@ mod tests {
             let total: Duration = t[1..].iter().map(dur).sum();
             if s.has_guest {
                 assert_eq!(t.len(), 9);
+                // Before the clock offset is known, the guest's own stamps
+                // (here 10 s behind) are placed by the I/O's kick.
+                let early = IoSpan {
+                    clock_offset_ns: None,
+                    begin_ns: s.begin_ns - 10_000_000_000,
+                    guest_kick_ns: s.guest_kick_ns - 10_000_000_000,
+                    guest_irq_ns: s.guest_irq_ns - 10_000_000_000,
+                    end_ns: s.end_ns - 10_000_000_000,
+                    ..s.clone()
+                };
+                let e = trace_of(
+                    &early,
+                    &Names::default(),
+                    Reason::Slowest,
+                    None,
+                    &clock,
+                    &ids,
+                );
+                assert_eq!(e[0].start_time, clock.at(s.kick_ns - 50));
                 assert_eq!(total.as_nanos(), 600);
             } else {
                 // Kick to signal.
