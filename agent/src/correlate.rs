@@ -172,18 +172,19 @@ impl Correlator {
             op: Op::from_index(ev.op as usize).unwrap_or(Op::Other),
             vdisk: ev.vdisk,
         };
+        let span = IoSpan::host_only(ev, sig);
         let s = self.splits.entry(key).or_default();
-        s.hypervisor.record(pick - kick);
-        s.engine.record((start - pick) + (sig - done));
-        s.device.record(done - start);
-        s.window.record(sig - kick);
+        s.hypervisor.record(span.hypervisor_ns);
+        s.engine.record(span.engine_ns);
+        s.device.record(span.device_ns);
+        s.window.record(span.total_ns);
         if self.stitch.has_guest(ev.vm) {
             self.stitch.on_host(HostIo {
                 ev: *ev,
                 signal_ns: sig,
             });
         } else if self.stitch.keeping_spans() {
-            self.stitch.keep(IoSpan::host_only(ev, sig));
+            self.stitch.keep(span);
         }
     }
 }

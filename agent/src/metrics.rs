@@ -65,11 +65,6 @@ fn hist(out: &mut String, name: &str, l: &str, h: &Hist, bounds: &[u64]) {
 pub fn render(v: &View<'_>) -> String {
     let bounds = bounds_ns();
     let mut out = String::new();
-    let seg_name = |s: BlkSegment| match s {
-        BlkSegment::Total => "total",
-        BlkSegment::Queue => "queue",
-        BlkSegment::Service => "service",
-    };
 
     let _ = writeln!(
         out,
@@ -82,7 +77,7 @@ pub fn render(v: &View<'_>) -> String {
             let l = labels(&[
                 ("disk", &disk),
                 ("op", op.as_str()),
-                ("segment", seg_name(seg)),
+                ("segment", seg.as_str()),
             ]);
             hist(
                 &mut out,
@@ -132,20 +127,11 @@ pub fn render(v: &View<'_>) -> String {
             ("host_disk", host.as_str()),
             ("op", k.op.as_str()),
         ];
-        let with = |seg: &str| {
-            let mut p = base.to_vec();
-            p.push(("segment", seg));
-            labels(&p)
-        };
-        for seg in BlkSegment::ALL {
-            hist(
-                &mut out,
-                "iospan_vm_latency_seconds",
-                &with(seg_name(seg)),
-                s.segment(seg),
-                &bounds,
-            );
-        }
+        // The host block layer's, the host window's split, the guest's.
+        let mut segs: Vec<(&str, &Hist)> = BlkSegment::ALL
+            .iter()
+            .map(|&seg| (seg.as_str(), s.segment(seg)))
+            .collect();
         let split = SplitKey {
             vm: k.vm,
             dev: k.dev,
@@ -153,42 +139,37 @@ pub fn render(v: &View<'_>) -> String {
             vdisk: k.vdisk,
         };
         if let Some(h) = v.splits.get(&split) {
-            for (seg, hh) in [
+            segs.extend([
                 ("hypervisor", &h.hypervisor),
                 ("engine", &h.engine),
                 ("device", &h.device),
                 ("host_window", &h.window),
-            ] {
-                hist(
-                    &mut out,
-                    "iospan_vm_latency_seconds",
-                    &with(seg),
-                    hh,
-                    &bounds,
-                );
-            }
+            ]);
         }
-        let sk = StitchKey {
+        let stitch = StitchKey {
             vm: k.vm,
             vdisk: k.vdisk,
             op: k.op,
         };
-        if let Some(st) = v.stitched.get(&sk) {
-            for (seg, hh) in [
+        if let Some(st) = v.stitched.get(&stitch) {
+            segs.extend([
                 ("g_total", &st.total),
                 ("g_guest", &st.guest),
                 ("g_hypervisor", &st.hypervisor),
                 ("g_engine", &st.engine),
                 ("g_device", &st.device),
-            ] {
-                hist(
-                    &mut out,
-                    "iospan_vm_latency_seconds",
-                    &with(seg),
-                    hh,
-                    &bounds,
-                );
-            }
+            ]);
+        }
+        for (seg, h) in segs {
+            let mut l = base.to_vec();
+            l.push(("segment", seg));
+            hist(
+                &mut out,
+                "iospan_vm_latency_seconds",
+                &labels(&l),
+                h,
+                &bounds,
+            );
         }
         let _ = writeln!(ios, "iospan_vm_ios_total{{{}}} {}", labels(&base), s.ios);
         let _ = writeln!(
@@ -248,17 +229,11 @@ fn lost(out: &mut String, c: &Counters) {
         out,
         "# HELP iospan_lost_total Lost or degraded measurements, by kind.\n# TYPE iospan_lost_total counter"
     );
-    for (what, n) in [
-        ("ringbuf_drops", c.ringbuf_drops),
-        ("disk_conflicts", c.disk_conflicts),
-        ("slot_conflicts", c.slot_conflicts),
-        ("no_start", c.no_start),
-        ("no_issue", c.no_issue),
-        ("bpf_recursion_misses", c.bpf_recursion_misses),
-        ("undelivered", c.undelivered),
-        ("vm_table_full", c.vm_table_full),
-    ] {
-        let _ = writeln!(out, "iospan_lost_total{{kind=\"{what}\"}} {n}");
+    for (key, _, n) in c.losses() {
+        // Known only once a run has ended.
+        if key != "unseen" {
+            let _ = writeln!(out, "iospan_lost_total{{kind=\"{key}\"}} {n}");
+        }
     }
 }
 

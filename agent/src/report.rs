@@ -389,29 +389,13 @@ impl RunReport {
     }
 
     pub fn lost_line(&self) -> String {
-        let c = &self.lost;
-        let parts: Vec<String> = [
-            ("ring buffer drops", c.ringbuf_drops),
-            ("disk table conflicts", c.disk_conflicts),
-            ("in-flight slot conflicts", c.slot_conflicts),
-            ("no issue time", c.no_issue),
-            ("no start time", c.no_start),
-            ("skipped by the kernel (recursion)", c.bpf_recursion_misses),
-            ("completed but never delivered by the tracepoints", c.unseen),
-            ("issued, completion never delivered", c.undelivered),
-            ("VM table full", c.vm_table_full),
-            ("VM requests without a kick", c.host_split.no_kick),
-            ("VM requests without a signal", c.host_split.no_signal),
-            ("VM requests out of order", c.host_split.unordered),
-            (
-                "VM requests of disks not followed",
-                c.host_split.not_followed,
-            ),
-        ]
-        .iter()
-        .filter(|(_, n)| *n > 0)
-        .map(|(what, n)| format!("{what}: {n}"))
-        .collect();
+        let parts: Vec<String> = self
+            .lost
+            .losses()
+            .iter()
+            .filter(|(_, _, n)| *n > 0)
+            .map(|(_, what, n)| format!("{what}: {n}"))
+            .collect();
         if parts.is_empty() {
             "lost: none".to_string()
         } else {

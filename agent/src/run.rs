@@ -708,8 +708,11 @@ fn refresh_metrics(
     correlator: &Mutex<Correlator>,
     known: &Mutex<Registry>,
 ) {
-    let Ok(snap) = probes.snapshot() else { return };
+    let Ok(mut snap) = probes.snapshot() else {
+        return;
+    };
     let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
+    snap.counters.host_split = corr.counters.clone();
     let known = known.lock().unwrap_or_else(|p| p.into_inner());
     let text = crate::metrics::render(&crate::metrics::View {
         snap: &snap,

@@ -470,9 +470,9 @@ impl Stitcher {
             g.irq_ns
         };
         let guest = kick.saturating_sub(begin) + end.saturating_sub(irq);
-        let device = ev.done_ns - ev.start_ns;
-        let engine = (ev.start_ns - ev.pick_ns) + (h.signal_ns - ev.done_ns);
-        let Some(hypervisor) = total.checked_sub(guest + engine + device) else {
+        // The host's side as measured on the host alone.
+        let host = IoSpan::host_only(ev, h.signal_ns);
+        let Some(hypervisor) = total.checked_sub(guest + host.engine_ns + host.device_ns) else {
             self.counters.inconsistent += 1;
             return;
         };
@@ -493,34 +493,21 @@ impl Stitcher {
         let key = StitchKey {
             vm: ev.vm,
             vdisk: ev.vdisk,
-            op: Op::from_index(ev.op as usize).unwrap_or(Op::Other),
+            op: host.op,
         };
         let at = |ns: u64| offset.map_or(ns, |o| ns.saturating_add_signed(o));
         let span = IoSpan {
-            vm: ev.vm,
-            vdisk: ev.vdisk,
-            dev: ev.dev,
-            op: key.op,
-            pos: ev.pos,
-            bytes: ev.bytes,
             begin_ns: at(begin),
             guest_kick_ns: at(kick),
             guest_irq_ns: at(irq),
             end_ns: at(end),
-            kick_ns: ev.kick_ns,
-            pick_ns: ev.pick_ns,
-            start_ns: ev.start_ns,
-            issue_ns: ev.issue_ns.clamp(ev.start_ns, ev.done_ns),
-            done_ns: ev.done_ns,
-            signal_ns: h.signal_ns,
             clock_offset_ns: offset,
             guest_ns: guest,
             hypervisor_ns: hypervisor,
-            engine_ns: engine,
-            device_ns: device,
             total_ns: total,
             app_ends_from_block_layer: app_from_block,
             has_guest: true,
+            ..host
         };
         self.stitched.entry(key).or_default().record(&span);
         if let Some(spans) = self.spans.as_mut() {

@@ -251,3 +251,29 @@ pub fn fio_numbers(json: &serde_json::Value, dir: &str) -> (u64, f64, f64) {
         / 1000.0;
     (ios, mean, p99)
 }
+
+/// The rig's kernel and initramfs, and its fully written image.
+pub fn rig_and_image() -> (xtask::guest::Rig, PathBuf) {
+    let rig = xtask::guest::build().expect("rig build");
+    let image = xtask::guest::dir().join("disk.img");
+    xtask::guest::ensure_image(&image, 256).expect("rig image");
+    (rig, image)
+}
+
+/// The whole disk under a file, as iospan names it.
+pub fn host_disk_of(path: &Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(path).expect("stat").dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let sys = std::fs::canonicalize(format!("/sys/dev/block/{major}:{minor}"))
+        .expect("the file's disk in /sys");
+    let disk = if sys.join("partition").exists() {
+        sys.parent().expect("a partition's disk").to_path_buf()
+    } else {
+        sys
+    };
+    disk.file_name()
+        .expect("a disk name")
+        .to_string_lossy()
+        .into_owned()
+}

@@ -2,33 +2,16 @@
 //! PromQL percentiles from the histograms agree with iospan's own report.
 
 use std::{
-    os::unix::fs::MetadataExt,
     process::Command,
     time::{SystemTime, UNIX_EPOCH},
 };
 
-use agent_integration::{iospan_bin, run};
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
 use serde_json::Value;
 use xtask::{
     backends::{free_port, http_get, Prometheus},
     guest::{self, RunArgs},
 };
-
-fn host_disk_of(path: &std::path::Path) -> String {
-    let dev = std::fs::metadata(path).unwrap().dev();
-    let sys = std::fs::canonicalize(format!(
-        "/sys/dev/block/{}:{}",
-        libc::major(dev),
-        libc::minor(dev)
-    ))
-    .unwrap();
-    let disk = if sys.join("partition").exists() {
-        sys.parent().unwrap().to_path_buf()
-    } else {
-        sys
-    };
-    disk.file_name().unwrap().to_string_lossy().into_owned()
-}
 
 /// The classic bucket `[lo, hi)` (seconds) holding `v`.
 fn bucket_of(v: f64) -> (f64, f64) {
@@ -45,9 +28,7 @@ fn prometheus_percentiles_match_the_report() {
     let target = format!("127.0.0.1:{port}");
     let prom = Prometheus::start(&target).expect("prometheus");
 
-    let rig = guest::build().expect("rig build");
-    let image = guest::dir().join("disk.img");
-    guest::ensure_image(&image, 256).expect("rig image");
+    let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let a = RunArgs {
         qd: 4,
@@ -82,7 +63,7 @@ fn prometheus_percentiles_match_the_report() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        http_get(&target, "/metrics").is_err(),
+        http_get(&target, "/metrics", &[]).is_err(),
         "the endpoint goes with the run"
     );
     let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
@@ -100,7 +81,7 @@ fn prometheus_percentiles_match_the_report() {
     let scalar = |q: &str| -> f64 {
         let v = prom
             .query(q, at)
-            .unwrap_or_else(|e| panic!("{e:#}\n{}", prom.log()));
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", prom.server.log()));
         let r = &v["data"]["result"];
         assert_eq!(r.as_array().map(Vec::len), Some(1), "{q}: {v}");
         r[0]["value"][1].as_str().unwrap().parse().unwrap()

@@ -1,9 +1,9 @@
 //! Per-I/O traces of a real guest, exported over OTLP to a real Jaeger and
 //! read back through its query API; and a run whose collector is down.
 
-use std::{collections::BTreeMap, os::unix::fs::MetadataExt, process::Command, time::Duration};
+use std::{collections::BTreeMap, process::Command, time::Duration};
 
-use agent_integration::{iospan_bin, run};
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
 use serde_json::Value;
 use xtask::{
     backends::{free_port, Jaeger, Tempo},
@@ -15,22 +15,8 @@ const SLOWEST: usize = 3;
 
 /// One rig boot under `iospan run` exporting to `endpoint`; the report.
 fn traced(a: &RunArgs, endpoint: &str, protocol: &str, tag: &str) -> Value {
-    let rig = guest::build().expect("rig build");
-    let image = guest::dir().join("disk.img");
-    guest::ensure_image(&image, 256).expect("rig image");
-    let dev = std::fs::metadata(&image).unwrap().dev();
-    let sys = std::fs::canonicalize(format!(
-        "/sys/dev/block/{}:{}",
-        libc::major(dev),
-        libc::minor(dev)
-    ))
-    .unwrap();
-    let disk = if sys.join("partition").exists() {
-        sys.parent().unwrap().to_path_buf()
-    } else {
-        sys
-    };
-    let host = disk.file_name().unwrap().to_string_lossy().into_owned();
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
     let (qemu, _) = guest::qemu_command(&rig, a, &image);
     let report =
         std::env::temp_dir().join(format!("iospan-otel-{tag}-{}.json", std::process::id()));
@@ -96,7 +82,7 @@ fn check_jaeger(protocol: &str) {
         }
         std::thread::sleep(Duration::from_millis(500));
     }
-    assert_eq!(traces.len() as u64, exported, "{}", jaeger.log());
+    assert_eq!(traces.len() as u64, exported, "{}", jaeger.server.log());
 
     let mut by_reason: BTreeMap<String, u64> = BTreeMap::new();
     for t in &traces {
@@ -313,7 +299,7 @@ fn traces_reach_tempo_and_traceql_finds_them_by_vm() {
             count("{ }"),
             count(&format!("{{ span.virt.vm.name = \"{vm}\" }}")),
             count("{ name = \"vdisk.read\" }"),
-            tempo.log()
+            tempo.server.log()
         );
     }
     // Another VM's name finds nothing.

@@ -4,34 +4,12 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    os::unix::fs::MetadataExt,
     process::Command,
 };
 
-use agent_integration::{iospan_bin, run};
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
 use serde_json::Value;
 use xtask::guest::{self, Aio, DiskModel, RunArgs};
-
-/// The rig's kernel and initramfs, and its fully written image.
-fn rig_and_image() -> (guest::Rig, std::path::PathBuf) {
-    let rig = guest::build().expect("rig build");
-    let image = guest::dir().join("disk.img");
-    guest::ensure_image(&image, 256).expect("rig image");
-    (rig, image)
-}
-
-/// The whole disk under a file, as iospan names it.
-fn host_disk_of(path: &std::path::Path) -> String {
-    let dev = std::fs::metadata(path).unwrap().dev();
-    let (major, minor) = (libc::major(dev), libc::minor(dev));
-    let sys = std::fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).unwrap();
-    let disk = if sys.join("partition").exists() {
-        sys.parent().unwrap().to_path_buf()
-    } else {
-        sys
-    };
-    disk.file_name().unwrap().to_string_lossy().into_owned()
-}
 
 /// Guest reads missing from the VM's count beyond those counted as lost
 /// (`unseen`, `undelivered`): on a freshly cloned checkout, one boot in two

@@ -100,7 +100,7 @@ pub fn main(cmd: BackendsCmd) -> Result<()> {
                 j.otlp_http,
                 j.query
             );
-            let status = j.child.wait()?;
+            let status = j.server.child.wait()?;
             bail!("{} exited: {status}", which.name())
         }
     }
@@ -190,72 +190,122 @@ pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// A running Jaeger (all in memory), stopped when dropped.
-pub struct Jaeger {
-    pub child: Child,
-    /// host:port
-    pub otlp_grpc: String,
-    pub otlp_http: String,
-    pub query: String,
-    _dir: TempDir,
+/// A backend process with a directory of its own (config, data, log),
+/// stopped and cleaned up when dropped.
+pub struct Server {
+    child: Child,
+    name: &'static str,
+    dir: TempDir,
 }
 
-impl Jaeger {
-    pub fn start() -> Result<Self> {
-        let bin = ensure(Backend::Jaeger)?;
-        let dir = TempDir::new("jaeger")?;
-        let port = || free_port().map(|p| format!("127.0.0.1:{p}"));
-        let (grpc, http, query, query_grpc, health) = (port()?, port()?, port()?, port()?, port()?);
-        let config = dir.0.join("config.yaml");
-        std::fs::write(
-            &config,
-            jaeger_config(&grpc, &http, &query, &query_grpc, &health),
-        )?;
-        let log = std::fs::File::create(dir.0.join("jaeger.log"))?;
+impl Server {
+    /// Runs `b`'s binary with `args` (which may name files in `dir`), and
+    /// waits until `GET ready_path` on `ready_at` answers 200.
+    fn start(
+        b: Backend,
+        dir: TempDir,
+        args: &[String],
+        ready_at: &str,
+        ready_path: &str,
+        within: Duration,
+    ) -> Result<Self> {
+        let bin = ensure(b)?;
+        let log = std::fs::File::create(dir.0.join("log"))?;
         let child = Command::new(&bin)
-            .arg("--config")
-            .arg(&config)
+            .args(args)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
-        let mut j = Self {
+        let mut server = Self {
             child,
-            otlp_grpc: grpc,
-            otlp_http: http,
-            query,
-            _dir: dir,
+            name: b.name(),
+            dir,
         };
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + within;
         loop {
-            if let Some(status) = j.child.try_wait()? {
-                let log = std::fs::read_to_string(j._dir.0.join("jaeger.log")).unwrap_or_default();
-                bail!("jaeger exited at start ({status}):\n{log}");
+            if let Some(status) = server.child.try_wait()? {
+                bail!(
+                    "{} exited at start ({status}):\n{}",
+                    server.name,
+                    server.log()
+                );
             }
-            if http_get(&health, "/status").is_ok_and(|(code, _)| code == 200) {
-                return Ok(j);
+            if http_get(ready_at, ready_path, &[]).is_ok_and(|(code, _)| code == 200) {
+                return Ok(server);
             }
             if Instant::now() > deadline {
-                bail!("jaeger not healthy after 60 s");
+                bail!(
+                    "{} not ready after {within:?}:\n{}",
+                    server.name,
+                    server.log()
+                );
             }
             std::thread::sleep(Duration::from_millis(200));
         }
     }
 
-    /// GET on the query API: (status, body).
-    pub fn get(&self, path: &str) -> Result<(u16, String)> {
-        http_get(&self.query, path)
-    }
-
+    /// What it wrote to stderr.
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self._dir.0.join("jaeger.log")).unwrap_or_default()
+        std::fs::read_to_string(self.dir.0.join("log")).unwrap_or_default()
     }
 }
 
-impl Drop for Jaeger {
+impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// 127.0.0.1 and a free port.
+fn local_addr() -> Result<String> {
+    Ok(format!("127.0.0.1:{}", free_port()?))
+}
+
+/// A running Jaeger (all in memory).
+pub struct Jaeger {
+    pub server: Server,
+    /// host:port
+    pub otlp_grpc: String,
+    pub otlp_http: String,
+    pub query: String,
+}
+
+impl Jaeger {
+    pub fn start() -> Result<Self> {
+        let dir = TempDir::new("jaeger")?;
+        let (grpc, http, query, query_grpc, health) = (
+            local_addr()?,
+            local_addr()?,
+            local_addr()?,
+            local_addr()?,
+            local_addr()?,
+        );
+        let config = dir.0.join("config.yaml");
+        std::fs::write(
+            &config,
+            jaeger_config(&grpc, &http, &query, &query_grpc, &health),
+        )?;
+        let args = ["--config".to_string(), config.display().to_string()];
+        Ok(Self {
+            server: Server::start(
+                Backend::Jaeger,
+                dir,
+                &args,
+                &health,
+                "/status",
+                Duration::from_secs(60),
+            )?,
+            otlp_grpc: grpc,
+            otlp_http: http,
+            query,
+        })
+    }
+
+    /// GET on the query API: (status, body).
+    pub fn get(&self, path: &str) -> Result<(u16, String)> {
+        http_get(&self.query, path, &[])
     }
 }
 
@@ -307,49 +357,23 @@ exporters:
     )
 }
 
-/// A minimal HTTP/1.1 GET (the query APIs are plain JSON over HTTP).
-pub fn http_get(hostport: &str, path: &str) -> Result<(u16, String)> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(hostport)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\nAccept: application/json\r\n\r\n"
-    )?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let code = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let chunked = head.lines().any(|l| {
-        l.to_ascii_lowercase()
-            .starts_with("transfer-encoding: chunked")
-    });
-    let body = if chunked {
-        dechunk(body)
-    } else {
-        body.to_string()
-    };
-    Ok((code, body))
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
-            break;
-        };
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = rest[n..].trim_start_matches("\r\n");
-    }
-    out
+/// GET `path` from `hostport` over plain HTTP, with `query` parameters:
+/// (status, body). Any status is an answer; only an unreachable server is
+/// an error.
+pub fn http_get(hostport: &str, path: &str, query: &[(&str, &str)]) -> Result<(u16, String)> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .into();
+    let mut resp = agent
+        .get(&format!("http://{hostport}{path}"))
+        .header("Accept", "application/json")
+        .query_pairs(query.iter().copied())
+        .call()
+        .with_context(|| format!("GET http://{hostport}{path}"))?;
+    let body = resp.body_mut().read_to_string()?;
+    Ok((resp.status().as_u16(), body))
 }
 
 /// A directory removed when dropped.
@@ -357,10 +381,11 @@ struct TempDir(PathBuf);
 
 impl TempDir {
     fn new(tag: &str) -> Result<Self> {
+        // A port just free is unused by any other directory of ours.
         let p = std::env::temp_dir().join(format!(
             "iospan-{tag}-{}-{}",
             std::process::id(),
-            Instant::now().elapsed().as_nanos() ^ u128::from(free_port()?)
+            free_port()?
         ));
         std::fs::create_dir_all(&p)?;
         Ok(Self(p))
@@ -373,21 +398,18 @@ impl Drop for TempDir {
     }
 }
 
-/// A running Prometheus scraping one target every second, stopped when
-/// dropped.
+/// A running Prometheus scraping one target every second.
 pub struct Prometheus {
-    pub child: Child,
+    pub server: Server,
     /// host:port of its HTTP API.
     pub api: String,
-    dir: TempDir,
 }
 
 impl Prometheus {
     /// Scrapes `target` (host:port, path /metrics).
     pub fn start(target: &str) -> Result<Self> {
-        let bin = ensure(Backend::Prometheus)?;
         let dir = TempDir::new("prometheus")?;
-        let api = format!("127.0.0.1:{}", free_port()?);
+        let api = local_addr()?;
         let config = dir.0.join("prometheus.yml");
         std::fs::write(
             &config,
@@ -396,87 +418,51 @@ impl Prometheus {
                  scrape_configs:\n  - job_name: iospan\n    static_configs:\n      - targets: [\"{target}\"]\n"
             ),
         )?;
-        let log = std::fs::File::create(dir.0.join("prometheus.log"))?;
-        let child = Command::new(&bin)
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.0.join("data").display()
-            ))
-            .arg(format!("--web.listen-address={api}"))
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let mut p = Self { child, api, dir };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(status) = p.child.try_wait()? {
-                bail!("prometheus exited at start ({status}):\n{}", p.log());
-            }
-            if http_get(&p.api, "/-/ready").is_ok_and(|(code, _)| code == 200) {
-                return Ok(p);
-            }
-            if Instant::now() > deadline {
-                bail!("prometheus not ready after 60 s:\n{}", p.log());
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let args = [
+            format!("--config.file={}", config.display()),
+            format!("--storage.tsdb.path={}", dir.0.join("data").display()),
+            format!("--web.listen-address={api}"),
+        ];
+        let server = Server::start(
+            Backend::Prometheus,
+            dir,
+            &args,
+            &api,
+            "/-/ready",
+            Duration::from_secs(60),
+        )?;
+        Ok(Self { server, api })
     }
 
     /// An instant PromQL query at `time` (Unix seconds): the JSON answer.
     pub fn query(&self, promql: &str, time: f64) -> Result<serde_json::Value> {
-        let path = format!("/api/v1/query?query={}&time={time:.3}", urlencode(promql));
-        let (code, body) = http_get(&self.api, &path)?;
+        let time = format!("{time:.3}");
+        let (code, body) = http_get(
+            &self.api,
+            "/api/v1/query",
+            &[("query", promql), ("time", &time)],
+        )?;
         if code != 200 {
             bail!("query {promql}: HTTP {code}: {body}");
         }
         Ok(serde_json::from_str(&body)?)
     }
-
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.0.join("prometheus.log")).unwrap_or_default()
-    }
 }
 
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn urlencode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
-/// A running Tempo (single binary, local storage), stopped when dropped.
+/// A running Tempo (single binary, local storage).
 pub struct Tempo {
-    pub child: Child,
+    pub server: Server,
     pub otlp_grpc: String,
     pub otlp_http: String,
     /// host:port of its HTTP API (search, traces by id).
     pub api: String,
-    dir: TempDir,
 }
 
 impl Tempo {
     pub fn start() -> Result<Self> {
-        let bin = ensure(Backend::Tempo)?;
         let dir = TempDir::new("tempo")?;
-        let (http, grpc) = (free_port()?, free_port()?);
-        let (otlp_grpc, otlp_http) = (
-            format!("127.0.0.1:{}", free_port()?),
-            format!("127.0.0.1:{}", free_port()?),
-        );
-        let memberlist = free_port()?;
+        let (http, grpc, memberlist) = (free_port()?, free_port()?, free_port()?);
+        let (otlp_grpc, otlp_http) = (local_addr()?, local_addr()?);
         let d = dir.0.display();
         let config = dir.0.join("tempo.yaml");
         std::fs::write(
@@ -522,59 +508,27 @@ storage:
 "#
             ),
         )?;
-        let log = std::fs::File::create(dir.0.join("tempo.log"))?;
-        let child = Command::new(&bin)
-            .arg(format!("-config.file={}", config.display()))
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
         let api = format!("127.0.0.1:{http}");
-        let mut t = Self {
-            child,
+        let args = [format!("-config.file={}", config.display())];
+        // /ready answers 503 for its first ~15 s.
+        let server = Server::start(
+            Backend::Tempo,
+            dir,
+            &args,
+            &api,
+            "/ready",
+            Duration::from_secs(90),
+        )?;
+        Ok(Self {
+            server,
             otlp_grpc,
             otlp_http,
             api,
-            dir,
-        };
-        // /ready answers 503 for its first ~15 s.
-        let deadline = Instant::now() + Duration::from_secs(90);
-        loop {
-            if let Some(status) = t.child.try_wait()? {
-                bail!("tempo exited at start ({status}):\n{}", t.log());
-            }
-            if http_get(&t.api, "/ready").is_ok_and(|(code, _)| code == 200) {
-                return Ok(t);
-            }
-            if Instant::now() > deadline {
-                bail!("tempo not ready after 90 s:\n{}", t.log());
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
+        })
     }
 
-    /// GET on the API with a query string built from `params`.
+    /// GET on the API with query parameters.
     pub fn get(&self, path: &str, params: &[(&str, &str)]) -> Result<(u16, String)> {
-        let q: Vec<String> = params
-            .iter()
-            .map(|(k, v)| format!("{k}={}", urlencode(v)))
-            .collect();
-        let full = if q.is_empty() {
-            path.to_string()
-        } else {
-            format!("{path}?{}", q.join("&"))
-        };
-        http_get(&self.api, &full)
-    }
-
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.0.join("tempo.log")).unwrap_or_default()
-    }
-}
-
-impl Drop for Tempo {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        http_get(&self.api, path, params)
     }
 }

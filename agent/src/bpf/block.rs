@@ -98,6 +98,54 @@ pub struct Counters {
     pub host_split: crate::correlate::SplitCounters,
 }
 
+impl Counters {
+    /// Every loss and degradation: (key, what it means, count). The key
+    /// is the metric label and the JSON field; `unseen` is known only at a
+    /// run's end.
+    pub fn losses(&self) -> [(&'static str, &'static str, u64); 13] {
+        let h = &self.host_split;
+        [
+            ("ringbuf_drops", "ring buffer drops", self.ringbuf_drops),
+            (
+                "disk_conflicts",
+                "disk table conflicts",
+                self.disk_conflicts,
+            ),
+            (
+                "slot_conflicts",
+                "in-flight slot conflicts",
+                self.slot_conflicts,
+            ),
+            ("no_issue", "no issue time", self.no_issue),
+            ("no_start", "no start time", self.no_start),
+            (
+                "bpf_recursion_misses",
+                "skipped by the kernel (recursion)",
+                self.bpf_recursion_misses,
+            ),
+            (
+                "unseen",
+                "completed but never delivered by the tracepoints",
+                self.unseen,
+            ),
+            (
+                "undelivered",
+                "issued, completion never delivered",
+                self.undelivered,
+            ),
+            ("vm_table_full", "VM table full", self.vm_table_full),
+            ("no_kick", "VM requests without a kick", h.no_kick),
+            ("no_signal", "VM requests without a signal", h.no_signal),
+            ("unordered", "VM requests out of order", h.unordered),
+            (
+                "not_followed",
+                "VM requests of disks not followed",
+                h.not_followed,
+            ),
+        ]
+    }
+}
+
 /// One read of the kernel's aggregates: cumulative since load.
 #[derive(Clone, Debug, Default)]
 pub struct BlockSnapshot {

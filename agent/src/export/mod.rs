@@ -102,26 +102,35 @@ pub struct Sampler {
     slowest: HashMap<(u32, u32), SlowestHeap>,
 }
 
-/// (total, arrival, the I/O), smallest total on top.
-type SlowestHeap = BinaryHeap<Reverse<(u64, u64, SpanBox)>>;
+/// The slowest so far, smallest total on top.
+type SlowestHeap = BinaryHeap<Reverse<Slow>>;
 
-/// An IoSpan ordered by nothing: the heap orders by (total, arrival).
+/// An I/O in a slowest-K heap, ordered by total, then arrival.
 #[derive(Debug)]
-struct SpanBox(Box<IoSpan>);
-impl PartialEq for SpanBox {
-    fn eq(&self, _: &Self) -> bool {
-        true
+struct Slow {
+    seq: u64,
+    span: IoSpan,
+}
+
+impl Slow {
+    fn key(&self) -> (u64, u64) {
+        (self.span.total_ns, self.seq)
     }
 }
-impl Eq for SpanBox {}
-impl PartialOrd for SpanBox {
+impl PartialEq for Slow {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+impl Eq for Slow {}
+impl PartialOrd for Slow {
     fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
         Some(self.cmp(other))
     }
 }
-impl Ord for SpanBox {
-    fn cmp(&self, _: &Self) -> std::cmp::Ordering {
-        std::cmp::Ordering::Equal
+impl Ord for Slow {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.key().cmp(&other.key())
     }
 }
 
@@ -142,13 +151,22 @@ impl Sampler {
             self.chosen.push((span, Reason::Uniform));
         } else if p.slowest > 0 {
             let heap = self.slowest.entry((span.vm, span.vdisk)).or_default();
-            let item = Reverse((span.total_ns, self.offered, SpanBox(Box::new(span))));
-            if heap.len() < p.slowest {
-                heap.push(item);
-            } else if heap.peek().is_some_and(|min| item.0 .0 > min.0 .0) {
-                heap.pop();
-                heap.push(item);
+            // Most I/Os are not among the slowest: compared, never moved.
+            let full = heap.len() >= p.slowest;
+            if full
+                && heap
+                    .peek()
+                    .is_some_and(|min| span.total_ns <= min.0.span.total_ns)
+            {
+                return;
             }
+            if full {
+                heap.pop();
+            }
+            heap.push(Reverse(Slow {
+                seq: self.offered,
+                span,
+            }));
         }
     }
 
@@ -158,7 +176,7 @@ impl Sampler {
         for (_, heap) in self.slowest.drain() {
             out.extend(
                 heap.into_iter()
-                    .map(|Reverse((_, _, b))| (*b.0, Reason::Slowest)),
+                    .map(|Reverse(slow)| (slow.span, Reason::Slowest)),
             );
         }
         out
@@ -172,7 +190,6 @@ impl Sampler {
 /// What the exporter did, for the report and the metrics.
 #[derive(Debug, Default)]
 pub struct ExportStats {
-    pub offered: AtomicU64,
     pub chosen: AtomicU64,
     pub dropped_queue_full: AtomicU64,
     pub exported_traces: AtomicU64,
@@ -199,7 +216,7 @@ impl ExportStats {
     pub fn snapshot(&self) -> ExportCounters {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         ExportCounters {
-            offered: g(&self.offered),
+            offered: 0,
             chosen: g(&self.chosen),
             dropped_queue_full: g(&self.dropped_queue_full),
             exported_traces: g(&self.exported_traces),
@@ -259,10 +276,6 @@ impl Tracer {
         let chosen = self.sampler.take();
         #[cfg(feature = "otlp")]
         {
-            self.exporter
-                .stats
-                .offered
-                .store(self.sampler.offered(), Ordering::Relaxed);
             for (span, reason) in &chosen {
                 self.exporter.send(span, &names(span), *reason);
             }
@@ -278,16 +291,15 @@ impl Tracer {
         grace: Duration,
     ) -> ExportCounters {
         self.flush(names);
+        let offered = self.sampler.offered();
         #[cfg(feature = "otlp")]
-        return self.exporter.finish(grace).await;
+        let done = self.exporter.finish(grace).await;
         #[cfg(not(feature = "otlp"))]
-        {
+        let done = {
             let _ = grace;
-            ExportCounters {
-                offered: self.sampler.offered(),
-                ..Default::default()
-            }
-        }
+            ExportCounters::default()
+        };
+        ExportCounters { offered, ..done }
     }
 }
 

@@ -116,110 +116,124 @@ fn pieces(s: &IoSpan) -> Vec<Piece> {
     ]
 }
 
-/// One I/O as a trace: the root span first, then its children.
-pub fn trace_of(
-    s: &IoSpan,
-    names: &Names,
-    reason: Reason,
-    run_label: Option<&str>,
-    clock: &WallClock,
-    ids: &RandomIdGenerator,
-) -> Vec<SpanData> {
-    let trace_id = ids.new_trace_id();
-    let root_id = ids.new_span_id();
-    let ctx = |id| SpanContext::new(trace_id, id, TraceFlags::SAMPLED, false, TraceState::NONE);
-    let scope = InstrumentationScope::builder("iospan")
-        .with_version(env!("CARGO_PKG_VERSION"))
-        .build();
-    // Guest stamps are on the host clock once the VM's clock offset is
-    // known; before that they are the guest's own, and this I/O's kick
-    // (seen on both sides within the hypervisor's notification time)
-    // places them.
-    let guest_at = |g: u64| match s.clock_offset_ns {
-        Some(_) => g,
-        None => g.saturating_add(s.kick_ns).saturating_sub(s.guest_kick_ns),
-    };
-    let start_ns = if s.has_guest {
-        guest_at(s.begin_ns)
-    } else {
-        s.kick_ns
-    };
-    let mut attrs = vec![
-        KeyValue::new("virt.vm.name", names.vm.clone()),
-        KeyValue::new("virt.disk.id", names.vdisk.clone()),
-        KeyValue::new("system.device", names.host_disk.clone()),
-        KeyValue::new("disk.io.direction", direction(s.op)),
-        KeyValue::new("iospan.io.offset", s.pos as i64),
-        KeyValue::new("iospan.io.bytes", i64::from(s.bytes)),
-        KeyValue::new("iospan.has_guest", s.has_guest),
-        KeyValue::new("iospan.sampled_by", reason.as_str()),
-        KeyValue::new("iospan.guest_ns", s.guest_ns as i64),
-        KeyValue::new("iospan.hypervisor_ns", s.hypervisor_ns as i64),
-        KeyValue::new("iospan.engine_ns", s.engine_ns as i64),
-        KeyValue::new("iospan.device_ns", s.device_ns as i64),
-    ];
-    if let Some(l) = run_label {
-        attrs.push(KeyValue::new("iospan.run.label", l.to_string()));
+/// What every trace of a run shares: its clock, ids, scope and label.
+pub struct Traces {
+    clock: WallClock,
+    ids: RandomIdGenerator,
+    scope: InstrumentationScope,
+    run_label: Option<String>,
+}
+
+impl Traces {
+    pub fn new(clock: WallClock, run_label: Option<String>) -> Self {
+        Self {
+            clock,
+            ids: RandomIdGenerator::default(),
+            scope: InstrumentationScope::builder("iospan")
+                .with_version(env!("CARGO_PKG_VERSION"))
+                .build(),
+            run_label,
+        }
     }
-    if let Some(o) = s.clock_offset_ns {
-        attrs.push(KeyValue::new("iospan.clock_offset_ns", o));
-    }
-    // Instants on the host clock: the kick seen, the interrupt raised.
-    let mut events = vec![
-        Event::new("kick", clock.at(s.kick_ns), vec![], 0),
-        Event::new("interrupt.raised", clock.at(s.signal_ns), vec![], 0),
-    ];
-    if s.has_guest {
-        events.push(Event::new(
-            "interrupt.received",
-            clock.at(guest_at(s.guest_irq_ns)),
-            vec![],
-            0,
-        ));
-    }
-    let span =
-        |id, parent, name: Cow<'static, str>, from: u64, to: u64, attributes, events| SpanData {
-            span_context: ctx(id),
-            parent_span_id: parent,
-            parent_span_is_remote: false,
-            span_kind: SpanKind::Internal,
-            name,
-            start_time: clock.at(from),
-            end_time: clock.at(to),
-            attributes,
-            dropped_attributes_count: 0,
-            events: {
-                let mut e = SpanEvents::default();
-                e.events = events;
-                e
-            },
-            links: SpanLinks::default(),
-            status: Status::Unset,
-            instrumentation_scope: scope.clone(),
+
+    /// One I/O as a trace: the root span first, then its children.
+    pub fn of(&self, s: &IoSpan, names: &Names, reason: Reason) -> Vec<SpanData> {
+        let (clock, ids, scope) = (&self.clock, &self.ids, &self.scope);
+        let run_label = self.run_label.as_deref();
+        let trace_id = ids.new_trace_id();
+        let root_id = ids.new_span_id();
+        let ctx = |id| SpanContext::new(trace_id, id, TraceFlags::SAMPLED, false, TraceState::NONE);
+        // Guest stamps are on the host clock once the VM's clock offset is
+        // known; before that they are the guest's own, and this I/O's kick
+        // (seen on both sides within the hypervisor's notification time)
+        // places them.
+        let guest_at = |g: u64| match s.clock_offset_ns {
+            Some(_) => g,
+            None => g.saturating_add(s.kick_ns).saturating_sub(s.guest_kick_ns),
         };
-    let mut out = vec![span(
-        root_id,
-        SpanId::INVALID,
-        Cow::Borrowed(root_name(s.op)),
-        start_ns,
-        start_ns + s.total_ns,
-        attrs,
-        events,
-    )];
-    let mut at = start_ns;
-    for piece in pieces(s) {
-        out.push(span(
-            ids.new_span_id(),
+        let start_ns = if s.has_guest {
+            guest_at(s.begin_ns)
+        } else {
+            s.kick_ns
+        };
+        let mut attrs = vec![
+            KeyValue::new("virt.vm.name", names.vm.clone()),
+            KeyValue::new("virt.disk.id", names.vdisk.clone()),
+            KeyValue::new("system.device", names.host_disk.clone()),
+            KeyValue::new("disk.io.direction", direction(s.op)),
+            KeyValue::new("iospan.io.offset", s.pos as i64),
+            KeyValue::new("iospan.io.bytes", i64::from(s.bytes)),
+            KeyValue::new("iospan.has_guest", s.has_guest),
+            KeyValue::new("iospan.sampled_by", reason.as_str()),
+            KeyValue::new("iospan.guest_ns", s.guest_ns as i64),
+            KeyValue::new("iospan.hypervisor_ns", s.hypervisor_ns as i64),
+            KeyValue::new("iospan.engine_ns", s.engine_ns as i64),
+            KeyValue::new("iospan.device_ns", s.device_ns as i64),
+        ];
+        if let Some(l) = run_label {
+            attrs.push(KeyValue::new("iospan.run.label", l.to_string()));
+        }
+        if let Some(o) = s.clock_offset_ns {
+            attrs.push(KeyValue::new("iospan.clock_offset_ns", o));
+        }
+        // Instants on the host clock: the kick seen, the interrupt raised.
+        let mut events = vec![
+            Event::new("kick", clock.at(s.kick_ns), vec![], 0),
+            Event::new("interrupt.raised", clock.at(s.signal_ns), vec![], 0),
+        ];
+        if s.has_guest {
+            events.push(Event::new(
+                "interrupt.received",
+                clock.at(guest_at(s.guest_irq_ns)),
+                vec![],
+                0,
+            ));
+        }
+        let span = |id, parent, name: Cow<'static, str>, from: u64, to: u64, attributes, events| {
+            SpanData {
+                span_context: ctx(id),
+                parent_span_id: parent,
+                parent_span_is_remote: false,
+                span_kind: SpanKind::Internal,
+                name,
+                start_time: clock.at(from),
+                end_time: clock.at(to),
+                attributes,
+                dropped_attributes_count: 0,
+                events: {
+                    let mut e = SpanEvents::default();
+                    e.events = events;
+                    e
+                },
+                links: SpanLinks::default(),
+                status: Status::Unset,
+                instrumentation_scope: scope.clone(),
+            }
+        };
+        let mut out = vec![span(
             root_id,
-            Cow::Borrowed(piece.name),
-            at,
-            at + piece.ns,
-            vec![KeyValue::new("iospan.segment", piece.segment)],
-            vec![],
-        ));
-        at += piece.ns;
+            SpanId::INVALID,
+            Cow::Borrowed(root_name(s.op)),
+            start_ns,
+            start_ns + s.total_ns,
+            attrs,
+            events,
+        )];
+        let mut at = start_ns;
+        for piece in pieces(s) {
+            out.push(span(
+                ids.new_span_id(),
+                root_id,
+                Cow::Borrowed(piece.name),
+                at,
+                at + piece.ns,
+                vec![KeyValue::new("iospan.segment", piece.segment)],
+                vec![],
+            ));
+            at += piece.ns;
+        }
+        out
     }
-    out
 }
 
 fn direction(op: Op) -> &'static str {
@@ -253,9 +267,7 @@ pub struct Exporter {
     tx: Option<mpsc::Sender<Vec<SpanData>>>,
     task: tokio::task::JoinHandle<()>,
     pub stats: Arc<ExportStats>,
-    clock: WallClock,
-    ids: RandomIdGenerator,
-    run_label: Option<String>,
+    traces: Traces,
 }
 
 impl Exporter {
@@ -297,9 +309,7 @@ impl Exporter {
             tx: Some(tx),
             task,
             stats,
-            clock: WallClock::now(),
-            ids: RandomIdGenerator::default(),
-            run_label: opts.run_label.clone(),
+            traces: Traces::new(WallClock::now(), opts.run_label.clone()),
         })
     }
 
@@ -307,14 +317,7 @@ impl Exporter {
     pub fn send(&self, s: &IoSpan, names: &Names, reason: Reason) {
         self.stats.chosen.fetch_add(1, Ordering::Relaxed);
         let Some(tx) = self.tx.as_ref() else { return };
-        let trace = trace_of(
-            s,
-            names,
-            reason,
-            self.run_label.as_deref(),
-            &self.clock,
-            &self.ids,
-        );
+        let trace = self.traces.of(s, names, reason);
         if tx.try_send(trace).is_err() {
             self.stats
                 .dropped_queue_full
@@ -416,7 +419,7 @@ mod tests {
             has_guest: true,
         };
         let clock = WallClock { offset_ns: 0 };
-        let ids = RandomIdGenerator::default();
+        let traces = Traces::new(clock, None);
         for s in [
             host.clone(),
             IoSpan {
@@ -425,7 +428,7 @@ mod tests {
                 ..host
             },
         ] {
-            let t = trace_of(&s, &Names::default(), Reason::Slowest, None, &clock, &ids);
+            let t = traces.of(&s, &Names::default(), Reason::Slowest);
             let root = &t[0];
             assert_eq!(root.name, "vdisk.write");
             let dur = |x: &SpanData| x.end_time.duration_since(x.start_time).unwrap();
@@ -450,14 +453,7 @@ mod tests {
                     end_ns: s.end_ns - 10_000_000_000,
                     ..s.clone()
                 };
-                let e = trace_of(
-                    &early,
-                    &Names::default(),
-                    Reason::Slowest,
-                    None,
-                    &clock,
-                    &ids,
-                );
+                let e = traces.of(&early, &Names::default(), Reason::Slowest);
                 assert_eq!(e[0].start_time, clock.at(s.kick_ns - 50));
                 assert_eq!(total.as_nanos(), 600);
             } else {

@@ -56,6 +56,15 @@ pub enum BlkSegment {
 impl BlkSegment {
     pub const ALL: [BlkSegment; BLK_NR_SEGS] =
         [BlkSegment::Total, BlkSegment::Queue, BlkSegment::Service];
+
+    /// The segment's name in reports and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Total => "total",
+            Self::Queue => "queue",
+            Self::Service => "service",
+        }
+    }
 }
 
 /// Everything measured for one (disk, op) over a window.
