@@ -83,14 +83,16 @@ struct {
 	__type(value, __u32);
 } vm_pids SEC(".maps");
 
-/* VM slot -> its requests whose completion never reached us (see
- * rq_undelivered). */
+/* VM slot -> what happened to its requests besides completing: those
+ * whose completion never reached us (see rq_undelivered), and the guest
+ * requests that never became host requests of their own because they were
+ * merged, by QEMU or by the host block layer. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024);
 	__type(key, __u32);
-	__type(value, __u64);
-} vm_undelivered SEC(".maps");
+	__type(value, struct vm_counts);
+} vm_counts SEC(".maps");
 
 /* Backing files of VMs' virtual disks -> virtual disk slot. */
 struct {
@@ -172,7 +174,10 @@ struct {
 } vq_notifiers SEC(".maps");
 
 /* Open queue notifiers per VM (tgid -> count): the VM has stopped when the
- * last one closes, not at any one (QEMU re-creates some while running). */
+ * last one closes, not at any one (QEMU re-creates some while running).
+ * Only notifiers a guest has kicked count: QEMU also makes and closes
+ * eventfds of its own while the guest runs (event notifiers of new
+ * contexts), which must not make a running VM look stopped. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 1024);
@@ -526,25 +531,25 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, _
 	return slot ? *slot : 0;
 }
 
+static __always_inline struct vm_counts *vm_counts_of(__u32 vm)
+{
+	static const struct vm_counts zero;
+	struct vm_counts *c = bpf_map_lookup_elem(&vm_counts, &vm);
+
+	if (c)
+		return c;
+	bpf_map_update_elem(&vm_counts, &vm, &zero, BPF_NOEXIST);
+	return bpf_map_lookup_elem(&vm_counts, &vm);
+}
+
 /* Counted globally, and per VM where the lost request was a VM's. */
 static __always_inline void note_undelivered(const struct rq_slot *s)
 {
-	__u32 vm = s->vm;
-	__u64 one = 1, *n;
+	struct vm_counts *c;
 
 	count(CNT_UNDELIVERED);
-	if (!vm)
-		return;
-	n = bpf_map_lookup_elem(&vm_undelivered, &vm);
-	if (n) {
-		__sync_fetch_and_add(n, 1);
-		return;
-	}
-	if (bpf_map_update_elem(&vm_undelivered, &vm, &one, BPF_NOEXIST)) {
-		n = bpf_map_lookup_elem(&vm_undelivered, &vm);
-		if (n)
-			__sync_fetch_and_add(n, 1);
-	}
+	if (s->vm && (c = vm_counts_of(s->vm)))
+		__sync_fetch_and_add(&c->undelivered, 1);
 }
 
 /* `btf`: a constant per inlined call site, choosing direct or probe reads.
@@ -590,6 +595,12 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 		return;
 	if (rq_undelivered(s, key))
 		note_undelivered(s);
+	if (vm) {
+		struct vm_counts *c = vm_counts_of(vm);
+
+		if (c)
+			__sync_fetch_and_add(&c->submitted, 1);
+	}
 	rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns, pos);
 }
 
@@ -833,6 +844,21 @@ static __always_inline __u32 vm_of_eventfd_io(const struct trace_event_raw_sys_e
 	return vm ? *vm : 0;
 }
 
+/* A queue notifier's first kick: from now on it counts as open. */
+static __always_inline void note_kicked(const struct fd_key *k, __u8 *kicked)
+{
+	__s64 *open, first = 1;
+
+	if (*kicked)
+		return;
+	*kicked = 1;
+	open = bpf_map_lookup_elem(&vm_open_notifiers, &k->tgid);
+	if (open)
+		__sync_fetch_and_add(open, 1);
+	else
+		bpf_map_update_elem(&vm_open_notifiers, &k->tgid, &first, BPF_ANY);
+}
+
 /* A vCPU's eventfd write is the guest's kick; the first one not yet
  * picked up counts. */
 SEC("tracepoint/syscalls/sys_enter_write")
@@ -850,8 +876,13 @@ int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
 
 		bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
 	}
-	if (bpf_map_lookup_elem(&vm_notifiers_known, &k.tgid) && !bpf_map_lookup_elem(&vq_notifiers, &k))
-		return 0;
+	if (bpf_map_lookup_elem(&vm_notifiers_known, &k.tgid)) {
+		__u8 *kicked = bpf_map_lookup_elem(&vq_notifiers, &k);
+
+		if (!kicked)
+			return 0;
+		note_kicked(&k, kicked);
+	}
 	now = bpf_ktime_get_ns();
 	bpf_map_update_elem(&pending_kicks, &k, &now, BPF_NOEXIST);
 	return 0;
@@ -862,7 +893,7 @@ int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
 static __always_inline void on_eventfd_created(long fd)
 {
 	struct fd_key k;
-	__u8 one = 1;
+	__u8 one = 1, zero = 0;
 
 	if (!targ_vm_segments || fd < 0)
 		return;
@@ -870,17 +901,9 @@ static __always_inline void on_eventfd_created(long fd)
 	if (!bpf_map_lookup_elem(&vm_pids, &k.tgid) || (!in_vcpu() && !bpf_map_lookup_elem(&vm_started, &k.tgid)))
 		return;
 	k.fd = (__u32)fd;
-	if (!bpf_map_update_elem(&vq_notifiers, &k, &one, BPF_NOEXIST)) {
-		__s64 *open = bpf_map_lookup_elem(&vm_open_notifiers, &k.tgid);
-
-		if (open) {
-			__sync_fetch_and_add(open, 1);
-		} else {
-			__s64 first = 1;
-
-			bpf_map_update_elem(&vm_open_notifiers, &k.tgid, &first, BPF_ANY);
-		}
-	}
+	/* Not kicked yet (0); an fd number reused for a new eventfd starts
+	 * over, its predecessor having been closed. */
+	bpf_map_update_elem(&vq_notifiers, &k, &zero, BPF_ANY);
 	bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
 }
 
@@ -901,17 +924,21 @@ SEC("tracepoint/syscalls/sys_enter_close")
 int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
 {
 	struct fd_key k;
-	__u8 stopped = VM_STOPPED;
+	__u8 stopped = VM_STOPPED, *kicked, was_kicked;
 	__s64 *open;
 
 	if (!targ_vm_segments)
 		return 0;
 	k.tgid = bpf_get_current_pid_tgid() >> 32;
 	k.fd = (__u32)ctx->args[0];
-	if (!bpf_map_lookup_elem(&vq_notifiers, &k))
+	kicked = bpf_map_lookup_elem(&vq_notifiers, &k);
+	if (!kicked)
 		return 0;
+	was_kicked = *kicked;
 	bpf_map_delete_elem(&vq_notifiers, &k);
 	bpf_map_delete_elem(&pending_kicks, &k);
+	if (!was_kicked)
+		return 0;
 	open = bpf_map_lookup_elem(&vm_open_notifiers, &k.tgid);
 	if (open && __sync_fetch_and_add(open, -1) <= 1 && !bpf_map_lookup_elem(&vm_no_stop, &k.tgid))
 		bpf_map_update_elem(&vm_started, &k.tgid, &stopped, BPF_ANY);
@@ -969,7 +996,7 @@ int sys_enter_ioctl(struct trace_event_raw_sys_enter *ctx)
 	struct ioeventfd_arg io;
 	struct gpa_key k = {};
 	struct fd_key f;
-	__u8 one = 1;
+	__u8 zero = 0;
 
 	if ((__u32)ctx->args[1] != KVM_IOEVENTFD_CMD || !targ_vm_segments)
 		return 0;
@@ -986,7 +1013,8 @@ int sys_enter_ioctl(struct trace_event_raw_sys_enter *ctx)
 	f.tgid = k.tgid;
 	f.fd = (__u32)io.fd;
 	bpf_map_update_elem(&kvm_notify_addrs, &k, &f.fd, BPF_ANY);
-	bpf_map_update_elem(&vq_notifiers, &f, &one, BPF_ANY);
+	/* Not kicked yet; a second address on the same eventfd keeps its state. */
+	bpf_map_update_elem(&vq_notifiers, &f, &zero, BPF_NOEXIST);
 	return 0;
 }
 
@@ -1011,7 +1039,7 @@ static __always_inline void on_kvm_notify(__u64 gpa)
 	struct fd_key f;
 	__u32 *fd;
 	__u64 now;
-	__u8 one = 1;
+	__u8 one = 1, *kicked;
 
 	k.tgid = bpf_get_current_pid_tgid() >> 32;
 	fd = bpf_map_lookup_elem(&kvm_notify_addrs, &k);
@@ -1021,6 +1049,9 @@ static __always_inline void on_kvm_notify(__u64 gpa)
 		bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
 	f.tgid = k.tgid;
 	f.fd = *fd;
+	kicked = bpf_map_lookup_elem(&vq_notifiers, &f);
+	if (kicked)
+		note_kicked(&f, kicked);
 	now = bpf_ktime_get_ns();
 	bpf_map_update_elem(&pending_kicks, &f, &now, BPF_NOEXIST);
 }
@@ -1129,6 +1160,61 @@ SEC("uprobe")
 int msix_notify(void *ctx)
 {
 	return on_signal();
+}
+
+/* Guest requests that never become host requests of their own: merged
+ * into a neighbour's by QEMU (virtio-blk merges adjacent requests of one
+ * batch and accounts them with block_acct_merge_done(stats, type, n), a
+ * call made only when it merges) or, bio into request, by the host block
+ * layer in the VM's submitting thread. Both are rare under random I/O and
+ * the rule under sequential I/O: without them a VM's request count would
+ * fall short of its guest's. */
+static __always_inline void note_merges(__u64 n, int engine)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	struct vm_counts *c;
+	__u32 *vm;
+	__u8 *state;
+
+	if (!targ_track_vms)
+		return;
+	vm = bpf_map_lookup_elem(&vm_pids, &tgid);
+	if (!vm)
+		return;
+	/* QEMU's own requests (before the guest runs, after it stops) are no
+	 * guest's. */
+	state = bpf_map_lookup_elem(&vm_started, &tgid);
+	if (!state || *state != VM_RUNNING)
+		return;
+	c = vm_counts_of(*vm);
+	if (!c)
+		return;
+	if (engine)
+		__sync_fetch_and_add(&c->engine_merges, n);
+	else
+		__sync_fetch_and_add(&c->bio_merges, n);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(block_acct_merge_done, void *stats, int type, int num_merged)
+{
+	if (num_merged > 0)
+		note_merges(num_merged, 1);
+	return 0;
+}
+
+SEC("tracepoint/block/block_bio_backmerge")
+int block_bio_backmerge(void *ctx)
+{
+	note_merges(1, 0);
+	return 0;
+}
+
+SEC("tracepoint/block/block_bio_frontmerge")
+int block_bio_frontmerge(void *ctx)
+{
+	note_merges(1, 0);
+	return 0;
 }
 
 /* An engine thread reading an eventfd a vCPU kicked picks the kick up. */

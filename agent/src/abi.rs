@@ -103,6 +103,17 @@ pub struct VmKey {
     pub vdisk: u32,
 }
 
+/// `vm_counts` value: per VM, what became of its requests besides
+/// completing.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmCounts {
+    pub undelivered: u64,
+    pub engine_merges: u64,
+    pub bio_merges: u64,
+    pub submitted: u64,
+}
+
 /// A backing file, by the kernel's (superblock dev, inode).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -150,6 +161,7 @@ const _: () = assert!(size_of::<VmIoEvent>() == 72);
 const _: () = assert!(size_of::<VmSignalEvent>() == 16);
 const _: () = assert!(size_of::<VmKey>() == 16);
 const _: () = assert!(size_of::<FileKey>() == 16);
+const _: () = assert!(size_of::<VmCounts>() == 32);
 const _: () = assert!(size_of::<VmDevKey>() == 8);
 const _: () = assert!(size_of::<DiskSlot>() == 16);
 const _: () =
@@ -163,6 +175,7 @@ unsafe impl aya::Pod for RqSlot {}
 unsafe impl aya::Pod for BlkIoEvent {}
 unsafe impl aya::Pod for VmKey {}
 unsafe impl aya::Pod for FileKey {}
+unsafe impl aya::Pod for VmCounts {}
 unsafe impl aya::Pod for VmDevKey {}
 unsafe impl aya::Pod for VmIoEvent {}
 unsafe impl aya::Pod for VmSignalEvent {}

@@ -231,7 +231,7 @@ impl Doctor {
         let _ = writeln!(out, "\nQEMU processes ({}):", self.vms.len());
         for vm in &self.vms {
             let _ = writeln!(out, "  {} (pid {})", vm.name, vm.pid);
-            for symbol in vm.signal_symbols() {
+            for (symbol, hot) in vm.uprobe_symbols(true) {
                 let site = vm
                     .exe
                     .as_deref()
@@ -243,9 +243,15 @@ impl Doctor {
                     Some((_, crate::vms::Prologue::SingleStepped)) => {
                         "single-stepped: the expensive kind".to_string()
                     }
-                    None => "not exported by this binary: no engine completion half".to_string(),
+                    None if hot => "not exported by this binary: no engine completion half".to_string(),
+                    None => "not exported by this binary: requests QEMU merges are not counted".to_string(),
                 };
-                let _ = writeln!(out, "    completion probe: {symbol}, {how}");
+                let role = if hot {
+                    "completion probe"
+                } else {
+                    "merge probe (hit only when QEMU merges requests)"
+                };
+                let _ = writeln!(out, "    {role}: {symbol}, {how}");
             }
             let _ = writeln!(
                 out,

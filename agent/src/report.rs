@@ -5,6 +5,7 @@ use std::{collections::BTreeMap, fmt::Write as _};
 use serde::{Deserialize, Serialize};
 
 use crate::{
+    abi::VmCounts,
     bpf::{
         block::{Counters, VmStatKey},
         progstats::ProgStats,
@@ -58,6 +59,15 @@ pub struct VmSummary {
     /// Its requests whose completion never reached us (not in `entries`).
     #[serde(default)]
     pub undelivered: u64,
+    /// Guest requests that reached the host inside another request, not
+    /// as one of their own: merged by QEMU (virtio-blk merges adjacent
+    /// requests of one batch) ...
+    #[serde(default)]
+    pub engine_merged: u64,
+    /// ... or by the host block layer (a bio merged into a request).
+    /// A VM's requests in `entries` plus these are its guest's requests.
+    #[serde(default)]
+    pub host_merged: u64,
 }
 
 pub fn guests(known: &Registry, stitch: &Stitcher) -> Vec<GuestSummary> {
@@ -72,16 +82,21 @@ pub fn guests(known: &Registry, stitch: &Stitcher) -> Vec<GuestSummary> {
         .collect()
 }
 
-pub fn vms(known: &Registry, undelivered: &BTreeMap<u32, u64>) -> Vec<VmSummary> {
+pub fn vms(known: &Registry, counts: &BTreeMap<u32, VmCounts>) -> Vec<VmSummary> {
     known
         .vms
         .iter()
-        .map(|(slot, v)| VmSummary {
-            name: v.name.clone(),
-            pid: v.pid,
-            disks: v.disks.iter().map(|d| d.id.clone()).collect(),
-            kicks: v.kicks,
-            undelivered: undelivered.get(slot).copied().unwrap_or(0),
+        .map(|(slot, v)| {
+            let c = counts.get(slot).copied().unwrap_or_default();
+            VmSummary {
+                name: v.name.clone(),
+                pid: v.pid,
+                disks: v.disks.iter().map(|d| d.id.clone()).collect(),
+                kicks: v.kicks,
+                undelivered: c.undelivered,
+                engine_merged: c.engine_merges,
+                host_merged: c.bio_merges,
+            }
         })
         .collect()
 }

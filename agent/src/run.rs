@@ -150,6 +150,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             .stitch
             .keep_spans();
     }
+    let export_shared = tracer.as_ref().map(Tracer::shared);
     let events_task = if opts.events_out.is_some() || opts.vms {
         let ring = probes.take_events()?;
         let out = match &opts.events_out {
@@ -201,6 +202,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // New VMs are named quickly, before a short-lived one can exit.
     let mut vm_tick = tokio::time::interval(Duration::from_millis(100));
     let mut child_status = None;
+    let mut exited = std::collections::BTreeSet::new();
     let mut sigint = signal(SignalKind::interrupt()).context("handling SIGINT")?;
     let mut sigterm = signal(SignalKind::terminate()).context("handling SIGTERM")?;
     loop {
@@ -233,6 +235,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
                 break;
             }
             _ = vm_tick.tick(), if opts.vms => {
+                forget_exited_vms(&mut probes, &known, &mut exited);
                 for (slot, path) in name_new_vms(&mut probes, &known) {
                     channel_tasks.push(tokio::spawn(channel::follow(slot, path, known.clone(), correlator.clone(), stop_rx.clone())));
                 }
@@ -251,7 +254,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
                 // scrapes reads no histograms.
                 if let Some(m) = metrics.as_ref() {
                     if m.wanted.swap(false, std::sync::atomic::Ordering::Relaxed) {
-                        refresh_metrics(m, &probes, &correlator, &known);
+                        refresh_metrics(m, &probes, &correlator, &known, export_shared.as_ref());
                     }
                 }
             }
@@ -298,7 +301,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
         let known = known.lock().unwrap_or_else(|p| p.into_inner());
         (
-            report::vms(&known, &snap.vm_undelivered),
+            report::vms(&known, &snap.vm_counts),
             report::guests(&known, &corr.stitch),
         )
     };
@@ -398,6 +401,27 @@ fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) -> Vec<(u32, 
     channels
 }
 
+/// Lets go of VMs whose process has exited: their probes are detached and
+/// their pid no longer names them. They stay in the registry: the report
+/// still names their requests.
+fn forget_exited_vms(
+    probes: &mut BlockProbes,
+    known: &Mutex<Registry>,
+    exited: &mut std::collections::BTreeSet<u32>,
+) {
+    let known = known.lock().unwrap_or_else(|p| p.into_inner());
+    for (slot, vm) in known.vms.iter() {
+        if exited.contains(slot) || vms::alive(vm) {
+            continue;
+        }
+        exited.insert(*slot);
+        match probes.forget_vm(vm.pid, *slot) {
+            Ok(()) => log::info!("VM {} (pid {}) exited: its probes detached", vm.name, vm.pid),
+            Err(e) => log::warn!("VM {} exited: {}", vm.name, crate::bpf::error_chain(&e)),
+        }
+    }
+}
+
 /// The guest channels of the VMs known now.
 fn guest_channels(known: &Registry) -> Vec<(u32, PathBuf)> {
     known
@@ -429,9 +453,9 @@ fn attach_vm_probes(probes: &mut BlockProbes, vm: &vms::Vm) {
             );
         }
     }
-    if let Err(e) = probes.attach_signal_probes(vm) {
+    if let Err(e) = probes.attach_vm_uprobes(vm) {
         log::warn!(
-            "VM {}: no host-window split: {}",
+            "VM {}: no host-window split or merge count: {}",
             vm.name,
             crate::bpf::error_chain(&e)
         );
@@ -661,7 +685,9 @@ impl Progress {
 
 /// The latest /metrics text, and whether a scrape asked since it was made.
 pub struct MetricsState {
-    text: Mutex<String>,
+    /// The last refresh, in each exposition format.
+    prometheus: Mutex<String>,
+    openmetrics: Mutex<String>,
     wanted: std::sync::atomic::AtomicBool,
 }
 
@@ -669,7 +695,8 @@ pub struct MetricsState {
 async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<MetricsState>> {
     use axum::{routing::get, Router};
     let state = Arc::new(MetricsState {
-        text: Mutex::new(String::new()),
+        prometheus: Mutex::new(String::new()),
+        openmetrics: Mutex::new(String::new()),
         wanted: std::sync::atomic::AtomicBool::new(true),
     });
     let listener = tokio::net::TcpListener::bind(addr)
@@ -678,13 +705,23 @@ async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<MetricsState>> 
     let st = state.clone();
     let app = Router::new().route(
         "/metrics",
-        get(move || {
+        get(move |headers: axum::http::HeaderMap| {
             let st = st.clone();
             async move {
+                use crate::metrics::Format;
                 st.wanted.store(true, std::sync::atomic::Ordering::Relaxed);
+                let accept = headers
+                    .get(axum::http::header::ACCEPT)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("");
+                let f = Format::from_accept(accept);
+                let text = match f {
+                    Format::Prometheus => &st.prometheus,
+                    Format::OpenMetrics => &st.openmetrics,
+                };
                 (
-                    [("content-type", "text/plain; version=0.0.4")],
-                    st.text.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+                    [(axum::http::header::CONTENT_TYPE, f.content_type())],
+                    text.lock().unwrap_or_else(|p| p.into_inner()).clone(),
                 )
             }
         }),
@@ -707,20 +744,29 @@ fn refresh_metrics(
     probes: &BlockProbes,
     correlator: &Mutex<Correlator>,
     known: &Mutex<Registry>,
+    export: Option<&crate::export::ExportShared>,
 ) {
+    use crate::metrics::Format;
     let Ok(mut snap) = probes.snapshot() else {
         return;
     };
+    let maps = probes.map_fill();
     let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
     snap.counters.host_split = corr.counters.clone();
     let known = known.lock().unwrap_or_else(|p| p.into_inner());
-    let text = crate::metrics::render(&crate::metrics::View {
+    let exemplars = export.map(|e| e.exemplars.lock().unwrap_or_else(|p| p.into_inner()));
+    let view = crate::metrics::View {
         snap: &snap,
         splits: &corr.splits,
         stitched: &corr.stitch.stitched,
         known: &known,
-        export: None,
+        export: export.map(|e| e.stats.snapshot()),
+        exemplars: exemplars.as_deref(),
+        maps: &maps,
         cpu_s: preflight::self_cpu(),
-    });
-    *m.text.lock().unwrap_or_else(|p| p.into_inner()) = text;
+    };
+    let prometheus = crate::metrics::render(&view, Format::Prometheus);
+    let openmetrics = crate::metrics::render(&view, Format::OpenMetrics);
+    *m.prometheus.lock().unwrap_or_else(|p| p.into_inner()) = prometheus;
+    *m.openmetrics.lock().unwrap_or_else(|p| p.into_inner()) = openmetrics;
 }

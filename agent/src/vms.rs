@@ -357,6 +357,21 @@ pub fn identify(pid: u32) -> Option<Vm> {
     Some(vm)
 }
 
+/// Whether the VM's process still runs: not gone, not a zombie awaiting its
+/// parent, and its pid not handed to another program.
+pub fn alive(vm: &Vm) -> bool {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{}/stat", vm.pid)) else {
+        return false;
+    };
+    // "pid (comm) state ...": comm may hold spaces and parentheses.
+    let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+        return false;
+    };
+    let comm = &stat[open + 1..close];
+    let state = stat[close + 1..].trim_start().chars().next();
+    comm.starts_with(QEMU_PREFIX) && !matches!(state, Some('Z' | 'X' | 'x'))
+}
+
 /// Every QEMU VM running now.
 pub fn scan() -> Vec<Vm> {
     let mut v: Vec<Vm> = fs::read_dir("/proc")
@@ -674,16 +689,23 @@ pub enum Prologue {
 }
 
 impl Vm {
-    /// The QEMU functions whose hits end this VM's host windows: the
-    /// used-ring push for virtio disks, the interrupt for NVMe.
-    pub fn signal_symbols(&self) -> Vec<&'static str> {
+    /// The QEMU functions probed in this VM, each with whether it is hit
+    /// per request (hot): with the host-window split, those whose hits end
+    /// its windows (the used-ring push for virtio disks, the interrupt for
+    /// NVMe); always, virtio-blk's accounting of requests it merged, hit
+    /// only when it merges.
+    pub fn uprobe_symbols(&self, split: bool) -> Vec<(&'static str, bool)> {
         let mut v = Vec::new();
         let model = |d: &VDisk, p: &str| d.model.as_deref().is_some_and(|m| m.starts_with(p));
-        if self.disks.iter().any(|d| model(d, "virtio-blk")) {
-            v.push("virtqueue_flush");
+        let virtio = self.disks.iter().any(|d| model(d, "virtio-blk"));
+        if split && virtio {
+            v.push(("virtqueue_flush", true));
         }
-        if self.disks.iter().any(|d| model(d, "nvme")) {
-            v.push("msix_notify");
+        if split && self.disks.iter().any(|d| model(d, "nvme")) {
+            v.push(("msix_notify", true));
+        }
+        if virtio {
+            v.push(("block_acct_merge_done", false));
         }
         v
     }

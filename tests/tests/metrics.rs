@@ -1,5 +1,6 @@
 //! /metrics of a run tracing a real guest, scraped by a real Prometheus:
-//! PromQL percentiles from the histograms agree with iospan's own report.
+//! PromQL percentiles from the histograms agree with iospan's own report,
+//! and the buckets' exemplars are traces a real Jaeger has.
 
 use std::{
     process::Command,
@@ -9,7 +10,7 @@ use std::{
 use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
 use serde_json::Value;
 use xtask::{
-    backends::{free_port, http_get, Prometheus},
+    backends::{free_port, http_get, Jaeger, Prometheus},
     guest::{self, RunArgs},
 };
 
@@ -27,6 +28,11 @@ fn prometheus_percentiles_match_the_report() {
     let port = free_port().unwrap();
     let target = format!("127.0.0.1:{port}");
     let prom = Prometheus::start(&target).expect("prometheus");
+    let jaeger = Jaeger::start().expect("jaeger");
+    let started = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
 
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
@@ -52,6 +58,10 @@ fn prometheus_percentiles_match_the_report() {
         .args(["run", "--quiet", "--disk", &host, "--json-out"])
         .arg(&report)
         .args(["--metrics-listen", &target])
+        .args(["--otlp-endpoint", &format!("http://{}", jaeger.otlp_http)])
+        // Traces through the run, not only its slowest: exemplars in
+        // several buckets.
+        .args(["--trace-one-in", "20"])
         .args(["--", "sh", "-c", &shell]));
     let ended = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -126,4 +136,63 @@ fn prometheus_percentiles_match_the_report() {
         }
     }
     eprintln!("{}", checked.join("\n"));
+
+    // In flight once the VM is gone: nothing. Every table has room.
+    assert_eq!(
+        scalar("iospan_vm_inflight_requests{vm=\"prom-rig\"}"),
+        0.0
+    );
+    let full = prom
+        .query("iospan_map_entries >= iospan_map_capacity", at)
+        .unwrap();
+    assert_eq!(full["data"]["result"], Value::Array(vec![]), "{full}");
+    // The VM was a table entry while it ran (and was let go once it exited).
+    assert_eq!(
+        scalar("max_over_time(iospan_map_entries{map=\"vm_pids\"}[1m])"),
+        1.0
+    );
+    assert_eq!(scalar("iospan_map_entries{map=\"vm_pids\"}"), 0.0);
+    let exported = rep["export"]["exported_traces"].as_u64().unwrap();
+    assert_eq!(
+        scalar("iospan_traces_total{outcome=\"exported\"}") as u64,
+        exported,
+        "live export counters: {}",
+        rep["export"]
+    );
+
+    // Exemplars: each guest-observed bucket's latest exported trace.
+    let ex = prom
+        .exemplars(
+            &format!("iospan_vm_latency_seconds_bucket{{{sel},segment=\"g_total\"}}"),
+            started,
+            ended,
+        )
+        .unwrap();
+    let mut seen = 0;
+    for series in ex["data"].as_array().unwrap() {
+        let le: f64 = match series["seriesLabels"]["le"].as_str().unwrap() {
+            "+Inf" => f64::INFINITY,
+            v => v.parse().unwrap(),
+        };
+        for e in series["exemplars"].as_array().unwrap() {
+            let value: f64 = e["value"].as_str().unwrap().parse().unwrap();
+            let (lo, _) = bucket_of(le.min(1e6) - 1e-12);
+            assert!(
+                value <= le && (le.is_infinite() || value > lo),
+                "exemplar {value} s outside its bucket le={le}"
+            );
+            let id = e["labels"]["trace_id"].as_str().unwrap();
+            let (code, body) = jaeger.get(&format!("/api/traces/{id}")).unwrap();
+            assert_eq!(code, 200, "exemplar trace {id} not in Jaeger: {body}");
+            let v: Value = serde_json::from_str(&body).unwrap();
+            let spans = v["data"][0]["spans"].as_array().map_or(0, Vec::len);
+            assert_eq!(spans, 9, "exemplar trace {id}: {v:#}");
+            seen += 1;
+        }
+    }
+    assert!(
+        seen >= 2 && seen as u64 <= exported,
+        "{seen} exemplars of {exported} exported traces: {ex:#}"
+    );
+    eprintln!("{seen} exemplars, each a trace in Jaeger");
 }

@@ -422,6 +422,8 @@ impl Prometheus {
             format!("--config.file={}", config.display()),
             format!("--storage.tsdb.path={}", dir.0.join("data").display()),
             format!("--web.listen-address={api}"),
+            // Exemplars are kept only with this on.
+            "--enable-feature=exemplar-storage".to_string(),
         ];
         let server = Server::start(
             Backend::Prometheus,
@@ -432,6 +434,21 @@ impl Prometheus {
             Duration::from_secs(60),
         )?;
         Ok(Self { server, api })
+    }
+
+    /// The exemplars of a selector's series between two Unix times: the
+    /// JSON answer.
+    pub fn exemplars(&self, promql: &str, start: f64, end: f64) -> Result<serde_json::Value> {
+        let (start, end) = (format!("{start:.3}"), format!("{end:.3}"));
+        let (code, body) = http_get(
+            &self.api,
+            "/api/v1/query_exemplars",
+            &[("query", promql), ("start", &start), ("end", &end)],
+        )?;
+        if code != 200 {
+            bail!("exemplars of {promql}: HTTP {code}: {body}");
+        }
+        Ok(serde_json::from_str(&body)?)
     }
 
     /// An instant PromQL query at `time` (Unix seconds): the JSON answer.

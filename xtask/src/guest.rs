@@ -51,7 +51,7 @@ pub struct RunArgs {
     /// Number of I/Os the guest workload does.
     #[arg(long, default_value_t = 2000)]
     pub ios: u64,
-    /// randread or randwrite.
+    /// randread or randwrite (random 4 KiB), read or write (sequential).
     #[arg(long, default_value = "randread")]
     pub rw: String,
     /// Disk image (raw, fully written); created at 256 MiB if missing.
@@ -522,8 +522,8 @@ pub fn run(a: &RunArgs) -> Result<RigResult> {
     if a.iothread && a.disk != DiskModel::VirtioBlk {
         bail!("--iothread is for virtio-blk; NVMe in QEMU 7.2 has no iothread option");
     }
-    if !matches!(a.rw.as_str(), "randread" | "randwrite") {
-        bail!("--rw {}: use randread or randwrite", a.rw);
+    if !matches!(a.rw.as_str(), "randread" | "randwrite" | "read" | "write") {
+        bail!("--rw {}: use randread, randwrite, read or write", a.rw);
     }
     let rig = build()?;
     let image = a.image.clone().unwrap_or_else(|| dir().join("disk.img"));

@@ -1,10 +1,13 @@
 //! Host block-layer probes (`bpf/block.bpf.c`).
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, os::fd::AsFd};
 
 use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
-    programs::{uprobe::UProbeScope, TracePoint, UProbe},
+    programs::{
+        uprobe::{UProbeLinkId, UProbeScope},
+        TracePoint, UProbe,
+    },
     Btf, Ebpf, EbpfLoader,
 };
 use serde::{Deserialize, Serialize};
@@ -12,13 +15,30 @@ use serde::{Deserialize, Serialize};
 use super::{attach, map_mut_of, map_of, Attachment, Flavour, LoadError};
 use crate::{
     abi::{
-        counter, BlkStats, DiskSlot, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS,
+        counter, BlkStats, DiskSlot, VmCounts, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS,
         NR_DIO_END_IO,
     },
     disks::Dev,
     model::{DiskOpStats, Op},
     vms::VmMaps,
 };
+
+/// The hash tables whose fill /metrics shows.
+const FILL_MAPS: &[&str] = &[
+    "vm_pids",
+    "vm_counts",
+    "vdisk_files",
+    "vm_latency",
+    "vm_latency_nested",
+    "vm_disks",
+    "pending_kicks",
+    "vq_notifiers",
+    "thread_picks",
+    "vm_last_pick",
+    "kvm_notify_addrs",
+    "vm_started",
+    "vm_open_notifiers",
+];
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/block.bpf.o"));
 
@@ -152,8 +172,9 @@ pub struct BlockSnapshot {
     pub stats: BTreeMap<(Dev, Op), DiskOpStats>,
     /// Requests VMs submitted, by VM, host disk, op and virtual disk.
     pub vm_stats: BTreeMap<VmStatKey, DiskOpStats>,
-    /// VM slot -> its requests whose completion never reached us.
-    pub vm_undelivered: BTreeMap<u32, u64>,
+    /// VM slot -> its requests whose completion never reached us, and
+    /// its guest requests merged into others.
+    pub vm_counts: BTreeMap<u32, VmCounts>,
     pub counters: Counters,
 }
 
@@ -264,6 +285,8 @@ pub struct BlockProbes {
     vm_segments: bool,
     vm_probes: bool,
     handoff_probe: bool,
+    /// Each VM process's uprobe links: (program, link).
+    vm_links: std::collections::HashMap<u32, Vec<(&'static str, UProbeLinkId)>>,
 }
 
 impl BlockProbes {
@@ -358,6 +381,7 @@ impl BlockProbes {
             vm_segments: vm_segments != 0,
             vm_probes: false,
             handoff_probe: false,
+            vm_links: Default::default(),
         };
         // The start probe takes each request's submitter, in the submitting
         // task (completions run under unrelated tasks), and stamps starts
@@ -447,10 +471,10 @@ impl BlockProbes {
             let (k, v) = item.map_err(map_err("vm_latency_nested"))?;
             snap.vm_stats.entry(key(&k)).or_default().add_cpu(&v);
         }
-        let undelivered: HashMap<_, u32, u64> = map_of(&self.ebpf, "vm_undelivered")?;
-        for item in undelivered.iter() {
-            let (vm, n) = item.map_err(map_err("vm_undelivered"))?;
-            snap.vm_undelivered.insert(vm, n);
+        let counts: HashMap<_, u32, VmCounts> = map_of(&self.ebpf, "vm_counts")?;
+        for item in counts.iter() {
+            let (vm, c) = item.map_err(map_err("vm_counts"))?;
+            snap.vm_counts.insert(vm, c);
         }
         snap.counters = self.counters()?;
         Ok(snap)
@@ -486,11 +510,18 @@ impl BlockProbes {
     /// when the first VM appears; without VMs no request pays for them.
     pub fn ensure_vm_probes(&mut self) -> Result<(), LoadError> {
         self.ensure_start_probe()?;
-        if !self.vm_segments || self.vm_probes {
+        if self.vm_probes {
             return Ok(());
         }
-        for name in ["sys_enter_write", "sys_enter_read"] {
-            self.attach_syscall(name)?;
+        // Bios merged into a VM's requests: guest requests with no host
+        // request of their own.
+        for name in ["block_bio_backmerge", "block_bio_frontmerge"] {
+            self.attach_tracepoint("block", name)?;
+        }
+        if self.vm_segments {
+            for name in ["sys_enter_write", "sys_enter_read"] {
+                self.attach_syscall(name)?;
+            }
         }
         self.vm_probes = true;
         Ok(())
@@ -548,19 +579,17 @@ impl BlockProbes {
         Ok(())
     }
 
-    /// The probes that end a VM's host windows (see `Vm::signal_symbols`),
-    /// on its process only: other processes of the binary pay nothing.
-    pub fn attach_signal_probes(&mut self, vm: &crate::vms::Vm) -> Result<(), LoadError> {
+    /// A VM's probes in QEMU (see `Vm::uprobe_symbols`), on its process
+    /// only: other processes of the binary pay nothing. Kept per VM, to be
+    /// detached when it exits (`forget_vm`).
+    pub fn attach_vm_uprobes(&mut self, vm: &crate::vms::Vm) -> Result<(), LoadError> {
         let Some(exe) = vm.exe.as_deref() else {
             return Ok(());
         };
         let Some(pid) = std::num::NonZeroU32::new(vm.pid) else {
             return Ok(());
         };
-        if !self.vm_segments {
-            return Ok(());
-        }
-        for symbol in vm.signal_symbols() {
+        for (symbol, hot) in vm.uprobe_symbols(self.vm_segments) {
             let site = format!("{}:{symbol}", exe.display());
             let (offset, prologue) =
                 crate::vms::uprobe_site(exe, symbol).ok_or_else(|| LoadError::Attach {
@@ -568,7 +597,7 @@ impl BlockProbes {
                     flavour: "uprobe",
                     reason: format!("{symbol} is not exported by {}", exe.display()),
                 })?;
-            if prologue != crate::vms::Prologue::Push {
+            if hot && prologue != crate::vms::Prologue::Push {
                 log::warn!("{site} is not entered with a push: each hit is single-stepped (see iospan doctor)");
             }
             let prog = self
@@ -577,7 +606,7 @@ impl BlockProbes {
                 .ok_or_else(|| LoadError::MissingProgram {
                     program: symbol.into(),
                 })?;
-            let result = (|| -> Result<(), String> {
+            let result = (|| -> Result<UProbeLinkId, String> {
                 let p: &mut UProbe = prog.try_into().map_err(|e| format!("{e:#}"))?;
                 if p.fd().is_err() {
                     p.load().map_err(|e| super::error_chain(&e))?;
@@ -587,14 +616,14 @@ impl BlockProbes {
                     exe,
                     UProbeScope::OneProcess(pid),
                 )
-                .map_err(|e| super::error_chain(&e))?;
-                Ok(())
+                .map_err(|e| super::error_chain(&e))
             })();
-            result.map_err(|reason| LoadError::Attach {
+            let link = result.map_err(|reason| LoadError::Attach {
                 tracepoint: format!("uprobe {site}"),
                 flavour: "uprobe",
                 reason,
             })?;
+            self.vm_links.entry(vm.pid).or_default().push((symbol, link));
             log::info!("attached uprobe {site}+{offset} for pid {pid}");
             if !self.attachments.iter().any(|a| a.tracepoint == site) {
                 self.attachments.push(Attachment {
@@ -604,6 +633,38 @@ impl BlockProbes {
                 });
             }
         }
+        Ok(())
+    }
+
+    /// A VM process has exited: its uprobes go (the kernel would keep them
+    /// on the binary's inode for as long as we hold them), and its pid no
+    /// longer names a VM (a new process may be given it).
+    pub fn forget_vm(&mut self, pid: u32, slot: u32) -> Result<(), LoadError> {
+        for (symbol, link) in self.vm_links.remove(&pid).unwrap_or_default() {
+            if let Some(prog) = self.ebpf.program_mut(symbol) {
+                let p: &mut UProbe = prog.try_into().map_err(|_| LoadError::MissingProgram {
+                    program: symbol.into(),
+                })?;
+                p.detach(link).map_err(|e| LoadError::Attach {
+                    tracepoint: format!("uprobe {symbol} of pid {pid}"),
+                    flavour: "uprobe",
+                    reason: super::error_chain(&e),
+                })?;
+            }
+        }
+        // Absent keys are fine: not every VM has every flag. A pid already
+        // taken by a new VM (exec'd since) is that VM's.
+        let mut pids: HashMap<_, u32, u32> = map_mut_of(&mut self.ebpf, "vm_pids")?;
+        if pids.get(&pid, 0).ok() != Some(slot) {
+            return Ok(());
+        }
+        let _ = pids.remove(&pid);
+        for map in ["vm_started", "vm_notifiers_known", "vm_no_stop"] {
+            let mut m: HashMap<_, u32, u8> = map_mut_of(&mut self.ebpf, map)?;
+            let _ = m.remove(&pid);
+        }
+        let mut open: HashMap<_, u32, i64> = map_mut_of(&mut self.ebpf, "vm_open_notifiers")?;
+        let _ = open.remove(&pid);
         Ok(())
     }
 
@@ -628,6 +689,30 @@ impl BlockProbes {
     fn flag_vm(&mut self, map: &'static str, pid: u32) -> Result<(), LoadError> {
         let mut m: HashMap<_, u32, u8> = map_mut_of(&mut self.ebpf, map)?;
         m.insert(pid, 1, 0).map_err(LoadError::map_op(map))
+    }
+
+    /// Fill of the kernel side's hash tables: (map, entries, capacity).
+    /// Counted key by key: a few system calls per entry, so only at a
+    /// /metrics refresh.
+    pub fn map_fill(&self) -> Vec<(&'static str, u32, u32)> {
+        use aya::maps::Map;
+        let mut out = Vec::new();
+        for (name, map) in self.ebpf.maps() {
+            let data = match map {
+                Map::HashMap(d) | Map::LruHashMap(d) | Map::PerCpuHashMap(d) | Map::PerCpuLruHashMap(d) => d,
+                _ => continue,
+            };
+            let Ok(info) = data.info() else { continue };
+            // Map names are the object's own: 'static in practice, but
+            // borrowed here; keep the ones this agent knows.
+            let Some(&known) = FILL_MAPS.iter().find(|m| **m == name) else {
+                continue;
+            };
+            let n = super::count_keys(data.fd().as_fd(), info.key_size());
+            out.push((known, n, info.max_entries()));
+        }
+        out.sort_unstable();
+        out
     }
 
     /// (tgid, VM slot) of every process known as a VM so far.

@@ -177,3 +177,46 @@ pub(crate) fn program_stats(ebpf: &Ebpf) -> Vec<progstats::ProgStats> {
         })
         .collect()
 }
+
+/// Entries of a hash map, walked with BPF_MAP_GET_NEXT_KEY (aya offers key
+/// iteration only with the key's type; this needs none). Stops at the
+/// first error: a map changing under the walk may be counted short.
+pub fn count_keys(fd: std::os::fd::BorrowedFd<'_>, key_size: u32) -> u32 {
+    use std::os::fd::AsRawFd;
+    #[repr(C)]
+    struct NextKey {
+        map_fd: u32,
+        _pad: u32,
+        key: u64,
+        next_key: u64,
+    }
+    const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+    let size = key_size as usize;
+    let (mut key, mut next) = (vec![0u8; size], vec![0u8; size]);
+    let mut n = 0u32;
+    let mut first = true;
+    loop {
+        let attr = NextKey {
+            map_fd: fd.as_raw_fd() as u32,
+            _pad: 0,
+            key: if first { 0 } else { key.as_ptr() as u64 },
+            next_key: next.as_mut_ptr() as u64,
+        };
+        // SAFETY: bpf(2) with an attribute the size of the command's
+        // fields; the kernel writes key_size bytes to next_key.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_GET_NEXT_KEY,
+                &attr as *const NextKey,
+                std::mem::size_of::<NextKey>(),
+            )
+        };
+        if r != 0 {
+            return n;
+        }
+        n += 1;
+        first = false;
+        std::mem::swap(&mut key, &mut next);
+    }
+}

@@ -5,8 +5,11 @@
 
 use std::{
     cmp::Reverse,
-    collections::{BinaryHeap, HashMap},
-    sync::atomic::{AtomicU64, Ordering},
+    collections::{BTreeMap, BinaryHeap, HashMap},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
     time::Duration,
 };
 
@@ -190,6 +193,8 @@ impl Sampler {
 /// What the exporter did, for the report and the metrics.
 #[derive(Debug, Default)]
 pub struct ExportStats {
+    /// Updated once per interval (the sampler's own count is the truth).
+    pub offered: AtomicU64,
     pub chosen: AtomicU64,
     pub dropped_queue_full: AtomicU64,
     pub exported_traces: AtomicU64,
@@ -216,7 +221,7 @@ impl ExportStats {
     pub fn snapshot(&self) -> ExportCounters {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         ExportCounters {
-            offered: 0,
+            offered: g(&self.offered),
             chosen: g(&self.chosen),
             dropped_queue_full: g(&self.dropped_queue_full),
             exported_traces: g(&self.exported_traces),
@@ -224,6 +229,72 @@ impl ExportStats {
             failed_traces: g(&self.failed_traces),
         }
     }
+}
+
+/// A latency series of /metrics that exported traces are exemplars of:
+/// the guest-observed total where the guest agent joined the I/O, else
+/// the host window (what a trace's root spans).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeriesKey {
+    pub vm: String,
+    pub vdisk: String,
+    pub op: &'static str,
+    pub segment: &'static str,
+}
+
+impl SeriesKey {
+    pub fn of(span: &IoSpan, names: &Names) -> Self {
+        Self {
+            vm: names.vm.clone(),
+            vdisk: names.vdisk.clone(),
+            op: span.op.as_str(),
+            segment: if span.has_guest {
+                "g_total"
+            } else {
+                "host_window"
+            },
+        }
+    }
+}
+
+/// An exported trace as an exemplar of a latency bucket.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Exemplar {
+    /// 32 hex digits, as the trace backends show it.
+    pub trace_id: String,
+    pub value_ns: u64,
+    /// When the I/O ended, seconds since the epoch.
+    pub unix_s: f64,
+}
+
+/// The latest exported trace per bucket of each series: a bucket's count
+/// leads to a trace the backend has.
+#[derive(Debug, Default)]
+pub struct Exemplars {
+    /// Series -> bucket upper bound (ns, `u64::MAX` for +Inf) -> exemplar.
+    by_series: HashMap<SeriesKey, BTreeMap<u64, Exemplar>>,
+}
+
+impl Exemplars {
+    pub fn record(&mut self, key: SeriesKey, ex: Exemplar) {
+        let le = crate::metrics::bounds_ns()
+            .into_iter()
+            .find(|&b| ex.value_ns <= b)
+            .unwrap_or(u64::MAX);
+        self.by_series.entry(key).or_default().insert(le, ex);
+    }
+
+    /// The exemplar of the bucket with upper bound `le_ns`, if any.
+    pub fn get(&self, key: &SeriesKey, le_ns: u64) -> Option<&Exemplar> {
+        self.by_series.get(key)?.get(&le_ns)
+    }
+}
+
+/// What the exporter shares while it runs: its counters, and exemplars.
+#[derive(Clone, Debug, Default)]
+pub struct ExportShared {
+    pub stats: Arc<ExportStats>,
+    pub exemplars: Arc<Mutex<Exemplars>>,
 }
 
 /// Names of what an I/O's numbers refer to, resolved when it is chosen.
@@ -264,6 +335,14 @@ impl Tracer {
         self.sampler.offer(span);
     }
 
+    /// Counters and exemplars, live, for /metrics.
+    pub fn shared(&self) -> ExportShared {
+        #[cfg(feature = "otlp")]
+        return self.exporter.shared.clone();
+        #[cfg(not(feature = "otlp"))]
+        ExportShared::default()
+    }
+
     /// At each interval's end, hands the chosen I/Os to the exporter.
     pub fn tick(&mut self, names: impl Fn(&IoSpan) -> Names) {
         if self.last.elapsed() >= self.interval {
@@ -276,6 +355,11 @@ impl Tracer {
         let chosen = self.sampler.take();
         #[cfg(feature = "otlp")]
         {
+            self.exporter
+                .shared
+                .stats
+                .offered
+                .store(self.sampler.offered(), Ordering::Relaxed);
             for (span, reason) in &chosen {
                 self.exporter.send(span, &names(span), *reason);
             }

@@ -3,7 +3,7 @@
 
 use std::{
     borrow::Cow,
-    sync::{atomic::Ordering, Arc},
+    sync::atomic::Ordering,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
@@ -19,7 +19,7 @@ use opentelemetry_sdk::{
 };
 use tokio::sync::mpsc;
 
-use super::{ExportCounters, ExportStats, Names, Reason, TraceOpts};
+use super::{Exemplar, ExportCounters, ExportShared, Names, Reason, SeriesKey, TraceOpts};
 use crate::{model::Op, stitch::IoSpan};
 
 /// The monotonic clock the kernel stamps with, mapped to wall time.
@@ -261,12 +261,15 @@ pub fn resource() -> Resource {
         .build()
 }
 
+/// A trace on its way, with what makes it an exemplar once exported.
+type Queued = (Vec<SpanData>, (SeriesKey, Exemplar));
+
 /// The exporter's side of the queue: a task that batches traces and sends
 /// them, counting what the backend took and what it did not.
 pub struct Exporter {
-    tx: Option<mpsc::Sender<Vec<SpanData>>>,
+    tx: Option<mpsc::Sender<Queued>>,
     task: tokio::task::JoinHandle<()>,
-    pub stats: Arc<ExportStats>,
+    pub shared: ExportShared,
     traces: Traces,
 }
 
@@ -274,18 +277,20 @@ impl Exporter {
     pub fn start(opts: &TraceOpts) -> Result<Self> {
         let mut exporter = build_exporter(opts)?;
         exporter.set_resource(&resource());
-        let (tx, mut rx) = mpsc::channel::<Vec<SpanData>>(opts.policy.queue.max(1));
-        let stats = Arc::new(ExportStats::default());
-        let st = stats.clone();
+        let (tx, mut rx) = mpsc::channel(opts.policy.queue.max(1));
+        let shared = ExportShared::default();
+        let (st, exemplars) = (shared.stats.clone(), shared.exemplars.clone());
         let task = tokio::spawn(async move {
             const BATCH_SPANS: usize = 512;
-            while let Some(first) = rx.recv().await {
+            while let Some((first, seed)) = rx.recv().await {
                 let mut traces = 1u64;
-                let mut batch = first;
+                let mut batch: Vec<SpanData> = first;
+                let mut seeds = vec![seed];
                 while batch.len() < BATCH_SPANS {
                     match rx.try_recv() {
-                        Ok(more) => {
+                        Ok((more, seed)) => {
                             batch.extend(more);
+                            seeds.push(seed);
                             traces += 1;
                         }
                         Err(_) => break,
@@ -296,6 +301,11 @@ impl Exporter {
                     Ok(()) => {
                         st.exported_traces.fetch_add(traces, Ordering::Relaxed);
                         st.exported_spans.fetch_add(spans, Ordering::Relaxed);
+                        // Only traces the backend took become exemplars.
+                        let mut ex = exemplars.lock().unwrap_or_else(|p| p.into_inner());
+                        for (key, e) in seeds {
+                            ex.record(key, e);
+                        }
                     }
                     Err(e) => {
                         log::debug!("OTLP export of {traces} traces failed: {e}");
@@ -308,20 +318,28 @@ impl Exporter {
         Ok(Self {
             tx: Some(tx),
             task,
-            stats,
+            shared,
             traces: Traces::new(WallClock::now(), opts.run_label.clone()),
         })
     }
 
     /// Queues one chosen I/O; a full queue drops it, counted.
     pub fn send(&self, s: &IoSpan, names: &Names, reason: Reason) {
-        self.stats.chosen.fetch_add(1, Ordering::Relaxed);
+        let stats = &self.shared.stats;
+        stats.chosen.fetch_add(1, Ordering::Relaxed);
         let Some(tx) = self.tx.as_ref() else { return };
         let trace = self.traces.of(s, names, reason);
-        if tx.try_send(trace).is_err() {
-            self.stats
-                .dropped_queue_full
-                .fetch_add(1, Ordering::Relaxed);
+        let Some(root) = trace.first() else { return };
+        let seed = Exemplar {
+            trace_id: format!("{:032x}", root.span_context.trace_id()),
+            value_ns: s.total_ns,
+            unix_s: root
+                .end_time
+                .duration_since(UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+        };
+        if tx.try_send((trace, (SeriesKey::of(s, names), seed))).is_err() {
+            stats.dropped_queue_full.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -332,7 +350,7 @@ impl Exporter {
         if tokio::time::timeout(grace, &mut self.task).await.is_err() {
             abort.abort();
         }
-        let c = self.stats.snapshot();
+        let c = self.shared.stats.snapshot();
         // Whatever never got an answer is failed, not silently gone.
         let settled = c.exported_traces + c.failed_traces + c.dropped_queue_full;
         ExportCounters {
