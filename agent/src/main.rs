@@ -110,9 +110,10 @@ struct RunArgs {
         help_heading = "Traces (OTLP)"
     )]
     trace_slowest: usize,
-    /// Also export every I/O at least this long (e.g. 2ms).
-    #[arg(long, value_parser = humantime::parse_duration, value_name = "D", help_heading = "Traces (OTLP)")]
-    trace_slower_than: Option<Duration>,
+    /// Also export every I/O at least this long (e.g. 2ms); per virtual
+    /// disk as [VM/]VDISK=D (e.g. vd0=500us, db1/vd0=2ms). Repeatable.
+    #[arg(long, value_name = "[VM/VDISK=]D", help_heading = "Traces (OTLP)")]
+    trace_slower_than: Vec<SlowerThan>,
     /// Also export one I/O in N, whatever its latency.
     #[arg(
         long,
@@ -135,6 +136,26 @@ struct RunArgs {
     /// Command to trace, after `--`.
     #[arg(last = true, value_name = "CMD")]
     command: Vec<String>,
+}
+
+/// `--trace-slower-than`: for every disk, or for one.
+#[derive(Clone, Debug)]
+enum SlowerThan {
+    All(Duration),
+    Disk(iospan::export::DiskThreshold),
+}
+
+impl std::str::FromStr for SlowerThan {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.contains('=') {
+            return s.parse().map(Self::Disk);
+        }
+        humantime::parse_duration(s)
+            .map(Self::All)
+            .map_err(|e| format!("{s:?}: {e} (a duration, e.g. 2ms, or [VM/]VDISK=DURATION)"))
+    }
 }
 
 fn main() -> ExitCode {
@@ -192,7 +213,22 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                     protocol: a.otlp_protocol,
                     policy: iospan::export::Policy {
                         slowest: a.trace_slowest,
-                        slower_than_ns: a.trace_slower_than.map_or(0, |d| d.as_nanos() as u64),
+                        slower_than_ns: a
+                            .trace_slower_than
+                            .iter()
+                            .find_map(|t| match t {
+                                SlowerThan::All(d) => Some(d.as_nanos() as u64),
+                                SlowerThan::Disk(_) => None,
+                            })
+                            .unwrap_or(0),
+                        per_disk: a
+                            .trace_slower_than
+                            .iter()
+                            .filter_map(|t| match t {
+                                SlowerThan::Disk(d) => Some(d.clone()),
+                                SlowerThan::All(_) => None,
+                            })
+                            .collect(),
                         one_in: a.trace_one_in,
                         queue: a.trace_queue as usize,
                         ..Default::default()

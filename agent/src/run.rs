@@ -68,7 +68,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     if let Some(cmd) = opts.command.first() {
         preflight::require_command(cmd)?;
     }
-    let tracer = if opts.traces.enabled() {
+    let tracer = if opts.traces.any_enabled() {
         if !opts.vms {
             bail!("traces are of VM I/O: drop --no-vms, or unset OTEL_EXPORTER_OTLP_ENDPOINT and --otlp-endpoint");
         }
@@ -550,7 +550,7 @@ async fn drain_events<W: Write>(
             }
             if let Some(t) = tracer.as_mut() {
                 for sp in spans {
-                    t.offer(sp);
+                    t.offer(sp, |sp| names_of(sp, &known));
                 }
                 t.tick(|sp| names_of(sp, &known));
             }
@@ -582,6 +582,9 @@ fn names_of(sp: &IoSpan, known: &Registry) -> Names {
         vm: known.name(sp.vm),
         vdisk: known.vdisk(sp.vdisk).unwrap_or_default().to_string(),
         host_disk: disks::name_of(Dev(sp.dev)),
+        nvme: known
+            .vdisk_model(sp.vdisk)
+            .is_some_and(|m| m.starts_with("nvme")),
     }
 }
 

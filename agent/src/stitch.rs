@@ -137,6 +137,9 @@ pub struct IoSpan {
     /// Whether the guest's side was joined; without it the I/O is the host
     /// window only (kick to signal) and the guest stamps are 0.
     pub has_guest: bool,
+    /// The guest's queue for it (its block layer's hardware context),
+    /// where the guest agent told.
+    pub queue: Option<u32>,
 }
 
 impl IoSpan {
@@ -168,6 +171,7 @@ impl IoSpan {
             total_ns: signal_ns - ev.kick_ns,
             app_ends_from_block_layer: false,
             has_guest: false,
+            queue: None,
         }
     }
 }
@@ -507,6 +511,7 @@ impl Stitcher {
             total_ns: total,
             app_ends_from_block_layer: app_from_block,
             has_guest: true,
+            queue: Some(g.queue),
             ..host
         };
         self.stitched.entry(key).or_default().record(&span);

@@ -459,6 +459,18 @@ impl Registry {
     pub fn vdisk(&self, vdisk: u32) -> Option<&str> {
         self.vdisks.get(&vdisk).map(|(_, id)| id.as_str())
     }
+
+    /// The QEMU device model of a virtual disk (virtio-blk-pci, nvme, …).
+    pub fn vdisk_model(&self, vdisk: u32) -> Option<&str> {
+        let (vm, id) = self.vdisks.get(&vdisk)?;
+        self.vms
+            .get(vm)?
+            .disks
+            .iter()
+            .find(|d| &d.id == id)?
+            .model
+            .as_deref()
+    }
 }
 
 /// The kernel's identity of a file: its superblock's dev_t (major << 20 |

@@ -196,3 +196,90 @@ fn prometheus_percentiles_match_the_report() {
     );
     eprintln!("{seen} exemplars, each a trace in Jaeger");
 }
+
+/// The same segments pushed over OTLP as exponential histograms, into a
+/// real Prometheus's OTLP receiver (stored as native histograms): counts
+/// exact, percentiles within the histogram's resolution.
+#[test]
+fn otlp_exponential_histograms_match_the_report() {
+    let prom = Prometheus::start_otlp_receiver().expect("prometheus");
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let a = RunArgs {
+        qd: 4,
+        ios: 3000,
+        name: "otlp-rig".into(),
+        no_guest_agent: true,
+        ..Default::default()
+    };
+    let (qemu, _) = guest::qemu_command(&rig, &a, &image);
+    let report = std::env::temp_dir().join(format!("iospan-otlpm-{}.json", std::process::id()));
+    let out = run(Command::new(iospan_bin())
+        .args(["run", "--quiet", "--disk", &host, "--json-out"])
+        .arg(&report)
+        // Metrics only: Prometheus takes no traces.
+        .env("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", format!("{}/v1/metrics", prom.otlp_endpoint()))
+        .env("OTEL_METRIC_EXPORT_INTERVAL", "1000")
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(rep["export"]["chosen"].as_u64(), Some(0), "no traces asked for");
+    let entry = rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == "otlp-rig" && e["disk"] == "vd0" && e["op"] == "read")
+        .unwrap_or_else(|| panic!("{rep:#}"))
+        .clone();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let sel = "virt_vm_name=\"otlp-rig\",virt_disk_id=\"vd0\",disk_io_direction=\"read\"";
+    let scalar = |q: &str| -> f64 {
+        let v = prom
+            .query(q, now)
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", prom.server.log()));
+        let r = &v["data"]["result"];
+        assert_eq!(
+            r.as_array().map(Vec::len),
+            Some(1),
+            "{q}: {v}\n{}",
+            prom.server.log()
+        );
+        r[0]["value"][1].as_str().unwrap().parse().unwrap()
+    };
+    let mut checked = Vec::new();
+    for seg in ["hypervisor", "engine", "device", "host_window"] {
+        let summary = &entry["segments"][seg];
+        let series = format!("iospan_vm_latency_seconds{{{sel},iospan_segment=\"{seg}\"}}");
+        assert_eq!(
+            scalar(&format!("histogram_count({series})")) as u64,
+            summary["count"].as_u64().unwrap(),
+            "{seg}: {summary}"
+        );
+        for (q, key) in [(0.5, "p50_us"), (0.99, "p99_us")] {
+            let promql = scalar(&format!("histogram_quantile({q}, {series})"));
+            let ours = summary[key].as_f64().unwrap() / 1e6;
+            // Exponential buckets of at least 16 per power of two (160
+            // buckets over these runs' few decades): a bucket is < 5 %;
+            // the report's own histogram adds its 1/64 of an octave.
+            assert!(
+                (promql - ours).abs() <= 0.07 * ours,
+                "{seg} {key}: PromQL {promql} s vs report {ours} s"
+            );
+            checked.push(format!(
+                "{seg} {key}: {:.1} vs {:.1} µs",
+                promql * 1e6,
+                ours * 1e6
+            ));
+        }
+    }
+    eprintln!("{}", checked.join("\n"));
+}

@@ -85,14 +85,38 @@ fn check_jaeger(protocol: &str) {
     assert_eq!(traces.len() as u64, exported, "{}", jaeger.server.log());
 
     let mut by_reason: BTreeMap<String, u64> = BTreeMap::new();
+    let ids: std::collections::HashSet<&str> = traces
+        .iter()
+        .map(|t| t["traceID"].as_str().unwrap())
+        .collect();
+    let mut links = 0;
     for t in &traces {
         let spans = t["spans"].as_array().unwrap();
+        let refs = |s: &Value, kind: &str| -> Vec<Value> {
+            s["references"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|r| r["refType"] == kind)
+                .cloned()
+                .collect()
+        };
         let roots: Vec<&Value> = spans
             .iter()
-            .filter(|s| s["references"].as_array().is_none_or(Vec::is_empty))
+            .filter(|s| refs(s, "CHILD_OF").is_empty())
             .collect();
         assert_eq!(roots.len(), 1, "{t:#}");
         let root = roots[0];
+        // Links (I/Os one engine signal completed) lead to exported traces.
+        for r in refs(root, "FOLLOWS_FROM") {
+            let id = r["traceID"].as_str().unwrap();
+            assert!(ids.contains(id), "link to {id}, not exported: {root:#}");
+            links += 1;
+        }
+        assert!(
+            tag(root, "virt.queue.index").is_some_and(|q| q.as_i64() == Some(0)),
+            "one virtqueue: {root:#}"
+        );
         assert_eq!(root["operationName"], "vdisk.read", "{root:#}");
         assert_eq!(tag(root, "virt.vm.name"), Some(&Value::from(vm.clone())));
         assert_eq!(tag(root, "virt.disk.id"), Some(&Value::from("vd0")));
@@ -181,6 +205,7 @@ fn check_jaeger(protocol: &str) {
         "{by_reason:?} over {seconds} s"
     );
     assert_eq!(get("slower_than"), 0, "{by_reason:?}");
+    eprintln!("{protocol}: {} traces, {links} links between I/Os one signal completed", traces.len());
 }
 
 #[test]
@@ -228,6 +253,82 @@ fn a_collector_that_is_down_loses_only_traces_and_counts_them() {
         .find(|e| e["vm"] == "otel-down" && e["disk"] == "vd0")
         .unwrap_or_else(|| panic!("{rep:#}"));
     assert!(vm["ios"].as_u64().unwrap() >= 1000, "{vm}");
+}
+
+/// A collector that takes connections and never answers (the worst kind
+/// of down: every export waits out its timeout) while every I/O is chosen:
+/// the queue's bound holds the agent's memory. Measured against the same
+/// run with a queue large enough to hold every trace.
+#[test]
+fn a_collector_that_never_answers_costs_only_the_queue() {
+    let blackhole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", blackhole.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in blackhole.incoming().flatten() {
+            held.push(c);
+        }
+    });
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let mut growth = Vec::new();
+    for queue in [64u64, 1_000_000] {
+        let a = RunArgs {
+            qd: 4,
+            ios: 10_000,
+            name: format!("otel-hole-{queue}"),
+            no_guest_agent: true,
+            ..Default::default()
+        };
+        let (qemu, _) = guest::qemu_command(&rig, &a, &image);
+        let report = std::env::temp_dir().join(format!(
+            "iospan-otel-hole-{queue}-{}.json",
+            std::process::id()
+        ));
+        let mut agent = Command::new(iospan_bin())
+            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .arg(&report)
+            .args(["--otlp-endpoint", &endpoint])
+            .args(["--trace-one-in", "1", "--trace-queue", &queue.to_string()])
+            .arg("--")
+            .arg(qemu.get_program())
+            .args(qemu.get_args())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = agent.id();
+        let status_kb = |k: &str| -> Option<u64> {
+            let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            let line = text.lines().find(|l| l.starts_with(k))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        };
+        // Loaded and attached, the guest still booting: the baseline.
+        std::thread::sleep(Duration::from_millis(800));
+        let base = status_kb("VmRSS:").expect("agent running");
+        let mut peak = base;
+        while agent.try_wait().unwrap().is_none() {
+            if let Some(hwm) = status_kb("VmHWM:") {
+                peak = peak.max(hwm);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+        let ex = &rep["export"];
+        let n = |k: &str| ex[k].as_u64().unwrap();
+        assert!(n("chosen") >= 9000, "every I/O chosen: {ex}");
+        assert_eq!(n("exported_traces"), 0, "{ex}");
+        assert_eq!(n("chosen"), n("failed_traces") + n("dropped_queue_full"), "{ex}");
+        if queue == 64 {
+            assert!(n("dropped_queue_full") > n("chosen") / 2, "{ex}");
+        }
+        growth.push((queue, peak.saturating_sub(base), n("chosen")));
+    }
+    eprintln!("agent memory growth (queue, KiB, traces chosen): {growth:?}");
+    let (bounded, unbounded) = (growth[0].1, growth[1].1);
+    assert!(
+        unbounded >= 4096 && bounded * 4 <= unbounded,
+        "a 64-trace queue grew {bounded} KiB, an unbounded one {unbounded} KiB"
+    );
 }
 
 /// The same export to Tempo, found again by TraceQL on the VM's name.

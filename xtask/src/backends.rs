@@ -408,23 +408,39 @@ pub struct Prometheus {
 impl Prometheus {
     /// Scrapes `target` (host:port, path /metrics).
     pub fn start(target: &str) -> Result<Self> {
-        let dir = TempDir::new("prometheus")?;
-        let api = local_addr()?;
-        let config = dir.0.join("prometheus.yml");
-        std::fs::write(
-            &config,
-            format!(
+        Self::start_with(
+            &format!(
                 "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
                  scrape_configs:\n  - job_name: iospan\n    static_configs:\n      - targets: [\"{target}\"]\n"
             ),
-        )?;
-        let args = [
+            &[],
+        )
+    }
+
+    /// Scrapes nothing; takes OTLP metrics over HTTP at `otlp_endpoint()`.
+    pub fn start_otlp_receiver() -> Result<Self> {
+        Self::start_with("global: {}\n", &["--web.enable-otlp-receiver"])
+    }
+
+    /// The OTLP/HTTP endpoint of a receiver (`start_otlp_receiver`), as
+    /// OTEL_EXPORTER_OTLP_ENDPOINT takes it (`/v1/metrics` is added).
+    pub fn otlp_endpoint(&self) -> String {
+        format!("http://{}/api/v1/otlp", self.api)
+    }
+
+    fn start_with(config_text: &str, extra: &[&str]) -> Result<Self> {
+        let dir = TempDir::new("prometheus")?;
+        let api = local_addr()?;
+        let config = dir.0.join("prometheus.yml");
+        std::fs::write(&config, config_text)?;
+        let mut args = vec![
             format!("--config.file={}", config.display()),
             format!("--storage.tsdb.path={}", dir.0.join("data").display()),
             format!("--web.listen-address={api}"),
             // Exemplars are kept only with this on.
             "--enable-feature=exemplar-storage".to_string(),
         ];
+        args.extend(extra.iter().map(|a| a.to_string()));
         let server = Server::start(
             Backend::Prometheus,
             dir,

@@ -19,6 +19,8 @@ use crate::stitch::IoSpan;
 
 #[cfg(feature = "otlp")]
 pub mod otlp;
+#[cfg(feature = "otlp")]
+pub mod otlp_metrics;
 
 /// Where and how traces go (flags first, then the OTel environment).
 #[derive(Clone, Debug, Default)]
@@ -33,6 +35,27 @@ pub struct TraceOpts {
 }
 
 impl TraceOpts {
+    /// Whether anything goes out over OTLP: traces or metrics.
+    pub fn any_enabled(&self) -> bool {
+        self.enabled() || self.metrics_enabled()
+    }
+
+    /// Whether metrics go out over OTLP: an endpoint given here or in the
+    /// environment (OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT), and
+    /// OTEL_METRICS_EXPORTER not "none".
+    pub fn metrics_enabled(&self) -> bool {
+        if std::env::var("OTEL_METRICS_EXPORTER").is_ok_and(|v| v.trim() == "none") {
+            return false;
+        }
+        self.endpoint.is_some()
+            || [
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+            ]
+            .iter()
+            .any(|k| std::env::var(k).is_ok_and(|v| !v.is_empty()))
+    }
+
     /// Whether traces are wanted at all: an endpoint given here or in the
     /// environment, and OTEL_TRACES_EXPORTER not "none".
     pub fn enabled(&self) -> bool {
@@ -49,13 +72,49 @@ impl TraceOpts {
     }
 }
 
+/// A latency threshold for one virtual disk (of one VM, or of any VM
+/// with a disk of that id).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskThreshold {
+    pub vm: Option<String>,
+    pub vdisk: String,
+    pub ns: u64,
+}
+
+impl std::str::FromStr for DiskThreshold {
+    type Err = String;
+
+    /// `[VM/]VDISK=DURATION`, e.g. `vd0=2ms` or `db1/vd0=500us`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (target, d) = s
+            .split_once('=')
+            .ok_or_else(|| format!("{s:?}: expected [VM/]VDISK=DURATION, e.g. vd0=2ms"))?;
+        let ns = humantime::parse_duration(d)
+            .map_err(|e| format!("{s:?}: duration {d:?}: {e} (e.g. 2ms, 500us)"))?
+            .as_nanos() as u64;
+        let (vm, vdisk) = match target.split_once('/') {
+            Some((vm, vdisk)) => (Some(vm.to_string()), vdisk.to_string()),
+            None => (None, target.to_string()),
+        };
+        if vdisk.is_empty() || vm.as_deref() == Some("") {
+            return Err(format!(
+                "{s:?}: name the virtual disk (its QEMU drive id), e.g. vd0=2ms or myvm/vd0=2ms"
+            ));
+        }
+        Ok(Self { vm, vdisk, ns })
+    }
+}
+
 /// Which I/Os become traces. Histograms count every I/O whatever this says.
 #[derive(Clone, Debug)]
 pub struct Policy {
     /// The slowest this many per virtual disk and interval.
     pub slowest: usize,
-    /// Every I/O at least this long (0: none by this rule).
+    /// Every I/O at least this long (0: none by this rule) ...
     pub slower_than_ns: u64,
+    /// ... or at least its disk's own threshold, where one is set (the
+    /// VM's own first, then any VM's disk of that id).
+    pub per_disk: Vec<DiskThreshold>,
     /// One I/O in this many, whatever its latency (0: none by this rule).
     pub one_in: u64,
     pub interval: Duration,
@@ -68,6 +127,7 @@ impl Default for Policy {
         Self {
             slowest: 5,
             slower_than_ns: 0,
+            per_disk: Vec::new(),
             one_in: 0,
             interval: Duration::from_secs(1),
             queue: 4096,
@@ -103,6 +163,9 @@ pub struct Sampler {
     /// Per (VM, virtual disk): the slowest so far this interval, a min-heap
     /// by total (ties by arrival) of at most `policy.slowest`.
     slowest: HashMap<(u32, u32), SlowestHeap>,
+    /// Per (VM, virtual disk): its threshold (0: none), resolved by name
+    /// once.
+    thresholds: HashMap<(u32, u32), u64>,
 }
 
 /// The slowest so far, smallest total on top.
@@ -145,10 +208,24 @@ impl Sampler {
         }
     }
 
-    pub fn offer(&mut self, span: IoSpan) {
+    /// `names` is asked the first time an I/O's disk is seen.
+    pub fn offer(&mut self, span: IoSpan, names: impl FnOnce(&IoSpan) -> Names) {
         self.offered += 1;
         let p = &self.policy;
-        if p.slower_than_ns > 0 && span.total_ns >= p.slower_than_ns {
+        let threshold = *self
+            .thresholds
+            .entry((span.vm, span.vdisk))
+            .or_insert_with(|| {
+                let n = names(&span);
+                let of = |vm: bool| {
+                    p.per_disk.iter().find(|t| {
+                        t.vdisk == n.vdisk && (t.vm.as_deref() == Some(n.vm.as_str())) == vm
+                            && (vm || t.vm.is_none())
+                    })
+                };
+                of(true).or_else(|| of(false)).map_or(p.slower_than_ns, |t| t.ns)
+            });
+        if threshold > 0 && span.total_ns >= threshold {
             self.chosen.push((span, Reason::SlowerThan));
         } else if p.one_in > 0 && self.offered.is_multiple_of(p.one_in) {
             self.chosen.push((span, Reason::Uniform));
@@ -303,15 +380,20 @@ pub struct Names {
     pub vm: String,
     pub vdisk: String,
     pub host_disk: String,
+    /// The virtual disk is an NVMe controller's namespace.
+    pub nvme: bool,
 }
 
-/// The sampler and, where built in, the OTLP exporter behind it.
+/// What goes out over OTLP: traces (the sampler and the exporter behind
+/// it) and segment metrics, each where enabled.
 pub struct Tracer {
     sampler: Sampler,
     interval: Duration,
     last: std::time::Instant,
     #[cfg(feature = "otlp")]
-    exporter: otlp::Exporter,
+    exporter: Option<otlp::Exporter>,
+    #[cfg(feature = "otlp")]
+    meters: Option<otlp_metrics::Meters>,
 }
 
 impl Tracer {
@@ -327,18 +409,39 @@ impl Tracer {
             interval: opts.policy.interval,
             last: std::time::Instant::now(),
             #[cfg(feature = "otlp")]
-            exporter: otlp::Exporter::start(opts)?,
+            exporter: opts
+                .enabled()
+                .then(|| otlp::Exporter::start(opts))
+                .transpose()?,
+            #[cfg(feature = "otlp")]
+            meters: opts
+                .metrics_enabled()
+                .then(|| otlp_metrics::Meters::start(opts))
+                .transpose()?,
         })
     }
 
-    pub fn offer(&mut self, span: IoSpan) {
-        self.sampler.offer(span);
+    pub fn offer(&mut self, span: IoSpan, names: impl Fn(&IoSpan) -> Names) {
+        #[cfg(feature = "otlp")]
+        {
+            if let Some(m) = self.meters.as_mut() {
+                m.record(&span, &names);
+            }
+            if self.exporter.is_none() {
+                return;
+            }
+        }
+        self.sampler.offer(span, names);
     }
 
     /// Counters and exemplars, live, for /metrics.
     pub fn shared(&self) -> ExportShared {
         #[cfg(feature = "otlp")]
-        return self.exporter.shared.clone();
+        return self
+            .exporter
+            .as_ref()
+            .map(|e| e.shared.clone())
+            .unwrap_or_default();
         #[cfg(not(feature = "otlp"))]
         ExportShared::default()
     }
@@ -354,14 +457,29 @@ impl Tracer {
     fn flush(&mut self, names: impl Fn(&IoSpan) -> Names) {
         let chosen = self.sampler.take();
         #[cfg(feature = "otlp")]
-        {
-            self.exporter
+        if let Some(exporter) = self.exporter.as_ref() {
+            exporter
                 .shared
                 .stats
                 .offered
                 .store(self.sampler.offered(), Ordering::Relaxed);
-            for (span, reason) in &chosen {
-                self.exporter.send(span, &names(span), *reason);
+            // I/Os one engine signal completed link to one another.
+            let roots: Vec<_> = chosen.iter().map(|_| exporter.new_root()).collect();
+            let mut by_signal: HashMap<(u32, u64), Vec<usize>> = HashMap::new();
+            for (i, (span, _)) in chosen.iter().enumerate() {
+                if span.signal_ns != 0 {
+                    by_signal.entry((span.vm, span.signal_ns)).or_default().push(i);
+                }
+            }
+            for (i, (span, reason)) in chosen.iter().enumerate() {
+                let linked: Vec<_> = by_signal
+                    .get(&(span.vm, span.signal_ns))
+                    .into_iter()
+                    .flatten()
+                    .filter(|&&j| j != i)
+                    .map(|&j| roots[j].clone())
+                    .collect();
+                exporter.send(span, &names(span), *reason, &roots[i], &linked);
             }
         }
         #[cfg(not(feature = "otlp"))]
@@ -377,7 +495,16 @@ impl Tracer {
         self.flush(names);
         let offered = self.sampler.offered();
         #[cfg(feature = "otlp")]
-        let done = self.exporter.finish(grace).await;
+        if let Some(m) = self.meters.take() {
+            if let Err(e) = m.finish(grace).await {
+                log::warn!("{e:#}");
+            }
+        }
+        #[cfg(feature = "otlp")]
+        let done = match self.exporter.take() {
+            Some(e) => e.finish(grace).await,
+            None => ExportCounters::default(),
+        };
         #[cfg(not(feature = "otlp"))]
         let done = {
             let _ = grace;
@@ -418,7 +545,69 @@ mod tests {
             total_ns,
             app_ends_from_block_layer: false,
             has_guest: false,
+            queue: None,
         }
+    }
+
+    fn unnamed(_: &IoSpan) -> Names {
+        Names::default()
+    }
+
+    #[test]
+    fn a_disk_threshold_applies_to_its_disk_the_vms_own_first() {
+        let p = Policy {
+            slowest: 0,
+            slower_than_ns: 1000,
+            per_disk: ["vd1=100ns", "b/vd1=300ns", "vd2=5us"]
+                .iter()
+                .map(|t| t.parse().unwrap())
+                .collect(),
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        let names = |sp: &IoSpan| Names {
+            vm: if sp.vm == 1 { "a" } else { "b" }.into(),
+            vdisk: format!("vd{}", sp.vdisk),
+            host_disk: "sda".into(),
+            nvme: false,
+        };
+        for (vm, vdisk, t) in [
+            (1, 1, 150),  // a/vd1: vd1's 100 ns -> chosen
+            (2, 1, 150),  // b/vd1: b's own 300 ns -> not
+            (2, 1, 350),  // -> chosen
+            (1, 2, 2000), // vd2: 5 µs -> not, though above the global 1 µs
+            (1, 3, 2000), // vd3: the global 1 µs -> chosen
+        ] {
+            let mut sp = io(vdisk, t);
+            sp.vm = vm;
+            s.offer(sp, names);
+        }
+        let mut got: Vec<(u32, u32, u64)> = s
+            .take()
+            .iter()
+            .map(|(x, r)| {
+                assert_eq!(*r, Reason::SlowerThan);
+                (x.vm, x.vdisk, x.total_ns)
+            })
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, [(1, 1, 150), (1, 3, 2000), (2, 1, 350)]);
+    }
+
+    #[test]
+    fn a_disk_threshold_that_cannot_be_read_says_how_to_write_it() {
+        for bad in ["vd0", "vd0=fast", "=2ms", "/vd0=2ms"] {
+            let e = bad.parse::<DiskThreshold>().unwrap_err();
+            assert!(e.contains(bad) && e.contains("e.g."), "{bad}: {e}");
+        }
+        assert_eq!(
+            "db/vd0=2ms".parse::<DiskThreshold>(),
+            Ok(DiskThreshold {
+                vm: Some("db".into()),
+                vdisk: "vd0".into(),
+                ns: 2_000_000
+            })
+        );
     }
 
     fn policy(slowest: usize, slower_than_ns: u64, one_in: u64) -> Policy {
@@ -442,7 +631,7 @@ mod tests {
             (2, 30),
             (2, 80),
         ] {
-            s.offer(io(d, t));
+            s.offer(io(d, t), unnamed);
         }
         let mut got: Vec<(u32, u64)> = s
             .take()
@@ -459,7 +648,7 @@ mod tests {
     fn threshold_and_uniform_come_on_top_and_say_why() {
         let mut s = Sampler::new(policy(1, 100, 3));
         for t in [10, 200, 20, 30, 150, 40, 50] {
-            s.offer(io(1, t));
+            s.offer(io(1, t), unnamed);
         }
         let mut got: Vec<(u64, Reason)> = s.take().iter().map(|(x, r)| (x.total_ns, *r)).collect();
         got.sort_unstable_by_key(|g| g.0);

@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use opentelemetry::{
-    trace::{Event, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceState},
+    trace::{Event, Link, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceState},
     InstrumentationScope, KeyValue,
 };
 use opentelemetry_otlp::WithExportConfig;
@@ -136,12 +136,34 @@ impl Traces {
         }
     }
 
-    /// One I/O as a trace: the root span first, then its children.
-    pub fn of(&self, s: &IoSpan, names: &Names, reason: Reason) -> Vec<SpanData> {
+    /// A new trace's root, drawn before the trace is built: I/Os exported
+    /// together can link to one another.
+    pub fn new_root(&self) -> SpanContext {
+        SpanContext::new(
+            self.ids.new_trace_id(),
+            self.ids.new_span_id(),
+            TraceFlags::SAMPLED,
+            false,
+            TraceState::NONE,
+        )
+    }
+
+    /// One I/O as a trace under `root`: the root span first, then its
+    /// children. `same_signal`: the roots of other exported I/Os the same
+    /// engine signal completed (a batched completion, a coalesced
+    /// interrupt), linked from this root.
+    pub fn of(
+        &self,
+        s: &IoSpan,
+        names: &Names,
+        reason: Reason,
+        root: &SpanContext,
+        same_signal: &[SpanContext],
+    ) -> Vec<SpanData> {
         let (clock, ids, scope) = (&self.clock, &self.ids, &self.scope);
         let run_label = self.run_label.as_deref();
-        let trace_id = ids.new_trace_id();
-        let root_id = ids.new_span_id();
+        let trace_id = root.trace_id();
+        let root_id = root.span_id();
         let ctx = |id| SpanContext::new(trace_id, id, TraceFlags::SAMPLED, false, TraceState::NONE);
         // Guest stamps are on the host clock once the VM's clock offset is
         // known; before that they are the guest's own, and this I/O's kick
@@ -173,6 +195,14 @@ impl Traces {
         if let Some(l) = run_label {
             attrs.push(KeyValue::new("iospan.run.label", l.to_string()));
         }
+        // The guest's queue (its block layer's hardware context): the
+        // virtqueue's index, or for NVMe the I/O queue's id (1-based).
+        if let Some(q) = s.queue {
+            attrs.push(KeyValue::new("virt.queue.index", i64::from(q)));
+            if names.nvme {
+                attrs.push(KeyValue::new("nvme.qid", i64::from(q) + 1));
+            }
+        }
         if let Some(o) = s.clock_offset_ns {
             attrs.push(KeyValue::new("iospan.clock_offset_ns", o));
         }
@@ -189,7 +219,14 @@ impl Traces {
                 0,
             ));
         }
-        let span = |id, parent, name: Cow<'static, str>, from: u64, to: u64, attributes, events| {
+        let span = |id,
+                    parent,
+                    name: Cow<'static, str>,
+                    from: u64,
+                    to: u64,
+                    attributes,
+                    events,
+                    links: Vec<Link>| {
             SpanData {
                 span_context: ctx(id),
                 parent_span_id: parent,
@@ -205,7 +242,11 @@ impl Traces {
                     e.events = events;
                     e
                 },
-                links: SpanLinks::default(),
+                links: {
+                    let mut l = SpanLinks::default();
+                    l.links = links;
+                    l
+                },
                 status: Status::Unset,
                 instrumentation_scope: scope.clone(),
             }
@@ -218,6 +259,16 @@ impl Traces {
             start_ns + s.total_ns,
             attrs,
             events,
+            same_signal
+                .iter()
+                .map(|c| {
+                    Link::new(
+                        c.clone(),
+                        vec![KeyValue::new("iospan.link", "same_signal")],
+                        0,
+                    )
+                })
+                .collect(),
         )];
         let mut at = start_ns;
         for piece in pieces(s) {
@@ -228,6 +279,7 @@ impl Traces {
                 at,
                 at + piece.ns,
                 vec![KeyValue::new("iospan.segment", piece.segment)],
+                vec![],
                 vec![],
             ));
             at += piece.ns;
@@ -324,11 +376,23 @@ impl Exporter {
     }
 
     /// Queues one chosen I/O; a full queue drops it, counted.
-    pub fn send(&self, s: &IoSpan, names: &Names, reason: Reason) {
+    /// A new trace's root (see `Traces::new_root`).
+    pub fn new_root(&self) -> SpanContext {
+        self.traces.new_root()
+    }
+
+    pub fn send(
+        &self,
+        s: &IoSpan,
+        names: &Names,
+        reason: Reason,
+        root: &SpanContext,
+        same_signal: &[SpanContext],
+    ) {
         let stats = &self.shared.stats;
         stats.chosen.fetch_add(1, Ordering::Relaxed);
         let Some(tx) = self.tx.as_ref() else { return };
-        let trace = self.traces.of(s, names, reason);
+        let trace = self.traces.of(s, names, reason, root, same_signal);
         let Some(root) = trace.first() else { return };
         let seed = Exemplar {
             trace_id: format!("{:032x}", root.span_context.trace_id()),
@@ -435,6 +499,7 @@ mod tests {
             total_ns: 600,
             app_ends_from_block_layer: false,
             has_guest: true,
+            queue: Some(3),
         };
         let clock = WallClock { offset_ns: 0 };
         let traces = Traces::new(clock, None);
@@ -446,7 +511,7 @@ mod tests {
                 ..host
             },
         ] {
-            let t = traces.of(&s, &Names::default(), Reason::Slowest);
+            let t = traces.of(&s, &Names::default(), Reason::Slowest, &traces.new_root(), &[]);
             let root = &t[0];
             assert_eq!(root.name, "vdisk.write");
             let dur = |x: &SpanData| x.end_time.duration_since(x.start_time).unwrap();
@@ -471,7 +536,7 @@ mod tests {
                     end_ns: s.end_ns - 10_000_000_000,
                     ..s.clone()
                 };
-                let e = traces.of(&early, &Names::default(), Reason::Slowest);
+                let e = traces.of(&early, &Names::default(), Reason::Slowest, &traces.new_root(), &[]);
                 assert_eq!(e[0].start_time, clock.at(s.kick_ns - 50));
                 assert_eq!(total.as_nanos(), 600);
             } else {
@@ -480,5 +545,55 @@ mod tests {
                 assert_eq!(total.as_nanos(), 420);
             }
         }
+    }
+
+    #[test]
+    fn a_root_links_to_the_ios_its_signal_also_completed_and_names_its_queue() {
+        let traces = Traces::new(WallClock { offset_ns: 0 }, None);
+        let s = IoSpan {
+            vm: 1,
+            vdisk: 1,
+            dev: 0,
+            op: Op::Read,
+            pos: 0,
+            bytes: 4096,
+            begin_ns: 0,
+            guest_kick_ns: 0,
+            guest_irq_ns: 0,
+            end_ns: 0,
+            kick_ns: 1000,
+            pick_ns: 1030,
+            start_ns: 1100,
+            issue_ns: 1120,
+            done_ns: 1400,
+            signal_ns: 1420,
+            clock_offset_ns: None,
+            guest_ns: 0,
+            hypervisor_ns: 30,
+            engine_ns: 90,
+            device_ns: 300,
+            total_ns: 420,
+            app_ends_from_block_layer: false,
+            has_guest: false,
+            queue: Some(2),
+        };
+        let (root, a, b) = (traces.new_root(), traces.new_root(), traces.new_root());
+        let names = Names {
+            nvme: true,
+            ..Default::default()
+        };
+        let t = traces.of(&s, &names, Reason::Slowest, &root, &[a.clone(), b.clone()]);
+        assert_eq!(t[0].span_context, root);
+        let linked: Vec<&SpanContext> = t[0].links.iter().map(|l| &l.span_context).collect();
+        assert_eq!(linked, [&a, &b]);
+        assert!(t[1..].iter().all(|c| c.links.is_empty()));
+        let attr = |k: &str| {
+            t[0].attributes
+                .iter()
+                .find(|kv| kv.key.as_str() == k)
+                .map(|kv| kv.value.clone())
+        };
+        assert_eq!(attr("virt.queue.index"), Some(2i64.into()));
+        assert_eq!(attr("nvme.qid"), Some(3i64.into()));
     }
 }
