@@ -424,46 +424,67 @@ impl Exporter {
     }
 }
 
-fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::SpanExporter> {
+/// How one signal ("traces", "metrics") reaches the collector.
+pub enum Transport {
+    Grpc,
+    Http,
+}
+
+/// The protocol (flag, else OTEL_EXPORTER_OTLP_{SIGNAL}_PROTOCOL, else
+/// OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf) and the endpoint from
+/// the flag, if given: it names the collector, as the environment does,
+/// so over HTTP the signal's path is added. Without the flag the exporter
+/// reads the environment itself.
+pub fn transport(opts: &TraceOpts, signal: &str) -> Result<(Transport, Option<String>)> {
     let protocol = opts.protocol.clone().or_else(|| {
         [
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            format!("OTEL_EXPORTER_OTLP_{}_PROTOCOL", signal.to_uppercase()),
+            "OTEL_EXPORTER_OTLP_PROTOCOL".to_string(),
         ]
         .iter()
         .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
     });
-    let timeout = Duration::from_secs(5);
-    let built = match protocol.as_deref().unwrap_or("http/protobuf") {
-        "grpc" => {
-            let mut b = opentelemetry_otlp::SpanExporter::builder()
-                .with_tonic()
-                .with_timeout(timeout);
-            if let Some(e) = &opts.endpoint {
-                b = b.with_endpoint(e.clone());
-            }
-            b.build()
-        }
+    match protocol.as_deref().unwrap_or("http/protobuf") {
+        "grpc" => Ok((Transport::Grpc, opts.endpoint.clone())),
         "http/protobuf" => {
-            let mut b = opentelemetry_otlp::SpanExporter::builder()
-                .with_http()
-                .with_timeout(timeout);
-            if let Some(e) = &opts.endpoint {
-                // The flag names the collector, as the environment does:
-                // the traces path is added here.
+            let path = format!("/v1/{signal}");
+            let endpoint = opts.endpoint.as_deref().map(|e| {
                 let e = e.trim_end_matches('/');
-                b = b.with_endpoint(if e.ends_with("/v1/traces") {
+                if e.ends_with(&path) {
                     e.to_string()
                 } else {
-                    format!("{e}/v1/traces")
-                });
-            }
-            b.build()
+                    format!("{e}{path}")
+                }
+            });
+            Ok((Transport::Http, endpoint))
         }
         other => bail!(
             "unknown OTLP protocol {other:?} (--otlp-protocol or OTEL_EXPORTER_OTLP_PROTOCOL): \
              use grpc or http/protobuf"
         ),
+    }
+}
+
+/// How long one export may wait for the collector.
+pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::SpanExporter> {
+    let builder = opentelemetry_otlp::SpanExporter::builder();
+    let built = match transport(opts, "traces")? {
+        (Transport::Grpc, endpoint) => {
+            let b = builder.with_tonic().with_timeout(EXPORT_TIMEOUT);
+            match endpoint {
+                Some(e) => b.with_endpoint(e).build(),
+                None => b.build(),
+            }
+        }
+        (Transport::Http, endpoint) => {
+            let b = builder.with_http().with_timeout(EXPORT_TIMEOUT);
+            match endpoint {
+                Some(e) => b.with_endpoint(e).build(),
+                None => b.build(),
+            }
+        }
     };
     built.context("setting up the OTLP trace exporter")
 }

@@ -19,7 +19,10 @@ use opentelemetry_sdk::{
     runtime,
 };
 
-use super::{Names, TraceOpts};
+use super::{
+    otlp::{transport, Transport, EXPORT_TIMEOUT},
+    Names, TraceOpts,
+};
 use crate::{model::Op, stitch::IoSpan};
 
 pub struct Meters {
@@ -120,43 +123,22 @@ impl Meters {
 }
 
 fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::MetricExporter> {
-    let protocol = opts.protocol.clone().or_else(|| {
-        [
-            "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
-            "OTEL_EXPORTER_OTLP_PROTOCOL",
-        ]
-        .iter()
-        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
-    });
-    let timeout = Duration::from_secs(5);
-    let built = match protocol.as_deref().unwrap_or("http/protobuf") {
-        "grpc" => {
-            let mut b = opentelemetry_otlp::MetricExporter::builder()
-                .with_tonic()
-                .with_timeout(timeout);
-            if let Some(e) = &opts.endpoint {
-                b = b.with_endpoint(e.clone());
+    let builder = opentelemetry_otlp::MetricExporter::builder();
+    let built = match transport(opts, "metrics")? {
+        (Transport::Grpc, endpoint) => {
+            let b = builder.with_tonic().with_timeout(EXPORT_TIMEOUT);
+            match endpoint {
+                Some(e) => b.with_endpoint(e).build(),
+                None => b.build(),
             }
-            b.build()
         }
-        "http/protobuf" => {
-            let mut b = opentelemetry_otlp::MetricExporter::builder()
-                .with_http()
-                .with_timeout(timeout);
-            if let Some(e) = &opts.endpoint {
-                let e = e.trim_end_matches('/');
-                b = b.with_endpoint(if e.ends_with("/v1/metrics") {
-                    e.to_string()
-                } else {
-                    format!("{e}/v1/metrics")
-                });
+        (Transport::Http, endpoint) => {
+            let b = builder.with_http().with_timeout(EXPORT_TIMEOUT);
+            match endpoint {
+                Some(e) => b.with_endpoint(e).build(),
+                None => b.build(),
             }
-            b.build()
         }
-        other => bail!(
-            "unknown OTLP protocol {other:?} (--otlp-protocol or OTEL_EXPORTER_OTLP_PROTOCOL): \
-             use grpc or http/protobuf"
-        ),
     };
     built.context("setting up the OTLP metric exporter")
 }
