@@ -243,8 +243,11 @@ impl Doctor {
                     Some((_, crate::vms::Prologue::SingleStepped)) => {
                         "single-stepped: the expensive kind".to_string()
                     }
-                    None if hot => "not exported by this binary: no engine completion half".to_string(),
-                    None => "not exported by this binary: requests QEMU merges are not counted".to_string(),
+                    None if hot => {
+                        "not exported by this binary: no engine completion half".to_string()
+                    }
+                    None => "not exported by this binary: requests QEMU merges are not counted"
+                        .to_string(),
                 };
                 let role = if hot {
                     "completion probe"

@@ -14,6 +14,7 @@ pub mod diskstats;
 pub mod doctor;
 pub mod export;
 pub mod guest_agent;
+pub mod live;
 pub mod metrics;
 pub mod model;
 pub mod preflight;
@@ -22,5 +23,7 @@ pub mod report;
 pub mod run;
 pub mod scratch;
 pub mod stitch;
+#[cfg(feature = "tui")]
+pub mod top;
 pub mod transport;
 pub mod vms;

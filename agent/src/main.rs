@@ -48,6 +48,21 @@ enum Cmd {
         #[arg(long)]
         normal_priority: bool,
     },
+    /// Live view: per VM and virtual disk (and host disk), IOPS, MB/s, requests in flight and
+    /// where the latency goes (total, guest, hypervisor, engine, device, host queue), refreshed
+    /// every interval. Keys: s sort, / filter, m mean/p99, space pause, h histogram, ? help.
+    #[cfg(feature = "tui")]
+    Top {
+        /// Only these host disks (name, /dev path or MAJ:MIN); all by default.
+        #[arg(short, long = "disk", value_name = "DISK")]
+        disks: Vec<String>,
+        /// Refresh interval.
+        #[arg(short, long, default_value = "1s", value_parser = humantime::parse_duration, value_name = "D")]
+        interval: Duration,
+        /// Block-layer table size (disks).
+        #[arg(long, default_value_t = DEFAULT_MAX_DISKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
+        max_disks: u32,
+    },
     /// Built-in default job: fio on a scratch loop device, traced, with the table printed.
     Demo {
         /// Also write the report as JSON (schema iospan.run/v1).
@@ -161,6 +176,9 @@ impl std::str::FromStr for SlowerThan {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let level = match cli.verbose {
+        // The live view owns the terminal: log lines would tear it.
+        #[cfg(feature = "tui")]
+        0 if matches!(cli.command, Cmd::Top { .. }) => "off",
         0 => "warn",
         1 => "info",
         _ => "debug",
@@ -236,6 +254,8 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                     run_label: a.run_label,
                 },
                 metrics_listen: a.metrics_listen,
+                live: None,
+                stop: None,
             }))?;
             print!("{}", outcome.report.table());
             // A traced command's failure is the run's failure, for scripts.
@@ -262,6 +282,23 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 ready_file,
                 idle_priority: !normal_priority,
             })?;
+            Ok(ExitCode::SUCCESS)
+        }
+        #[cfg(feature = "tui")]
+        Cmd::Top {
+            disks,
+            interval,
+            max_disks,
+        } => {
+            if interval < Duration::from_millis(100) {
+                anyhow::bail!("--interval {interval:?}: use 100ms or more");
+            }
+            let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            rt.block_on(iospan::top::top(iospan::top::TopOptions {
+                disks,
+                interval,
+                max_disks,
+            }))?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Demo { json_out } => {

@@ -13,7 +13,7 @@ use crate::{
     bpf::block::{BlockSnapshot, Counters},
     correlate::{HostSplit, SplitKey},
     disks,
-    export::{ExportCounters, Exemplars, SeriesKey},
+    export::{Exemplars, ExportCounters, SeriesKey},
     model::{hist::Hist, BlkSegment},
     stitch::{StitchKey, Stitched},
     vms::Registry,
@@ -309,7 +309,10 @@ pub fn render(v: &View<'_>, f: Format) -> String {
          by QEMU (engine) or the host block layer (host).",
     );
     for (by, key) in [
-        ("engine", (|c| c.engine_merges) as fn(&crate::abi::VmCounts) -> u64),
+        (
+            "engine",
+            (|c| c.engine_merges) as fn(&crate::abi::VmCounts) -> u64,
+        ),
         ("host", |c| c.bio_merges),
     ] {
         for (name, n, _) in per_vm(key) {

@@ -51,6 +51,17 @@ pub struct RunOptions {
     pub traces: TraceOpts,
     /// Serve Prometheus text on http://ADDR/metrics.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// A live view's feed: a frame of the figures so far at each interval.
+    pub live: Option<LiveFeed>,
+    /// Ends the run when it turns true (a live view quitting).
+    pub stop: Option<watch::Receiver<bool>>,
+}
+
+/// Where and how often a run sends its frames.
+#[derive(Clone, Debug)]
+pub struct LiveFeed {
+    pub tx: watch::Sender<Option<Arc<crate::live::Frame>>>,
+    pub every: Duration,
 }
 
 pub struct RunOutcome {
@@ -198,6 +209,12 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let progress = Progress::new(opts.quiet);
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut live_tick = tokio::time::interval(
+        opts.live
+            .as_ref()
+            .map_or(Duration::from_secs(1), |l| l.every),
+    );
+    let mut stop = opts.stop.clone();
     tick.tick().await;
     // New VMs are named quickly, before a short-lived one can exit.
     let mut vm_tick = tokio::time::interval(Duration::from_millis(100));
@@ -238,6 +255,18 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
                 forget_exited_vms(&mut probes, &known, &mut exited);
                 for (slot, path) in name_new_vms(&mut probes, &known) {
                     channel_tasks.push(tokio::spawn(channel::follow(slot, path, known.clone(), correlator.clone(), stop_rx.clone())));
+                }
+            }
+            _ = async { stop.as_mut().expect("guarded").wait_for(|s| *s).await.ok() }, if stop.is_some() => {
+                if let Some(c) = child.as_mut() {
+                    terminate(c).await;
+                    child_status = c.wait().await.ok();
+                }
+                break;
+            }
+            _ = live_tick.tick(), if opts.live.is_some() => {
+                if let Some(feed) = opts.live.as_ref() {
+                    send_frame(feed, t0.elapsed().as_secs_f64(), &probes, &correlator, &known);
                 }
             }
             _ = tick.tick() => {
@@ -416,7 +445,11 @@ fn forget_exited_vms(
         }
         exited.insert(*slot);
         match probes.forget_vm(vm.pid, *slot) {
-            Ok(()) => log::info!("VM {} (pid {}) exited: its probes detached", vm.name, vm.pid),
+            Ok(()) => log::info!(
+                "VM {} (pid {}) exited: its probes detached",
+                vm.name,
+                vm.pid
+            ),
             Err(e) => log::warn!("VM {} exited: {}", vm.name, crate::bpf::error_chain(&e)),
         }
     }
@@ -740,6 +773,24 @@ async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<MetricsState>> 
 #[cfg(not(feature = "serve"))]
 async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<MetricsState>> {
     bail!("--metrics-listen {addr}: this iospan was built without the HTTP server (the `serve` feature)")
+}
+
+/// The figures so far, to a live view.
+fn send_frame(
+    feed: &LiveFeed,
+    at_s: f64,
+    probes: &BlockProbes,
+    correlator: &Mutex<Correlator>,
+    known: &Mutex<Registry>,
+) {
+    let Ok(mut snap) = probes.snapshot() else {
+        return;
+    };
+    let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
+    snap.counters.host_split = corr.counters.clone();
+    let known = known.lock().unwrap_or_else(|p| p.into_inner());
+    let frame = crate::live::frame(at_s, &snap, &corr.splits, &corr.stitch.stitched, &known);
+    let _ = feed.tx.send(Some(Arc::new(frame)));
 }
 
 fn refresh_metrics(

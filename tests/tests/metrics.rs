@@ -138,10 +138,7 @@ fn prometheus_percentiles_match_the_report() {
     eprintln!("{}", checked.join("\n"));
 
     // In flight once the VM is gone: nothing. Every table has room.
-    assert_eq!(
-        scalar("iospan_vm_inflight_requests{vm=\"prom-rig\"}"),
-        0.0
-    );
+    assert_eq!(scalar("iospan_vm_inflight_requests{vm=\"prom-rig\"}"), 0.0);
     let full = prom
         .query("iospan_map_entries >= iospan_map_capacity", at)
         .unwrap();
@@ -218,7 +215,10 @@ fn otlp_exponential_histograms_match_the_report() {
         .args(["run", "--quiet", "--disk", &host, "--json-out"])
         .arg(&report)
         // Metrics only: Prometheus takes no traces.
-        .env("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", format!("{}/v1/metrics", prom.otlp_endpoint()))
+        .env(
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+            format!("{}/v1/metrics", prom.otlp_endpoint()),
+        )
         .env("OTEL_METRIC_EXPORT_INTERVAL", "1000")
         .arg("--")
         .arg(qemu.get_program())
@@ -229,7 +229,11 @@ fn otlp_exponential_histograms_match_the_report() {
         String::from_utf8_lossy(&out.stderr)
     );
     let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    assert_eq!(rep["export"]["chosen"].as_u64(), Some(0), "no traces asked for");
+    assert_eq!(
+        rep["export"]["chosen"].as_u64(),
+        Some(0),
+        "no traces asked for"
+    );
     let entry = rep["entries"]
         .as_array()
         .unwrap()

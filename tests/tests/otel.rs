@@ -205,7 +205,10 @@ fn check_jaeger(protocol: &str) {
         "{by_reason:?} over {seconds} s"
     );
     assert_eq!(get("slower_than"), 0, "{by_reason:?}");
-    eprintln!("{protocol}: {} traces, {links} links between I/Os one signal completed", traces.len());
+    eprintln!(
+        "{protocol}: {} traces, {links} links between I/Os one signal completed",
+        traces.len()
+    );
 }
 
 #[test]
@@ -317,7 +320,11 @@ fn a_collector_that_never_answers_costs_only_the_queue() {
         let n = |k: &str| ex[k].as_u64().unwrap();
         assert!(n("chosen") >= 9000, "every I/O chosen: {ex}");
         assert_eq!(n("exported_traces"), 0, "{ex}");
-        assert_eq!(n("chosen"), n("failed_traces") + n("dropped_queue_full"), "{ex}");
+        assert_eq!(
+            n("chosen"),
+            n("failed_traces") + n("dropped_queue_full"),
+            "{ex}"
+        );
         if queue == 64 {
             assert!(n("dropped_queue_full") > n("chosen") / 2, "{ex}");
         }

@@ -702,8 +702,7 @@ fn bpf_links(pid: u32) -> usize {
         .unwrap()
         .flatten()
         .filter(|e| {
-            std::fs::read_link(e.path())
-                .is_ok_and(|l| l.to_string_lossy() == "anon_inode:bpf_link")
+            std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy() == "anon_inode:bpf_link")
         })
         .count()
 }

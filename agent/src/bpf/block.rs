@@ -15,8 +15,8 @@ use serde::{Deserialize, Serialize};
 use super::{attach, map_mut_of, map_of, Attachment, Flavour, LoadError};
 use crate::{
     abi::{
-        counter, BlkStats, DiskSlot, VmCounts, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS, MAX_STREAM_DEVS,
-        NR_DIO_END_IO,
+        counter, BlkStats, DiskSlot, VmCounts, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS,
+        MAX_STREAM_DEVS, NR_DIO_END_IO,
     },
     disks::Dev,
     model::{DiskOpStats, Op},
@@ -623,7 +623,10 @@ impl BlockProbes {
                 flavour: "uprobe",
                 reason,
             })?;
-            self.vm_links.entry(vm.pid).or_default().push((symbol, link));
+            self.vm_links
+                .entry(vm.pid)
+                .or_default()
+                .push((symbol, link));
             log::info!("attached uprobe {site}+{offset} for pid {pid}");
             if !self.attachments.iter().any(|a| a.tracepoint == site) {
                 self.attachments.push(Attachment {
@@ -699,7 +702,10 @@ impl BlockProbes {
         let mut out = Vec::new();
         for (name, map) in self.ebpf.maps() {
             let data = match map {
-                Map::HashMap(d) | Map::LruHashMap(d) | Map::PerCpuHashMap(d) | Map::PerCpuLruHashMap(d) => d,
+                Map::HashMap(d)
+                | Map::LruHashMap(d)
+                | Map::PerCpuHashMap(d)
+                | Map::PerCpuLruHashMap(d) => d,
                 _ => continue,
             };
             let Ok(info) = data.info() else { continue };

@@ -219,11 +219,14 @@ impl Sampler {
                 let n = names(&span);
                 let of = |vm: bool| {
                     p.per_disk.iter().find(|t| {
-                        t.vdisk == n.vdisk && (t.vm.as_deref() == Some(n.vm.as_str())) == vm
+                        t.vdisk == n.vdisk
+                            && (t.vm.as_deref() == Some(n.vm.as_str())) == vm
                             && (vm || t.vm.is_none())
                     })
                 };
-                of(true).or_else(|| of(false)).map_or(p.slower_than_ns, |t| t.ns)
+                of(true)
+                    .or_else(|| of(false))
+                    .map_or(p.slower_than_ns, |t| t.ns)
             });
         if threshold > 0 && span.total_ns >= threshold {
             self.chosen.push((span, Reason::SlowerThan));
@@ -468,7 +471,10 @@ impl Tracer {
             let mut by_signal: HashMap<(u32, u64), Vec<usize>> = HashMap::new();
             for (i, (span, _)) in chosen.iter().enumerate() {
                 if span.signal_ns != 0 {
-                    by_signal.entry((span.vm, span.signal_ns)).or_default().push(i);
+                    by_signal
+                        .entry((span.vm, span.signal_ns))
+                        .or_default()
+                        .push(i);
                 }
             }
             for (i, (span, reason)) in chosen.iter().enumerate() {

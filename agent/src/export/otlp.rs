@@ -402,7 +402,10 @@ impl Exporter {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64()),
         };
-        if tx.try_send((trace, (SeriesKey::of(s, names), seed))).is_err() {
+        if tx
+            .try_send((trace, (SeriesKey::of(s, names), seed)))
+            .is_err()
+        {
             stats.dropped_queue_full.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -532,7 +535,13 @@ mod tests {
                 ..host
             },
         ] {
-            let t = traces.of(&s, &Names::default(), Reason::Slowest, &traces.new_root(), &[]);
+            let t = traces.of(
+                &s,
+                &Names::default(),
+                Reason::Slowest,
+                &traces.new_root(),
+                &[],
+            );
             let root = &t[0];
             assert_eq!(root.name, "vdisk.write");
             let dur = |x: &SpanData| x.end_time.duration_since(x.start_time).unwrap();
@@ -557,7 +566,13 @@ mod tests {
                     end_ns: s.end_ns - 10_000_000_000,
                     ..s.clone()
                 };
-                let e = traces.of(&early, &Names::default(), Reason::Slowest, &traces.new_root(), &[]);
+                let e = traces.of(
+                    &early,
+                    &Names::default(),
+                    Reason::Slowest,
+                    &traces.new_root(),
+                    &[],
+                );
                 assert_eq!(e[0].start_time, clock.at(s.kick_ns - 50));
                 assert_eq!(total.as_nanos(), 600);
             } else {

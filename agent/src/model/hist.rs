@@ -51,7 +51,7 @@ fn bounds_in(b: usize, bits: u32) -> (u64, u64) {
     (lower, lower + width)
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Hist {
     /// Sub-bucket bits of this histogram's layout.
     sub_bits: u32,
@@ -115,6 +115,38 @@ impl Hist {
         self.count += other.count;
         self.sum_ns += other.sum_ns;
         self.max_ns = self.max_ns.max(other.max_ns);
+    }
+
+    /// What was recorded since `earlier`, an earlier state of this same
+    /// histogram (the maximum stays the whole run's: an upper bound).
+    pub fn since(&self, earlier: &Hist) -> Hist {
+        if earlier.sub_bits != self.sub_bits {
+            return self.clone();
+        }
+        Hist {
+            sub_bits: self.sub_bits,
+            buckets: self
+                .buckets
+                .iter()
+                .zip(&earlier.buckets)
+                .map(|(a, b)| a.saturating_sub(*b))
+                .collect(),
+            count: self.count.saturating_sub(earlier.count),
+            sum_ns: self.sum_ns.saturating_sub(earlier.sum_ns),
+            max_ns: self.max_ns,
+        }
+    }
+
+    /// Bucket counts with their bounds (ns), the empty ones left out.
+    pub fn nonzero_buckets(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        self.buckets
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| **n > 0)
+            .map(|(b, n)| {
+                let (lo, hi) = bounds_in(b, self.sub_bits);
+                (lo, hi, *n)
+            })
     }
 
     pub fn mean_ns(&self) -> f64 {

@@ -1,0 +1,148 @@
+//! What a running agent has measured so far, as one frame: cumulative
+//! figures per VM virtual disk and op, and per host disk and op. A live
+//! view (`top`) differences two frames into the last interval's rates and
+//! latencies; the same frame goes over the HTTP API to a remote view.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    bpf::block::BlockSnapshot,
+    correlate::{HostSplit, SplitKey},
+    disks,
+    model::{BlkSegment, Hist, Op},
+    stitch::{StitchKey, Stitched},
+    vms::Registry,
+};
+
+/// The segment columns of a live view, in order.
+pub const SEGMENTS: [&str; 6] = ["total", "guest", "hv", "engine", "device", "queue"];
+
+/// Cumulative figures since the agent started.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Frame {
+    /// Seconds on the agent's monotonic clock.
+    pub at_s: f64,
+    pub vdisks: Vec<Row>,
+    pub disks: Vec<Row>,
+    /// Losses of every kind so far (the report's `lost`).
+    pub lost: u64,
+}
+
+/// One (VM, virtual disk, op), or one (host disk, op) with `vm` empty.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Row {
+    pub vm: String,
+    pub disk: String,
+    pub op: Op,
+    pub ios: u64,
+    pub bytes: u64,
+    /// Requests of the VM in flight on the host now (VM rows).
+    pub inflight: u64,
+    /// Whether `total` is the guest-observed latency (guest agent) or the
+    /// host window (kick to interrupt) only.
+    pub guest_observed: bool,
+    /// By `SEGMENTS` name; absent where not measured.
+    pub segs: BTreeMap<String, Hist>,
+}
+
+/// The frame of one snapshot.
+pub fn frame(
+    at_s: f64,
+    snap: &BlockSnapshot,
+    splits: &BTreeMap<SplitKey, HostSplit>,
+    stitched: &BTreeMap<StitchKey, Stitched>,
+    known: &Registry,
+) -> Frame {
+    let mut completed: BTreeMap<u32, u64> = BTreeMap::new();
+    for (k, s) in &snap.vm_stats {
+        *completed.entry(k.vm).or_default() += s.ios;
+    }
+    let inflight = |vm: u32| {
+        let c = snap.vm_counts.get(&vm).copied().unwrap_or_default();
+        c.submitted
+            .saturating_sub(completed.get(&vm).copied().unwrap_or(0) + c.undelivered)
+    };
+    let mut vdisks = Vec::new();
+    for (k, s) in &snap.vm_stats {
+        // The VM process's own requests (no virtual disk) are not a row.
+        let Some(vdisk) = known.vdisk(k.vdisk) else {
+            continue;
+        };
+        let mut segs = BTreeMap::new();
+        segs.insert("queue".to_string(), s.segment(BlkSegment::Queue).clone());
+        let split = splits.get(&SplitKey {
+            vm: k.vm,
+            dev: k.dev,
+            op: k.op,
+            vdisk: k.vdisk,
+        });
+        let joined = stitched
+            .get(&StitchKey {
+                vm: k.vm,
+                vdisk: k.vdisk,
+                op: k.op,
+            })
+            .filter(|st| st.total.count > 0);
+        if let Some(st) = joined {
+            for (name, h) in [
+                ("total", &st.total),
+                ("guest", &st.guest),
+                ("hv", &st.hypervisor),
+                ("engine", &st.engine),
+                ("device", &st.device),
+            ] {
+                segs.insert(name.to_string(), h.clone());
+            }
+        } else if let Some(h) = split {
+            for (name, h) in [
+                ("total", &h.window),
+                ("hv", &h.hypervisor),
+                ("engine", &h.engine),
+                ("device", &h.device),
+            ] {
+                segs.insert(name.to_string(), h.clone());
+            }
+        } else {
+            segs.insert("device".to_string(), s.segment(BlkSegment::Total).clone());
+        }
+        vdisks.push(Row {
+            vm: known.name(k.vm),
+            disk: vdisk.to_string(),
+            op: k.op,
+            ios: s.ios,
+            bytes: s.bytes,
+            inflight: inflight(k.vm),
+            guest_observed: joined.is_some(),
+            segs,
+        });
+    }
+    let disks = snap
+        .stats
+        .iter()
+        .map(|((dev, op), s)| Row {
+            vm: String::new(),
+            disk: disks::name_of(*dev),
+            op: *op,
+            ios: s.ios,
+            bytes: s.bytes,
+            inflight: 0,
+            guest_observed: false,
+            segs: [
+                ("device", s.segment(BlkSegment::Service)),
+                ("queue", s.segment(BlkSegment::Queue)),
+                ("total", s.segment(BlkSegment::Total)),
+            ]
+            .into_iter()
+            .map(|(n, h)| (n.to_string(), h.clone()))
+            .collect(),
+        })
+        .collect();
+    Frame {
+        at_s,
+        vdisks,
+        disks,
+        lost: snap.counters.losses().iter().map(|l| l.2).sum(),
+    }
+}

@@ -1,0 +1,862 @@
+//! `iospan top`: a live view of where each VM's I/O latency goes, per VM
+//! and virtual disk (and host disk), refreshed every interval — esxtop's
+//! GAVG/KAVG/DAVG for KVM. Figures are the last interval's, differenced
+//! from two cumulative frames (`live`).
+
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
+
+use anyhow::{Context, Result};
+use ratatui::{
+    crossterm::event::{self, Event, KeyCode, KeyEvent, KeyEventKind},
+    layout::{Constraint, Layout, Rect},
+    style::{Color, Modifier, Style},
+    text::{Line, Span},
+    widgets::{Block, Borders, Cell, Clear, Paragraph, Row, Table, TableState},
+};
+use tokio::sync::watch;
+
+use crate::{
+    live::{self, Frame},
+    model::{Hist, Op},
+    run::{self, LiveFeed, RunOptions},
+};
+
+pub struct TopOptions {
+    pub disks: Vec<String>,
+    pub interval: Duration,
+    pub max_disks: u32,
+}
+
+/// One row of the view: a VM (its virtual disks together), one of its
+/// virtual disks, or a host disk. Figures are over the last interval.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Item {
+    pub kind: Kind,
+    pub vm: String,
+    pub disk: String,
+    pub r_iops: f64,
+    pub w_iops: f64,
+    pub mbps: f64,
+    pub inflight: u64,
+    /// Whether `total` is guest-observed (guest agent) or the host window.
+    pub guest_observed: bool,
+    /// The interval's histogram per `live::SEGMENTS` name.
+    pub segs: BTreeMap<String, Hist>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Vm,
+    VDisk,
+    HostDisk,
+}
+
+/// The columns, in screen order; each knows how wide it is and how soon
+/// it goes when the terminal is narrow (higher: earlier).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Col {
+    Name,
+    ReadIops,
+    WriteIops,
+    MBps,
+    Out,
+    Seg(usize),
+    Share,
+}
+
+impl Col {
+    pub const ALL: [Col; 12] = [
+        Col::Name,
+        Col::ReadIops,
+        Col::WriteIops,
+        Col::MBps,
+        Col::Out,
+        Col::Seg(0),
+        Col::Seg(1),
+        Col::Seg(2),
+        Col::Seg(3),
+        Col::Seg(4),
+        Col::Seg(5),
+        Col::Share,
+    ];
+
+    fn width(self) -> u16 {
+        match self {
+            Col::Name => 22,
+            Col::ReadIops | Col::WriteIops | Col::MBps => 8,
+            Col::Out => 5,
+            Col::Seg(_) => 9,
+            Col::Share => 22,
+        }
+    }
+
+    /// Which columns go first when they do not fit.
+    fn drop_rank(self) -> u8 {
+        match self {
+            Col::Name => 0,
+            Col::Seg(0) => 1,
+            Col::ReadIops => 2,
+            Col::WriteIops => 3,
+            Col::Seg(4) => 4,
+            Col::Seg(2) => 5,
+            Col::Seg(3) => 6,
+            Col::Seg(1) => 7,
+            Col::MBps => 8,
+            Col::Seg(5) => 9,
+            Col::Out => 10,
+            Col::Share => 11,
+            Col::Seg(_) => 12,
+        }
+    }
+
+    fn title(self, p99: bool) -> String {
+        let stat = if p99 { "p99" } else { "avg" };
+        match self {
+            Col::Name => "VM / DISK".into(),
+            Col::ReadIops => "R/s".into(),
+            Col::WriteIops => "W/s".into(),
+            Col::MBps => "MB/s".into(),
+            Col::Out => "OUT".into(),
+            Col::Seg(i) => format!(
+                "{}{}",
+                SEG_TITLES[i],
+                if i == 0 {
+                    format!(" {stat}")
+                } else {
+                    String::new()
+                }
+            ),
+            Col::Share => "SHARE g/H/E/D".into(),
+        }
+    }
+}
+
+/// Segment column titles (µs), `live::SEGMENTS` order.
+const SEG_TITLES: [&str; 6] = ["TOTAL", "GUEST", "HV", "ENGINE", "DEVICE", "QUEUE"];
+
+/// The columns that fit `width`, in screen order.
+pub fn fitting(width: u16) -> Vec<Col> {
+    let mut cols: Vec<Col> = Col::ALL.to_vec();
+    let need = |cols: &[Col]| cols.iter().map(|c| c.width() + 1).sum::<u16>();
+    while need(&cols) > width && cols.len() > 1 {
+        let worst = cols
+            .iter()
+            .copied()
+            .max_by_key(|c| c.drop_rank())
+            .expect("non-empty");
+        cols.retain(|c| *c != worst);
+    }
+    cols
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Screen {
+    Table,
+    Histogram,
+    Help,
+}
+
+/// Everything the screen shows, and the keys change.
+pub struct State {
+    pub vms: Vec<Item>,
+    pub disks: Vec<Item>,
+    pub interval_s: f64,
+    pub lost: u64,
+    pub sort: Col,
+    pub descending: bool,
+    pub filter: String,
+    /// Typing a filter: keys go to it.
+    pub editing: bool,
+    pub p99: bool,
+    pub paused: bool,
+    pub selected: usize,
+    pub collapsed: std::collections::BTreeSet<String>,
+    pub screen: Screen,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self {
+            vms: Vec::new(),
+            disks: Vec::new(),
+            interval_s: 0.0,
+            lost: 0,
+            sort: Col::Seg(0),
+            descending: true,
+            filter: String::new(),
+            editing: false,
+            p99: false,
+            paused: false,
+            selected: 0,
+            collapsed: Default::default(),
+            screen: Screen::Table,
+        }
+    }
+}
+
+/// The last interval: `cur` less `prev` (all of `cur` when there is none).
+pub fn interval(prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64) {
+    let secs = prev.map_or(cur.at_s, |p| cur.at_s - p.at_s).max(1e-3);
+    let key = |r: &live::Row| (r.vm.clone(), r.disk.clone(), r.op);
+    let before: BTreeMap<_, &live::Row> = prev
+        .map(|p| {
+            p.vdisks
+                .iter()
+                .chain(&p.disks)
+                .map(|r| (key(r), r))
+                .collect()
+        })
+        .unwrap_or_default();
+    // Per (vm, disk): both ops together.
+    let mut lines: BTreeMap<(String, String), Item> = BTreeMap::new();
+    for r in cur.vdisks.iter().chain(&cur.disks) {
+        let old = before.get(&key(r));
+        let ios = r.ios - old.map_or(0, |o| o.ios.min(r.ios));
+        let bytes = r.bytes - old.map_or(0, |o| o.bytes.min(r.bytes));
+        let l = lines
+            .entry((r.vm.clone(), r.disk.clone()))
+            .or_insert_with(|| Item {
+                kind: if r.vm.is_empty() {
+                    Kind::HostDisk
+                } else {
+                    Kind::VDisk
+                },
+                vm: r.vm.clone(),
+                disk: r.disk.clone(),
+                r_iops: 0.0,
+                w_iops: 0.0,
+                mbps: 0.0,
+                inflight: r.inflight,
+                guest_observed: r.guest_observed,
+                segs: BTreeMap::new(),
+            });
+        match r.op {
+            Op::Read => l.r_iops += ios as f64 / secs,
+            Op::Write => l.w_iops += ios as f64 / secs,
+            _ => {}
+        }
+        l.mbps += bytes as f64 / secs / 1e6;
+        l.guest_observed |= r.guest_observed;
+        for (name, h) in &r.segs {
+            let h = match old.and_then(|o| o.segs.get(name)) {
+                Some(o) => h.since(o),
+                None => h.clone(),
+            };
+            match l.segs.get_mut(name) {
+                Some(acc) => acc.merge(&h),
+                None => {
+                    l.segs.insert(name.clone(), h);
+                }
+            }
+        }
+    }
+    let (mut vdisks, mut disks) = (Vec::new(), Vec::new());
+    for l in lines.into_values() {
+        match l.kind {
+            Kind::HostDisk => disks.push(l),
+            _ => vdisks.push(l),
+        }
+    }
+    // A VM's line: its disks together.
+    let mut vms: BTreeMap<String, Item> = BTreeMap::new();
+    for d in &vdisks {
+        let v = vms.entry(d.vm.clone()).or_insert_with(|| Item {
+            kind: Kind::Vm,
+            vm: d.vm.clone(),
+            disk: String::new(),
+            r_iops: 0.0,
+            w_iops: 0.0,
+            mbps: 0.0,
+            inflight: d.inflight,
+            guest_observed: false,
+            segs: BTreeMap::new(),
+        });
+        v.r_iops += d.r_iops;
+        v.w_iops += d.w_iops;
+        v.mbps += d.mbps;
+        v.guest_observed |= d.guest_observed;
+        for (name, h) in &d.segs {
+            match v.segs.get_mut(name) {
+                Some(acc) => acc.merge(h),
+                None => {
+                    v.segs.insert(name.clone(), h.clone());
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (name, v) in vms {
+        out.push(v);
+        out.extend(vdisks.iter().filter(|d| d.vm == name).cloned());
+    }
+    (out, disks, secs)
+}
+
+impl Item {
+    /// The segment's mean or p99 over the interval, ns.
+    fn seg(&self, i: usize, p99: bool) -> Option<f64> {
+        let h = self.segs.get(live::SEGMENTS[i])?;
+        (h.count > 0).then(|| {
+            if p99 {
+                h.quantile_ns(0.99)
+            } else {
+                h.mean_ns()
+            }
+        })
+    }
+
+    fn value(&self, c: Col, p99: bool) -> f64 {
+        match c {
+            Col::Name => 0.0,
+            Col::ReadIops => self.r_iops,
+            Col::WriteIops => self.w_iops,
+            Col::MBps => self.mbps,
+            Col::Out => self.inflight as f64,
+            Col::Seg(i) => self.seg(i, p99).unwrap_or(-1.0),
+            Col::Share => self.seg(0, false).unwrap_or(-1.0),
+        }
+    }
+
+    fn label(&self) -> String {
+        match self.kind {
+            Kind::Vm => self.vm.clone(),
+            Kind::VDisk => format!("  {}", self.disk),
+            Kind::HostDisk => self.disk.clone(),
+        }
+    }
+
+    fn matches(&self, filter: &str) -> bool {
+        filter.is_empty() || self.vm.contains(filter) || self.disk.contains(filter)
+    }
+}
+
+impl State {
+    /// The rows on screen, in order: VMs sorted (their disks under them,
+    /// unless collapsed), then the host disks.
+    pub fn visible(&self) -> Vec<&Item> {
+        let by = |a: &&Item, b: &&Item| {
+            let o = if self.sort == Col::Name {
+                a.label().cmp(&b.label())
+            } else {
+                a.value(self.sort, self.p99)
+                    .total_cmp(&b.value(self.sort, self.p99))
+            };
+            if self.descending {
+                o.reverse()
+            } else {
+                o
+            }
+        };
+        let mut vms: Vec<&Item> =
+            self.vms
+                .iter()
+                .filter(|l| l.kind == Kind::Vm)
+                .filter(|v| {
+                    v.matches(&self.filter)
+                        || self.vms.iter().any(|d| {
+                            d.kind == Kind::VDisk && d.vm == v.vm && d.matches(&self.filter)
+                        })
+                })
+                .collect();
+        vms.sort_by(by);
+        let mut out = Vec::new();
+        for v in vms {
+            out.push(v);
+            if self.collapsed.contains(&v.vm) {
+                continue;
+            }
+            let mut ds: Vec<&Item> = self
+                .vms
+                .iter()
+                .filter(|d| d.kind == Kind::VDisk && d.vm == v.vm)
+                .collect();
+            ds.sort_by(by);
+            out.extend(ds);
+        }
+        let mut disks: Vec<&Item> = self
+            .disks
+            .iter()
+            .filter(|d| d.matches(&self.filter))
+            .collect();
+        disks.sort_by(by);
+        out.extend(disks);
+        out
+    }
+
+    /// A key: false to quit.
+    pub fn key(&mut self, k: KeyEvent) -> bool {
+        if k.kind != KeyEventKind::Press {
+            return true;
+        }
+        if self.editing {
+            match k.code {
+                KeyCode::Enter => self.editing = false,
+                KeyCode::Esc => {
+                    self.editing = false;
+                    self.filter.clear();
+                }
+                KeyCode::Backspace => {
+                    self.filter.pop();
+                }
+                KeyCode::Char(c) => self.filter.push(c),
+                _ => {}
+            }
+            self.selected = 0;
+            return true;
+        }
+        if self.screen != Screen::Table {
+            return match k.code {
+                KeyCode::Char('q') => false,
+                _ => {
+                    self.screen = Screen::Table;
+                    true
+                }
+            };
+        }
+        let rows = self.visible().len();
+        match k.code {
+            KeyCode::Char('q') | KeyCode::Esc => return false,
+            KeyCode::Char('s') | KeyCode::Right => {
+                let i = Col::ALL.iter().position(|c| *c == self.sort).unwrap_or(0);
+                self.sort = Col::ALL[(i + 1) % Col::ALL.len()];
+            }
+            KeyCode::Left => {
+                let i = Col::ALL.iter().position(|c| *c == self.sort).unwrap_or(0);
+                self.sort = Col::ALL[(i + Col::ALL.len() - 1) % Col::ALL.len()];
+            }
+            KeyCode::Char('r') => self.descending = !self.descending,
+            KeyCode::Char('/') => {
+                self.editing = true;
+                self.filter.clear();
+            }
+            KeyCode::Char('m') => self.p99 = !self.p99,
+            KeyCode::Char(' ') => self.paused = !self.paused,
+            KeyCode::Down | KeyCode::Char('j') => {
+                self.selected = (self.selected + 1).min(rows.saturating_sub(1))
+            }
+            KeyCode::Up | KeyCode::Char('k') => self.selected = self.selected.saturating_sub(1),
+            KeyCode::Enter => {
+                let vm = self
+                    .visible()
+                    .get(self.selected)
+                    .filter(|l| l.kind == Kind::Vm)
+                    .map(|l| l.vm.clone());
+                if let Some(vm) = vm {
+                    if !self.collapsed.remove(&vm) {
+                        self.collapsed.insert(vm);
+                    }
+                }
+            }
+            KeyCode::Char('h') => self.screen = Screen::Histogram,
+            KeyCode::Char('?') => self.screen = Screen::Help,
+            _ => {}
+        }
+        true
+    }
+}
+
+fn us(ns: f64) -> String {
+    if ns < 0.0 {
+        "-".into()
+    } else if ns < 10_000_000.0 {
+        format!("{:.1}", ns / 1e3)
+    } else {
+        format!("{:.0}ms", ns / 1e6)
+    }
+}
+
+/// The guest/hypervisor/engine/device shares of the mean as a bar.
+fn share_bar(l: &Item, width: usize) -> String {
+    let parts: Vec<(char, f64)> = [('g', 1), ('H', 2), ('E', 3), ('D', 4)]
+        .iter()
+        .filter_map(|&(c, i)| l.seg(i, false).map(|v| (c, v)))
+        .collect();
+    let sum: f64 = parts.iter().map(|p| p.1).sum();
+    if sum <= 0.0 {
+        return String::new();
+    }
+    let mut bar = String::new();
+    for (c, v) in parts {
+        let n = (v / sum * width as f64).round() as usize;
+        bar.extend(std::iter::repeat_n(c, n));
+    }
+    bar.chars().take(width).collect()
+}
+
+/// Draws the whole screen.
+pub fn draw(f: &mut ratatui::Frame, st: &State) {
+    let [main, footer] =
+        Layout::vertical([Constraint::Min(3), Constraint::Length(1)]).areas(f.area());
+    let cols = fitting(main.width);
+    let header = Row::new(cols.iter().map(|c| {
+        let mut t = c.title(st.p99);
+        if *c == st.sort {
+            t.push(if st.descending { '▼' } else { '▲' });
+        }
+        Cell::from(t)
+    }))
+    .style(Style::new().add_modifier(Modifier::BOLD | Modifier::REVERSED));
+    let visible = st.visible();
+    let rows = visible.iter().map(|l| {
+        Row::new(cols.iter().map(|c| {
+            Cell::from(match c {
+                Col::Name => l.label(),
+                Col::ReadIops => format!("{:.0}", l.r_iops),
+                Col::WriteIops => format!("{:.0}", l.w_iops),
+                Col::MBps => format!("{:.1}", l.mbps),
+                Col::Out => match l.kind {
+                    Kind::HostDisk => "-".into(),
+                    _ => l.inflight.to_string(),
+                },
+                Col::Seg(0) if !l.guest_observed && l.kind != Kind::HostDisk => l
+                    .seg(0, st.p99)
+                    .map_or("-".into(), |v| format!("{}*", us(v))),
+                Col::Seg(i) => l.seg(*i, st.p99).map_or("-".into(), us),
+                Col::Share => share_bar(l, Col::Share.width() as usize),
+            })
+        }))
+        .style(match l.kind {
+            Kind::Vm => Style::new().add_modifier(Modifier::BOLD),
+            Kind::HostDisk => Style::new().fg(Color::Cyan),
+            Kind::VDisk => Style::new(),
+        })
+    });
+    let widths: Vec<Constraint> = cols.iter().map(|c| Constraint::Length(c.width())).collect();
+    let table = Table::new(rows, widths)
+        .header(header)
+        .row_highlight_style(Style::new().add_modifier(Modifier::REVERSED));
+    let mut ts =
+        TableState::default().with_selected(Some(st.selected.min(visible.len().saturating_sub(1))));
+    f.render_stateful_widget(table, main, &mut ts);
+
+    let mut spans = vec![Span::raw(format!(
+        " {:.1}s  {}  sort {}{}  ",
+        st.interval_s,
+        if st.p99 { "p99" } else { "mean" },
+        st.sort.title(st.p99),
+        if st.descending { "▼" } else { "▲" }
+    ))];
+    if st.editing || !st.filter.is_empty() {
+        spans.push(Span::raw(format!(
+            "filter /{}{}  ",
+            st.filter,
+            if st.editing { "_" } else { "" }
+        )));
+    }
+    if st.paused {
+        spans.push(Span::styled("PAUSED  ", Style::new().fg(Color::Yellow)));
+    }
+    spans.push(if st.lost > 0 {
+        Span::styled(format!("lost {}  ", st.lost), Style::new().fg(Color::Red))
+    } else {
+        Span::raw("lost 0  ")
+    });
+    spans.push(Span::raw("* host window only  ? help  q quit"));
+    f.render_widget(Paragraph::new(Line::from(spans)), footer);
+
+    match st.screen {
+        Screen::Table => {}
+        Screen::Help => overlay(f, main, "help", help_text()),
+        Screen::Histogram => {
+            let text = visible.get(st.selected).map_or_else(
+                || vec!["nothing selected".to_string()],
+                |l| histogram_text(l),
+            );
+            overlay(f, main, "histogram", text)
+        }
+    }
+}
+
+fn overlay(f: &mut ratatui::Frame, area: Rect, title: &str, text: Vec<String>) {
+    let w = area.width.saturating_sub(4).min(100);
+    let h = area.height.saturating_sub(2).min(text.len() as u16 + 2);
+    let r = Rect::new(area.x + (area.width - w) / 2, area.y + 1, w, h);
+    f.render_widget(Clear, r);
+    f.render_widget(
+        Paragraph::new(text.into_iter().map(Line::from).collect::<Vec<_>>()).block(
+            Block::default()
+                .borders(Borders::ALL)
+                .title(title.to_string()),
+        ),
+        r,
+    );
+}
+
+fn help_text() -> Vec<String> {
+    [
+        "s / → / ←   sort by the next / previous column;  r  reverse",
+        "/           filter by VM or disk name (Enter keeps it, Esc clears)",
+        "m           toggle mean / p99",
+        "space       pause (the figures stay; the agent keeps counting)",
+        "↑ ↓ j k     select a row;  Enter  expand/collapse a VM's disks",
+        "h           histogram of the selected row, per segment",
+        "q           quit;  any key closes this",
+        "",
+        "TOTAL  guest-observed (guest agent), else the host window (marked *)",
+        "GUEST  guest block layer to kick, interrupt to completion",
+        "HV     kick to engine pickup, engine signal to interrupt",
+        "ENGINE pickup to host submit, host completion to signal",
+        "DEVICE host block layer issue to completion; QUEUE host queueing",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Per segment, the interval's log-2 buckets as bars.
+pub fn histogram_text(l: &Item) -> Vec<String> {
+    let mut out = vec![format!("{} {} — last interval, µs", l.vm, l.disk)];
+    for (i, name) in live::SEGMENTS.iter().enumerate() {
+        let Some(h) = l.segs.get(*name).filter(|h| h.count > 0) else {
+            continue;
+        };
+        out.push(format!("{} ({} I/Os)", SEG_TITLES[i], h.count));
+        let mut octaves: BTreeMap<u32, u64> = BTreeMap::new();
+        for (lo, _, n) in h.nonzero_buckets() {
+            *octaves.entry(63 - lo.max(1).leading_zeros()).or_default() += n;
+        }
+        let most = octaves.values().copied().max().unwrap_or(1);
+        for (e, n) in octaves {
+            let bar = "#".repeat(((n * 40).div_ceil(most)) as usize);
+            out.push(format!(
+                "  {:>9} – {:<9} {bar} {n}",
+                us((1u64 << e) as f64),
+                us((1u64 << (e + 1)) as f64)
+            ));
+        }
+    }
+    out
+}
+
+/// Runs the probes and the view until q (or until the probes fail: the
+/// view ends when its feed does).
+pub async fn top(opts: TopOptions) -> Result<()> {
+    let (tx, rx) = watch::channel(None);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let ui = tokio::task::spawn_blocking(move || {
+        let shown = view(rx);
+        let _ = stop_tx.send(true);
+        shown
+    });
+    let ran = run::run(RunOptions {
+        disks: opts.disks,
+        max_disks: opts.max_disks,
+        vms: true,
+        quiet: true,
+        live: Some(LiveFeed {
+            tx,
+            every: opts.interval,
+        }),
+        stop: Some(stop_rx),
+        ..Default::default()
+    })
+    .await;
+    let shown = ui.await.context("the view")?;
+    ran?;
+    shown
+}
+
+/// The terminal loop: a frame in, a screen out; keys between.
+fn view(mut rx: watch::Receiver<Option<Arc<Frame>>>) -> Result<()> {
+    let mut terminal = ratatui::init();
+    let result = (|| -> Result<()> {
+        let mut st = State::default();
+        let mut prev: Option<Arc<Frame>> = None;
+        loop {
+            // The feed gone: the probes stopped (their error follows).
+            let Ok(changed) = rx.has_changed() else {
+                return Ok(());
+            };
+            if changed {
+                let cur = rx.borrow_and_update().clone();
+                if let Some(cur) = cur {
+                    if !st.paused {
+                        let (vms, disks, secs) = interval(prev.as_deref(), &cur);
+                        st.vms = vms;
+                        st.disks = disks;
+                        st.interval_s = secs;
+                        st.lost = cur.lost;
+                    }
+                    prev = Some(cur);
+                }
+            }
+            terminal.draw(|f| draw(f, &st))?;
+            if event::poll(Duration::from_millis(100))? {
+                if let Event::Key(k) = event::read()? {
+                    if !st.key(k) {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    })();
+    ratatui::restore();
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use ratatui::{backend::TestBackend, Terminal};
+
+    use super::*;
+
+    fn hist(values: &[u64]) -> Hist {
+        let mut h = Hist::fine();
+        for &v in values {
+            h.record(v);
+        }
+        h
+    }
+
+    fn row(vm: &str, disk: &str, op: Op, ios: u64, seg_ns: u64) -> live::Row {
+        let mut segs = BTreeMap::new();
+        for (i, name) in live::SEGMENTS.iter().enumerate() {
+            segs.insert(
+                name.to_string(),
+                hist(&vec![seg_ns * (i as u64 + 1); ios as usize]),
+            );
+        }
+        live::Row {
+            vm: vm.into(),
+            disk: disk.into(),
+            op,
+            ios,
+            bytes: ios * 4096,
+            inflight: 3,
+            guest_observed: true,
+            segs,
+        }
+    }
+
+    fn state() -> State {
+        let prev = Frame {
+            at_s: 1.0,
+            ..Default::default()
+        };
+        let cur = Frame {
+            at_s: 3.0,
+            vdisks: vec![
+                row("db-primary", "vd0", Op::Read, 2000, 10_000),
+                row("db-primary", "vd1", Op::Write, 400, 20_000),
+                row("web", "vd0", Op::Read, 100, 50_000),
+            ],
+            disks: vec![row("", "nvme0n1", Op::Read, 2100, 5_000)],
+            lost: 0,
+        };
+        let (vms, disks, secs) = interval(Some(&prev), &cur);
+        State {
+            vms,
+            disks,
+            interval_s: secs,
+            ..Default::default()
+        }
+    }
+
+    fn screen(st: &State, w: u16, h: u16) -> Vec<String> {
+        let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
+        t.draw(|f| draw(f, st)).unwrap();
+        let buf = t.backend().buffer().clone();
+        (0..h)
+            .map(|y| {
+                (0..w)
+                    .map(|x| buf[(x, y)].symbol().to_string())
+                    .collect::<String>()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rates_and_latencies_are_the_intervals() {
+        let st = state();
+        let db = st
+            .vms
+            .iter()
+            .find(|l| l.kind == Kind::Vm && l.vm == "db-primary")
+            .unwrap();
+        // 2000 reads and 400 writes over 2 s.
+        assert_eq!((db.r_iops, db.w_iops), (1000.0, 200.0));
+        let total = db.seg(0, false).unwrap();
+        // (2000 × 10 µs + 400 × 20 µs) / 2400.
+        assert!((total - 11_666.7).abs() < 200.0, "{total}");
+    }
+
+    #[test]
+    fn at_200_columns_every_column_shows() {
+        let s = screen(&state(), 200, 12).join("\n");
+        for t in [
+            "VM / DISK",
+            "R/s",
+            "W/s",
+            "MB/s",
+            "OUT",
+            "TOTAL",
+            "GUEST",
+            "HV",
+            "ENGINE",
+            "DEVICE",
+            "QUEUE",
+            "SHARE",
+        ] {
+            assert!(s.contains(t), "{t} missing:\n{s}");
+        }
+        assert!(
+            s.contains("db-primary") && s.contains("  vd1") && s.contains("nvme0n1"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn at_80_columns_columns_go_whole_and_the_rest_stays_aligned() {
+        let lines = screen(&state(), 80, 12);
+        let s = lines.join("\n");
+        for t in ["VM / DISK", "TOTAL", "R/s", "W/s", "DEVICE"] {
+            assert!(s.contains(t), "{t} missing:\n{s}");
+        }
+        for t in ["SHARE", "QUEUE", "OUT"] {
+            assert!(!s.contains(t), "{t} should have gone:\n{s}");
+        }
+        assert!(lines.iter().all(|l| l.chars().count() == 80));
+        // Each shown column's figures start where its title does.
+        let header = &lines[0];
+        let at = header.find("TOTAL").unwrap();
+        let db = lines.iter().find(|l| l.starts_with("db-primary")).unwrap();
+        assert_ne!(db.chars().nth(at), Some(' '), "{header}\n{db}");
+        assert!(fitting(80).iter().map(|c| c.width() + 1).sum::<u16>() <= 80);
+    }
+
+    #[test]
+    fn keys_sort_filter_toggle_collapse_and_show_a_histogram() {
+        let mut st = state();
+        let key = |st: &mut State, c: KeyCode| st.key(KeyEvent::from(c));
+        // Sorted by TOTAL, slowest first: web (50 µs) above db-primary.
+        let first = |st: &State| st.visible()[0].vm.clone();
+        assert_eq!(first(&st), "web");
+        key(&mut st, KeyCode::Char('r'));
+        assert_eq!(first(&st), "db-primary");
+        key(&mut st, KeyCode::Char('m'));
+        assert!(screen(&st, 200, 12)[0].contains("TOTAL p99"));
+        key(&mut st, KeyCode::Char('/'));
+        for c in "web".chars() {
+            key(&mut st, KeyCode::Char(c));
+        }
+        key(&mut st, KeyCode::Enter);
+        assert!(st.visible().iter().all(|l| l.vm == "web"));
+        key(&mut st, KeyCode::Char('/'));
+        key(&mut st, KeyCode::Esc);
+        assert_eq!(st.filter, "");
+        key(&mut st, KeyCode::Enter); // collapse the selected VM
+        assert!(!st
+            .visible()
+            .iter()
+            .any(|l| l.kind == Kind::VDisk && l.vm == "db-primary"));
+        key(&mut st, KeyCode::Char('h'));
+        let s = screen(&st, 120, 40).join("\n");
+        assert!(
+            s.contains("histogram") && s.contains("TOTAL (2400 I/Os)"),
+            "{s}"
+        );
+        key(&mut st, KeyCode::Char('x'));
+        assert_eq!(st.screen, Screen::Table);
+        assert!(!key(&mut st, KeyCode::Char('q')));
+    }
+}

@@ -1,0 +1,193 @@
+//! `iospan top`, the real binary in a real terminal (tmux), watching a rig
+//! guest: its rows and every segment column fill in, and the keys change
+//! the screen as they say.
+
+use std::{
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image};
+use xtask::guest::{self, RunArgs};
+
+struct Tmux(String);
+
+impl Tmux {
+    fn start(cmd: &str, width: u16, height: u16) -> Self {
+        let name = format!("iospan-top-{}", std::process::id());
+        let ok = Command::new("tmux")
+            .args([
+                "new-session",
+                "-d",
+                "-s",
+                &name,
+                "-x",
+                &width.to_string(),
+                "-y",
+                &height.to_string(),
+                cmd,
+            ])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "tmux new-session");
+        Self(name)
+    }
+
+    fn screen(&self) -> String {
+        let out = Command::new("tmux")
+            .args(["capture-pane", "-p", "-t", &self.0])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn keys(&self, keys: &[&str]) {
+        for k in keys {
+            assert!(Command::new("tmux")
+                .args(["send-keys", "-t", &self.0, k])
+                .status()
+                .unwrap()
+                .success());
+            std::thread::sleep(Duration::from_millis(150));
+        }
+    }
+
+    /// Waits for the screen to satisfy `ok`; the last screen either way.
+    fn until(&self, what: &str, ok: impl Fn(&str) -> bool) -> String {
+        let t = Instant::now();
+        loop {
+            let s = self.screen();
+            if ok(&s) {
+                return s;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(90),
+                "timed out waiting for {what}:\n{s}"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    fn alive(&self) -> bool {
+        Command::new("tmux")
+            .args(["has-session", "-t", &self.0])
+            .status()
+            .unwrap()
+            .success()
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .args(["kill-session", "-t", &self.0])
+            .status();
+    }
+}
+
+/// The cells of a row under each header title (by the title's column).
+fn cells<'a>(header: &str, row: &'a str, titles: &[&str]) -> Vec<&'a str> {
+    titles
+        .iter()
+        .map(|t| {
+            let at = header
+                .find(t)
+                .unwrap_or_else(|| panic!("no {t} in {header}"));
+            let rest = row.get(at..).unwrap_or("");
+            rest.split_whitespace().next().unwrap_or("")
+        })
+        .collect()
+}
+
+#[test]
+fn top_shows_a_guests_segments_and_answers_its_keys() {
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let tmux = Tmux::start(
+        &format!(
+            "{} top --disk {host} --interval 500ms",
+            iospan_bin().display()
+        ),
+        200,
+        50,
+    );
+    // The probes load before the guest starts.
+    tmux.until("the header", |s| s.contains("VM / DISK"));
+
+    let a = RunArgs {
+        qd: 4,
+        ios: 10_000_000,
+        name: "top-rig".into(),
+        ..Default::default()
+    };
+    let (mut qemu, _) = guest::qemu_command(&rig, &a, &image);
+    let mut vm = qemu
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _vm = Kill(&mut vm);
+
+    let segs = ["TOTAL", "GUEST", "HV", "ENGINE", "DEVICE", "QUEUE"];
+    let filled = |s: &str| {
+        let Some(header) = s.lines().next() else {
+            return false;
+        };
+        s.lines()
+            .filter(|l| l.starts_with("top-rig") || l.starts_with("  vd0"))
+            .count()
+            == 2
+            && s.lines().filter(|l| l.starts_with("top-rig")).all(|row| {
+                let c = cells(header, row, &["R/s"]);
+                c[0].parse::<f64>().is_ok_and(|v| v > 0.0)
+                    && cells(header, row, &segs)
+                        .iter()
+                        .all(|v| v.parse::<f64>().is_ok_and(|v| v > 0.0))
+            })
+    };
+    let s = tmux.until("the VM's row with IOPS and every segment", filled);
+    eprintln!("{s}");
+
+    // mean -> p99
+    tmux.keys(&["m"]);
+    tmux.until("p99", |s| {
+        s.lines().next().is_some_and(|h| h.contains("TOTAL p99"))
+    });
+    // sort by the next column
+    tmux.keys(&["s"]);
+    tmux.until("sort by GUEST", |s| {
+        s.lines().next().is_some_and(|h| h.contains("GUEST▼"))
+    });
+    // filter: a name nothing has, then cleared
+    tmux.keys(&["/", "n", "o", "p", "e", "Enter"]);
+    tmux.until("filtered out", |s| {
+        s.contains("filter /nope") && !s.contains("top-rig")
+    });
+    tmux.keys(&["/", "Escape"]);
+    tmux.until("filter cleared", |s| {
+        s.contains("top-rig") && !s.contains("filter /")
+    });
+    // the histogram of the selected (first) row
+    tmux.keys(&["h"]);
+    let h = tmux.until("the histogram", |s| {
+        s.contains("histogram") && s.contains("TOTAL (")
+    });
+    assert!(h.contains("GUEST (") && h.contains("DEVICE ("), "{h}");
+    tmux.keys(&["x"]);
+    tmux.until("the table again", |s| !s.contains("TOTAL ("));
+    // quit
+    tmux.keys(&["q"]);
+    let t = Instant::now();
+    while tmux.alive() {
+        assert!(t.elapsed() < Duration::from_secs(20), "top did not quit");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
