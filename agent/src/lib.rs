@@ -5,8 +5,10 @@
 //! commands: `run`, `doctor`, `demo`, with `report` rendering results.
 
 pub mod abi;
+pub mod api;
 pub mod bpf;
 pub mod channel;
+pub mod config;
 pub mod correlate;
 pub mod demo;
 pub mod disks;
@@ -22,6 +24,8 @@ pub mod reap;
 pub mod report;
 pub mod run;
 pub mod scratch;
+#[cfg(feature = "serve")]
+pub mod service;
 pub mod stitch;
 #[cfg(feature = "tui")]
 pub mod top;

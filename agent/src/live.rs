@@ -146,3 +146,28 @@ pub fn frame(
         lost: snap.counters.losses().iter().map(|l| l.2).sum(),
     }
 }
+
+impl Row {
+    /// The same (VM, disk, op).
+    pub fn same(&self, other: &Row) -> bool {
+        self.vm == other.vm && self.disk == other.disk && self.op == other.op
+    }
+
+    /// What this row gained since `earlier` (the same row, in an earlier
+    /// frame); all of it when there is none.
+    pub fn since(&self, earlier: Option<&Row>) -> Row {
+        let Some(e) = earlier else {
+            return self.clone();
+        };
+        Row {
+            ios: self.ios.saturating_sub(e.ios),
+            bytes: self.bytes.saturating_sub(e.bytes),
+            segs: self
+                .segs
+                .iter()
+                .map(|(k, h)| (k.clone(), e.segs.get(k).map_or_else(|| h.clone(), |o| h.since(o))))
+                .collect(),
+            ..self.clone()
+        }
+    }
+}

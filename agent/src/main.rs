@@ -27,12 +27,20 @@ enum Cmd {
     /// Trace block I/O while CMD runs (or for --duration, or until Ctrl-C), then report
     /// IOPS, MB/s and latency percentiles per disk and op, split into queue and service.
     Run(Box<RunArgs>),
-    /// Inside a VM (--guest): send each request's guest-side stamps to the host agent over
-    /// the guest channel (a virtio-serial port named org.iospan.0, or TCP), until stopped.
+    /// On a host: the agent service (continuous measurement, HTTP API, OTLP export; see
+    /// --config). Inside a VM (--guest): send each request's guest-side stamps to the host
+    /// agent over the guest channel (a virtio-serial port named org.iospan.0, or TCP).
     Agent {
-        /// Run as the guest agent (required: the host side is `iospan run`).
+        /// Run as the guest agent, inside a VM.
         #[arg(long)]
         guest: bool,
+        /// Host agent: the configuration file (TOML; every key is documented in the shipped
+        /// /etc/iospan/iospan.toml). Default: /etc/iospan/iospan.toml if it exists.
+        #[arg(long, value_name = "FILE", conflicts_with = "guest")]
+        config: Option<PathBuf>,
+        /// Host agent: check the configuration and exit.
+        #[arg(long, conflicts_with = "guest")]
+        check_config: bool,
         /// The virtio-serial port to write to (default: the one named org.iospan.0).
         #[arg(long, value_name = "PATH")]
         port: Option<PathBuf>,
@@ -62,6 +70,12 @@ enum Cmd {
         /// Block-layer table size (disks).
         #[arg(long, default_value_t = DEFAULT_MAX_DISKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
         max_disks: u32,
+        /// Watch the agent service at HOST:PORT (its api.listen) instead of loading probes here.
+        #[arg(long, value_name = "HOST:PORT")]
+        connect: Option<String>,
+        /// The agent's api.token (or IOSPAN_TOKEN).
+        #[arg(long, env = "IOSPAN_TOKEN", value_name = "TOKEN", requires = "connect")]
+        token: Option<String>,
     },
     /// Built-in default job: fio on a scratch loop device, traced, with the table printed.
     Demo {
@@ -173,6 +187,24 @@ impl std::str::FromStr for SlowerThan {
     }
 }
 
+/// `iospan agent` on a host.
+#[cfg(feature = "serve")]
+fn host_agent(config: Option<PathBuf>, check: bool) -> Result<ExitCode> {
+    let opts = iospan::service::ServiceOptions { config };
+    if check {
+        println!("{}", iospan::service::check(&opts)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    rt.block_on(iospan::service::serve(opts))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "serve"))]
+fn host_agent(_: Option<PathBuf>, _: bool) -> Result<ExitCode> {
+    anyhow::bail!("this iospan is the guest agent's build: add --guest (the host agent needs the `serve` feature)")
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let level = match cli.verbose {
@@ -254,6 +286,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                     run_label: a.run_label,
                 },
                 metrics_listen: a.metrics_listen,
+                api: None,
                 live: None,
                 stop: None,
             }))?;
@@ -266,15 +299,15 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Agent {
             guest,
+            config,
+            check_config,
             port,
             connect,
             ready_file,
             normal_priority,
         } => {
             if !guest {
-                anyhow::bail!(
-                    "`iospan agent` runs inside a VM: add --guest (on the host, use `iospan run`)"
-                );
+                return host_agent(config, check_config);
             }
             iospan::guest_agent::run(&iospan::guest_agent::GuestOptions {
                 port,
@@ -289,6 +322,8 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             disks,
             interval,
             max_disks,
+            connect,
+            token,
         } => {
             if interval < Duration::from_millis(100) {
                 anyhow::bail!("--interval {interval:?}: use 100ms or more");
@@ -298,6 +333,8 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 disks,
                 interval,
                 max_disks,
+                connect,
+                token,
             }))?;
             Ok(ExitCode::SUCCESS)
         }

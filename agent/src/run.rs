@@ -49,8 +49,10 @@ pub struct RunOptions {
     pub command: Vec<String>,
     /// Per-I/O traces over OTLP (when an endpoint is set).
     pub traces: TraceOpts,
-    /// Serve Prometheus text on http://ADDR/metrics.
+    /// Serve the HTTP API (/metrics and the rest, see `api`) on ADDR.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Or keep an API served elsewhere (the agent service's) up to date.
+    pub api: Option<Arc<crate::api::Shared>>,
     /// A live view's feed: a frame of the figures so far at each interval.
     pub live: Option<LiveFeed>,
     /// Ends the run when it turns true (a live view quitting).
@@ -188,9 +190,10 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // way to land): any request the kernel counts from here on has passed
     // our completion tracepoint first.
     tokio::time::sleep(Duration::from_millis(5)).await;
-    let metrics = match opts.metrics_listen {
-        Some(addr) => Some(serve_metrics(addr).await?),
-        None => None,
+    let metrics = match (&opts.api, opts.metrics_listen) {
+        (Some(shared), _) => Some(shared.clone()),
+        (None, Some(addr)) => Some(serve_metrics(addr).await?),
+        (None, None) => None,
     };
     let kernel0 = diskstats::read_all();
     let cpu0 = preflight::self_cpu();
@@ -209,11 +212,15 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let progress = Progress::new(opts.quiet);
     let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut live_tick = tokio::time::interval(
-        opts.live
-            .as_ref()
-            .map_or(Duration::from_secs(1), |l| l.every),
-    );
+    // Frames for a live view, or for the API's snapshot, stream and runs.
+    let feed = opts.live.clone().or_else(|| {
+        metrics.as_ref().map(|m| LiveFeed {
+            tx: m.frames.clone(),
+            every: Duration::from_secs(1),
+        })
+    });
+    let mut live_tick =
+        tokio::time::interval(feed.as_ref().map_or(Duration::from_secs(1), |l| l.every));
     let mut stop = opts.stop.clone();
     tick.tick().await;
     // New VMs are named quickly, before a short-lived one can exit.
@@ -264,8 +271,8 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
                 }
                 break;
             }
-            _ = live_tick.tick(), if opts.live.is_some() => {
-                if let Some(feed) = opts.live.as_ref() {
+            _ = live_tick.tick(), if feed.is_some() => {
+                if let Some(feed) = feed.as_ref() {
                     send_frame(feed, t0.elapsed().as_secs_f64(), &probes, &correlator, &known);
                 }
             }
@@ -719,59 +726,17 @@ impl Progress {
     }
 }
 
-/// The latest /metrics text, and whether a scrape asked since it was made.
-pub struct MetricsState {
-    /// The last refresh, in each exposition format.
-    prometheus: Mutex<String>,
-    openmetrics: Mutex<String>,
-    wanted: std::sync::atomic::AtomicBool,
-}
-
 #[cfg(feature = "serve")]
-async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<MetricsState>> {
-    use axum::{routing::get, Router};
-    let state = Arc::new(MetricsState {
-        prometheus: Mutex::new(String::new()),
-        openmetrics: Mutex::new(String::new()),
-        wanted: std::sync::atomic::AtomicBool::new(true),
-    });
-    let listener = tokio::net::TcpListener::bind(addr)
+async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<crate::api::Shared>> {
+    let shared = crate::api::Shared::new(None);
+    crate::api::serve(addr, shared.clone())
         .await
-        .with_context(|| format!("--metrics-listen {addr}: binding"))?;
-    let st = state.clone();
-    let app = Router::new().route(
-        "/metrics",
-        get(move |headers: axum::http::HeaderMap| {
-            let st = st.clone();
-            async move {
-                use crate::metrics::Format;
-                st.wanted.store(true, std::sync::atomic::Ordering::Relaxed);
-                let accept = headers
-                    .get(axum::http::header::ACCEPT)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("");
-                let f = Format::from_accept(accept);
-                let text = match f {
-                    Format::Prometheus => &st.prometheus,
-                    Format::OpenMetrics => &st.openmetrics,
-                };
-                (
-                    [(axum::http::header::CONTENT_TYPE, f.content_type())],
-                    text.lock().unwrap_or_else(|p| p.into_inner()).clone(),
-                )
-            }
-        }),
-    );
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            log::warn!("/metrics server stopped: {e}");
-        }
-    });
-    Ok(state)
+        .with_context(|| format!("--metrics-listen {addr}"))?;
+    Ok(shared)
 }
 
 #[cfg(not(feature = "serve"))]
-async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<MetricsState>> {
+async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<crate::api::Shared>> {
     bail!("--metrics-listen {addr}: this iospan was built without the HTTP server (the `serve` feature)")
 }
 
@@ -794,7 +759,7 @@ fn send_frame(
 }
 
 fn refresh_metrics(
-    m: &MetricsState,
+    m: &crate::api::Shared,
     probes: &BlockProbes,
     correlator: &Mutex<Correlator>,
     known: &Mutex<Registry>,

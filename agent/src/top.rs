@@ -25,6 +25,11 @@ pub struct TopOptions {
     pub disks: Vec<String>,
     pub interval: Duration,
     pub max_disks: u32,
+    /// Watch a running agent (`iospan agent`, HOST:PORT of its API)
+    /// instead of loading probes here.
+    pub connect: Option<String>,
+    /// The agent's api.token, where it has one.
+    pub token: Option<String>,
 }
 
 /// One row of the view: a VM (its virtual disks together), one of its
@@ -210,9 +215,7 @@ pub fn interval(prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64
     // Per (vm, disk): both ops together.
     let mut lines: BTreeMap<(String, String), Item> = BTreeMap::new();
     for r in cur.vdisks.iter().chain(&cur.disks) {
-        let old = before.get(&key(r));
-        let ios = r.ios - old.map_or(0, |o| o.ios.min(r.ios));
-        let bytes = r.bytes - old.map_or(0, |o| o.bytes.min(r.bytes));
+        let d = r.since(before.get(&key(r)).copied());
         let l = lines
             .entry((r.vm.clone(), r.disk.clone()))
             .or_insert_with(|| Item {
@@ -231,24 +234,13 @@ pub fn interval(prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64
                 segs: BTreeMap::new(),
             });
         match r.op {
-            Op::Read => l.r_iops += ios as f64 / secs,
-            Op::Write => l.w_iops += ios as f64 / secs,
+            Op::Read => l.r_iops += d.ios as f64 / secs,
+            Op::Write => l.w_iops += d.ios as f64 / secs,
             _ => {}
         }
-        l.mbps += bytes as f64 / secs / 1e6;
+        l.mbps += d.bytes as f64 / secs / 1e6;
         l.guest_observed |= r.guest_observed;
-        for (name, h) in &r.segs {
-            let h = match old.and_then(|o| o.segs.get(name)) {
-                Some(o) => h.since(o),
-                None => h.clone(),
-            };
-            match l.segs.get_mut(name) {
-                Some(acc) => acc.merge(&h),
-                None => {
-                    l.segs.insert(name.clone(), h);
-                }
-            }
-        }
+        merge_into(&mut l.segs, d.segs);
     }
     let (mut vdisks, mut disks) = (Vec::new(), Vec::new());
     for l in lines.into_values() {
@@ -275,14 +267,7 @@ pub fn interval(prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64
         v.w_iops += d.w_iops;
         v.mbps += d.mbps;
         v.guest_observed |= d.guest_observed;
-        for (name, h) in &d.segs {
-            match v.segs.get_mut(name) {
-                Some(acc) => acc.merge(h),
-                None => {
-                    v.segs.insert(name.clone(), h.clone());
-                }
-            }
-        }
+        merge_into(&mut v.segs, d.segs.clone());
     }
     let mut out = Vec::new();
     for (name, v) in vms {
@@ -290,6 +275,18 @@ pub fn interval(prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64
         out.extend(vdisks.iter().filter(|d| d.vm == name).cloned());
     }
     (out, disks, secs)
+}
+
+/// Adds each segment's histogram to the one of the same name.
+fn merge_into(acc: &mut BTreeMap<String, Hist>, more: BTreeMap<String, Hist>) {
+    for (name, h) in more {
+        match acc.get_mut(&name) {
+            Some(a) => a.merge(&h),
+            None => {
+                acc.insert(name, h);
+            }
+        }
+    }
 }
 
 impl Item {
@@ -632,6 +629,18 @@ pub fn histogram_text(l: &Item) -> Vec<String> {
 /// view ends when its feed does).
 pub async fn top(opts: TopOptions) -> Result<()> {
     let (tx, rx) = watch::channel(None);
+    if let Some(addr) = opts.connect {
+        // The agent's frames, as they come; the view ends when they stop.
+        let feed = std::thread::spawn(move || follow(&addr, opts.token.as_deref(), tx));
+        let shown = tokio::task::spawn_blocking(move || view(rx))
+            .await
+            .context("the view")?;
+        shown?;
+        return match feed.join() {
+            Ok(r) => r,
+            Err(_) => anyhow::bail!("the stream reader panicked"),
+        };
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let ui = tokio::task::spawn_blocking(move || {
         let shown = view(rx);
@@ -654,6 +663,32 @@ pub async fn top(opts: TopOptions) -> Result<()> {
     let shown = ui.await.context("the view")?;
     ran?;
     shown
+}
+
+/// Reads the agent's frame stream (`/api/v1/stream`, server-sent events)
+/// into `tx` until it ends or the view is gone.
+fn follow(addr: &str, token: Option<&str>, tx: watch::Sender<Option<Arc<Frame>>>) -> Result<()> {
+    use std::io::BufRead;
+    let url = format!("http://{addr}/api/v1/stream");
+    let mut req = ureq::get(&url).header("Accept", "text/event-stream");
+    if let Some(t) = token {
+        req = req.header("Authorization", &format!("Bearer {t}"));
+    }
+    let resp = req
+        .call()
+        .with_context(|| format!("--connect {addr}: {url} (is `iospan agent` running there?)"))?;
+    let reader = std::io::BufReader::new(resp.into_body().into_reader());
+    for line in reader.lines() {
+        let line = line.with_context(|| format!("reading {url}"))?;
+        if let Some(data) = line.strip_prefix("data:") {
+            let frame: Frame = serde_json::from_str(data.trim())
+                .with_context(|| format!("a frame from {url}"))?;
+            if tx.send(Some(Arc::new(frame))).is_err() {
+                return Ok(());
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The terminal loop: a frame in, a screen out; keys between.

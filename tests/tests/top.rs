@@ -2,89 +2,10 @@
 //! guest: its rows and every segment column fill in, and the keys change
 //! the screen as they say.
 
-use std::{
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
-use agent_integration::{host_disk_of, iospan_bin, rig_and_image};
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, Tmux};
 use xtask::guest::{self, RunArgs};
-
-struct Tmux(String);
-
-impl Tmux {
-    fn start(cmd: &str, width: u16, height: u16) -> Self {
-        let name = format!("iospan-top-{}", std::process::id());
-        let ok = Command::new("tmux")
-            .args([
-                "new-session",
-                "-d",
-                "-s",
-                &name,
-                "-x",
-                &width.to_string(),
-                "-y",
-                &height.to_string(),
-                cmd,
-            ])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "tmux new-session");
-        Self(name)
-    }
-
-    fn screen(&self) -> String {
-        let out = Command::new("tmux")
-            .args(["capture-pane", "-p", "-t", &self.0])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    fn keys(&self, keys: &[&str]) {
-        for k in keys {
-            assert!(Command::new("tmux")
-                .args(["send-keys", "-t", &self.0, k])
-                .status()
-                .unwrap()
-                .success());
-            std::thread::sleep(Duration::from_millis(150));
-        }
-    }
-
-    /// Waits for the screen to satisfy `ok`; the last screen either way.
-    fn until(&self, what: &str, ok: impl Fn(&str) -> bool) -> String {
-        let t = Instant::now();
-        loop {
-            let s = self.screen();
-            if ok(&s) {
-                return s;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(90),
-                "timed out waiting for {what}:\n{s}"
-            );
-            std::thread::sleep(Duration::from_millis(250));
-        }
-    }
-
-    fn alive(&self) -> bool {
-        Command::new("tmux")
-            .args(["has-session", "-t", &self.0])
-            .status()
-            .unwrap()
-            .success()
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        let _ = Command::new("tmux")
-            .args(["kill-session", "-t", &self.0])
-            .status();
-    }
-}
 
 /// The cells of a row under each header title (by the title's column).
 fn cells<'a>(header: &str, row: &'a str, titles: &[&str]) -> Vec<&'a str> {

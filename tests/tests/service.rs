@@ -1,0 +1,190 @@
+//! `iospan agent`, the host agent service: its configuration checked key by
+//! key, its HTTP API (token, health, snapshot, runs), SIGHUP reloads, and
+//! `top --connect` watching it, on a real guest.
+
+use std::{
+    io::Write,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run, Tmux};
+use serde_json::Value;
+use xtask::{
+    backends::{free_port, http_get},
+    guest::{self, RunArgs},
+};
+
+fn config_file(tag: &str, text: &str) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("iospan-{tag}-{}.toml", std::process::id()));
+    std::fs::File::create(&p)
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    p
+}
+
+#[test]
+fn a_bad_configuration_is_refused_naming_its_key() {
+    for (text, key) in [
+        ("[agent]\nmax_disk = 3\n", "max_disk"),
+        ("[traces]\nslowest = \"five\"\n", "slowest"),
+        ("[api]\nlisten = \"127.0.0.1\"\n", "api.listen"),
+        ("[api]\nlisten = \"0.0.0.0:9464\"\n", "api.token"),
+    ] {
+        let p = config_file("bad", text);
+        for args in [&["--check-config"][..], &[]] {
+            let out = run(Command::new(iospan_bin())
+                .args(["agent", "--config"])
+                .arg(&p)
+                .args(args));
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{text:?} {args:?} was accepted");
+            assert!(err.contains(key), "{text:?}: {err}");
+        }
+    }
+}
+
+struct Agent(Child);
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn get(addr: &str, path: &str, token: Option<&str>) -> (u16, String) {
+    match token {
+        // Not listening (yet, or any more): 0.
+        None => http_get(addr, path, &[]).unwrap_or((0, String::new())),
+        Some(t) => {
+            let resp = ureq::get(&format!("http://{addr}{path}"))
+                .header("Authorization", &format!("Bearer {t}"))
+                .config()
+                .http_status_as_error(false)
+                .build()
+                .call()
+                .unwrap();
+            let code = resp.status().as_u16();
+            (code, resp.into_body().read_to_string().unwrap())
+        }
+    }
+}
+
+fn post(addr: &str, path: &str, token: &str) -> Value {
+    let mut resp = ureq::post(&format!("http://{addr}{path}"))
+        .header("Authorization", &format!("Bearer {token}"))
+        .send_empty()
+        .unwrap_or_else(|e| panic!("POST {path}: {e}"));
+    serde_json::from_str(&resp.body_mut().read_to_string().unwrap()).unwrap()
+}
+
+#[test]
+fn the_service_measures_a_guest_reports_a_run_and_reloads() {
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let token = "s3cret";
+    let conf = |slowest: u32| {
+        format!(
+            "[agent]\ndisks = [\"{host}\"]\n[api]\nlisten = \"{addr}\"\ntoken = \"{token}\"\n\
+             [traces]\nslowest = {slowest}\n"
+        )
+    };
+    let path = config_file("svc", &conf(5));
+    let mut agent = Agent(
+        Command::new(iospan_bin())
+            .args(["-v", "agent", "--config"])
+            .arg(&path)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    while get(&addr, "/healthz", None).0 != 200 {
+        assert!(t.elapsed() < Duration::from_secs(30), "never healthy");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Everything but health wants the token.
+    assert_eq!(get(&addr, "/api/v1/snapshot", None).0, 401);
+    assert_eq!(get(&addr, "/api/v1/snapshot", Some("wrong")).0, 401);
+    assert_eq!(get(&addr, "/api/v1/snapshot", Some(token)).0, 200);
+
+    // SIGHUP with a broken file: refused, the service stays.
+    std::fs::write(&path, "[agent]\nmax_disk = 1\n").unwrap();
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(agent.0.try_wait().unwrap().is_none(), "a bad reload stopped the agent");
+    // And with a good one: it restarts measuring on the new settings.
+    std::fs::write(&path, conf(7)).unwrap();
+    unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
+    let t = Instant::now();
+    while get(&addr, "/healthz", None).0 != 200 || t.elapsed() < Duration::from_secs(2) {
+        assert!(t.elapsed() < Duration::from_secs(30), "not healthy after reload");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // top --connect, in a terminal, watching the service.
+    let tmux = Tmux::start(
+        &format!(
+            "{} top --connect {addr} --token {token}",
+            iospan_bin().display()
+        ),
+        200,
+        40,
+    );
+    tmux.until("the header", |s| s.contains("VM / DISK"));
+
+    // A labelled run around a guest's workload.
+    let started = post(&addr, "/api/v1/runs?label=qd4", token);
+    let id = started["id"].as_u64().unwrap();
+    assert_eq!(started["label"], "qd4");
+    let a = RunArgs {
+        qd: 4,
+        ios: 3000,
+        name: "svc-rig".into(),
+        no_guest_agent: true,
+        ..Default::default()
+    };
+    let (mut qemu, dev) = guest::qemu_command(&rig, &a, &image);
+    let t0 = Instant::now();
+    let out = run(&mut qemu);
+    let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let r = guest::parse(&console, &a, dev, t0.elapsed().as_secs_f64()).unwrap();
+    tmux.until("the guest's row", |s| s.contains("svc-rig"));
+    let stopped = post(&addr, &format!("/api/v1/runs/{id}/stop"), token);
+    let report = &stopped["report"];
+    let entry = report["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == "svc-rig" && e["disk"] == "vd0" && e["op"] == "read")
+        .unwrap_or_else(|| panic!("{stopped:#}"));
+    // Exactly the guest's requests, as a standalone `iospan run` counts
+    // them (the rig tests hold that count to the guest's own).
+    assert_eq!(entry["ios"].as_u64(), Some(r.guest_reads), "{entry:#}");
+    for seg in ["total", "hv", "engine", "device", "queue"] {
+        assert!(
+            entry["segments"][seg]["count"].as_u64().unwrap_or(0) > 0,
+            "{seg}: {entry:#}"
+        );
+    }
+    let (_, runs) = get(&addr, "/api/v1/runs", Some(token));
+    assert!(runs.contains("\"qd4\""), "{runs}");
+
+    // SIGTERM: a clean stop.
+    tmux.keys(&["q"]);
+    unsafe { libc::kill(agent.0.id() as i32, libc::SIGTERM) };
+    let status = agent_integration::wait_limited(&mut agent.0, Duration::from_secs(30))
+        .expect("the agent did not stop on SIGTERM");
+    let mut log = String::new();
+    std::io::Read::read_to_string(agent.0.stderr.as_mut().unwrap(), &mut log).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("max_disk") && log.contains("stays"), "{log}");
+    assert!(log.contains("reloaded"), "{log}");
+}
