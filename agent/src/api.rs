@@ -102,7 +102,11 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
                     bytes: d.bytes,
                     iops: d.ios as f64 / seconds,
                     guest_observed: d.guest_observed,
-                    segments: d.segs.iter().map(|(k, h)| (k.clone(), h.summary())).collect(),
+                    segments: d
+                        .segs
+                        .iter()
+                        .map(|(k, h)| (k.clone(), h.summary()))
+                        .collect(),
                 }
             })
             .filter(|e| e.ios > 0)
@@ -260,7 +264,10 @@ mod server {
 
     async fn start_run(State(s): State<Arc<Shared>>, Query(q): Query<StartQuery>) -> Response {
         let Some(start) = fresh(&s).await else {
-            return (StatusCode::SERVICE_UNAVAILABLE, "no figures yet: the probes are not attached\n")
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no figures yet: the probes are not attached\n",
+            )
                 .into_response();
         };
         let mut runs = s.runs.lock().unwrap_or_else(|p| p.into_inner());
@@ -285,7 +292,11 @@ mod server {
             return (StatusCode::NOT_FOUND, format!("no run {id}\n")).into_response();
         };
         if run.stopped_s.is_some() {
-            return (StatusCode::CONFLICT, format!("run {id} has already stopped\n")).into_response();
+            return (
+                StatusCode::CONFLICT,
+                format!("run {id} has already stopped\n"),
+            )
+                .into_response();
         }
         run.stopped_s = Some(end.at_s);
         run.report = Some(bench_report(&run.start, &end));

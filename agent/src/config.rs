@@ -205,7 +205,10 @@ mod tests {
             ("[api]\nlisten = \"localhost\"\n", "api.listen"),
             ("[api]\nlisten = \"0.0.0.0:9464\"\n", "api.token"),
             ("[traces]\nslower_than = \"soon\"\n", "traces.slower_than"),
-            ("[traces.disk_slower_than]\nvd0 = \"x\"\n", "traces.disk_slower_than.vd0"),
+            (
+                "[traces.disk_slower_than]\nvd0 = \"x\"\n",
+                "traces.disk_slower_than.vd0",
+            ),
             ("[otlp]\nprotocol = \"udp\"\n", "otlp.protocol"),
             ("[nope]\n", "nope"),
         ] {

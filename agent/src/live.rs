@@ -165,7 +165,12 @@ impl Row {
             segs: self
                 .segs
                 .iter()
-                .map(|(k, h)| (k.clone(), e.segs.get(k).map_or_else(|| h.clone(), |o| h.since(o))))
+                .map(|(k, h)| {
+                    (
+                        k.clone(),
+                        e.segs.get(k).map_or_else(|| h.clone(), |o| h.since(o)),
+                    )
+                })
                 .collect(),
             ..self.clone()
         }

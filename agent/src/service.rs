@@ -132,4 +132,3 @@ pub fn check(opts: &ServiceOptions) -> Result<String> {
         }
     ))
 }
-

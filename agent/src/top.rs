@@ -681,8 +681,8 @@ fn follow(addr: &str, token: Option<&str>, tx: watch::Sender<Option<Arc<Frame>>>
     for line in reader.lines() {
         let line = line.with_context(|| format!("reading {url}"))?;
         if let Some(data) = line.strip_prefix("data:") {
-            let frame: Frame = serde_json::from_str(data.trim())
-                .with_context(|| format!("a frame from {url}"))?;
+            let frame: Frame =
+                serde_json::from_str(data.trim()).with_context(|| format!("a frame from {url}"))?;
             if tx.send(Some(Arc::new(frame))).is_err() {
                 return Ok(());
             }

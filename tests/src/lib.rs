@@ -361,4 +361,3 @@ impl Drop for Tmux {
             .status();
     }
 }
-

@@ -116,13 +116,19 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
     std::thread::sleep(Duration::from_millis(500));
-    assert!(agent.0.try_wait().unwrap().is_none(), "a bad reload stopped the agent");
+    assert!(
+        agent.0.try_wait().unwrap().is_none(),
+        "a bad reload stopped the agent"
+    );
     // And with a good one: it restarts measuring on the new settings.
     std::fs::write(&path, conf(7)).unwrap();
     unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
     let t = Instant::now();
     while get(&addr, "/healthz", None).0 != 200 || t.elapsed() < Duration::from_secs(2) {
-        assert!(t.elapsed() < Duration::from_secs(30), "not healthy after reload");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "not healthy after reload"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 

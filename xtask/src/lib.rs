@@ -5,6 +5,7 @@
 pub mod backends;
 pub mod bench;
 pub mod dashboards;
+pub mod dist;
 pub mod guest;
 pub mod setup;
 pub mod sh;

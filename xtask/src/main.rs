@@ -3,7 +3,7 @@
 //! xtask depends on nothing of the agent, so it builds on a machine that
 //! still lacks clang and libbpf: `setup` is what installs them.
 
-use xtask::{backends, bench, guest, setup, sh};
+use xtask::{backends, bench, dist, guest, setup, sh};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -54,6 +54,9 @@ enum Cmd {
     /// Check dashboards/ offline: Grafana's schema types (tsc --strict) and
     /// every PromQL expression (promtool).
     Dashboards,
+    /// Build the .deb (binary, systemd unit, default configuration,
+    /// dashboards) into target/debian/.
+    Dist,
 }
 
 #[derive(Subcommand)]
@@ -85,6 +88,10 @@ fn main() -> Result<()> {
         Cmd::Vmlinux => setup::vmlinux(),
         Cmd::Backends { cmd } => backends::main(cmd),
         Cmd::Dashboards => xtask::dashboards::check(),
+        Cmd::Dist => {
+            setup::ensure(false)?;
+            dist::build().map(|_| ())
+        }
     }
 }
 
@@ -126,6 +133,8 @@ fn test(args: &[String]) -> Result<()> {
     backends::ensure(backends::Backend::Jaeger)?;
     backends::ensure(backends::Backend::Prometheus)?;
     backends::ensure(backends::Backend::Tempo)?;
+    // The packaging test builds the .deb.
+    dist::ensure_cargo_deb()?;
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
     // One test thread: the integration tests share the kernel's tracepoints
     // and the machine's two CPUs, and compare latencies. Every test binary

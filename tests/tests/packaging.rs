@@ -1,0 +1,256 @@
+//! The systemd unit and the .deb: the unit verifies, the package installs
+//! the files it should with sane metadata, and the unit's capabilities are
+//! enough for the agent to measure a real guest.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
+use xtask::{
+    backends::{free_port, http_get},
+    guest::{self, RunArgs},
+    sh,
+};
+
+fn unit_text() -> String {
+    std::fs::read_to_string(sh::root().join("packaging/iospan.service")).unwrap()
+}
+
+/// The unit with its ExecStart pointing at `bin`, written under `dir`.
+fn unit_for(bin: &Path, dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let p = dir.join("iospan.service");
+    std::fs::write(
+        &p,
+        unit_text().replace("/usr/bin/iospan", &bin.display().to_string()),
+    )
+    .unwrap();
+    p
+}
+
+fn verify(unit: &Path) {
+    let out = run(Command::new("systemd-analyze").arg("verify").arg(unit));
+    assert!(
+        out.status.success() && out.stderr.is_empty(),
+        "systemd-analyze verify {}: {}",
+        unit.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn the_unit_verifies_and_asks_for_least_privilege() {
+    let dir = std::env::temp_dir().join(format!("iospan-unit-{}", std::process::id()));
+    verify(&unit_for(&iospan_bin(), &dir));
+    let text = unit_text();
+    for line in [
+        "Type=notify",
+        "ProtectSystem=strict",
+        "PrivateTmp=yes",
+        "NoNewPrivileges=yes",
+        "StateDirectory=iospan",
+        "WatchdogSec=",
+    ] {
+        assert!(text.contains(line), "{line} missing");
+    }
+    assert!(text.lines().any(|l| l.starts_with("ProtectHome=")));
+    // No capability beyond eBPF's needs.
+    let caps = bounding_set();
+    for c in &caps {
+        assert!(
+            [
+                "CAP_BPF",
+                "CAP_PERFMON",
+                "CAP_SYS_RESOURCE",
+                "CAP_SYS_PTRACE",
+                "CAP_SYSLOG",
+                "CAP_SYS_ADMIN"
+            ]
+            .contains(&c.as_str()),
+            "{c}"
+        );
+    }
+    // A broken unit is refused: the check can fail.
+    let broken = dir.join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    let bad = broken.join("iospan.service");
+    std::fs::write(&bad, unit_text().replace("Type=notify", "Type=notifyy")).unwrap();
+    let out = run(Command::new("systemd-analyze").arg("verify").arg(&bad));
+    assert!(!out.stderr.is_empty(), "a bad Type= passed verify");
+}
+
+fn bounding_set() -> Vec<String> {
+    unit_text()
+        .lines()
+        .find_map(|l| l.strip_prefix("CapabilityBoundingSet="))
+        .unwrap()
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+/// The agent with only the unit's capabilities (as systemd would start
+/// it: root, bounding set cut down) measures a guest exactly.
+#[test]
+fn the_units_capabilities_are_enough_to_measure_a_guest() {
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let conf = std::env::temp_dir().join(format!("iospan-caps-{}.toml", std::process::id()));
+    std::fs::write(
+        &conf,
+        format!("[agent]\ndisks = [\"{host}\"]\n[api]\nlisten = \"{addr}\"\n"),
+    )
+    .unwrap();
+    let caps: Vec<String> = bounding_set()
+        .iter()
+        .map(|c| format!("+{}", c.trim_start_matches("CAP_").to_lowercase()))
+        .collect();
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut agent = Command::new("setpriv")
+        .arg(format!("--bounding-set=-all,{}", caps.join(",")))
+        .arg("--no-new-privs")
+        .arg(iospan_bin())
+        .args(["agent", "--config"])
+        .arg(&conf)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut guard = Reap(agent);
+    let agent = &mut guard.0;
+    let status = |p: &str| http_get(&addr, p, &[]).map_or(0, |r| r.0);
+    let t = Instant::now();
+    while status("/healthz") != 200 {
+        if let Some(s) = agent.try_wait().unwrap() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(agent.stderr.as_mut().unwrap(), &mut err).unwrap();
+            panic!("the agent exited ({s}) with the unit's capabilities: {err}");
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "never healthy");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The process really holds nothing more: the unit's set (CAP_SYS_PTRACE
+    // 19, CAP_SYS_ADMIN 21, CAP_SYS_RESOURCE 24, CAP_SYSLOG 34, CAP_PERFMON 38,
+    // CAP_BPF 39), less what this machine's root lacks to begin with.
+    let bounding = |pid: &str| {
+        let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let bnd = st
+            .lines()
+            .find(|l| l.starts_with("CapBnd:"))
+            .unwrap()
+            .to_string();
+        u64::from_str_radix(bnd.split_whitespace().nth(1).unwrap(), 16).unwrap()
+    };
+    let unit: u64 = (1 << 19) | (1 << 21) | (1 << 24) | (1 << 34) | (1 << 38) | (1 << 39);
+    let ours = bounding("self");
+    assert_eq!(bounding(&agent.id().to_string()), unit & ours);
+    if unit & !ours != 0 {
+        eprintln!(
+            "this machine's root lacks capabilities {:#x} of the unit's",
+            unit & !ours
+        );
+    }
+
+    let post = |path: &str| -> serde_json::Value {
+        let mut r = ureq::post(&format!("http://{addr}{path}"))
+            .send_empty()
+            .unwrap();
+        serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap()
+    };
+    let id = post("/api/v1/runs?label=caps")["id"].as_u64().unwrap();
+    let a = RunArgs {
+        qd: 4,
+        ios: 2000,
+        name: "caps-rig".into(),
+        no_guest_agent: true,
+        ..Default::default()
+    };
+    let (mut qemu, dev) = guest::qemu_command(&rig, &a, &image);
+    let t0 = Instant::now();
+    let out = run(&mut qemu);
+    let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let r = guest::parse(&console, &a, dev, t0.elapsed().as_secs_f64()).unwrap();
+    let stopped = post(&format!("/api/v1/runs/{id}/stop"));
+    let e = stopped["report"]["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == "caps-rig" && e["disk"] == "vd0")
+        .unwrap_or_else(|| panic!("{stopped:#}"))
+        .clone();
+    assert_eq!(e["ios"].as_u64(), Some(r.guest_reads), "{e:#}");
+    for seg in ["total", "hv", "engine", "device"] {
+        assert!(
+            e["segments"][seg]["count"].as_u64().unwrap_or(0) > 0,
+            "{seg}: {e:#}"
+        );
+    }
+}
+
+#[test]
+fn the_deb_installs_the_agent_its_unit_configuration_and_dashboards() {
+    let deb = xtask::dist::build().expect("cargo xtask dist");
+    let info = run(Command::new("dpkg-deb").arg("--info").arg(&deb));
+    let info = String::from_utf8_lossy(&info.stdout).into_owned();
+    for field in [
+        "Package: iospan",
+        &format!("Version: {}", env!("CARGO_PKG_VERSION")),
+        "Architecture: amd64",
+        "Maintainer: ",
+        "Depends: libc6",
+        "Section: admin",
+        "Description: Where each guest I/O's latency goes",
+    ] {
+        assert!(info.contains(field), "{field} not in:\n{info}");
+    }
+    let root = std::env::temp_dir().join(format!("iospan-deb-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    assert!(run(Command::new("dpkg").arg("-x").arg(&deb).arg(&root))
+        .status
+        .success());
+    for f in [
+        "usr/bin/iospan",
+        "lib/systemd/system/iospan.service",
+        "etc/iospan/iospan.toml",
+        "usr/share/iospan/dashboards/iospan-fleet.json",
+        "usr/share/iospan/dashboards/provisioning/datasources.yaml",
+        "usr/share/doc/iospan/README.md",
+    ] {
+        assert!(root.join(f).is_file(), "{f} not installed");
+    }
+    // The installed configuration is a conffile, and checks out.
+    let ctl = root.join("DEBIAN");
+    assert!(run(Command::new("dpkg-deb").arg("-e").arg(&deb).arg(&ctl))
+        .status
+        .success());
+    let conffiles = std::fs::read_to_string(ctl.join("conffiles")).unwrap();
+    assert!(
+        conffiles.lines().any(|l| l == "/etc/iospan/iospan.toml"),
+        "{conffiles}"
+    );
+    let bin = root.join("usr/bin/iospan");
+    let out = run(Command::new(&bin)
+        .args(["agent", "--check-config", "--config"])
+        .arg(root.join("etc/iospan/iospan.toml")));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // And its unit verifies against its own binary.
+    let unit = std::fs::read_to_string(root.join("lib/systemd/system/iospan.service")).unwrap();
+    assert_eq!(unit, unit_text());
+    verify(&unit_for(&bin, &root.join("verify")));
+}
