@@ -116,7 +116,7 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
             let _ = self.0.wait();
         }
     }
-    let mut agent = Command::new("setpriv")
+    let agent = Command::new("setpriv")
         .arg(format!("--bounding-set=-all,{}", caps.join(",")))
         .arg("--no-new-privs")
         .arg(iospan_bin())
