@@ -252,6 +252,20 @@ pub fn fio_numbers(json: &serde_json::Value, dir: &str) -> (u64, f64, f64) {
     (ios, mean, p99)
 }
 
+/// fio's total latency for `dir` (submission and completion, `lat_ns`;
+/// percentiles with `--lat_percentiles=1`): (mean µs, p99 µs). A request's
+/// block-layer life starts inside the submission call, so only this holds
+/// all of it; clat misses that part.
+pub fn fio_total_latency(json: &serde_json::Value, dir: &str) -> (f64, f64) {
+    let d = &json["jobs"][0][dir]["lat_ns"];
+    let mean = d["mean"].as_f64().expect("fio lat mean") / 1000.0;
+    let p99 = d["percentile"]["99.000000"]
+        .as_f64()
+        .expect("fio lat p99 (run fio with --lat_percentiles=1)")
+        / 1000.0;
+    (mean, p99)
+}
+
 /// The rig's kernel and initramfs, and its fully written image.
 pub fn rig_and_image() -> (xtask::guest::Rig, PathBuf) {
     let rig = xtask::guest::build().expect("rig build");
