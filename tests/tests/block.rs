@@ -150,11 +150,14 @@ fn check(rw: &str, qd: u32) {
     );
 
     // The mean against the kernel's own accounting of the same requests
-    // (ms resolution, and it ends after bio completion, a few µs later).
+    // (ms resolution). The kernel's span ends after bio completion, which
+    // on this two-CPU machine can wait for a CPU: never shorter than ours,
+    // most often a few µs longer (once, 30.2 µs against its 40.4 in a CI
+    // run), so it bounds ours from above, and most of it is ours.
     let k_mean = f(&entry["kernel"]["time_ms"]) * 1000.0 / IOS as f64;
     let mean = f(&total["mean_us"]);
     assert!(
-        (mean - k_mean).abs() <= (0.15 * k_mean).max(10.0),
+        mean <= k_mean * 1.05 + 1.0 && mean >= 0.6 * k_mean,
         "{ctx}\nmean {mean} µs vs the kernel's {k_mean} µs"
     );
 
