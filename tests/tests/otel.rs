@@ -90,6 +90,7 @@ fn check_jaeger(protocol: &str) {
         .map(|t| t["traceID"].as_str().unwrap())
         .collect();
     let mut links = 0;
+    let mut single_block = 0;
     for t in &traces {
         let spans = t["spans"].as_array().unwrap();
         let refs = |s: &Value, kind: &str| -> Vec<Value> {
@@ -126,7 +127,16 @@ fn check_jaeger(protocol: &str) {
             tag(root, "iospan.run.label"),
             Some(&Value::from(vm.clone()))
         );
-        assert_eq!(tag(root, "iospan.io.bytes"), Some(&Value::from(4096)));
+        // 4 KiB reads; at depth the guest's block layer now and then merges
+        // two that happen to be adjacent, and the trace is of its request.
+        let bytes = tag(root, "iospan.io.bytes").and_then(Value::as_u64);
+        assert!(
+            bytes.is_some_and(|b| b > 0 && b % 4096 == 0),
+            "{root:#}"
+        );
+        if bytes == Some(4096) {
+            single_block += 1;
+        }
         *by_reason
             .entry(
                 tag(root, "iospan.sampled_by")
@@ -190,6 +200,12 @@ fn check_jaeger(protocol: &str) {
         }
         assert!((us(children[0], "startTime") - us(root, "startTime")).abs() <= 1.0);
     }
+
+    assert!(
+        single_block * 10 >= traces.len() as u64 * 9,
+        "{single_block} of {} traces of one 4 KiB read",
+        traces.len()
+    );
 
     // The policy: one in ONE_IN of the offered, and at most SLOWEST per
     // second of the run (and the run's last part) for the one virtual disk.
