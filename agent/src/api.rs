@@ -144,11 +144,17 @@ mod server {
     use super::{bench_report, BenchRun, Shared};
     use crate::{live::Frame, metrics::Format};
 
-    /// Binds `addr` and serves in the background.
-    pub async fn serve(addr: SocketAddr, shared: Arc<Shared>) -> Result<()> {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
+    /// Binds `addr` and serves in the background, over TLS when `tls`
+    /// names a certificate and key.
+    pub async fn serve(
+        addr: SocketAddr,
+        tls: Option<&crate::config::Tls>,
+        shared: Arc<Shared>,
+    ) -> Result<()> {
+        // Bound here, not in the background: a taken port fails the start.
+        let listener = std::net::TcpListener::bind(addr)
             .with_context(|| format!("binding the HTTP API to {addr}"))?;
+        listener.set_nonblocking(true).context("the API's socket")?;
         let app = Router::new()
             .route("/metrics", get(metrics))
             .route("/api/v1/snapshot", get(snapshot))
@@ -160,11 +166,37 @@ mod server {
             // Health answers everyone: supervisors carry no token.
             .route("/healthz", get(healthz))
             .with_state(shared);
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                log::warn!("HTTP API stopped: {e}");
+        match tls {
+            Some(t) => {
+                crate::tls::install_provider();
+                let cfg = axum_server::tls_rustls::RustlsConfig::from_pem_file(&t.cert, &t.key)
+                    .await
+                    .with_context(|| {
+                        format!(
+                            "api.tls_cert = {}, api.tls_key = {}: PEM certificate chain and \
+                             private key",
+                            t.cert.display(),
+                            t.key.display()
+                        )
+                    })?;
+                let server =
+                    axum_server::from_tcp_rustls(listener, cfg).context("the API's socket")?;
+                tokio::spawn(async move {
+                    if let Err(e) = server.serve(app.into_make_service()).await {
+                        log::warn!("HTTP API stopped: {e}");
+                    }
+                });
             }
-        });
+            None => {
+                let listener =
+                    tokio::net::TcpListener::from_std(listener).context("the API's socket")?;
+                tokio::spawn(async move {
+                    if let Err(e) = axum::serve(listener, app).await {
+                        log::warn!("HTTP API stopped: {e}");
+                    }
+                });
+            }
+        }
         Ok(())
     }
 
@@ -179,7 +211,7 @@ mod server {
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "));
-            if given != Some(token.as_str()) {
+            if !given.is_some_and(|g| same(g.as_bytes(), token.as_bytes())) {
                 return (
                     StatusCode::UNAUTHORIZED,
                     "send the agent's api.token as \"Authorization: Bearer TOKEN\"\n",
@@ -188,6 +220,11 @@ mod server {
             }
         }
         next.run(req).await
+    }
+
+    /// Equal, in time that does not depend on where they differ.
+    fn same(a: &[u8], b: &[u8]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
     }
 
     async fn metrics(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {

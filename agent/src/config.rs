@@ -3,7 +3,11 @@
 //! values are refused with the key's name. `packaging/iospan.toml` is the
 //! documented default.
 
-use std::{net::SocketAddr, path::Path, time::Duration};
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
@@ -45,6 +49,8 @@ impl Default for AgentSection {
 struct ApiSection {
     listen: String,
     token: Option<String>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
     open: bool,
 }
 
@@ -53,6 +59,8 @@ impl Default for ApiSection {
         Self {
             listen: "127.0.0.1:9464".into(),
             token: None,
+            tls_cert: None,
+            tls_key: None,
             open: false,
         }
     }
@@ -99,7 +107,15 @@ pub struct Config {
     pub vms: bool,
     pub listen: SocketAddr,
     pub token: Option<String>,
+    pub tls: Option<Tls>,
     pub traces: TraceOpts,
+}
+
+/// The API's certificate chain and private key, PEM files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 impl Config {
@@ -124,11 +140,34 @@ impl Config {
             )
         })?;
         let token = f.api.token.filter(|t| !t.is_empty());
-        if !listen.ip().is_loopback() && token.is_none() && !f.api.open {
-            bail!(
-                "api.listen = {listen}: not a loopback address, and no api.token: set api.token \
-                 (clients send it as a bearer token), or api.open = true to serve everyone"
-            );
+        let tls = match (f.api.tls_cert, f.api.tls_key) {
+            (Some(cert), Some(key)) => {
+                for (k, p) in [("api.tls_cert", &cert), ("api.tls_key", &key)] {
+                    std::fs::File::open(p)
+                        .map_err(|e| anyhow::anyhow!("{k} = {}: {e}", p.display()))?;
+                }
+                Some(Tls { cert, key })
+            }
+            (None, None) => None,
+            (Some(_), None) => bail!("api.tls_cert without api.tls_key: set both (PEM files)"),
+            (None, Some(_)) => bail!("api.tls_key without api.tls_cert: set both (PEM files)"),
+        };
+        // Off the host, the token must not cross the network in clear.
+        if !listen.ip().is_loopback() && !f.api.open {
+            if token.is_none() {
+                bail!(
+                    "api.listen = {listen}: not a loopback address, and no api.token: set \
+                     api.token (clients send it as a bearer token) with api.tls_cert and \
+                     api.tls_key, or api.open = true to serve everyone"
+                );
+            }
+            if tls.is_none() {
+                bail!(
+                    "api.listen = {listen}: not a loopback address, and no api.tls_cert / \
+                     api.tls_key: the token would cross the network in clear; set both, or \
+                     api.open = true to serve everyone without TLS"
+                );
+            }
         }
         if f.agent.max_disks == 0 || f.agent.max_disks > 4096 {
             bail!("agent.max_disks = {}: use 1 to 4096", f.agent.max_disks);
@@ -165,6 +204,7 @@ impl Config {
             vms: f.agent.vms,
             listen,
             token,
+            tls,
             traces: TraceOpts {
                 endpoint: f.otlp.endpoint.filter(|e| !e.is_empty()),
                 protocol: f.otlp.protocol,
@@ -217,7 +257,36 @@ mod tests {
         }
         let open = Config::parse("[api]\nlisten = \"0.0.0.0:9464\"\nopen = true\n").unwrap();
         assert!(open.token.is_none());
-        let tok = Config::parse("[api]\nlisten = \"0.0.0.0:9464\"\ntoken = \"s3cret\"\n").unwrap();
-        assert_eq!(tok.token.as_deref(), Some("s3cret"));
+        // A token alone off the host: refused (it would cross in clear).
+        let e = format!(
+            "{:#}",
+            Config::parse("[api]\nlisten = \"0.0.0.0:9464\"\ntoken = \"s3cret\"\n").unwrap_err()
+        );
+        assert!(e.contains("api.tls_cert"), "{e}");
+        let dir = std::env::temp_dir().join(format!("iospan-config-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+        std::fs::write(&cert, "").unwrap();
+        std::fs::write(&key, "").unwrap();
+        let tls = |extra: &str| {
+            Config::parse(&format!(
+                "[api]\nlisten = \"0.0.0.0:9464\"\ntoken = \"s3cret\"\n{extra}"
+            ))
+        };
+        let both = format!(
+            "tls_cert = {:?}\ntls_key = {:?}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        );
+        let ok = tls(&both).unwrap();
+        assert_eq!(ok.token.as_deref(), Some("s3cret"));
+        assert_eq!(ok.tls.as_ref().map(|t| &t.cert), Some(&cert));
+        let only_cert = format!("tls_cert = {:?}\n", cert.display().to_string());
+        let e = format!("{:#}", tls(&only_cert).unwrap_err());
+        assert!(e.contains("api.tls_key"), "{e}");
+        let missing = both.replace("key.pem", "gone.pem");
+        let e = format!("{:#}", tls(&missing).unwrap_err());
+        assert!(e.contains("api.tls_key") && e.contains("gone.pem"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -27,6 +27,8 @@ pub mod scratch;
 #[cfg(feature = "serve")]
 pub mod service;
 pub mod stitch;
+#[cfg(any(feature = "serve", feature = "tui"))]
+pub mod tls;
 #[cfg(feature = "tui")]
 pub mod top;
 pub mod transport;

@@ -12,7 +12,7 @@ use crate::{
     correlate::{HostSplit, SplitKey},
     disks,
     model::{BlkSegment, Hist, Op},
-    stitch::{StitchKey, Stitched},
+    stitch::{StitchKey, Stitched, Stitcher},
     vms::Registry,
 };
 
@@ -25,9 +25,17 @@ pub struct Frame {
     /// Seconds on the agent's monotonic clock.
     pub at_s: f64,
     pub vdisks: Vec<Row>,
+    /// Per guest queue of a virtual disk (VMs with a guest agent: the
+    /// queue is the guest's).
+    #[serde(default)]
+    pub queues: Vec<Row>,
     pub disks: Vec<Row>,
     /// Losses of every kind so far (the report's `lost`).
     pub lost: u64,
+    /// Guest and host requests of VMs with a guest agent that found no
+    /// partner (the report's `stitch.unmatched_*`).
+    #[serde(default)]
+    pub unmatched: u64,
 }
 
 /// One (VM, virtual disk, op), or one (host disk, op) with `vm` empty.
@@ -35,6 +43,9 @@ pub struct Frame {
 pub struct Row {
     pub vm: String,
     pub disk: String,
+    /// A queue row's guest queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<u32>,
     pub op: Op,
     pub ios: u64,
     pub bytes: u64,
@@ -52,9 +63,10 @@ pub fn frame(
     at_s: f64,
     snap: &BlockSnapshot,
     splits: &BTreeMap<SplitKey, HostSplit>,
-    stitched: &BTreeMap<StitchKey, Stitched>,
+    stitch: &Stitcher,
     known: &Registry,
 ) -> Frame {
+    let stitched = &stitch.stitched;
     let mut completed: BTreeMap<u32, u64> = BTreeMap::new();
     for (k, s) in &snap.vm_stats {
         *completed.entry(k.vm).or_default() += s.ios;
@@ -86,15 +98,7 @@ pub fn frame(
             })
             .filter(|st| st.total.count > 0);
         if let Some(st) = joined {
-            for (name, h) in [
-                ("total", &st.total),
-                ("guest", &st.guest),
-                ("hv", &st.hypervisor),
-                ("engine", &st.engine),
-                ("device", &st.device),
-            ] {
-                segs.insert(name.to_string(), h.clone());
-            }
+            segs.extend(stitched_segs(st));
         } else if let Some(h) = split {
             for (name, h) in [
                 ("total", &h.window),
@@ -110,6 +114,7 @@ pub fn frame(
         vdisks.push(Row {
             vm: known.name(k.vm),
             disk: vdisk.to_string(),
+            queue: None,
             op: k.op,
             ios: s.ios,
             bytes: s.bytes,
@@ -124,6 +129,7 @@ pub fn frame(
         .map(|((dev, op), s)| Row {
             vm: String::new(),
             disk: disks::name_of(*dev),
+            queue: None,
             op: *op,
             ios: s.ios,
             bytes: s.bytes,
@@ -139,18 +145,53 @@ pub fn frame(
             .collect(),
         })
         .collect();
+    let queues = stitch
+        .queues
+        .iter()
+        .filter_map(|((k, q), st)| {
+            Some(Row {
+                vm: known.name(k.vm),
+                disk: known.vdisk(k.vdisk)?.to_string(),
+                queue: Some(*q),
+                op: k.op,
+                ios: st.total.count,
+                bytes: st.bytes,
+                inflight: 0,
+                guest_observed: true,
+                segs: stitched_segs(st),
+            })
+        })
+        .collect();
     Frame {
         at_s,
         vdisks,
+        queues,
         disks,
         lost: snap.counters.losses().iter().map(|l| l.2).sum(),
+        unmatched: stitch.counters.unmatched_guest + stitch.counters.unmatched_host,
     }
+}
+
+fn stitched_segs(st: &Stitched) -> BTreeMap<String, Hist> {
+    [
+        ("total", &st.total),
+        ("guest", &st.guest),
+        ("hv", &st.hypervisor),
+        ("engine", &st.engine),
+        ("device", &st.device),
+    ]
+    .into_iter()
+    .map(|(n, h)| (n.to_string(), h.clone()))
+    .collect()
 }
 
 impl Row {
     /// The same (VM, disk, op).
     pub fn same(&self, other: &Row) -> bool {
-        self.vm == other.vm && self.disk == other.disk && self.op == other.op
+        self.vm == other.vm
+            && self.disk == other.disk
+            && self.queue == other.queue
+            && self.op == other.op
     }
 
     /// What this row gained since `earlier` (the same row, in an earlier

@@ -70,12 +70,17 @@ enum Cmd {
         /// Block-layer table size (disks).
         #[arg(long, default_value_t = DEFAULT_MAX_DISKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
         max_disks: u32,
-        /// Watch the agent service at HOST:PORT (its api.listen) instead of loading probes here.
+        /// Watch the agent service at HOST:PORT (its api.listen) instead of loading probes here;
+        /// https://HOST:PORT for an agent with api.tls_cert.
         #[arg(long, value_name = "HOST:PORT")]
         connect: Option<String>,
         /// The agent's api.token (or IOSPAN_TOKEN).
         #[arg(long, env = "IOSPAN_TOKEN", value_name = "TOKEN", requires = "connect")]
         token: Option<String>,
+        /// PEM certificate(s) to trust for an https agent (its own, or the CA that signed it);
+        /// the system's web roots otherwise.
+        #[arg(long, value_name = "FILE", requires = "connect")]
+        ca_cert: Option<PathBuf>,
     },
     /// Built-in default job: fio on a scratch loop device, traced, with the table printed.
     Demo {
@@ -324,6 +329,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             max_disks,
             connect,
             token,
+            ca_cert,
         } => {
             if interval < Duration::from_millis(100) {
                 anyhow::bail!("--interval {interval:?}: use 100ms or more");
@@ -335,6 +341,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 max_disks,
                 connect,
                 token,
+                ca_cert,
             }))?;
             Ok(ExitCode::SUCCESS)
         }

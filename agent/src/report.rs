@@ -146,6 +146,29 @@ pub struct StitchedEntry {
     pub count: u64,
     /// guest, hypervisor, engine, device, total.
     pub segments: BTreeMap<String, Summary>,
+    /// The same per guest queue (virtqueue or NVMe queue pair).
+    #[serde(default)]
+    pub queues: Vec<QueueEntry>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct QueueEntry {
+    pub queue: u32,
+    pub count: u64,
+    pub segments: BTreeMap<String, Summary>,
+}
+
+fn segment_summaries(s: &Stitched) -> BTreeMap<String, Summary> {
+    [
+        ("guest", &s.guest),
+        ("hypervisor", &s.hypervisor),
+        ("engine", &s.engine),
+        ("device", &s.device),
+        ("total", &s.total),
+    ]
+    .into_iter()
+    .map(|(k, h)| (k.to_string(), h.summary()))
+    .collect()
 }
 
 /// One VM's guest agent over the run: its channel and its clock.
@@ -228,6 +251,7 @@ pub fn vm_entries(
     stats: &BTreeMap<VmStatKey, DiskOpStats>,
     splits: &BTreeMap<SplitKey, HostSplit>,
     stitched: &BTreeMap<StitchKey, Stitched>,
+    queues: &BTreeMap<(StitchKey, u32), Stitched>,
     vms: &Registry,
     only: &[Dev],
     duration_s: f64,
@@ -255,24 +279,23 @@ pub fn vm_entries(
                 e.segments.insert("device".into(), h.device.summary());
                 e.segments.insert("host_window".into(), h.window.summary());
             }
-            if let Some(s) = stitched.get(&StitchKey {
+            let key = StitchKey {
                 vm: k.vm,
                 vdisk: k.vdisk,
                 op: k.op,
-            }) {
-                let segments: BTreeMap<String, Summary> = [
-                    ("guest", &s.guest),
-                    ("hypervisor", &s.hypervisor),
-                    ("engine", &s.engine),
-                    ("device", &s.device),
-                    ("total", &s.total),
-                ]
-                .into_iter()
-                .map(|(k, h)| (k.to_string(), h.summary()))
-                .collect();
+            };
+            if let Some(s) = stitched.get(&key) {
                 e.stitched = Some(StitchedEntry {
-                    count: s.total.summary().count,
-                    segments,
+                    count: s.total.count,
+                    segments: segment_summaries(s),
+                    queues: queues
+                        .range((key, 0)..=(key, u32::MAX))
+                        .map(|((_, q), s)| QueueEntry {
+                            queue: *q,
+                            count: s.total.count,
+                            segments: segment_summaries(s),
+                        })
+                        .collect(),
                 });
             }
             e

@@ -370,6 +370,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
                 &snap.vm_stats,
                 &corr.splits,
                 &corr.stitch.stitched,
+                &corr.stitch.queues,
                 &known.lock().unwrap_or_else(|p| p.into_inner()),
                 &only,
                 elapsed,
@@ -729,7 +730,7 @@ impl Progress {
 #[cfg(feature = "serve")]
 async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<crate::api::Shared>> {
     let shared = crate::api::Shared::new(None);
-    crate::api::serve(addr, shared.clone())
+    crate::api::serve(addr, None, shared.clone())
         .await
         .with_context(|| format!("--metrics-listen {addr}"))?;
     Ok(shared)
@@ -754,7 +755,7 @@ fn send_frame(
     let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
     snap.counters.host_split = corr.counters.clone();
     let known = known.lock().unwrap_or_else(|p| p.into_inner());
-    let frame = crate::live::frame(at_s, &snap, &corr.splits, &corr.stitch.stitched, &known);
+    let frame = crate::live::frame(at_s, &snap, &corr.splits, &corr.stitch, &known);
     let _ = feed.tx.send(Some(Arc::new(frame)));
 }
 

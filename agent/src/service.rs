@@ -49,10 +49,14 @@ fn notify(state: &[NotifyState]) {
 pub async fn serve(opts: ServiceOptions) -> Result<()> {
     let (mut cfg, path) = load(&opts)?;
     let shared = Shared::new(cfg.token.clone());
-    api::serve(cfg.listen, shared.clone())
+    api::serve(cfg.listen, cfg.tls.as_ref(), shared.clone())
         .await
         .context("api.listen")?;
-    log::info!("HTTP API on http://{}", cfg.listen);
+    log::info!(
+        "HTTP API on {}://{}",
+        if cfg.tls.is_some() { "https" } else { "http" },
+        cfg.listen
+    );
     let mut hup = signal(SignalKind::hangup()).context("handling SIGHUP")?;
     let watchdog = sd_notify::watchdog_enabled();
     let mut ping = tokio::time::interval(watchdog.map_or(Duration::from_secs(3600), |d| d / 2));
@@ -99,14 +103,14 @@ pub async fn serve(opts: ServiceOptions) -> Result<()> {
                     };
                     match Config::load(p) {
                         Ok(new) => {
-                            if new.listen != cfg.listen || new.token != cfg.token {
-                                log::warn!("{}: api.listen and api.token take effect at the next start", p.display());
+                            if new.listen != cfg.listen || new.token != cfg.token || new.tls != cfg.tls {
+                                log::warn!("{}: api.listen, api.token and api.tls_* take effect at the next start", p.display());
                             }
                             notify(&[NotifyState::Reloading]);
                             let _ = stop_tx.send(true);
                             let _ = (&mut run).await;
                             log::info!("{}: reloaded", p.display());
-                            cfg = Config { listen: cfg.listen, token: cfg.token.clone(), ..new };
+                            cfg = Config { listen: cfg.listen, token: cfg.token.clone(), tls: cfg.tls.clone(), ..new };
                             ready = false;
                             break;
                         }

@@ -72,10 +72,12 @@ pub struct Stitched {
     pub device: Hist,
     /// Guest-observed: the application's call → the call that reaped it.
     pub total: Hist,
+    pub bytes: u64,
 }
 
 impl Stitched {
     fn record(&mut self, sp: &IoSpan) {
+        self.bytes += u64::from(sp.bytes);
         self.guest.record(sp.guest_ns);
         self.hypervisor.record(sp.hypervisor_ns);
         self.engine.record(sp.engine_ns);
@@ -92,6 +94,7 @@ impl Default for Stitched {
             engine: Hist::fine(),
             device: Hist::fine(),
             total: Hist::fine(),
+            bytes: 0,
         }
     }
 }
@@ -330,6 +333,9 @@ pub struct Stitcher {
     latest_ns: u64,
     pub clocks: HashMap<u32, Clock>,
     pub stitched: BTreeMap<StitchKey, Stitched>,
+    /// The same, per guest queue (the guest block layer's hardware
+    /// context, which is the virtqueue or NVMe queue pair it submits to).
+    pub queues: BTreeMap<(StitchKey, u32), Stitched>,
     pub counters: StitchCounters,
     /// Each VM's guest channel (VM slot -> what came through it).
     pub channels: BTreeMap<u32, ChannelStats>,
@@ -515,6 +521,7 @@ impl Stitcher {
             ..host
         };
         self.stitched.entry(key).or_default().record(&span);
+        self.queues.entry((key, g.queue)).or_default().record(&span);
         if let Some(spans) = self.spans.as_mut() {
             spans.push(span);
         }

@@ -30,15 +30,20 @@ pub struct TopOptions {
     pub connect: Option<String>,
     /// The agent's api.token, where it has one.
     pub token: Option<String>,
+    /// Certificates to trust for an https agent.
+    pub ca_cert: Option<std::path::PathBuf>,
 }
 
 /// One row of the view: a VM (its virtual disks together), one of its
-/// virtual disks, or a host disk. Figures are over the last interval.
+/// virtual disks, one queue of a virtual disk, or a host disk. Figures are
+/// over the last interval.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Item {
     pub kind: Kind,
     pub vm: String,
     pub disk: String,
+    /// A queue row's guest queue.
+    pub queue: Option<u32>,
     pub r_iops: f64,
     pub w_iops: f64,
     pub mbps: f64,
@@ -53,6 +58,7 @@ pub struct Item {
 pub enum Kind {
     Vm,
     VDisk,
+    Queue,
     HostDisk,
 }
 
@@ -167,6 +173,7 @@ pub struct State {
     pub disks: Vec<Item>,
     pub interval_s: f64,
     pub lost: u64,
+    pub unmatched: u64,
     pub sort: Col,
     pub descending: bool,
     pub filter: String,
@@ -175,7 +182,10 @@ pub struct State {
     pub p99: bool,
     pub paused: bool,
     pub selected: usize,
+    /// VMs whose disks are hidden.
     pub collapsed: std::collections::BTreeSet<String>,
+    /// Virtual disks (VM, disk) whose queues are shown.
+    pub expanded: std::collections::BTreeSet<(String, String)>,
     pub screen: Screen,
 }
 
@@ -186,6 +196,7 @@ impl Default for State {
             disks: Vec::new(),
             interval_s: 0.0,
             lost: 0,
+            unmatched: 0,
             sort: Col::Seg(0),
             descending: true,
             filter: String::new(),
@@ -194,6 +205,7 @@ impl Default for State {
             paused: false,
             selected: 0,
             collapsed: Default::default(),
+            expanded: Default::default(),
             screen: Screen::Table,
         }
     }
@@ -202,30 +214,34 @@ impl Default for State {
 /// The last interval: `cur` less `prev` (all of `cur` when there is none).
 pub fn interval(prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64) {
     let secs = prev.map_or(cur.at_s, |p| cur.at_s - p.at_s).max(1e-3);
-    let key = |r: &live::Row| (r.vm.clone(), r.disk.clone(), r.op);
+    let key = |r: &live::Row| (r.vm.clone(), r.disk.clone(), r.queue, r.op);
     let before: BTreeMap<_, &live::Row> = prev
         .map(|p| {
             p.vdisks
                 .iter()
+                .chain(&p.queues)
                 .chain(&p.disks)
                 .map(|r| (key(r), r))
                 .collect()
         })
         .unwrap_or_default();
-    // Per (vm, disk): both ops together.
-    let mut lines: BTreeMap<(String, String), Item> = BTreeMap::new();
-    for r in cur.vdisks.iter().chain(&cur.disks) {
+    // Per (vm, disk, queue): both ops together.
+    let mut lines: BTreeMap<(String, String, Option<u32>), Item> = BTreeMap::new();
+    for r in cur.vdisks.iter().chain(&cur.queues).chain(&cur.disks) {
         let d = r.since(before.get(&key(r)).copied());
         let l = lines
-            .entry((r.vm.clone(), r.disk.clone()))
+            .entry((r.vm.clone(), r.disk.clone(), r.queue))
             .or_insert_with(|| Item {
                 kind: if r.vm.is_empty() {
                     Kind::HostDisk
+                } else if r.queue.is_some() {
+                    Kind::Queue
                 } else {
                     Kind::VDisk
                 },
                 vm: r.vm.clone(),
                 disk: r.disk.clone(),
+                queue: r.queue,
                 r_iops: 0.0,
                 w_iops: 0.0,
                 mbps: 0.0,
@@ -242,10 +258,11 @@ pub fn interval(prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64
         l.guest_observed |= r.guest_observed;
         merge_into(&mut l.segs, d.segs);
     }
-    let (mut vdisks, mut disks) = (Vec::new(), Vec::new());
+    let (mut vdisks, mut queues, mut disks) = (Vec::new(), Vec::new(), Vec::new());
     for l in lines.into_values() {
         match l.kind {
             Kind::HostDisk => disks.push(l),
+            Kind::Queue => queues.push(l),
             _ => vdisks.push(l),
         }
     }
@@ -256,6 +273,7 @@ pub fn interval(prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64
             kind: Kind::Vm,
             vm: d.vm.clone(),
             disk: String::new(),
+            queue: None,
             r_iops: 0.0,
             w_iops: 0.0,
             mbps: 0.0,
@@ -272,7 +290,15 @@ pub fn interval(prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64
     let mut out = Vec::new();
     for (name, v) in vms {
         out.push(v);
-        out.extend(vdisks.iter().filter(|d| d.vm == name).cloned());
+        for d in vdisks.iter().filter(|d| d.vm == name) {
+            out.push(d.clone());
+            out.extend(
+                queues
+                    .iter()
+                    .filter(|q| q.vm == name && q.disk == d.disk)
+                    .cloned(),
+            );
+        }
     }
     (out, disks, secs)
 }
@@ -318,6 +344,7 @@ impl Item {
         match self.kind {
             Kind::Vm => self.vm.clone(),
             Kind::VDisk => format!("  {}", self.disk),
+            Kind::Queue => format!("    q{}", self.queue.unwrap_or_default()),
             Kind::HostDisk => self.disk.clone(),
         }
     }
@@ -368,7 +395,19 @@ impl State {
                 .filter(|d| d.kind == Kind::VDisk && d.vm == v.vm)
                 .collect();
             ds.sort_by(by);
-            out.extend(ds);
+            for d in ds {
+                out.push(d);
+                if !self.expanded.contains(&(d.vm.clone(), d.disk.clone())) {
+                    continue;
+                }
+                let mut qs: Vec<&Item> = self
+                    .vms
+                    .iter()
+                    .filter(|q| q.kind == Kind::Queue && q.vm == d.vm && q.disk == d.disk)
+                    .collect();
+                qs.sort_by_key(|q| q.queue);
+                out.extend(qs);
+            }
         }
         let mut disks: Vec<&Item> = self
             .disks
@@ -433,15 +472,14 @@ impl State {
             }
             KeyCode::Up | KeyCode::Char('k') => self.selected = self.selected.saturating_sub(1),
             KeyCode::Enter => {
-                let vm = self
+                let row = self
                     .visible()
                     .get(self.selected)
-                    .filter(|l| l.kind == Kind::Vm)
-                    .map(|l| l.vm.clone());
-                if let Some(vm) = vm {
-                    if !self.collapsed.remove(&vm) {
-                        self.collapsed.insert(vm);
-                    }
+                    .map(|l| (l.kind, l.vm.clone(), l.disk.clone()));
+                match row {
+                    Some((Kind::Vm, vm, _)) => toggle(&mut self.collapsed, vm),
+                    Some((Kind::VDisk, vm, disk)) => toggle(&mut self.expanded, (vm, disk)),
+                    _ => {}
                 }
             }
             KeyCode::Char('h') => self.screen = Screen::Histogram,
@@ -449,6 +487,13 @@ impl State {
             _ => {}
         }
         true
+    }
+}
+
+/// In the set if it was not, out if it was.
+fn toggle<T: Ord>(set: &mut std::collections::BTreeSet<T>, v: T) {
+    if !set.remove(&v) {
+        set.insert(v);
     }
 }
 
@@ -516,6 +561,7 @@ pub fn draw(f: &mut ratatui::Frame, st: &State) {
             Kind::Vm => Style::new().add_modifier(Modifier::BOLD),
             Kind::HostDisk => Style::new().fg(Color::Cyan),
             Kind::VDisk => Style::new(),
+            Kind::Queue => Style::new().fg(Color::DarkGray),
         })
     });
     let widths: Vec<Constraint> = cols.iter().map(|c| Constraint::Length(c.width())).collect();
@@ -547,6 +593,14 @@ pub fn draw(f: &mut ratatui::Frame, st: &State) {
         Span::styled(format!("lost {}  ", st.lost), Style::new().fg(Color::Red))
     } else {
         Span::raw("lost 0  ")
+    });
+    spans.push(if st.unmatched > 0 {
+        Span::styled(
+            format!("unmatched {}  ", st.unmatched),
+            Style::new().fg(Color::Yellow),
+        )
+    } else {
+        Span::raw("unmatched 0  ")
     });
     spans.push(Span::raw("* host window only  ? help  q quit"));
     f.render_widget(Paragraph::new(Line::from(spans)), footer);
@@ -585,7 +639,7 @@ fn help_text() -> Vec<String> {
         "/           filter by VM or disk name (Enter keeps it, Esc clears)",
         "m           toggle mean / p99",
         "space       pause (the figures stay; the agent keeps counting)",
-        "↑ ↓ j k     select a row;  Enter  expand/collapse a VM's disks",
+        "↑ ↓ j k     select a row;  Enter  expand/collapse a VM's disks, a disk's queues",
         "h           histogram of the selected row, per segment",
         "q           quit;  any key closes this",
         "",
@@ -594,6 +648,10 @@ fn help_text() -> Vec<String> {
         "HV     kick to engine pickup, engine signal to interrupt",
         "ENGINE pickup to host submit, host completion to signal",
         "DEVICE host block layer issue to completion; QUEUE host queueing",
+        "",
+        "q0, q1 … a virtual disk's guest queues (VMs with a guest agent)",
+        "lost: events or requests lost; unmatched: guest or host requests",
+        "of a VM with a guest agent that found no partner",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -631,7 +689,10 @@ pub async fn top(opts: TopOptions) -> Result<()> {
     let (tx, rx) = watch::channel(None);
     if let Some(addr) = opts.connect {
         // The agent's frames, as they come; the view ends when they stop.
-        let feed = std::thread::spawn(move || follow(&addr, opts.token.as_deref(), tx));
+        let agent = Agent::new(&addr, opts.token, opts.ca_cert.as_deref())?;
+        // Connected before the terminal is taken: a refusal reads plainly.
+        let stream = agent.open()?;
+        let feed = std::thread::spawn(move || stream.follow(tx));
         let shown = tokio::task::spawn_blocking(move || view(rx))
             .await
             .context("the view")?;
@@ -665,35 +726,111 @@ pub async fn top(opts: TopOptions) -> Result<()> {
     shown
 }
 
-/// Reads the agent's frame stream (`/api/v1/stream`, server-sent events)
-/// into `tx` until it ends or the view is gone.
-fn follow(addr: &str, token: Option<&str>, tx: watch::Sender<Option<Arc<Frame>>>) -> Result<()> {
-    use std::io::BufRead;
-    let url = format!("http://{addr}/api/v1/stream");
-    let mut req = ureq::get(&url).header("Accept", "text/event-stream");
-    if let Some(t) = token {
-        req = req.header("Authorization", &format!("Bearer {t}"));
+/// A running agent's API, as `--connect` names it.
+pub struct Agent {
+    base: String,
+    token: Option<String>,
+    http: ureq::Agent,
+}
+
+impl Agent {
+    /// `addr`: HOST:PORT or http(s)://HOST:PORT; `ca`: PEM certificates
+    /// to trust over https (the web roots otherwise).
+    pub fn new(addr: &str, token: Option<String>, ca: Option<&std::path::Path>) -> Result<Self> {
+        let base = if addr.contains("://") {
+            addr.trim_end_matches('/').to_string()
+        } else {
+            format!("http://{addr}")
+        };
+        if !(base.starts_with("http://") || base.starts_with("https://")) {
+            anyhow::bail!("--connect {addr}: use HOST:PORT, http://HOST:PORT or https://HOST:PORT");
+        }
+        let mut tls = ureq::tls::TlsConfig::builder();
+        if let Some(path) = ca {
+            if base.starts_with("http://") {
+                anyhow::bail!(
+                    "--ca-cert with --connect {addr}: the agent is reached over https://"
+                );
+            }
+            let pem =
+                std::fs::read(path).with_context(|| format!("--ca-cert {}", path.display()))?;
+            let certs = ureq::tls::parse_pem(&pem)
+                .filter_map(|i| match i {
+                    Ok(ureq::tls::PemItem::Certificate(c)) => Some(Ok(c)),
+                    Ok(_) => None,
+                    Err(e) => Some(Err(e)),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .with_context(|| format!("--ca-cert {}: PEM certificates", path.display()))?;
+            if certs.is_empty() {
+                anyhow::bail!("--ca-cert {}: no PEM certificate in it", path.display());
+            }
+            tls = tls.root_certs(ureq::tls::RootCerts::new_with_certs(&certs));
+        }
+        crate::tls::install_provider();
+        let http = ureq::Agent::config_builder()
+            .tls_config(tls.build())
+            .build()
+            .new_agent();
+        Ok(Self { base, token, http })
     }
-    let resp = req
-        .call()
-        .with_context(|| format!("--connect {addr}: {url} (is `iospan agent` running there?)"))?;
-    let reader = std::io::BufReader::new(resp.into_body().into_reader());
-    for line in reader.lines() {
-        let line = line.with_context(|| format!("reading {url}"))?;
-        if let Some(data) = line.strip_prefix("data:") {
-            let frame: Frame =
-                serde_json::from_str(data.trim()).with_context(|| format!("a frame from {url}"))?;
-            if tx.send(Some(Arc::new(frame))).is_err() {
-                return Ok(());
+
+    /// Opens the agent's frame stream (`/api/v1/stream`).
+    fn open(&self) -> Result<FrameStream> {
+        let url = format!("{}/api/v1/stream", self.base);
+        let mut req = self.http.get(&url).header("Accept", "text/event-stream");
+        if let Some(t) = &self.token {
+            req = req.header("Authorization", &format!("Bearer {t}"));
+        }
+        let resp = req.call().map_err(|e| {
+            let hint = match &e {
+                ureq::Error::StatusCode(401) => {
+                    "send the agent's api.token: --token or IOSPAN_TOKEN"
+                }
+                // TLS failures come wrapped in I/O errors.
+                e if e.to_string().contains("certificate") => {
+                    "the agent's certificate is not trusted: --ca-cert with the CA that signed it"
+                }
+                _ => "is `iospan agent` running there?",
+            };
+            anyhow::anyhow!("--connect: {url}: {e} ({hint})")
+        })?;
+        Ok(FrameStream {
+            url,
+            reader: std::io::BufReader::new(Box::new(resp.into_body().into_reader())),
+        })
+    }
+}
+
+struct FrameStream {
+    url: String,
+    reader: std::io::BufReader<Box<dyn std::io::Read + Send>>,
+}
+
+impl FrameStream {
+    /// Reads the frames (server-sent events) into `tx` until the stream
+    /// ends or the view is gone.
+    fn follow(self, tx: watch::Sender<Option<Arc<Frame>>>) -> Result<()> {
+        use std::io::BufRead;
+        let url = self.url;
+        for line in self.reader.lines() {
+            let line = line.with_context(|| format!("reading {url}"))?;
+            if let Some(data) = line.strip_prefix("data:") {
+                let frame: Frame = serde_json::from_str(data.trim())
+                    .with_context(|| format!("a frame from {url}"))?;
+                if tx.send(Some(Arc::new(frame))).is_err() {
+                    return Ok(());
+                }
             }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 /// The terminal loop: a frame in, a screen out; keys between.
 fn view(mut rx: watch::Receiver<Option<Arc<Frame>>>) -> Result<()> {
-    let mut terminal = ratatui::init();
+    let mut terminal =
+        ratatui::try_init().context("iospan top needs a terminal (stdin and stdout a tty)")?;
     let result = (|| -> Result<()> {
         let mut st = State::default();
         let mut prev: Option<Arc<Frame>> = None;
@@ -711,6 +848,7 @@ fn view(mut rx: watch::Receiver<Option<Arc<Frame>>>) -> Result<()> {
                         st.disks = disks;
                         st.interval_s = secs;
                         st.lost = cur.lost;
+                        st.unmatched = cur.unmatched;
                     }
                     prev = Some(cur);
                 }
@@ -754,6 +892,7 @@ mod tests {
         live::Row {
             vm: vm.into(),
             disk: disk.into(),
+            queue: None,
             op,
             ios,
             bytes: ios * 4096,
@@ -775,14 +914,26 @@ mod tests {
                 row("db-primary", "vd1", Op::Write, 400, 20_000),
                 row("web", "vd0", Op::Read, 100, 50_000),
             ],
+            queues: vec![
+                live::Row {
+                    queue: Some(0),
+                    ..row("db-primary", "vd0", Op::Read, 1500, 8_000)
+                },
+                live::Row {
+                    queue: Some(1),
+                    ..row("db-primary", "vd0", Op::Read, 500, 16_000)
+                },
+            ],
             disks: vec![row("", "nvme0n1", Op::Read, 2100, 5_000)],
             lost: 0,
+            unmatched: 7,
         };
         let (vms, disks, secs) = interval(Some(&prev), &cur);
         State {
             vms,
             disks,
             interval_s: secs,
+            unmatched: cur.unmatched,
             ..Default::default()
         }
     }
@@ -838,6 +989,7 @@ mod tests {
             s.contains("db-primary") && s.contains("  vd1") && s.contains("nvme0n1"),
             "{s}"
         );
+        assert!(s.contains("unmatched 7"), "{s}");
     }
 
     #[test]
@@ -879,6 +1031,22 @@ mod tests {
         key(&mut st, KeyCode::Char('/'));
         key(&mut st, KeyCode::Esc);
         assert_eq!(st.filter, "");
+        // A disk's queues show once it is expanded, in queue order.
+        let labels = |st: &State| st.visible().iter().map(|l| l.label()).collect::<Vec<_>>();
+        assert!(!labels(&st).iter().any(|l| l.trim() == "q0"));
+        st.selected = labels(&st).iter().position(|l| l == "  vd0").unwrap();
+        key(&mut st, KeyCode::Enter);
+        let ls = labels(&st);
+        let at = ls.iter().position(|l| l == "  vd0").unwrap();
+        assert_eq!(ls[at + 1..at + 3], ["    q0", "    q1"], "{ls:?}");
+        let q1 = st.visible()[at + 2];
+        // 500 reads over 2 s, each 16 µs in total.
+        assert_eq!(q1.r_iops, 250.0);
+        assert!((q1.seg(0, false).unwrap() - 16_000.0).abs() < 500.0);
+        assert!(screen(&st, 200, 14).join("\n").contains("    q1"));
+        key(&mut st, KeyCode::Enter);
+        assert!(!labels(&st).iter().any(|l| l.trim() == "q0"));
+        st.selected = 0;
         key(&mut st, KeyCode::Enter); // collapse the selected VM
         assert!(!st
             .visible()

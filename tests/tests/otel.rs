@@ -130,10 +130,7 @@ fn check_jaeger(protocol: &str) {
         // 4 KiB reads; at depth the guest's block layer now and then merges
         // two that happen to be adjacent, and the trace is of its request.
         let bytes = tag(root, "iospan.io.bytes").and_then(Value::as_u64);
-        assert!(
-            bytes.is_some_and(|b| b > 0 && b % 4096 == 0),
-            "{root:#}"
-        );
+        assert!(bytes.is_some_and(|b| b > 0 && b % 4096 == 0), "{root:#}");
         if bytes == Some(4096) {
             single_block += 1;
         }

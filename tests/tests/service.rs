@@ -221,3 +221,173 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
     assert!(log.contains("max_disk") && log.contains("stays"), "{log}");
     assert!(log.contains("reloaded"), "{log}");
 }
+
+/// `curl` over https trusting `ca`: (status, body); status 0 when the
+/// TLS handshake or connection failed.
+fn curl_tls(url: &str, ca: &std::path::Path, token: Option<&str>) -> (u16, String) {
+    let mut c = Command::new("curl");
+    c.args(["-sS", "--max-time", "5", "-w", "\n%{http_code}", "--cacert"])
+        .arg(ca)
+        .arg(url);
+    if let Some(t) = token {
+        c.args(["-H", &format!("Authorization: Bearer {t}")]);
+    }
+    let out = run(&mut c);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+#[test]
+fn off_the_host_the_api_is_https_with_a_token_and_top_connects_over_it() {
+    let dir = std::env::temp_dir().join(format!("iospan-svc-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // A CA, and the agent's certificate signed by it (for 127.0.0.1).
+    let (ca, cert, key) = (dir.join("ca.crt"), dir.join("api.crt"), dir.join("api.key"));
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    let ext = dir.join("ext.cnf");
+    std::fs::write(
+        &ext,
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n",
+    )
+    .unwrap();
+    for cmd in [
+        vec![
+            "req",
+            "-x509",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=iospan-test-ca",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+        ],
+        vec![
+            "req",
+            "-subj",
+            "/CN=iospan-agent",
+            "-keyout",
+            "api.key",
+            "-out",
+            "api.csr",
+        ],
+        vec![
+            "x509",
+            "-req",
+            "-in",
+            "api.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+            "-out",
+            "api.crt",
+        ],
+    ] {
+        let mut c = Command::new("openssl");
+        c.current_dir(&dir).arg(cmd[0]);
+        if cmd[0] == "req" {
+            c.args(ec);
+        }
+        let made = run(c.args(&cmd[1..]));
+        assert!(
+            made.status.success(),
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&made.stderr)
+        );
+    }
+
+    let port = free_port().unwrap();
+    let token = "t0ken";
+    let listen = format!("0.0.0.0:{port}");
+    // Off the host with a token but no TLS: refused, naming the keys.
+    let p = config_file(
+        "tls-none",
+        &format!("[api]\nlisten = \"{listen}\"\ntoken = \"{token}\"\n"),
+    );
+    let out = run(Command::new(iospan_bin())
+        .args(["agent", "--config"])
+        .arg(&p));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("api.tls_cert"),
+        "{err}"
+    );
+
+    let p = config_file(
+        "tls",
+        &format!(
+            "[agent]\nmax_disks = 8\n[api]\nlisten = \"{listen}\"\ntoken = \"{token}\"\n\
+             tls_cert = {:?}\ntls_key = {:?}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        ),
+    );
+    let _agent = Agent(
+        Command::new(iospan_bin())
+            .args(["agent", "--config"])
+            .arg(&p)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let base = format!("https://127.0.0.1:{port}");
+    let t = Instant::now();
+    while curl_tls(&format!("{base}/healthz"), &ca, None).0 != 200 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "never healthy over https"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let snap = format!("{base}/api/v1/snapshot");
+    assert_eq!(curl_tls(&snap, &ca, None).0, 401);
+    let (code, body) = curl_tls(&snap, &ca, Some(token));
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str::<Value>(&body).expect("the snapshot is JSON");
+    // Plain HTTP on the TLS port gets no answer.
+    assert_ne!(get(&format!("127.0.0.1:{port}"), "/healthz", None).0, 200);
+
+    // top: without trusting the agent's certificate it refuses, saying why;
+    // trusting it, it shows the agent's frames.
+    let out = run(Command::new(iospan_bin()).args(["top", "--connect", &base, "--token", token]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "an untrusted certificate was accepted"
+    );
+    assert!(
+        err.contains("--connect") && err.to_lowercase().contains("certificate"),
+        "{err}"
+    );
+    let tmux = Tmux::start(
+        &format!(
+            "{} top --connect {base} --token {token} --ca-cert {}",
+            iospan_bin().display(),
+            ca.display()
+        ),
+        160,
+        30,
+    );
+    // The footer's interval is 0.0 s until a frame has come.
+    tmux.until("a frame over https", |s| {
+        s.contains("VM / DISK")
+            && s.lines()
+                .any(|l| l.contains("lost ") && !l.trim_start().starts_with("0.0s"))
+    });
+    tmux.keys(&["q"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -96,7 +96,26 @@ fn top_shows_a_guests_segments_and_answers_its_keys() {
     tmux.until("filter cleared", |s| {
         s.contains("top-rig") && !s.contains("filter /")
     });
-    // the histogram of the selected (first) row
+    // the virtual disk's queues: select it, expand it
+    tmux.keys(&["Down", "Enter"]);
+    let s = tmux.until("the disk's queue row", |s| {
+        s.lines().any(|l| l.starts_with("    q0"))
+    });
+    let header = s.lines().next().unwrap();
+    let q0 = s.lines().find(|l| l.starts_with("    q0")).unwrap();
+    let vd0 = s.lines().find(|l| l.starts_with("  vd0")).unwrap();
+    let c = cells(header, q0, &["R/s", "GUEST", "DEVICE"]);
+    assert!(
+        c.iter().all(|v| v.parse::<f64>().is_ok_and(|v| v > 0.0)),
+        "{s}"
+    );
+    // One virtqueue: the disk's joined requests are all its, so their
+    // segments are the disk's (its rate is the joined ones', which trail
+    // the host's count by the join's hold time).
+    let joined = &segs[..5];
+    assert_eq!(cells(header, q0, joined), cells(header, vd0, joined), "{s}");
+    assert!(s.contains("unmatched "), "{s}");
+    // the histogram of the selected row (the disk)
     tmux.keys(&["h"]);
     let h = tmux.until("the histogram", |s| {
         s.contains("histogram") && s.contains("TOTAL (")
