@@ -352,6 +352,12 @@ fn guest_view(
             r.workload_reads,
             rep["stitch"]
         );
+        // Per guest queue: the rig's disk has one (one vCPU), and it holds
+        // every joined request.
+        let queues = st["queues"].as_array().cloned().unwrap_or_default();
+        assert_eq!(queues.len(), 1, "{st}");
+        assert_eq!(queues[0]["queue"].as_u64(), Some(0), "{st}");
+        assert_eq!(queues[0]["count"].as_u64(), Some(n), "{st}");
         let m = |k: &str| st["segments"][k]["mean_us"].as_f64().unwrap();
         let parts = m("guest") + m("hypervisor") + m("engine") + m("device");
         assert!(
