@@ -75,7 +75,9 @@ struct {
 } inflight SEC(".maps");
 
 /* Processes that are VMs: tgid -> VM slot. The agent adds the ones
- * running when it starts; exec of a new one adds itself (below). */
+ * running when it starts; exec of a new one adds itself (below). The agent
+ * also adds, under the VM's slot, an engine process that serves the VM's
+ * disks from outside QEMU (vhost-user): its requests are the VM's. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024);
@@ -127,19 +129,38 @@ struct {
 	__type(value, __u32);
 } vm_disks SEC(".maps");
 
-/* A VM's eventfds with a kick written by a vCPU thread and not yet read:
- * (tgid, fd) -> time of the first such write. */
 struct fd_key {
 	__u32 tgid;
 	__u32 fd;
 };
 
+/* A VM's eventfds with a kick written by a vCPU thread and not yet read:
+ * the eventfd's open file -> time of the first such write. Keyed by the
+ * file, not (process, fd): the engine reading the kick may be another
+ * process holding the same eventfd (qemu-storage-daemon, an SPDK target,
+ * served over vhost-user). */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 4096);
-	__type(key, struct fd_key);
+	__type(key, __u64);
 	__type(value, __u64);
 } pending_kicks SEC(".maps");
+
+/* The open file behind the current process's `fd` (0 if none). */
+static __always_inline __u64 fd_file(__u32 fd)
+{
+	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+	struct fdtable *fdt = BPF_CORE_READ(t, files, fdt);
+	struct file **fds;
+	struct file *f = NULL;
+
+	if (!fdt || fd >= BPF_CORE_READ(fdt, max_fds))
+		return 0;
+	fds = BPF_CORE_READ(fdt, fd);
+	if (bpf_probe_read_kernel(&f, sizeof(f), &fds[fd]))
+		return 0;
+	return (__u64)f;
+}
 
 /* VMs whose guest runs: tgid -> VM_RUNNING, set at the first eventfd write
  * of a vCPU thread, a KVM notify, or a queue notifier made (and by the
@@ -865,7 +886,7 @@ SEC("tracepoint/syscalls/sys_enter_write")
 int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
 {
 	struct fd_key k;
-	__u64 now;
+	__u64 now, file;
 
 	if (!vm_of_eventfd_io(ctx, 1) || !in_vcpu())
 		return 0;
@@ -883,8 +904,11 @@ int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
 			return 0;
 		note_kicked(&k, kicked);
 	}
+	file = fd_file(k.fd);
+	if (!file)
+		return 0;
 	now = bpf_ktime_get_ns();
-	bpf_map_update_elem(&pending_kicks, &k, &now, BPF_NOEXIST);
+	bpf_map_update_elem(&pending_kicks, &file, &now, BPF_NOEXIST);
 	return 0;
 }
 
@@ -926,6 +950,7 @@ int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
 	struct fd_key k;
 	__u8 stopped = VM_STOPPED, *kicked, was_kicked;
 	__s64 *open;
+	__u64 file;
 
 	if (!targ_vm_segments)
 		return 0;
@@ -936,7 +961,11 @@ int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
 		return 0;
 	was_kicked = *kicked;
 	bpf_map_delete_elem(&vq_notifiers, &k);
-	bpf_map_delete_elem(&pending_kicks, &k);
+	/* Its file may outlive this fd (another process holds it too); a kick
+	 * left pending on it would be a stale one. */
+	file = fd_file(k.fd);
+	if (file)
+		bpf_map_delete_elem(&pending_kicks, &file);
 	if (!was_kicked)
 		return 0;
 	open = bpf_map_lookup_elem(&vm_open_notifiers, &k.tgid);
@@ -1038,7 +1067,7 @@ static __always_inline void on_kvm_notify(__u64 gpa)
 	struct gpa_key k = { .gpa = gpa };
 	struct fd_key f;
 	__u32 *fd;
-	__u64 now;
+	__u64 now, file;
 	__u8 one = 1, *kicked;
 
 	k.tgid = bpf_get_current_pid_tgid() >> 32;
@@ -1052,8 +1081,12 @@ static __always_inline void on_kvm_notify(__u64 gpa)
 	kicked = bpf_map_lookup_elem(&vq_notifiers, &f);
 	if (kicked)
 		note_kicked(&f, kicked);
+	/* In the vCPU's exit: the current process is the VM's. */
+	file = fd_file(f.fd);
+	if (!file)
+		return;
 	now = bpf_ktime_get_ns();
-	bpf_map_update_elem(&pending_kicks, &f, &now, BPF_NOEXIST);
+	bpf_map_update_elem(&pending_kicks, &file, &now, BPF_NOEXIST);
 }
 
 SEC("tracepoint/kvm/kvm_mmio")
@@ -1162,6 +1195,16 @@ int msix_notify(void *ctx)
 	return on_signal();
 }
 
+/* libvhost-user's used-ring push (fill, then flush), in an engine serving
+ * the VM's disk over vhost-user (qemu-storage-daemon): once per request,
+ * as virtqueue_flush in QEMU, and entered with a push where the flush is
+ * not. The engine process is registered under the VM's slot. */
+SEC("uprobe")
+int vu_queue_push(void *ctx)
+{
+	return on_signal();
+}
+
 /* Guest requests that never become host requests of their own: merged
  * into a neighbour's by QEMU (virtio-blk merges adjacent requests of one
  * batch and accounts them with block_acct_merge_done(stats, type, n), a
@@ -1217,25 +1260,30 @@ int block_bio_frontmerge(void *ctx)
 	return 0;
 }
 
-/* An engine thread reading an eventfd a vCPU kicked picks the kick up. */
+/* An engine thread reading an eventfd a vCPU kicked picks the kick up: a
+ * thread of the VM's own QEMU, or of an engine process registered under
+ * the VM's slot. */
 SEC("tracepoint/syscalls/sys_enter_read")
 int sys_enter_read(struct trace_event_raw_sys_enter *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	struct fd_key k = { .tgid = pid_tgid >> 32, .fd = (__u32)ctx->args[0] };
 	struct pick p;
-	__u64 *kick;
+	__u64 *kick, file;
 	__u32 tid = (__u32)pid_tgid;
 
 	if (!vm_of_eventfd_io(ctx, 0) || in_vcpu())
 		return 0;
-	kick = bpf_map_lookup_elem(&pending_kicks, &k);
+	file = fd_file(k.fd);
+	if (!file)
+		return 0;
+	kick = bpf_map_lookup_elem(&pending_kicks, &file);
 	if (!kick)
 		return 0;
 	p.kick_ns = *kick;
 	p.pick_ns = bpf_ktime_get_ns();
 	p.flags = 0;
-	bpf_map_delete_elem(&pending_kicks, &k);
+	bpf_map_delete_elem(&pending_kicks, &file);
 	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
 	bpf_map_update_elem(&vm_last_pick, &k.tgid, &p, BPF_ANY);
 	return 0;

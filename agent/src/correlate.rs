@@ -183,8 +183,11 @@ impl Correlator {
                 ev: *ev,
                 signal_ns: sig,
             });
-        } else if self.stitch.keeping_spans() {
-            self.stitch.keep(span);
+        } else {
+            self.stitch.tail(&span);
+            if self.stitch.keeping_spans() {
+                self.stitch.keep(span);
+            }
         }
     }
 }

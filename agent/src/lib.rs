@@ -6,6 +6,7 @@
 
 pub mod abi;
 pub mod api;
+pub mod bench;
 pub mod bpf;
 pub mod channel;
 pub mod config;
@@ -16,6 +17,7 @@ pub mod diskstats;
 pub mod doctor;
 pub mod export;
 pub mod guest_agent;
+pub mod html;
 pub mod live;
 pub mod metrics;
 pub mod model;

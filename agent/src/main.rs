@@ -82,6 +82,30 @@ enum Cmd {
         #[arg(long, value_name = "FILE", requires = "connect")]
         ca_cert: Option<PathBuf>,
     },
+    /// A stored run (`run --label`): its summary in the terminal (each VM disk's tail: where
+    /// its slowest I/Os spend their time), and as a self-contained HTML page with plots.
+    Report {
+        /// A run's label (in --runs-dir), or its directory.
+        #[arg(value_name = "RUN")]
+        run: String,
+        /// Also write the HTML report to FILE.
+        #[arg(long, value_name = "FILE")]
+        html: Option<PathBuf>,
+        /// Pass/fail threshold (see `run --check`); a failed check exits with 1.
+        #[arg(long = "check", value_name = "EXPR")]
+        checks: Vec<iospan::bench::Check>,
+        #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::bench::default_runs_dir())]
+        runs_dir: PathBuf,
+    },
+    /// Stored runs side by side, each against the first: per virtual disk, which segment
+    /// explains the difference at the mean, the p99 tail and the p99.9 tail.
+    Compare {
+        /// Two runs or more (labels in --runs-dir, or their directories).
+        #[arg(value_name = "RUN", num_args = 2.., required = true)]
+        runs: Vec<String>,
+        #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::bench::default_runs_dir())]
+        runs_dir: PathBuf,
+    },
     /// Built-in default job: fio on a scratch loop device, traced, with the table printed.
     Demo {
         /// Also write the report as JSON (schema iospan.run/v1).
@@ -167,6 +191,18 @@ struct RunArgs {
     /// http://ADDR/metrics, e.g. 127.0.0.1:9464.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<std::net::SocketAddr>,
+    /// Store this run under LABEL in the runs directory (report, each VM disk's tail
+    /// composition, a time series, fio's JSON output when CMD is fio writing it), for
+    /// `iospan report` and `iospan compare`.
+    #[arg(long, value_name = "LABEL", help_heading = "Benchmark runs")]
+    label: Option<String>,
+    /// Where labelled runs are stored.
+    #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::bench::default_runs_dir(), help_heading = "Benchmark runs")]
+    runs_dir: PathBuf,
+    /// Pass/fail threshold, e.g. read.p99<20ms, vd1:write.p99<10ms, read.mean.device<2ms
+    /// ([VDISK:]OP.STAT[.SEGMENT]<DURATION); repeatable. A failed check exits with 1.
+    #[arg(long = "check", value_name = "EXPR", help_heading = "Benchmark runs")]
+    checks: Vec<iospan::bench::Check>,
     /// Command to trace, after `--`.
     #[arg(last = true, value_name = "CMD")]
     command: Vec<String>,
@@ -250,7 +286,15 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Run(a) => {
             let a = *a;
-            let outcome = rt.block_on(run::run(run::RunOptions {
+            if !a.checks.is_empty() && a.label.is_none() {
+                anyhow::bail!("--check needs a labelled run: add --label LABEL");
+            }
+            let labelled = a.label.clone().map(|label| iospan::bench::Labelled {
+                label,
+                runs_dir: a.runs_dir.clone(),
+            });
+            let checks = a.checks.clone();
+            let opts = run::RunOptions {
                 duration: a.duration,
                 disks: a.disks,
                 json_out: a.json_out,
@@ -294,13 +338,68 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 api: None,
                 live: None,
                 stop: None,
-            }))?;
-            print!("{}", outcome.report.table());
-            // A traced command's failure is the run's failure, for scripts.
+                tails: false,
+            };
+            let (outcome, checked) = match &labelled {
+                Some(l) => {
+                    let (outcome, stored, path) =
+                        rt.block_on(iospan::bench::run_labelled(opts, l))?;
+                    print!("{}", stored.summary());
+                    eprintln!("run {:?} stored in {}", l.label, path.display());
+                    let mut verdicts = Vec::new();
+                    for c in &checks {
+                        verdicts.extend(c.evaluate(&stored.report)?);
+                    }
+                    let (text, pass) = iospan::bench::verdict_text(&verdicts);
+                    print!("{text}");
+                    (outcome, pass)
+                }
+                None => {
+                    let outcome = rt.block_on(run::run(opts))?;
+                    print!("{}", outcome.report.table());
+                    (outcome, true)
+                }
+            };
+            // A traced command's failure is the run's failure, for scripts;
+            // then a failed check.
             Ok(match outcome.child_status.and_then(|s| s.code()) {
-                Some(0) | None => ExitCode::SUCCESS,
+                Some(0) | None if checked => ExitCode::SUCCESS,
+                Some(0) | None => ExitCode::from(1),
                 Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
             })
+        }
+        Cmd::Report {
+            run,
+            html,
+            checks,
+            runs_dir,
+        } => {
+            let stored = iospan::bench::StoredRun::load(&runs_dir, &run)?;
+            print!("{}", stored.summary());
+            if let Some(p) = &html {
+                std::fs::write(p, iospan::html::render(&stored))
+                    .with_context(|| format!("writing --html {}", p.display()))?;
+                eprintln!("HTML report: {}", p.display());
+            }
+            let mut verdicts = Vec::new();
+            for c in &checks {
+                verdicts.extend(c.evaluate(&stored.report)?);
+            }
+            let (text, pass) = iospan::bench::verdict_text(&verdicts);
+            print!("{text}");
+            Ok(if pass {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        Cmd::Compare { runs, runs_dir } => {
+            let stored = runs
+                .iter()
+                .map(|r| iospan::bench::StoredRun::load(&runs_dir, r))
+                .collect::<Result<Vec<_>>>()?;
+            print!("{}", iospan::bench::compare_text(&stored)?);
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Agent {
             guest,

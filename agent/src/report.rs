@@ -68,6 +68,24 @@ pub struct VmSummary {
     /// A VM's requests in `entries` plus these are its guest's requests.
     #[serde(default)]
     pub host_merged: u64,
+    /// Per virtual disk, the process that serves it: QEMU itself, or an
+    /// engine outside it (vhost-user: qemu-storage-daemon). Its engine
+    /// segment is that process's time.
+    #[serde(default)]
+    pub engines: Vec<DiskEngine>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskEngine {
+    pub disk: String,
+    pub program: String,
+    pub pid: u32,
+    /// The engine's export serving it (outside QEMU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub export: Option<String>,
+    /// Why its host windows are not split, where they are not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_split: Option<String>,
 }
 
 pub fn guests(known: &Registry, stitch: &Stitcher) -> Vec<GuestSummary> {
@@ -96,6 +114,33 @@ pub fn vms(known: &Registry, counts: &BTreeMap<u32, VmCounts>) -> Vec<VmSummary>
                 undelivered: c.undelivered,
                 engine_merged: c.engine_merges,
                 host_merged: c.bio_merges,
+                engines: v
+                    .disks
+                    .iter()
+                    .map(|d| {
+                        let (program, pid, export) = match &d.engine {
+                            Some(e) => (e.program.clone(), e.pid, Some(e.export.clone())),
+                            _ => (
+                                v.exe
+                                    .as_deref()
+                                    .and_then(std::path::Path::file_name)
+                                    .map_or_else(
+                                        || "qemu".into(),
+                                        |n| n.to_string_lossy().into_owned(),
+                                    ),
+                                v.pid,
+                                None,
+                            ),
+                        };
+                        DiskEngine {
+                            disk: d.id.clone(),
+                            program,
+                            pid,
+                            export,
+                            not_split: d.split_support().err().map(str::to_string),
+                        }
+                    })
+                    .collect(),
             }
         })
         .collect()

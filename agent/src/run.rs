@@ -57,6 +57,9 @@ pub struct RunOptions {
     pub live: Option<LiveFeed>,
     /// Ends the run when it turns true (a live view quitting).
     pub stop: Option<watch::Receiver<bool>>,
+    /// Keep every request's segments for the run's tails (a labelled
+    /// benchmark run: `RunOutcome::tails`).
+    pub tails: bool,
 }
 
 /// Where and how often a run sends its frames.
@@ -69,6 +72,8 @@ pub struct LiveFeed {
 pub struct RunOutcome {
     pub report: RunReport,
     pub child_status: Option<ExitStatus>,
+    /// Where each VM disk's slowest requests spent their time (`tails`).
+    pub tails: Vec<crate::bench::TailEntry>,
 }
 
 pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
@@ -131,8 +136,9 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         None
     };
     let mut probes = BlockProbes::load(&cfg).context("loading the block-layer probes")?;
-    for vm in known.lock().unwrap_or_else(|p| p.into_inner()).vms.values() {
+    for (slot, vm) in known.lock().unwrap_or_else(|p| p.into_inner()).vms.iter() {
         attach_vm_probes(&mut probes, vm);
+        add_engines(&mut probes, *slot, vm);
     }
     for a in &probes.attachments {
         log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
@@ -162,6 +168,13 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             .unwrap_or_else(|p| p.into_inner())
             .stitch
             .keep_spans();
+    }
+    if opts.tails {
+        correlator
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .stitch
+            .keep_tails();
     }
     let export_shared = tracer.as_ref().map(Tracer::shared);
     let events_task = if opts.events_out.is_some() || opts.vms {
@@ -386,9 +399,19 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     if opts.events_out.is_some() {
         log::info!("{events_written} per-request records written");
     }
+    let tails = {
+        let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
+        let known = known.lock().unwrap_or_else(|p| p.into_inner());
+        corr.stitch
+            .tails
+            .as_ref()
+            .map(|t| t.entries(&known))
+            .unwrap_or_default()
+    };
     Ok(RunOutcome {
         report,
         child_status,
+        tails,
     })
 }
 
@@ -433,6 +456,9 @@ fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) -> Vec<(u32, 
             if let Err(e) = probes.add_vm_maps(&maps) {
                 log::warn!("VM pid {tgid}: {}", crate::bpf::error_chain(&e));
             }
+            if let Some(vm) = known.vms.get(&slot) {
+                add_engines(probes, slot, vm);
+            }
         }
     }
     channels
@@ -446,9 +472,36 @@ fn forget_exited_vms(
     known: &Mutex<Registry>,
     exited: &mut std::collections::BTreeSet<u32>,
 ) {
-    let known = known.lock().unwrap_or_else(|p| p.into_inner());
+    let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
+    let known = &mut *known;
     for (slot, vm) in known.vms.iter() {
-        if exited.contains(slot) || vms::alive(vm) {
+        if exited.contains(slot) {
+            continue;
+        }
+        let vm_alive = vms::alive(vm);
+        // An engine goes with its VM, or alone when it exits first (its
+        // pid must not name the VM for whoever is given it next).
+        for e in vm.engines() {
+            if known.engines.get(&e.pid) != Some(slot) || (vm_alive && vms::engine_alive(e)) {
+                continue;
+            }
+            known.engines.remove(&e.pid);
+            match probes.forget_vm(e.pid, *slot) {
+                Ok(()) => log::info!(
+                    "{} (pid {}) no longer serves VM {}: its probes detached",
+                    e.program,
+                    e.pid,
+                    vm.name
+                ),
+                Err(err) => log::warn!(
+                    "{} (pid {}): {}",
+                    e.program,
+                    e.pid,
+                    crate::bpf::error_chain(&err)
+                ),
+            }
+        }
+        if vm_alive {
             continue;
         }
         exited.insert(*slot);
@@ -459,6 +512,37 @@ fn forget_exited_vms(
                 vm.pid
             ),
             Err(e) => log::warn!("VM {} exited: {}", vm.name, crate::bpf::error_chain(&e)),
+        }
+    }
+}
+
+/// Registers the engine processes serving a VM's disks from outside QEMU
+/// under its slot (those not also serving another VM: `Registry::add`).
+fn add_engines(probes: &mut BlockProbes, slot: u32, vm: &vms::Vm) {
+    for d in vm.disks.iter().filter(|d| d.engine_shared) {
+        log::warn!(
+            "VM {} disk {}: {}",
+            vm.name,
+            d.id,
+            d.split_support().err().unwrap_or_default()
+        );
+    }
+    for e in vm.engines() {
+        match probes.add_engine(e, slot) {
+            Ok(()) => log::info!(
+                "VM {}: disks served by {} (pid {}, export {})",
+                vm.name,
+                e.program,
+                e.pid,
+                e.export
+            ),
+            Err(err) => log::warn!(
+                "VM {}: {} (pid {}) not followed: {}",
+                vm.name,
+                e.program,
+                e.pid,
+                crate::bpf::error_chain(&err)
+            ),
         }
     }
 }

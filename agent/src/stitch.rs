@@ -342,6 +342,8 @@ pub struct Stitcher {
     /// Joined requests not yet taken by a per-I/O output (kept only when
     /// one asked for them: `keep_spans`).
     spans: Option<Vec<IoSpan>>,
+    /// Every request's segments, for a benchmark run's tails (`keep_tails`).
+    pub tails: Option<crate::bench::Tails>,
 }
 
 impl Stitcher {
@@ -360,6 +362,19 @@ impl Stitcher {
     /// Whether per-I/O records are being kept.
     pub fn keeping_spans(&self) -> bool {
         self.spans.is_some()
+    }
+
+    /// Keep every request's segments (a labelled benchmark run).
+    pub fn keep_tails(&mut self) {
+        self.tails.get_or_insert_with(Default::default);
+    }
+
+    /// A request's segments, for the tails (a host window without a guest
+    /// side; joined requests are taken at the join).
+    pub fn tail(&mut self, span: &IoSpan) {
+        if let Some(t) = self.tails.as_mut() {
+            t.record(span);
+        }
     }
 
     /// Keeps a record made elsewhere (a host window without a guest side).
@@ -522,6 +537,9 @@ impl Stitcher {
         };
         self.stitched.entry(key).or_default().record(&span);
         self.queues.entry((key, g.queue)).or_default().record(&span);
+        if let Some(t) = self.tails.as_mut() {
+            t.record(&span);
+        }
         if let Some(spans) = self.spans.as_mut() {
             spans.push(span);
         }

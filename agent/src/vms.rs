@@ -75,6 +75,29 @@ pub struct VDisk {
     /// NVMe; virtio-blk always does).
     #[serde(default)]
     pub ioeventfd: bool,
+    /// A vhost-user disk's socket (its chardev's path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub socket: Option<PathBuf>,
+    /// The process that serves the disk from outside QEMU (vhost-user),
+    /// found by the socket it exports on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineRef>,
+    /// Its engine also serves another VM (see `Registry::add`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub engine_shared: bool,
+}
+
+/// An engine process serving a virtual disk: the one that pops its
+/// virtqueue and submits its requests to the host.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineRef {
+    pub pid: u32,
+    /// Its program (`qemu-storage-daemon`).
+    pub program: String,
+    /// The export serving the disk (its `id=`).
+    pub export: String,
+    #[serde(skip)]
+    pub exe: Option<PathBuf>,
 }
 
 impl VDisk {
@@ -98,6 +121,13 @@ impl VDisk {
     pub fn split_support(&self) -> Result<(), &'static str> {
         match self.model.as_deref() {
             Some(m) if m.starts_with("virtio-blk") => {}
+            Some(m) if m.starts_with("vhost-user-blk") && self.engine_shared => {
+                return Err("its qemu-storage-daemon also serves another VM: its requests are counted as the host's")
+            }
+            Some(m) if m.starts_with("vhost-user-blk") && self.engine.is_some() => {}
+            Some(m) if m.starts_with("vhost-user-blk") => {
+                return Err("no qemu-storage-daemon exports on its socket (other engines are not followed yet)")
+            }
             Some("nvme") if self.ioeventfd => {}
             Some("nvme") => {
                 return Err(
@@ -105,7 +135,7 @@ impl VDisk {
                 )
             }
             Some(m) if m.starts_with("vhost") => {
-                return Err("vhost devices are served outside QEMU")
+                return Err("vhost devices other than vhost-user-blk are not followed yet")
             }
             _ => return Err("device model not followed"),
         }
@@ -158,6 +188,7 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
     let mut files: Vec<(String, Option<PathBuf>, Option<String>)> = Vec::new(); // (id, file, child node)
     let mut aio: Vec<(String, String)> = Vec::new(); // (drive/node id, aio mode)
     let mut devices: Vec<(String, Option<String>, String, bool)> = Vec::new(); // (model, id, drive, ioeventfd)
+    let mut vhost: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, chardev)
     let mut i = 0;
     while i < args.len() {
         let a = args[i].trim_start_matches('-');
@@ -183,26 +214,10 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                 i += 1;
             }
             (true, "blockdev") => {
-                if let Ok(j) = serde_json::from_str::<serde_json::Value>(v) {
-                    if let Some(id) = j["node-name"].as_str() {
-                        let file = j["filename"].as_str().map(PathBuf::from);
-                        let child = j["file"].as_str().map(str::to_string);
-                        files.push((id.to_string(), file, child));
-                        if let Some(a) = j["aio"].as_str() {
-                            aio.push((id.to_string(), a.to_string()));
-                        }
-                    }
-                } else {
-                    let o = options(v);
-                    if let Some(id) = get(&o, "node-name") {
-                        files.push((
-                            id.to_string(),
-                            get(&o, "filename").map(PathBuf::from),
-                            get(&o, "file").map(str::to_string),
-                        ));
-                        if let Some(a) = get(&o, "aio") {
-                            aio.push((id.to_string(), a.to_string()));
-                        }
+                if let Some((id, file, child, a)) = blockdev(v) {
+                    files.push((id.clone(), file, child));
+                    if let Some(a) = a {
+                        aio.push((id, a));
                     }
                 }
                 i += 1;
@@ -227,6 +242,18 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                         ioeventfd,
                     ));
                 }
+                if let (Some(model), Some(chardev)) = (
+                    get(&o, "").or_else(|| get(&o, "driver")),
+                    get(&o, "chardev"),
+                ) {
+                    if model.starts_with("vhost-user-blk") {
+                        vhost.push((
+                            model.to_string(),
+                            get(&o, "id").map(str::to_string),
+                            chardev.to_string(),
+                        ));
+                    }
+                }
                 if get(&o, "").or_else(|| get(&o, "driver")) == Some("virtserialport")
                     && get(&o, "name") == Some(crate::transport::PORT_NAME)
                 {
@@ -247,36 +274,8 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         }
         i += 1;
     }
-    // Follow format nodes down to the protocol node that names the file
-    // (and carries the aio mode).
-    let chain = |id: &str| {
-        let mut out = Vec::new();
-        let mut cur = Some(id.to_string());
-        while let Some(c) = cur.take().filter(|_| out.len() < 8) {
-            if let Some((_, _, child)) = files.iter().find(|(n, _, _)| *n == c) {
-                cur = child.clone();
-            }
-            out.push(c);
-        }
-        out
-    };
-    let file_of = |id: &str| {
-        chain(id).iter().find_map(|n| {
-            files
-                .iter()
-                .find(|(m, f, _)| m == n && f.is_some())
-                .and_then(|(_, f, _)| f.clone())
-        })
-    };
-    // -blockdev's file driver defaults to aio=threads, as -drive does.
-    let aio_of = |id: &str| {
-        Some(
-            chain(id)
-                .iter()
-                .find_map(|n| aio.iter().find(|(m, _)| m == n).map(|(_, a)| a.clone()))
-                .unwrap_or_else(|| "threads".into()),
-        )
-    };
+    let file_of = |id: &str| node_file(&files, id);
+    let aio_of = |id: &str| Some(node_aio(&files, &aio, id));
     let mut disks: Vec<VDisk> = devices
         .iter()
         .map(|(model, id, drive, ioeventfd)| VDisk {
@@ -286,8 +285,28 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
             host_dev: None,
             aio: aio_of(drive),
             ioeventfd: *ioeventfd,
+            socket: None,
+            engine: None,
+            engine_shared: false,
         })
         .collect();
+    // vhost-user disks: served by whoever exports on the chardev's socket.
+    for (model, id, chardev) in &vhost {
+        disks.push(VDisk {
+            id: id.clone().unwrap_or_else(|| chardev.clone()),
+            model: Some(model.clone()),
+            file: None,
+            host_dev: None,
+            aio: None,
+            ioeventfd: true,
+            socket: chardevs
+                .iter()
+                .find(|(c, _)| c == chardev)
+                .map(|(_, p)| p.clone()),
+            engine: None,
+            engine_shared: false,
+        });
+    }
     // -drive with if=virtio (or default) and no -device: the drive is the disk.
     for (id, file, _) in &files {
         let used = devices.iter().any(|(_, _, d, _)| d == id)
@@ -300,6 +319,9 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                 host_dev: None,
                 aio: aio_of(id),
                 ioeventfd: false,
+                socket: None,
+                engine: None,
+                engine_shared: false,
             });
         }
     }
@@ -320,6 +342,212 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                 .map(|(_, p)| p)
         }),
         serials,
+    }
+}
+
+/// A `-blockdev` (JSON or key=value): node name, file name, child node
+/// and aio mode.
+/// (node name, file name, child node, aio mode).
+type BlockNode = (String, Option<PathBuf>, Option<String>, Option<String>);
+
+fn blockdev(v: &str) -> Option<BlockNode> {
+    if let Ok(j) = serde_json::from_str::<serde_json::Value>(v) {
+        let id = j["node-name"].as_str()?.to_string();
+        return Some((
+            id,
+            j["filename"].as_str().map(PathBuf::from),
+            j["file"].as_str().map(str::to_string),
+            j["aio"].as_str().map(str::to_string),
+        ));
+    }
+    let o = options(v);
+    Some((
+        get(&o, "node-name")?.to_string(),
+        get(&o, "filename").map(PathBuf::from),
+        get(&o, "file").map(str::to_string),
+        get(&o, "aio").map(str::to_string),
+    ))
+}
+
+type Nodes = [(String, Option<PathBuf>, Option<String>)];
+
+/// A node and the nodes under it, format nodes down to the protocol node
+/// that names the file (and carries the aio mode).
+fn node_chain(files: &Nodes, id: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = Some(id.to_string());
+    while let Some(c) = cur.take().filter(|_| out.len() < 8) {
+        if let Some((_, _, child)) = files.iter().find(|(n, _, _)| *n == c) {
+            cur = child.clone();
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn node_file(files: &Nodes, id: &str) -> Option<PathBuf> {
+    node_chain(files, id).iter().find_map(|n| {
+        files
+            .iter()
+            .find(|(m, f, _)| m == n && f.is_some())
+            .and_then(|(_, f, _)| f.clone())
+    })
+}
+
+/// The file driver's aio mode; threads, its default, when none is set.
+fn node_aio(files: &Nodes, aio: &[(String, String)], id: &str) -> String {
+    node_chain(files, id)
+        .iter()
+        .find_map(|n| aio.iter().find(|(m, _)| m == n).map(|(_, a)| a.clone()))
+        .unwrap_or_else(|| "threads".into())
+}
+
+/// The program name (comm, 15 bytes) of qemu-storage-daemon.
+pub const STORAGE_DAEMON_COMM: &str = "qemu-storage-da";
+
+/// One vhost-user-blk export of an engine process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Export {
+    pub id: String,
+    pub socket: PathBuf,
+    pub file: Option<PathBuf>,
+    pub aio: String,
+}
+
+/// qemu-storage-daemon's vhost-user-blk exports, from its arguments
+/// (argv without argv[0]). Relative socket paths are taken from `cwd`.
+pub fn exports_from_args(args: &[String], cwd: &Path) -> Vec<Export> {
+    let mut files = Vec::new();
+    let mut aio = Vec::new();
+    let mut exports = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        // --opt VALUE or --opt=VALUE
+        let (opt, inline) = match args[i].split_once('=') {
+            Some((o, v)) if o.starts_with("--") => (o, Some(v.to_string())),
+            _ => (args[i].as_str(), None),
+        };
+        let value = match inline {
+            Some(v) => v,
+            None => {
+                i += 1;
+                args.get(i).cloned().unwrap_or_default()
+            }
+        };
+        match opt.trim_start_matches('-') {
+            "blockdev" => {
+                if let Some((id, file, child, a)) = blockdev(&value) {
+                    files.push((id.clone(), file, child));
+                    if let Some(a) = a {
+                        aio.push((id, a));
+                    }
+                }
+            }
+            "export" => {
+                let o = options(&value);
+                if get(&o, "type") == Some("vhost-user-blk")
+                    && get(&o, "addr.type").unwrap_or("unix") == "unix"
+                {
+                    if let (Some(id), Some(node), Some(path)) =
+                        (get(&o, "id"), get(&o, "node-name"), get(&o, "addr.path"))
+                    {
+                        exports.push((id.to_string(), node.to_string(), cwd.join(path)));
+                    }
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    exports
+        .into_iter()
+        .map(|(id, node, socket)| Export {
+            id,
+            socket,
+            file: node_file(&files, &node),
+            aio: node_aio(&files, &aio, &node),
+        })
+        .collect()
+}
+
+/// Every qemu-storage-daemon running now, with its exports.
+pub fn storage_daemons() -> Vec<(EngineRef, Vec<Export>)> {
+    let Ok(rd) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out: Vec<(EngineRef, Vec<Export>)> = rd
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let comm = fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            if comm.trim_end() != STORAGE_DAEMON_COMM {
+                return None;
+            }
+            let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<String> = raw
+                .split(|&b| b == 0)
+                .skip(1)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            let cwd = fs::read_link(format!("/proc/{pid}/cwd")).unwrap_or_default();
+            let exe = fs::read_link(format!("/proc/{pid}/exe")).ok();
+            Some((
+                EngineRef {
+                    pid,
+                    program: exe.as_deref().and_then(Path::file_name).map_or_else(
+                        || "qemu-storage-daemon".into(),
+                        |n| n.to_string_lossy().into_owned(),
+                    ),
+                    export: String::new(),
+                    exe: exe.filter(|p| p.exists()),
+                },
+                exports_from_args(&args, &cwd),
+            ))
+        })
+        .collect();
+    out.sort_by_key(|(e, _)| e.pid);
+    out
+}
+
+impl Vm {
+    /// Finds the engines serving its vhost-user disks among `daemons`: the
+    /// one exporting on a disk's socket serves it (its file is the disk's
+    /// backing file).
+    pub fn find_engines(&mut self, daemons: &[(EngineRef, Vec<Export>)], cwd: &Path) {
+        for d in &mut self.disks {
+            let Some(sock) = d.socket.as_ref().map(|s| cwd.join(s)) else {
+                continue;
+            };
+            let same = |a: &Path| {
+                a == sock || fs::canonicalize(a).ok() == fs::canonicalize(&sock).ok() && a.exists()
+            };
+            for (engine, exports) in daemons {
+                if let Some(x) = exports.iter().find(|x| same(&x.socket)) {
+                    d.engine = Some(EngineRef {
+                        export: x.id.clone(),
+                        ..engine.clone()
+                    });
+                    d.file = x.file.clone();
+                    d.aio = Some(x.aio.clone());
+                    d.host_dev = d.file.as_deref().and_then(host_disk_of);
+                }
+            }
+        }
+    }
+
+    /// The engine processes serving its disks from outside QEMU (and not
+    /// another VM's as well).
+    pub fn engines(&self) -> Vec<&EngineRef> {
+        let mut v: Vec<&EngineRef> = self
+            .disks
+            .iter()
+            .filter(|d| !d.engine_shared)
+            .filter_map(|d| d.engine.as_ref())
+            .collect();
+        v.sort_by_key(|e| e.pid);
+        v.dedup_by_key(|e| e.pid);
+        v
     }
 }
 
@@ -354,6 +582,10 @@ pub fn identify(pid: u32) -> Option<Vm> {
     vm.exe = fs::read_link(format!("/proc/{pid}/exe"))
         .ok()
         .filter(|p| p.exists());
+    if vm.disks.iter().any(|d| d.socket.is_some()) {
+        let cwd = fs::read_link(format!("/proc/{pid}/cwd")).unwrap_or_default();
+        vm.find_engines(&storage_daemons(), &cwd);
+    }
     Some(vm)
 }
 
@@ -370,6 +602,12 @@ pub fn alive(vm: &Vm) -> bool {
     let comm = &stat[open + 1..close];
     let state = stat[close + 1..].trim_start().chars().next();
     comm.starts_with(QEMU_PREFIX) && !matches!(state, Some('Z' | 'X' | 'x'))
+}
+
+/// Whether an engine process still runs (as the same program).
+pub fn engine_alive(e: &EngineRef) -> bool {
+    fs::read_to_string(format!("/proc/{}/comm", e.pid))
+        .is_ok_and(|c| c.trim_end() == STORAGE_DAEMON_COMM)
 }
 
 /// Every QEMU VM running now.
@@ -395,6 +633,9 @@ pub struct Registry {
     pub vdisks: std::collections::BTreeMap<u32, (u32, String)>,
     /// vdisk slots whose host windows are split (VDisk::split_supported).
     pub split: std::collections::BTreeSet<u32>,
+    /// Engine processes serving running VMs from outside QEMU: pid -> VM
+    /// slot (removed when the VM exits).
+    pub engines: std::collections::BTreeMap<u32, u32>,
 }
 
 /// What the kernel side needs to know of a VM's virtual disks.
@@ -416,7 +657,22 @@ impl VmMaps {
 impl Registry {
     /// Registers a VM under its slot and gives its disks vdisk slots;
     /// returns what the kernel side needs to resolve its requests.
-    pub fn add(&mut self, slot: u32, vm: Vm) -> VmMaps {
+    pub fn add(&mut self, slot: u32, mut vm: Vm) -> VmMaps {
+        // An engine serving another VM still running is not this VM's
+        // alone: its requests cannot be told apart by process, so they
+        // stay the host's (and the disk unsplit, saying why).
+        for d in &mut vm.disks {
+            if let Some(e) = &d.engine {
+                match self.engines.get(&e.pid) {
+                    Some(other) if *other != slot => {
+                        d.engine_shared = true;
+                    }
+                    _ => {
+                        self.engines.insert(e.pid, slot);
+                    }
+                }
+            }
+        }
         let mut maps = VmMaps::default();
         let mut per_dev: std::collections::BTreeMap<Dev, Vec<u32>> = Default::default();
         for d in &vm.disks {
@@ -577,6 +833,80 @@ mod tests {
     }
 
     #[test]
+    fn vhost_user_disks_are_served_by_the_daemon_exporting_on_their_socket() {
+        let mut vm = from_args(
+            12,
+            &args(&[
+                "-name",
+                "guest=vu",
+                "-object",
+                "memory-backend-memfd,id=mem0,size=512M,share=on",
+                "-chardev",
+                "socket,id=vu0,path=/run/vu/a.sock",
+                "-device",
+                "vhost-user-blk-pci,chardev=vu0,id=vd0,num-queues=1",
+                "-chardev",
+                "socket,id=vu1,path=rel.sock",
+                "-device",
+                "vhost-user-blk-pci,chardev=vu1",
+            ]),
+        );
+        assert_eq!(vm.disks.len(), 2);
+        assert_eq!(vm.disks[0].id, "vd0");
+        assert_eq!(vm.disks[1].id, "vu1", "no device id: the chardev's");
+        assert_eq!(
+            vm.disks[0].socket.as_deref(),
+            Some(Path::new("/run/vu/a.sock"))
+        );
+        assert!(!vm.disks[0].split_supported(), "no engine found yet");
+        let exports = exports_from_args(
+            &args(&[
+                "--blockdev", "driver=file,node-name=file0,filename=/img/a.raw,cache.direct=on,aio=io_uring",
+                "--blockdev", "driver=raw,node-name=disk0,file=file0",
+                "--blockdev=driver=file,node-name=f1,filename=/img/b.raw",
+                "--export", "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,addr.path=/run/vu/a.sock,writable=on",
+                "--export=type=vhost-user-blk,id=exp1,node-name=f1,addr.type=unix,addr.path=rel.sock",
+                "--export", "type=nbd,id=n0,node-name=disk0",
+            ]),
+            Path::new("/srv"),
+        );
+        assert_eq!(
+            exports,
+            [
+                Export {
+                    id: "exp0".into(),
+                    socket: "/run/vu/a.sock".into(),
+                    file: Some("/img/a.raw".into()),
+                    aio: "io_uring".into()
+                },
+                Export {
+                    id: "exp1".into(),
+                    socket: "/srv/rel.sock".into(),
+                    file: Some("/img/b.raw".into()),
+                    aio: "threads".into()
+                },
+            ]
+        );
+        let engine = EngineRef {
+            pid: 40,
+            program: "qemu-storage-daemon".into(),
+            export: String::new(),
+            exe: None,
+        };
+        vm.find_engines(&[(engine, exports)], Path::new("/srv"));
+        let e = vm.disks[0].engine.as_ref().expect("served");
+        assert_eq!((e.pid, e.export.as_str()), (40, "exp0"));
+        assert_eq!(vm.disks[0].file.as_deref(), Some(Path::new("/img/a.raw")));
+        assert_eq!(vm.disks[0].aio.as_deref(), Some("io_uring"));
+        assert!(vm.disks[0].split_supported());
+        assert_eq!(
+            vm.disks[1].engine.as_ref().map(|e| e.export.as_str()),
+            Some("exp1")
+        );
+        assert_eq!(vm.engines().len(), 1, "one process, two exports");
+    }
+
+    #[test]
     fn bare_drive_and_unnamed_vm() {
         let vm = from_args(
             9,
@@ -598,6 +928,9 @@ mod tests {
             host_dev: Some(dev),
             aio: None,
             ioeventfd: false,
+            socket: None,
+            engine: None,
+            engine_shared: false,
         };
         let mut r = Registry::default();
         let m1 = r.add(
@@ -720,5 +1053,17 @@ impl Vm {
             v.push(("block_acct_merge_done", false));
         }
         v
+    }
+}
+
+impl EngineRef {
+    /// The engine's probes: its used-ring push ends its disks' host
+    /// windows, as QEMU's does.
+    pub fn uprobe_symbols(&self, split: bool) -> Vec<(&'static str, bool)> {
+        if split {
+            vec![("vu_queue_push", true)]
+        } else {
+            Vec::new()
+        }
     }
 }

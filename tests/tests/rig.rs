@@ -69,6 +69,9 @@ fn guest_channel(rep: &Value, vm: &str) -> Value {
 fn traced_boot(a: RunArgs) {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
+    // A vhost-user disk's engine runs before the VM, as it would on a host.
+    let daemon = (a.disk == DiskModel::VhostUser)
+        .then(|| guest::storage_daemon(&a, &image).unwrap_or_else(|e| panic!("{e:#}")));
     let (qemu, guest_dev) = guest::qemu_command(&rig, &a, &image);
     let report = std::env::temp_dir().join(format!(
         "iospan-rig-{}-{:?}-{:?}-{}-qd{}.json",
@@ -182,6 +185,31 @@ fn traced_boot(a: RunArgs) {
             .as_u64()
             .unwrap_or_else(|| panic!("no {k} in {summary}"))
     };
+    // Who served the disk: QEMU itself, or the daemon over vhost-user, whose
+    // process the engine segment is then.
+    let engines = summary["engines"].as_array().cloned().unwrap_or_default();
+    assert_eq!(engines.len(), 1, "{summary}");
+    let engine = &engines[0];
+    assert_eq!(engine["disk"], a.disk_id.as_str(), "{summary}");
+    match &daemon {
+        Some(d) => {
+            assert_eq!(engine["program"], "qemu-storage-daemon", "{summary}");
+            assert_eq!(
+                engine["pid"].as_u64(),
+                Some(u64::from(d.pid())),
+                "{summary}"
+            );
+            assert_eq!(
+                engine["export"],
+                format!("exp-{}", a.disk_id).as_str(),
+                "{summary}"
+            );
+        }
+        None => {
+            assert_eq!(engine["program"], "qemu-system-x86_64", "{summary}");
+            assert_eq!(engine["pid"], summary["pid"], "{summary}");
+        }
+    }
     let undelivered = count("undelivered");
     assert!(
         undelivered <= rep["lost"]["undelivered"].as_u64().unwrap(),
@@ -221,7 +249,8 @@ fn traced_boot(a: RunArgs) {
     // by QEMU's event loop, an iothread or (aio=threads) its workers; NVMe's
     // default doorbell is counted as not followed.
     let seg = |k: &str| vm["segments"][k].clone();
-    let followed = a.disk == DiskModel::VirtioBlk || a.ioeventfd;
+    let followed = a.disk != DiskModel::Nvme || a.ioeventfd;
+    assert_eq!(engine.get("not_split").is_none(), followed, "{summary}");
     let split = &rep["lost"]["host_split"];
     if followed {
         let window = seg("host_window");
@@ -520,6 +549,10 @@ rig_case!(nvme_ioeventfd_io_uring_qd1_host_only, Nvme, IoUring, 1, ioeventfd: tr
 // NVMe's default doorbells: counted, attributed, not split.
 rig_case!(nvme_io_uring_qd1, Nvme, IoUring, 1, no_guest_agent: true);
 rig_case!(nvme_native_qd16, Nvme, Native, 16, no_guest_agent: true);
+// vhost-user-blk: qemu-storage-daemon serves the disk, QEMU relays.
+rig_case!(vhost_user_io_uring_qd1, VhostUser, IoUring, 1, per_io: true);
+rig_case!(vhost_user_io_uring_qd16, VhostUser, IoUring, 16, per_io: true);
+rig_case!(vhost_user_io_uring_qd16_host_only, VhostUser, IoUring, 16, no_guest_agent: true);
 
 /// No host agent on the other end of the guest channel: the guest agent
 /// neither blocks the guest's I/O nor fails; it keeps what it can and says
@@ -727,6 +760,17 @@ fn bpf_links(pid: u32) -> usize {
 /// pickup and the host: the engine segment takes it, the others do not move.
 #[test]
 fn a_qemu_throttle_is_engine_time() {
+    throttle_is_engine_time(DiskModel::VirtioBlk);
+}
+
+/// The same throttle in qemu-storage-daemon, serving the disk over
+/// vhost-user: engine time of the daemon's process.
+#[test]
+fn a_storage_daemon_throttle_is_engine_time() {
+    throttle_is_engine_time(DiskModel::VhostUser);
+}
+
+fn throttle_is_engine_time(disk: DiskModel) {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let boot = |throttle: Option<u32>| {
@@ -734,12 +778,15 @@ fn a_qemu_throttle_is_engine_time() {
         // of the increase (the part after the completion is visible), which
         // the host cannot see and this test does not measure.
         let a = RunArgs {
+            disk,
             ios: 400,
             throttle_iops: throttle,
             name: "throttled".into(),
             no_guest_agent: true,
             ..Default::default()
         };
+        let _daemon = (disk == DiskModel::VhostUser)
+            .then(|| guest::storage_daemon(&a, &image).unwrap_or_else(|e| panic!("{e:#}")));
         let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
         let t = std::time::Instant::now();
         let (console, rep) = traced_run(&qemu, &host, &format!("throttle-{}", throttle.is_some()));
@@ -770,7 +817,7 @@ fn a_qemu_throttle_is_engine_time() {
     let ctx = format!(
         "added {added} µs; engine {engine_free} -> {engine_slow}, device {device_free} -> {device_slow}, hypervisor {hv_free} -> {hv_slow}"
     );
-    eprintln!("throttle: {ctx}");
+    eprintln!("throttle ({disk:?}): {ctx}");
     // The throttle sits in QEMU's block layer, between the engine's pickup
     // and the host submission: engine time. The guest-observed increase also
     // holds whatever the guest's own path adds (its vCPU waking from longer

@@ -63,7 +63,8 @@ pub struct RunArgs {
     /// The virtual disk's id.
     #[arg(long, default_value = "vd0")]
     pub disk_id: String,
-    /// Throttle the drive in QEMU's block layer (throttling.iops-total).
+    /// Throttle the drive in its engine's block layer (QEMU's
+    /// throttling.iops-total; qemu-storage-daemon's throttle filter).
     #[arg(long, value_name = "IOPS")]
     pub throttle_iops: Option<u32>,
     /// NVMe only: take doorbells through eventfds (ioeventfd=on; the
@@ -100,6 +101,9 @@ pub struct RunArgs {
 pub enum DiskModel {
     VirtioBlk,
     Nvme,
+    /// vhost-user-blk: qemu-storage-daemon serves the image, QEMU only
+    /// relays kicks and interrupts.
+    VhostUser,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -443,9 +447,99 @@ fn channel_path(vm: &str) -> PathBuf {
 }
 
 /// The QEMU command line for one rig boot.
+/// The vhost-user socket of a rig VM's disk.
+pub fn vhost_socket(a: &RunArgs) -> PathBuf {
+    let dir = dir().join("vu");
+    let _ = std::fs::create_dir_all(&dir);
+    dir.join(format!("{}-{}.sock", a.name, a.disk_id))
+}
+
+/// qemu-storage-daemon serving a rig disk over vhost-user; stopped when
+/// dropped.
+pub struct StorageDaemon {
+    child: std::process::Child,
+    pub socket: PathBuf,
+}
+
+impl StorageDaemon {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for StorageDaemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// Its command line: the image on io_uring (or the rig's aio), raw,
+/// throttled when asked, exported on `vhost_socket`.
+pub fn storage_daemon_command(a: &RunArgs, image: &Path) -> Command {
+    let socket = vhost_socket(a);
+    let mut c = Command::new("qemu-storage-daemon");
+    c.arg("--blockdev").arg(format!(
+        "driver=file,node-name=file0,filename={},cache.direct=on,aio={}",
+        image.display(),
+        a.aio.qemu()
+    ));
+    c.args(["--blockdev", "driver=raw,node-name=disk0,file=file0"]);
+    let mut node = "disk0";
+    if let Some(n) = a.throttle_iops {
+        c.args([
+            "--object",
+            &format!("throttle-group,id=tg0,x-iops-total={n}"),
+        ]);
+        c.args([
+            "--blockdev",
+            "driver=throttle,node-name=thr0,throttle-group=tg0,file=disk0",
+        ]);
+        node = "thr0";
+    }
+    c.arg("--export").arg(format!(
+        "type=vhost-user-blk,id=exp-{},node-name={node},addr.type=unix,addr.path={},writable=on,num-queues=1",
+        a.disk_id,
+        socket.display()
+    ));
+    c
+}
+
+/// Starts qemu-storage-daemon for a vhost-user rig disk and waits for its
+/// socket.
+pub fn storage_daemon(a: &RunArgs, image: &Path) -> Result<StorageDaemon> {
+    let socket = vhost_socket(a);
+    let _ = std::fs::remove_file(&socket);
+    let mut cmd = storage_daemon_command(a, image);
+    eprintln!("xtask: {}", sh::show(&cmd));
+    let child = cmd
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting qemu-storage-daemon (Debian package qemu-system-common)")?;
+    let mut d = StorageDaemon { child, socket };
+    let t = Instant::now();
+    while !d.socket.exists() {
+        if let Some(status) = d.child.try_wait()? {
+            bail!(
+                "qemu-storage-daemon exited with {status} before exporting {}",
+                d.socket.display()
+            );
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            bail!(
+                "qemu-storage-daemon did not export {} within 20 s",
+                d.socket.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(d)
+}
+
 pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
     let guest_dev = match a.disk {
-        DiskModel::VirtioBlk => "vda",
+        DiskModel::VirtioBlk | DiskModel::VhostUser => "vda",
         DiskModel::Nvme => "nvme0n1",
     };
     let mut c = Command::new("qemu-system-x86_64");
@@ -469,15 +563,18 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
             a.dm_delay_ms.map(i64::from).unwrap_or(-1),
             a.agent_restart_s.map(|s| format!(" iospan.agentrestart={s}")).unwrap_or_default()
         ) + if a.reboot { " iospan.reboot=1" } else { "" }
-            + if a.per_io { " iospan.perio=1" } else { "" })
-        .arg("-drive")
-        .arg(format!(
+            + if a.per_io { " iospan.perio=1" } else { "" });
+    if a.disk != DiskModel::VhostUser {
+        c.arg("-drive").arg(format!(
             "file={},if=none,id={},format=raw,cache=none,aio={}{}",
             image.display(),
             a.disk_id,
             a.aio.qemu(),
-            a.throttle_iops.map(|n| format!(",throttling.iops-total={n}")).unwrap_or_default()
+            a.throttle_iops
+                .map(|n| format!(",throttling.iops-total={n}"))
+                .unwrap_or_default()
         ));
+    }
     if !a.no_guest_agent {
         // The guest channel: a virtio-serial port whose host end is a unix
         // socket QEMU listens on; the host agent finds it in QEMU's argv.
@@ -511,6 +608,28 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
                 &format!("nvme,drive={},serial=iospan0{ioeventfd}", a.disk_id),
             ]);
         }
+        DiskModel::VhostUser => {
+            // The daemon maps guest memory: it must be shared.
+            c.args([
+                "-object",
+                "memory-backend-memfd,id=mem0,size=512M,share=on",
+                "-machine",
+                "memory-backend=mem0",
+                "-chardev",
+            ])
+            .arg(format!(
+                "socket,id=vu-{},path={}",
+                a.disk_id,
+                vhost_socket(a).display()
+            ))
+            .args([
+                "-device",
+                &format!(
+                    "vhost-user-blk-pci,chardev=vu-{0},id={0},num-queues=1",
+                    a.disk_id
+                ),
+            ]);
+        }
     }
     (c, guest_dev.to_string())
 }
@@ -520,7 +639,7 @@ pub fn run(a: &RunArgs) -> Result<RigResult> {
         bail!("--ioeventfd is for NVMe; virtio-blk always takes its kicks through eventfds");
     }
     if a.iothread && a.disk != DiskModel::VirtioBlk {
-        bail!("--iothread is for virtio-blk; NVMe in QEMU 7.2 has no iothread option");
+        bail!("--iothread is for virtio-blk (NVMe in QEMU 7.2 has none; a vhost-user disk is served by its daemon)");
     }
     if !matches!(a.rw.as_str(), "randread" | "randwrite" | "read" | "write") {
         bail!("--rw {}: use randread, randwrite, read or write", a.rw);
@@ -528,6 +647,10 @@ pub fn run(a: &RunArgs) -> Result<RigResult> {
     let rig = build()?;
     let image = a.image.clone().unwrap_or_else(|| dir().join("disk.img"));
     ensure_image(&image, 256)?;
+    let _daemon = match a.disk {
+        DiskModel::VhostUser => Some(storage_daemon(a, &image)?),
+        _ => None,
+    };
     let (mut cmd, guest_dev) = qemu_command(&rig, a, &image);
     eprintln!("xtask: {}", sh::show(&cmd));
     let t = Instant::now();

@@ -125,7 +125,7 @@ fn demo() -> Result<()> {
 }
 
 fn test(args: &[String]) -> Result<()> {
-    setup::ensure(false)?;
+    setup::ensure_test()?;
     // The rig's kernel and initramfs, before the tests that boot it.
     guest::build()?;
     // The tracing backend the export tests send to (cached outside the

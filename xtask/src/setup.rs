@@ -26,6 +26,17 @@ const RIG: &[(Need, &str)] = &[
     (Need::File("/usr/lib/x86_64-linux-gnu/libc.a"), "libc6-dev"),
 ];
 
+/// What the integration tests drive besides the rig: terminals, a browser,
+/// TLS, the unit checker, the vhost-user engine.
+const TEST: &[(Need, &str)] = &[
+    (Need::Tool("tmux"), "tmux"),
+    (Need::Tool("chromium"), "chromium"),
+    (Need::Tool("openssl"), "openssl"),
+    (Need::Tool("curl"), "curl"),
+    (Need::Tool("systemd-analyze"), "systemd"),
+    (Need::Tool("qemu-storage-daemon"), "qemu-system-common"),
+];
+
 #[derive(Clone, Copy)]
 enum Need {
     Tool(&'static str),
@@ -52,6 +63,11 @@ pub fn ensure(bench: bool) -> Result<()> {
 /// What the guest rig needs besides the build: QEMU, a static busybox.
 pub fn ensure_rig() -> Result<()> {
     install(BUILD.iter().chain(RIG))
+}
+
+/// Everything the test suite uses.
+pub fn ensure_test() -> Result<()> {
+    install(BUILD.iter().chain(RIG).chain(TEST))
 }
 
 /// A Rust standard library for `target` (rustup fetches it once).

@@ -583,13 +583,35 @@ impl BlockProbes {
     /// only: other processes of the binary pay nothing. Kept per VM, to be
     /// detached when it exits (`forget_vm`).
     pub fn attach_vm_uprobes(&mut self, vm: &crate::vms::Vm) -> Result<(), LoadError> {
-        let Some(exe) = vm.exe.as_deref() else {
+        let symbols = vm.uprobe_symbols(self.vm_segments);
+        self.attach_uprobes(vm.exe.as_deref(), vm.pid, &symbols)
+    }
+
+    /// An engine process serving VM `slot`'s disks from outside QEMU: its
+    /// requests, kick pickups and used-ring pushes are the VM's from now
+    /// on (it runs only to serve them). Undone by `forget_vm(pid, slot)`.
+    pub fn add_engine(&mut self, e: &crate::vms::EngineRef, slot: u32) -> Result<(), LoadError> {
+        let mut pids: HashMap<_, u32, u32> = map_mut_of(&mut self.ebpf, "vm_pids")?;
+        pids.insert(e.pid, slot, 0)
+            .map_err(LoadError::map_op("vm_pids"))?;
+        self.flag_vm("vm_started", e.pid)?;
+        let symbols = e.uprobe_symbols(self.vm_segments);
+        self.attach_uprobes(e.exe.as_deref(), e.pid, &symbols)
+    }
+
+    fn attach_uprobes(
+        &mut self,
+        exe: Option<&std::path::Path>,
+        pid: u32,
+        symbols: &[(&'static str, bool)],
+    ) -> Result<(), LoadError> {
+        let Some(exe) = exe else {
             return Ok(());
         };
-        let Some(pid) = std::num::NonZeroU32::new(vm.pid) else {
+        let Some(nz) = std::num::NonZeroU32::new(pid) else {
             return Ok(());
         };
-        for (symbol, hot) in vm.uprobe_symbols(self.vm_segments) {
+        for &(symbol, hot) in symbols {
             let site = format!("{}:{symbol}", exe.display());
             let (offset, prologue) =
                 crate::vms::uprobe_site(exe, symbol).ok_or_else(|| LoadError::Attach {
@@ -614,7 +636,7 @@ impl BlockProbes {
                 p.attach(
                     aya::programs::uprobe::UProbeAttachLocation::SymbolOffset(symbol, offset),
                     exe,
-                    UProbeScope::OneProcess(pid),
+                    UProbeScope::OneProcess(nz),
                 )
                 .map_err(|e| super::error_chain(&e))
             })();
@@ -623,10 +645,7 @@ impl BlockProbes {
                 flavour: "uprobe",
                 reason,
             })?;
-            self.vm_links
-                .entry(vm.pid)
-                .or_default()
-                .push((symbol, link));
+            self.vm_links.entry(pid).or_default().push((symbol, link));
             log::info!("attached uprobe {site}+{offset} for pid {pid}");
             if !self.attachments.iter().any(|a| a.tracepoint == site) {
                 self.attachments.push(Attachment {

@@ -1,0 +1,216 @@
+//! Benchmark runs on the rig: labelled runs stored, put side by side
+//! (`iospan compare` names the segment a change lives in), rendered as an
+//! HTML report that a real browser draws, and held to thresholds.
+
+use std::{path::Path, process::Command};
+
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
+use xtask::guest::{self, DiskModel, RunArgs};
+
+/// A labelled `iospan run` of one rig boot; its stdout.
+fn labelled(runs: &Path, label: &str, a: &RunArgs, extra: &[&str]) -> (String, i32) {
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let _daemon = (a.disk == DiskModel::VhostUser)
+        .then(|| guest::storage_daemon(a, &image).unwrap_or_else(|e| panic!("{e:#}")));
+    let (qemu, _) = guest::qemu_command(&rig, a, &image);
+    let out = run(Command::new(iospan_bin())
+        .env("IOSPAN_RUNS_DIR", runs)
+        .args(["run", "--quiet", "--disk", &host, "--label", label])
+        .args(extra)
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args()));
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.code().is_some(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (stdout, out.status.code().unwrap_or(-1))
+}
+
+fn iospan(runs: &Path, args: &[&str]) -> (String, String, i32) {
+    let out = run(Command::new(iospan_bin())
+        .env("IOSPAN_RUNS_DIR", runs)
+        .args(args));
+    (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+        out.status.code().unwrap_or(-1),
+    )
+}
+
+/// The µs figures of a compare line ("  mean A  750.8  306.3 …").
+fn figures(line: &str) -> Vec<f64> {
+    line.split_whitespace()
+        .filter_map(|w| w.parse::<f64>().ok())
+        .collect()
+}
+
+#[test]
+fn compare_names_the_segment_that_moved_and_the_report_draws() {
+    let runs = std::env::temp_dir().join(format!("iospan-runs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&runs);
+    let base = RunArgs {
+        disk: DiskModel::VhostUser,
+        ios: 600,
+        name: "bench-vu".into(),
+        no_guest_agent: true,
+        ..Default::default()
+    };
+    // The same workload, once as is and once behind a throttle in the
+    // daemon (200 IOPS at QD1: ~5 ms per I/O spent in the engine).
+    let (out, code) = labelled(&runs, "vu-free", &base, &["--check", "read.p99<10s"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("PASS read.p99<10s"), "{out}");
+    assert!(
+        out.contains("bench-vu vd0 read") && out.contains("p99+"),
+        "the run's tail: {out}"
+    );
+    let slow = RunArgs {
+        throttle_iops: Some(200),
+        ..base.clone()
+    };
+    // A threshold the throttled run cannot meet: the run fails with 1.
+    let (out, code) = labelled(&runs, "vu-throttled", &slow, &["--check", "read.mean<1ms"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("FAIL read.mean<1ms"), "{out}");
+    // The label is taken now.
+    let (_, code) = labelled(&runs, "vu-free", &base, &[]);
+    assert_ne!(code, 0, "a second run under a used label was stored");
+
+    let (cmp, err, code) = iospan(&runs, &["compare", "vu-free", "vu-throttled"]);
+    assert_eq!(code, 0, "{err}");
+    eprintln!("{cmp}");
+    // At the mean and in the tails, the engine is what moved, and its
+    // change is nearly all of the total's.
+    for at in ["mean", "p99", "p99.9"] {
+        let line = cmp
+            .lines()
+            .find(|l| l.contains(&format!("→ at {at}:")))
+            .unwrap_or_else(|| panic!("no verdict at {at}:\n{cmp}"));
+        assert!(line.contains("engine explains"), "{line}\n{cmp}");
+        let share: f64 = line
+            .split("explains ")
+            .nth(1)
+            .and_then(|r| r.split('%').next())
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        if at == "mean" {
+            assert!(share >= 80.0, "{line}\n{cmp}");
+        }
+    }
+    let rows: Vec<&str> = cmp
+        .lines()
+        .filter(|l| l.trim_start().starts_with("mean "))
+        .collect();
+    assert_eq!(rows.len(), 2, "{cmp}");
+    let (a, b) = (figures(rows[0]), figures(rows[1]));
+    assert!(b[0] > a[0] + 1000.0, "the throttle's ms: {cmp}");
+
+    // The HTML report, drawn by a real browser: each segment's colour is
+    // on the page (the tail bars and the CDF).
+    let html = runs.join("vu-throttled.html");
+    let (summary, err, code) = iospan(
+        &runs,
+        &[
+            "report",
+            "vu-throttled",
+            "--html",
+            html.to_str().unwrap(),
+            "--check",
+            "read.p99.engine<1us",
+        ],
+    );
+    assert_eq!(code, 1, "a failing check: {summary}{err}");
+    assert!(summary.contains("FAIL read.p99.engine<1us"), "{summary}");
+    let png = runs.join("vu-throttled.png");
+    let shot = run(Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+        ])
+        .args([
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+        ])
+        .arg(format!(
+            "--user-data-dir={}",
+            runs.join("chromium").display()
+        ))
+        .args(["--hide-scrollbars", "--window-size=1000,1800"])
+        .arg(format!("--screenshot={}", png.display()))
+        .arg(format!("file://{}", html.display())));
+    assert!(
+        png.exists(),
+        "no screenshot: {}",
+        String::from_utf8_lossy(&shot.stderr)
+    );
+    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&png).unwrap()));
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    let px = match info.color_type {
+        png::ColorType::Rgba => 4,
+        png::ColorType::Rgb => 3,
+        c => panic!("colour type {c:?}"),
+    };
+    for (name, hex) in iospan::bench::PARTS
+        .iter()
+        .zip(iospan::html::COLOURS)
+        .skip(1)
+    {
+        let rgb: Vec<u8> = (0..3)
+            .map(|i| u8::from_str_radix(&hex[1 + 2 * i..3 + 2 * i], 16).unwrap())
+            .collect();
+        let n = buf[..info.buffer_size()]
+            .chunks(px)
+            .filter(|p| p[..3] == rgb[..])
+            .count();
+        assert!(
+            n >= 50,
+            "{name} ({hex}): {n} pixels in the screenshot of {}",
+            html.display()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&runs);
+}
+
+#[test]
+fn bad_runs_and_checks_are_refused_naming_them() {
+    let runs = std::env::temp_dir().join(format!("iospan-runs-bad-{}", std::process::id()));
+    let (_, err, code) = iospan(&runs, &["report", "nope"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("nope") && err.contains("--runs-dir"), "{err}");
+    let (_, err, code) = iospan(
+        &runs,
+        &[
+            "run",
+            "--check",
+            "read.p42<1ms",
+            "--label",
+            "x",
+            "--",
+            "true",
+        ],
+    );
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("read.p42<1ms") && err.contains("statistic"),
+        "{err}"
+    );
+    let (_, err, code) = iospan(&runs, &["run", "--check", "read.p99<1ms", "--", "true"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--label"), "{err}");
+    let (_, err, code) = iospan(&runs, &["run", "--label", "../up", "--", "true"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--label"), "{err}");
+    let (_, err, code) = iospan(&runs, &["compare", "only-one"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("RUN"), "{err}");
+}
