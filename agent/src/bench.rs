@@ -46,6 +46,9 @@ struct Reservoir {
     kept: Vec<Parts>,
     seen: u64,
     rng: u64,
+    /// The first kick and the last signal seen (host clock, ns).
+    first_ns: u64,
+    last_ns: u64,
 }
 
 impl Reservoir {
@@ -83,6 +86,10 @@ impl Tails {
                 rng: 0x9e37_79b9_7f4a_7c15,
                 ..Default::default()
             });
+        if r.first_ns == 0 || sp.kick_ns < r.first_ns {
+            r.first_ns = sp.kick_ns;
+        }
+        r.last_ns = r.last_ns.max(sp.signal_ns);
         r.add([
             c(sp.total_ns),
             c(sp.guest_ns),
@@ -102,6 +109,16 @@ impl Tails {
                     disk: known.vdisk(*vdisk)?.to_string(),
                     op: *op,
                     ios: r.seen,
+                    // Over the disk's busy span (first kick to last signal),
+                    // not the whole run: boots and pauses do not count.
+                    iops: {
+                        let span = r.last_ns.saturating_sub(r.first_ns) as f64 / 1e9;
+                        if span > 0.0 {
+                            r.seen as f64 / span
+                        } else {
+                            0.0
+                        }
+                    },
                     sampled: r.seen > r.kept.len() as u64,
                     guest_observed: r.kept.iter().any(|p| p[1] > 0),
                     bands: bands(&r.kept),
@@ -134,6 +151,9 @@ pub struct TailEntry {
     pub disk: String,
     pub op: Op,
     pub ios: u64,
+    /// I/Os per second from the first I/O to the last.
+    #[serde(default)]
+    pub iops: f64,
     /// More I/Os than kept: the bands are of a uniform sample.
     pub sampled: bool,
     /// Totals are guest-observed (guest agent), else host windows.
@@ -447,11 +467,12 @@ impl StoredRun {
         for t in &self.tails {
             let _ = writeln!(
                 out,
-                "\n{} {} {} — {} I/Os, {}: where the time goes, by tail (mean µs){}",
+                "\n{} {} {} — {} I/Os at {:.0} IOPS, {}: where the time goes, by tail (mean µs){}",
                 t.vm,
                 t.disk,
                 t.op,
                 t.ios,
+                t.iops,
                 if t.guest_observed {
                     "guest-observed"
                 } else {
@@ -879,6 +900,253 @@ pub async fn run_labelled(
     Ok((outcome, stored, path))
 }
 
+/// One level of a sweep, for one VM disk and op.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Level {
+    pub value: u32,
+    pub label: String,
+    /// Over the disk's busy span (`TailEntry::iops`).
+    pub iops: f64,
+    /// p99 of the total (guest-observed where joined, else the host window).
+    pub p99_us: f64,
+    /// Mean per part (`PARTS`), over all I/Os.
+    pub mean_us: [f64; 5],
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Knee {
+    /// The last level before IOPS stopped growing while latency rose.
+    pub at: u32,
+    pub iops: f64,
+    pub next: u32,
+    pub iops_gain: f64,
+    pub p99_gain: f64,
+    /// The segment whose mean grew most from the knee to the next level.
+    pub segment: String,
+    pub segment_growth_us: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SweepCurve {
+    pub vm: String,
+    pub disk: String,
+    pub op: Op,
+    pub levels: Vec<Level>,
+    pub knee: Option<Knee>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SweepResult {
+    pub schema: String,
+    /// "qd" or "jobs".
+    pub over: String,
+    pub command: Vec<String>,
+    pub curves: Vec<SweepCurve>,
+}
+
+/// From one level to the next, IOPS grew by less than this per doubling of
+/// the level (queue depth or jobs)...
+pub const KNEE_IOPS_PER_DOUBLING: f64 = 0.15;
+/// ... while p99 latency grew by more than this: saturated.
+pub const KNEE_P99_GAIN: f64 = 0.25;
+
+/// The first level past which IOPS stops growing while latency rises.
+pub fn knee(levels: &[Level]) -> Option<Knee> {
+    levels.windows(2).find_map(|w| {
+        let (a, b) = (&w[0], &w[1]);
+        if a.iops <= 0.0 || a.p99_us <= 0.0 {
+            return None;
+        }
+        let iops_gain = b.iops / a.iops - 1.0;
+        let p99_gain = b.p99_us / a.p99_us - 1.0;
+        let doublings = (f64::from(b.value) / f64::from(a.value.max(1))).log2();
+        if doublings <= 0.0 {
+            return None;
+        }
+        let per_doubling = (b.iops / a.iops).powf(1.0 / doublings) - 1.0;
+        if per_doubling >= KNEE_IOPS_PER_DOUBLING || p99_gain <= KNEE_P99_GAIN {
+            return None;
+        }
+        let (i, g) = (1..5)
+            .map(|i| (i, b.mean_us[i] - a.mean_us[i]))
+            .max_by(|x, y| x.1.total_cmp(&y.1))?;
+        Some(Knee {
+            at: a.value,
+            iops: a.iops,
+            next: b.value,
+            iops_gain,
+            p99_gain,
+            segment: PARTS[i].to_string(),
+            segment_growth_us: g,
+        })
+    })
+}
+
+/// The levels' figures per VM disk and op, from their stored runs.
+pub fn curves(levels: &[(u32, StoredRun)]) -> Vec<SweepCurve> {
+    let mut by: BTreeMap<(String, String, Op), Vec<Level>> = BTreeMap::new();
+    for (value, run) in levels {
+        for t in &run.tails {
+            let Some(all) = t.band(0.0) else { continue };
+            let entry = run.report.entries.iter().find(|e| {
+                e.vm.as_deref() == Some(t.vm.as_str()) && e.disk == t.disk && e.op == t.op
+            });
+            let Some(e) = entry else { continue };
+            let p99_us = e
+                .stitched
+                .as_ref()
+                .and_then(|s| s.segments.get("total"))
+                .or_else(|| e.segments.get("host_window"))
+                .map_or(0.0, |s| s.p99_us);
+            by.entry((t.vm.clone(), t.disk.clone(), t.op))
+                .or_default()
+                .push(Level {
+                    value: *value,
+                    label: run.label.clone(),
+                    iops: t.iops,
+                    p99_us,
+                    mean_us: all.mean_us,
+                });
+        }
+    }
+    by.into_iter()
+        .map(|((vm, disk, op), levels)| SweepCurve {
+            knee: knee(&levels),
+            vm,
+            disk,
+            op,
+            levels,
+        })
+        .collect()
+}
+
+impl SweepResult {
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        for c in &self.curves {
+            let _ = writeln!(
+                out,
+                "{} {} {} — sweep over {}",
+                c.vm, c.disk, c.op, self.over
+            );
+            let _ = writeln!(
+                out,
+                "  {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                self.over, "IOPS", "p99 µs", "mean µs", "guest", "hv", "engine", "device"
+            );
+            for l in &c.levels {
+                let mark = if c.knee.as_ref().is_some_and(|k| k.at == l.value) {
+                    "  ← knee"
+                } else {
+                    ""
+                };
+                let _ = writeln!(
+                    out,
+                    "  {:>6} {:>9.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}{mark}",
+                    l.value,
+                    l.iops,
+                    l.p99_us,
+                    l.mean_us[0],
+                    l.mean_us[1],
+                    l.mean_us[2],
+                    l.mean_us[3],
+                    l.mean_us[4]
+                );
+            }
+            match &c.knee {
+                Some(k) => {
+                    let _ = writeln!(
+                        out,
+                        "  knee at {} {}: {:.0} IOPS; at {} IOPS {:+.0}% while p99 {:+.0}%; {} grew most ({:+.1} µs mean)",
+                        self.over,
+                        k.at,
+                        k.iops,
+                        k.next,
+                        k.iops_gain * 100.0,
+                        k.p99_gain * 100.0,
+                        k.segment,
+                        k.segment_growth_us
+                    );
+                }
+                None => {
+                    let _ = writeln!(
+                        out,
+                        "  no knee: from each level to the next, IOPS grew by {:.0}% or more per doubling, or p99 by {:.0}% or less",
+                        KNEE_IOPS_PER_DOUBLING * 100.0,
+                        KNEE_P99_GAIN * 100.0
+                    );
+                }
+            }
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// Runs the command once per value, `{qd}` (or `{jobs}`) in its arguments
+/// replaced, each a labelled run `PREFIX-VALUE`; the curves and knees are
+/// stored as `RUNS/PREFIX/sweep.json`.
+pub async fn sweep(
+    make: impl Fn(Vec<String>) -> crate::run::RunOptions,
+    command: &[String],
+    over: &str,
+    values: &[u32],
+    prefix: &str,
+    runs_dir: &Path,
+) -> Result<(SweepResult, PathBuf)> {
+    check_label(prefix)?;
+    let placeholder = format!("{{{over}}}");
+    if !command.iter().any(|a| a.contains(&placeholder)) {
+        bail!(
+            "the command has no {placeholder}: put it where the {over} goes, e.g. fio --iodepth={placeholder} …"
+        );
+    }
+    if values.len() < 2 {
+        bail!("--{over}: give two values or more, e.g. 1,2,4,8,16,32");
+    }
+    let dir = runs_dir.join(prefix);
+    if dir.join("sweep.json").exists() {
+        bail!(
+            "sweep {prefix:?} exists in {}: choose another --label, or remove {}",
+            runs_dir.display(),
+            dir.display()
+        );
+    }
+    let mut levels = Vec::new();
+    for (i, v) in values.iter().enumerate() {
+        let cmd: Vec<String> = command
+            .iter()
+            .map(|a| a.replace(&placeholder, &v.to_string()))
+            .collect();
+        let label = format!("{prefix}-{over}{v}");
+        eprintln!("sweep {}/{}: {over} {v} ({label})", i + 1, values.len());
+        let l = Labelled {
+            label: label.clone(),
+            runs_dir: runs_dir.to_path_buf(),
+        };
+        let (outcome, stored, _) = run_labelled(make(cmd), &l).await?;
+        if let Some(code) = outcome
+            .child_status
+            .and_then(|s| s.code())
+            .filter(|c| *c != 0)
+        {
+            bail!("{over} {v}: the command exited with {code}; run {label} kept");
+        }
+        levels.push((*v, stored));
+    }
+    let result = SweepResult {
+        schema: "iospan.sweep/v1".into(),
+        over: over.into(),
+        command: command.to_vec(),
+        curves: curves(&levels),
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join("sweep.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&result)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok((result, path))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -919,6 +1187,7 @@ mod tests {
             disk: "vd0".into(),
             op: Op::Read,
             ios: 1000,
+            iops: 0.0,
             sampled: false,
             guest_observed: true,
             bands: vec![
@@ -991,5 +1260,32 @@ mod tests {
         for bad in ["", "../x", "a/b", ".hidden", "a b"] {
             assert!(check_label(bad).is_err(), "{bad:?}");
         }
+    }
+
+    fn level(value: u32, iops: f64, p99: f64, engine: f64) -> Level {
+        Level {
+            value,
+            label: format!("s-qd{value}"),
+            iops,
+            p99_us: p99,
+            mean_us: [100.0 + engine, 10.0, 10.0, engine, 80.0],
+        }
+    }
+
+    #[test]
+    fn the_knee_is_where_iops_stop_and_latency_climbs() {
+        let levels = [
+            level(1, 1000.0, 200.0, 10.0),
+            level(2, 1900.0, 220.0, 12.0),
+            level(4, 3000.0, 300.0, 20.0),
+            level(8, 3100.0, 600.0, 300.0),
+            level(16, 3150.0, 1200.0, 900.0),
+        ];
+        let k = knee(&levels).expect("a knee");
+        assert_eq!((k.at, k.next), (4, 8));
+        assert_eq!(k.segment, "engine");
+        assert!((k.segment_growth_us - 280.0).abs() < 1e-9);
+        // Still scaling: none.
+        assert_eq!(knee(&levels[..3]), None);
     }
 }

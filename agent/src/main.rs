@@ -106,6 +106,34 @@ enum Cmd {
         #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::bench::default_runs_dir())]
         runs_dir: PathBuf,
     },
+    /// Run a workload at increasing queue depth (or job count) and find its saturation
+    /// point: the knee past which IOPS stop growing while latency rises, and the segment
+    /// that grows there. Each level is a labelled run (LABEL-qdN); CMD holds {qd} (or {jobs}).
+    Sweep {
+        /// Queue depths to run at, e.g. 1,2,4,8,16,32 ({qd} in CMD).
+        #[arg(
+            long,
+            value_delimiter = ',',
+            value_name = "N,N,…",
+            conflicts_with = "jobs",
+            required_unless_present = "jobs"
+        )]
+        qd: Vec<u32>,
+        /// Job counts to run at ({jobs} in CMD).
+        #[arg(long, value_delimiter = ',', value_name = "N,N,…")]
+        jobs: Vec<u32>,
+        /// Prefix of the levels' run labels, and the sweep's name.
+        #[arg(long, value_name = "LABEL")]
+        label: String,
+        /// Report only this disk; repeatable.
+        #[arg(long = "disk", value_name = "NAME")]
+        disks: Vec<String>,
+        #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::bench::default_runs_dir())]
+        runs_dir: PathBuf,
+        /// The workload, after `--`.
+        #[arg(last = true, value_name = "CMD", required = true)]
+        command: Vec<String>,
+    },
     /// Built-in default job: fio on a scratch loop device, traced, with the table printed.
     Demo {
         /// Also write the report as JSON (schema iospan.run/v1).
@@ -392,6 +420,34 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             } else {
                 ExitCode::from(1)
             })
+        }
+        Cmd::Sweep {
+            qd,
+            jobs,
+            label,
+            disks,
+            runs_dir,
+            command,
+        } => {
+            let (over, values) = if qd.is_empty() {
+                ("jobs", jobs)
+            } else {
+                ("qd", qd)
+            };
+            let make = |cmd: Vec<String>| run::RunOptions {
+                disks: disks.clone(),
+                max_disks: DEFAULT_MAX_DISKS,
+                vms: true,
+                quiet: true,
+                command: cmd,
+                ..Default::default()
+            };
+            let (result, path) = rt.block_on(iospan::bench::sweep(
+                make, &command, over, &values, &label, &runs_dir,
+            ))?;
+            print!("{}", result.text());
+            eprintln!("sweep stored in {}", path.display());
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Compare { runs, runs_dir } => {
             let stored = runs

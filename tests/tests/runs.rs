@@ -214,3 +214,91 @@ fn bad_runs_and_checks_are_refused_naming_them() {
     assert_ne!(code, 0);
     assert!(err.contains("RUN"), "{err}");
 }
+
+/// A sweep over the rig's queue depth: one labelled run per level, and a
+/// knee past which the IOPS stop scaling while the tail grows.
+#[test]
+fn a_sweep_finds_the_knee() {
+    let runs = std::env::temp_dir().join(format!("iospan-runs-sweep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&runs);
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    // A disk that saturates where it is told to: QEMU's throttle at 4000
+    // IOPS, about twice what one request at a time reaches here.
+    let a = RunArgs {
+        qd: 999_999,
+        ios: 3000,
+        name: "sweep".into(),
+        no_guest_agent: true,
+        throttle_iops: Some(4000),
+        ..Default::default()
+    };
+    let (qemu, _) = guest::qemu_command(&rig, &a, &image);
+    // The level goes where the guest's queue depth is set.
+    let args: Vec<String> = qemu
+        .get_args()
+        .map(|s| {
+            s.to_string_lossy()
+                .replace("iospan.qd=999999", "iospan.qd={qd}")
+        })
+        .collect();
+    assert!(args.iter().any(|s| s.contains("{qd}")));
+    let out = run(Command::new(iospan_bin())
+        .env("IOSPAN_RUNS_DIR", &runs)
+        .args([
+            "sweep",
+            "--qd",
+            "1,4,16,64",
+            "--label",
+            "sw",
+            "--disk",
+            &host,
+            "--",
+        ])
+        .arg(qemu.get_program())
+        .args(&args));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{text}");
+    let sweep: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(runs.join("sw/sweep.json")).unwrap()).unwrap();
+    let curve = &sweep["curves"][0];
+    assert_eq!(curve["vm"], "sweep", "{sweep:#}");
+    let levels = curve["levels"].as_array().unwrap();
+    assert_eq!(levels.len(), 4, "{sweep:#}");
+    let knee = &curve["knee"];
+    let at = knee["at"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no knee: {text}"));
+    assert!(at < 64, "{text}");
+    // Past the knee: IOPS grew by less than 15% per doubling of the depth,
+    // while the p99 rose; a segment grew.
+    let iops = |v: u64| {
+        levels
+            .iter()
+            .find(|l| l["value"].as_u64() == Some(v))
+            .and_then(|l| l["iops"].as_f64())
+            .unwrap()
+    };
+    let next = knee["next"].as_u64().unwrap();
+    let doublings = (next as f64 / at as f64).log2();
+    assert!(
+        (iops(next) / iops(at)).powf(1.0 / doublings) - 1.0 < 0.15,
+        "{text}"
+    );
+    assert!(knee["p99_gain"].as_f64().unwrap() > 0.25, "{text}");
+    assert!(knee["segment_growth_us"].as_f64().unwrap() > 0.0, "{text}");
+    assert!(
+        text.contains("← knee") && text.contains("knee at qd"),
+        "{text}"
+    );
+    // Each level is a stored run of its own.
+    let (summary, err, code) = iospan(&runs, &["report", &format!("sw-qd{at}")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(summary.contains("sweep vd0 read"), "{summary}");
+    let _ = std::fs::remove_dir_all(&runs);
+}
