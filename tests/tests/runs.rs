@@ -80,6 +80,37 @@ fn compare_names_the_segment_that_moved_and_the_report_draws() {
     let (_, code) = labelled(&runs, "vu-free", &base, &[]);
     assert_ne!(code, 0, "a second run under a used label was stored");
 
+    // The same workload on QEMU's own virtio-blk and on vhost-user, the
+    // same image: the comparison names, at each statistic, a segment and
+    // its share, with the figures behind it.
+    let virtio = RunArgs {
+        disk: DiskModel::VirtioBlk,
+        name: "bench-virtio".into(),
+        ..base.clone()
+    };
+    let (out, code) = labelled(&runs, "virtio-free", &virtio, &[]);
+    assert_eq!(code, 0, "{out}");
+    let (cmp, err, code) = iospan(&runs, &["compare", "virtio-free", "vu-free"]);
+    assert_eq!(code, 0, "{err}");
+    eprintln!("{cmp}");
+    assert!(
+        cmp.contains("virtio-free vs vu-free — vd0 read (A: bench-virtio"),
+        "{cmp}"
+    );
+    for at in ["mean", "p99", "p99.9"] {
+        let line = cmp
+            .lines()
+            .find(|l| l.contains(&format!("→ at {at}:")))
+            .unwrap_or_else(|| panic!("no verdict at {at}:\n{cmp}"));
+        let named = iospan::bench::PARTS[1..]
+            .iter()
+            .any(|p| line.contains(&format!("{p} explains")));
+        assert!(named && line.contains("µs)"), "{line}");
+    }
+    for row in cmp.lines().filter(|l| l.contains("B − A")) {
+        assert_eq!(figures(row).len(), 5, "{row}");
+    }
+
     let (cmp, err, code) = iospan(&runs, &["compare", "vu-free", "vu-throttled"]);
     assert_eq!(code, 0, "{err}");
     eprintln!("{cmp}");
