@@ -382,6 +382,65 @@ pub struct StoredRun {
     /// Why fio's figures are missing, for a fio command.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fio_note: Option<String>,
+    /// Where it ran: runs from several hosts are compared side by side.
+    #[serde(default)]
+    pub host: HostInfo,
+}
+
+/// The host a run ran on, as compare names it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct HostInfo {
+    pub name: String,
+    pub kernel: String,
+    pub cpu: String,
+    pub cpus: usize,
+    pub memory_gib: f64,
+}
+
+impl HostInfo {
+    /// This host (fields it cannot read are left empty).
+    pub fn this() -> Self {
+        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+        let cpuinfo = read("/proc/cpuinfo");
+        let meminfo = read("/proc/meminfo");
+        Self {
+            name: read("/proc/sys/kernel/hostname").trim().to_string(),
+            kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
+            cpu: cpuinfo
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("model name")?
+                        .split_once(':')
+                        .map(|(_, v)| v.trim().to_string())
+                })
+                .unwrap_or_default(),
+            cpus: cpuinfo
+                .lines()
+                .filter(|l| l.starts_with("processor"))
+                .count(),
+            memory_gib: meminfo
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("MemTotal:")?
+                        .trim()
+                        .strip_suffix("kB")?
+                        .trim()
+                        .parse::<f64>()
+                        .ok()
+                })
+                .map_or(0.0, |kb| kb / (1024.0 * 1024.0)),
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        if self.name.is_empty() {
+            return "host not recorded".into();
+        }
+        format!(
+            "{} (kernel {}, {} × {}, {:.1} GiB)",
+            self.name, self.kernel, self.cpus, self.cpu, self.memory_gib
+        )
+    }
 }
 
 /// A label usable as a directory name.
@@ -454,14 +513,19 @@ impl StoredRun {
     /// tail and fio's own figures beside iospan's.
     pub fn summary(&self) -> String {
         let mut out = format!(
-            "run {} — {:.1} s{}\n\n",
+            "run {} — {:.1} s{}\n{}\n",
             self.label,
             self.report.duration_s,
             self.report
                 .command
                 .as_ref()
                 .map(|c| format!(", {}", c.join(" ")))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            if self.host.name.is_empty() {
+                String::new()
+            } else {
+                format!("on {}\n", self.host.describe())
+            }
         );
         out += &self.report.table();
         for t in &self.tails {
@@ -563,6 +627,23 @@ pub fn pairs<'a>(a: &'a StoredRun, b: &'a StoredRun) -> Vec<(&'a TailEntry, &'a 
             }
         }
     }
+    // One workload on two platforms: the disk's name is the platform's
+    // (vd0 here, drive-virtio-disk0 there); one disk per op on each side
+    // pairs by op.
+    if out.is_empty() {
+        for x in &a.tails {
+            let one = |r: &'a StoredRun| {
+                let mut it = r.tails.iter().filter(|z| z.op == x.op);
+                match (it.next(), it.next()) {
+                    (Some(z), None) => Some(z),
+                    _ => None,
+                }
+            };
+            if let (Some(_), Some(y)) = (one(a), one(b)) {
+                out.push((x, y));
+            }
+        }
+    }
     out
 }
 
@@ -609,22 +690,40 @@ pub fn compare_text(runs: &[StoredRun]) -> Result<String> {
     if rest.is_empty() {
         bail!("give two runs or more (one given: {})", base.label);
     }
+    // Runs of one label from several hosts (one workload, two platforms)
+    // are told apart by their host.
+    let name = |r: &StoredRun| {
+        if runs
+            .iter()
+            .any(|o| o.label == r.label && o.host.name != r.host.name)
+        {
+            format!("{}@{}", r.label, r.host.name)
+        } else {
+            r.label.clone()
+        }
+    };
     let mut out = String::new();
+    if runs.iter().any(|r| r.host != base.host) {
+        for r in runs {
+            let _ = writeln!(out, "{}: {}", name(r), r.host.describe());
+        }
+        out.push('\n');
+    }
     for other in rest {
         let ps = pairs(base, other);
         if ps.is_empty() {
             bail!(
                 "runs {} and {} have no virtual disk in common to compare (by VM, disk and op; or by disk and op with one VM each)",
-                base.label,
-                other.label
+                name(base),
+                name(other)
             );
         }
         for (x, y) in ps {
             let _ = writeln!(
                 out,
                 "{} vs {} — {} {} (A: {} {} I/Os{}; B: {} {} I/Os{})",
-                base.label,
-                other.label,
+                name(base),
+                name(other),
                 x.disk,
                 x.op,
                 x.vm,
@@ -895,6 +994,7 @@ pub async fn run_labelled(
         series,
         fio,
         fio_note,
+        host: HostInfo::this(),
     };
     let path = stored.save(&dir)?;
     Ok((outcome, stored, path))
@@ -1197,6 +1297,61 @@ mod tests {
             ],
             cdf: Vec::new(),
         }
+    }
+
+    fn stored(label: &str, host: &str, t: TailEntry) -> StoredRun {
+        StoredRun {
+            schema: SCHEMA.into(),
+            label: label.into(),
+            finished_unix_s: 0,
+            report: RunReport {
+                schema: crate::report::SCHEMA.into(),
+                duration_s: 1.0,
+                command: None,
+                exit_code: None,
+                lost: Default::default(),
+                probes: Vec::new(),
+                agent: Default::default(),
+                guests: Vec::new(),
+                stitch: Default::default(),
+                export: None,
+                vms: Vec::new(),
+                entries: Vec::new(),
+            },
+            tails: vec![t],
+            series: Vec::new(),
+            fio: Vec::new(),
+            fio_note: None,
+            host: HostInfo {
+                name: host.into(),
+                kernel: "6.1.0".into(),
+                cpu: "Some CPU".into(),
+                cpus: 8,
+                memory_gib: 31.2,
+            },
+        }
+    }
+
+    #[test]
+    fn runs_of_one_label_from_two_hosts_are_told_apart_and_paired() {
+        let a = stored("mailbox", "hv-a", entry("exch-1", 50.0));
+        let mut other = entry("mbx01", 450.0);
+        other.disk = "drive-virtio-disk0".into();
+        let b = stored("mailbox", "hv-b", other);
+        let text = compare_text(&[a.clone(), b]).unwrap();
+        assert!(
+            text.contains("mailbox@hv-a: hv-a (kernel 6.1.0, 8 × Some CPU, 31.2 GiB)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("mailbox@hv-a vs mailbox@hv-b — vd0 read"),
+            "{text}"
+        );
+        assert!(text.contains("at p99: engine explains 100%"), "{text}");
+        // One host: no host lines, bare labels.
+        let same = stored("other", "hv-a", entry("exch-1", 450.0));
+        let text = compare_text(&[a, same]).unwrap();
+        assert!(text.starts_with("mailbox vs other — vd0 read"), "{text}");
     }
 
     #[test]

@@ -39,6 +39,9 @@ pub fn render(run: &StoredRun) -> String {
             .map(|c| format!(" — <code>{}</code>", esc(&c.join(" "))))
             .unwrap_or_default()
     );
+    if !run.host.name.is_empty() {
+        let _ = write!(h, "<p>on {}</p>", esc(&run.host.describe()));
+    }
     h += &legend();
     if run.tails.is_empty() {
         h += "<p>No VM I/O was split in this run: no segments to plot.</p>";

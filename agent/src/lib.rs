@@ -23,6 +23,8 @@ pub mod metrics;
 pub mod model;
 pub mod preflight;
 pub mod reap;
+#[cfg(feature = "otlp")]
+pub mod replay;
 pub mod report;
 pub mod run;
 pub mod scratch;

@@ -71,8 +71,9 @@ enum Cmd {
         #[arg(long, default_value_t = DEFAULT_MAX_DISKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
         max_disks: u32,
         /// Watch the agent service at HOST:PORT (its api.listen) instead of loading probes here;
-        /// https://HOST:PORT for an agent with api.tls_cert.
-        #[arg(long, value_name = "HOST:PORT")]
+        /// https://HOST:PORT for an agent with api.tls_cert. Several, comma-separated: one view
+        /// of them all, each agent's rows under its address (HOST:PORT/VM).
+        #[arg(long, value_name = "HOST:PORT[,…]")]
         connect: Option<String>,
         /// The agent's api.token (or IOSPAN_TOKEN).
         #[arg(long, env = "IOSPAN_TOKEN", value_name = "TOKEN", requires = "connect")]
@@ -81,6 +82,34 @@ enum Cmd {
         /// the system's web roots otherwise.
         #[arg(long, value_name = "FILE", requires = "connect")]
         ca_cert: Option<PathBuf>,
+    },
+    /// Export a recorded run's I/Os (`run --events-out FILE`) over OTLP again, each as the
+    /// agent exports it (a trace, a child span per segment), as if it had just completed: a past
+    /// run in a tracing backend, or real traffic to size a collector tier (--repeat, --speed 0).
+    /// Prints what the collector took as JSON.
+    Replay {
+        /// The event stream (JSON lines) of `iospan run --events-out`.
+        #[arg(value_name = "EVENTS")]
+        events: PathBuf,
+        /// The collector (e.g. http://127.0.0.1:4318, or :4317 with --otlp-protocol grpc).
+        /// Default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT.
+        #[arg(long, value_name = "URL")]
+        otlp_endpoint: Option<String>,
+        /// grpc or http/protobuf. Default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else http/protobuf.
+        #[arg(long, value_name = "P")]
+        otlp_protocol: Option<String>,
+        /// Times through the file (each time new trace ids).
+        #[arg(long, default_value_t = 1, value_name = "N")]
+        repeat: u64,
+        /// Pace: 1 the recorded one, 2 twice as fast, 0 as fast as the collector takes it.
+        #[arg(long, default_value_t = 1.0, value_name = "X")]
+        speed: f64,
+        /// A label on every span (iospan.run.label).
+        #[arg(long, value_name = "LABEL")]
+        label: Option<String>,
+        /// No progress line on stderr.
+        #[arg(short, long)]
+        quiet: bool,
     },
     /// A stored run (`run --label`): its summary in the terminal (each VM disk's tail: where
     /// its slowest I/Os spend their time), and as a self-contained HTML page with plots.
@@ -395,6 +424,53 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 Some(0) | None => ExitCode::from(1),
                 Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
             })
+        }
+        Cmd::Replay {
+            events,
+            otlp_endpoint,
+            otlp_protocol,
+            repeat,
+            speed,
+            label,
+            quiet,
+        } => {
+            #[cfg(not(feature = "otlp"))]
+            {
+                let _ = (
+                    events,
+                    otlp_endpoint,
+                    otlp_protocol,
+                    repeat,
+                    speed,
+                    label,
+                    quiet,
+                );
+                anyhow::bail!("this iospan was built without OTLP export (the `otlp` feature)");
+            }
+            #[cfg(feature = "otlp")]
+            {
+                let opts = iospan::replay::ReplayOpts {
+                    events,
+                    trace: iospan::export::TraceOpts {
+                        endpoint: otlp_endpoint,
+                        protocol: otlp_protocol,
+                        policy: iospan::export::Policy::default(),
+                        run_label: label,
+                    },
+                    repeat,
+                    speed,
+                    quiet,
+                };
+                let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+                let s = rt.block_on(iospan::replay::replay(&opts))?;
+                println!("{}", serde_json::to_string_pretty(&s)?);
+                let lost = s.export.failed_traces + s.export.dropped_queue_full;
+                if lost > 0 {
+                    eprintln!("iospan replay: {lost} traces not taken by the collector");
+                    return Ok(ExitCode::from(1));
+                }
+                Ok(ExitCode::SUCCESS)
+            }
         }
         Cmd::Report {
             run,

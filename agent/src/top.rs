@@ -683,28 +683,80 @@ pub fn histogram_text(l: &Item) -> Vec<String> {
     out
 }
 
+/// The latest frame of each source: one per agent for `--connect A,B,…`
+/// (by the address given), or one ("") for the probes loaded here.
+pub type Fleet = BTreeMap<String, Arc<Frame>>;
+
 /// Runs the probes and the view until q (or until the probes fail: the
 /// view ends when its feed does).
 pub async fn top(opts: TopOptions) -> Result<()> {
-    let (tx, rx) = watch::channel(None);
-    if let Some(addr) = opts.connect {
-        // The agent's frames, as they come; the view ends when they stop.
-        let agent = Agent::new(&addr, opts.token, opts.ca_cert.as_deref())?;
+    let (fleet_tx, fleet_rx) = watch::channel(Fleet::new());
+    if let Some(list) = opts.connect {
+        let addrs: Vec<&str> = list
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .collect();
+        if addrs.is_empty() {
+            anyhow::bail!("--connect {list:?}: give HOST:PORT[,HOST:PORT…]");
+        }
         // Connected before the terminal is taken: a refusal reads plainly.
-        let stream = agent.open()?;
-        let feed = std::thread::spawn(move || stream.follow(tx));
-        let shown = tokio::task::spawn_blocking(move || view(rx))
+        let mut streams = Vec::new();
+        for a in &addrs {
+            let agent = Agent::new(a, opts.token.clone(), opts.ca_cert.as_deref())?;
+            // One agent: its rows as they are; several: under their address.
+            let host = if addrs.len() > 1 {
+                a.to_string()
+            } else {
+                String::new()
+            };
+            streams.push((host, agent.open()?));
+        }
+        // The agents' frames, as they come; the view ends when all stop.
+        let fleet_tx = Arc::new(fleet_tx);
+        let feeds: Vec<_> = streams
+            .into_iter()
+            .map(|(host, stream)| {
+                let tx = fleet_tx.clone();
+                std::thread::spawn(move || {
+                    stream.follow(|f| {
+                        tx.send_modify(|m| {
+                            m.insert(host.clone(), Arc::new(f));
+                        });
+                        !tx.is_closed()
+                    })
+                })
+            })
+            .collect();
+        drop(fleet_tx);
+        let shown = tokio::task::spawn_blocking(move || view(fleet_rx))
             .await
             .context("the view")?;
         shown?;
-        return match feed.join() {
-            Ok(r) => r,
-            Err(_) => anyhow::bail!("the stream reader panicked"),
-        };
+        for f in feeds {
+            match f.join() {
+                Ok(r) => r?,
+                Err(_) => anyhow::bail!("a stream reader panicked"),
+            }
+        }
+        return Ok(());
     }
+    let (tx, mut rx) = watch::channel(None);
+    // The run's frames into the view's feed; dropped (ending the view)
+    // when the run ends.
+    tokio::spawn(async move {
+        while rx.changed().await.is_ok() {
+            let f = rx.borrow_and_update().clone();
+            if let Some(f) = f {
+                fleet_tx.send_modify(|m| {
+                    m.insert(String::new(), f);
+                });
+            }
+        }
+    });
     let (stop_tx, stop_rx) = watch::channel(false);
     let ui = tokio::task::spawn_blocking(move || {
-        let shown = view(rx);
+        let shown = view(fleet_rx);
         let _ = stop_tx.send(true);
         shown
     });
@@ -724,6 +776,21 @@ pub async fn top(opts: TopOptions) -> Result<()> {
     let shown = ui.await.context("the view")?;
     ran?;
     shown
+}
+
+/// One source's last interval, named under its host when there are
+/// several (`HOST/VM`, `HOST/DISK`): the host groups its rows.
+fn host_items(host: &str, prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64) {
+    let (mut vms, mut disks, secs) = interval(prev, cur);
+    if !host.is_empty() {
+        for i in &mut vms {
+            i.vm = format!("{host}/{}", i.vm);
+        }
+        for d in &mut disks {
+            d.disk = format!("{host}/{}", d.disk);
+        }
+    }
+    (vms, disks, secs)
 }
 
 /// A running agent's API, as `--connect` names it.
@@ -808,9 +875,9 @@ struct FrameStream {
 }
 
 impl FrameStream {
-    /// Reads the frames (server-sent events) into `tx` until the stream
-    /// ends or the view is gone.
-    fn follow(self, tx: watch::Sender<Option<Arc<Frame>>>) -> Result<()> {
+    /// Hands each frame (server-sent events) to `on_frame` until the
+    /// stream ends or `on_frame` says the view is gone.
+    fn follow(self, mut on_frame: impl FnMut(Frame) -> bool) -> Result<()> {
         use std::io::BufRead;
         let url = self.url;
         for line in self.reader.lines() {
@@ -818,7 +885,7 @@ impl FrameStream {
             if let Some(data) = line.strip_prefix("data:") {
                 let frame: Frame = serde_json::from_str(data.trim())
                     .with_context(|| format!("a frame from {url}"))?;
-                if tx.send(Some(Arc::new(frame))).is_err() {
+                if !on_frame(frame) {
                     return Ok(());
                 }
             }
@@ -827,31 +894,55 @@ impl FrameStream {
     }
 }
 
-/// The terminal loop: a frame in, a screen out; keys between.
-fn view(mut rx: watch::Receiver<Option<Arc<Frame>>>) -> Result<()> {
+/// One source's frame last differenced, and what it gave: VM rows, disk
+/// rows, the interval (s).
+type Differenced = (Arc<Frame>, Vec<Item>, Vec<Item>, f64);
+
+/// Per source: the frame last differenced, and what it gave.
+#[derive(Default)]
+pub struct Sources {
+    last: BTreeMap<String, Differenced>,
+}
+
+impl Sources {
+    /// Takes the fleet's frames: sources whose frame changed get their new
+    /// interval; the others keep theirs (agents tick on their own clocks).
+    pub fn update(&mut self, fleet: &Fleet, st: &mut State) {
+        for (host, cur) in fleet {
+            let prev = self.last.get(host).map(|l| l.0.clone());
+            if prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, cur)) {
+                continue;
+            }
+            let (vms, disks, secs) = host_items(host, prev.as_deref(), cur);
+            self.last
+                .insert(host.clone(), (cur.clone(), vms, disks, secs));
+        }
+        if st.paused {
+            return;
+        }
+        st.vms = self.last.values().flat_map(|l| l.1.clone()).collect();
+        st.disks = self.last.values().flat_map(|l| l.2.clone()).collect();
+        st.interval_s = self.last.values().map(|l| l.3).fold(0.0, f64::max);
+        st.lost = self.last.values().map(|l| l.0.lost).sum();
+        st.unmatched = self.last.values().map(|l| l.0.unmatched).sum();
+    }
+}
+
+/// The terminal loop: frames in, a screen out; keys between.
+fn view(mut rx: watch::Receiver<Fleet>) -> Result<()> {
     let mut terminal =
         ratatui::try_init().context("iospan top needs a terminal (stdin and stdout a tty)")?;
     let result = (|| -> Result<()> {
         let mut st = State::default();
-        let mut prev: Option<Arc<Frame>> = None;
+        let mut sources = Sources::default();
         loop {
-            // The feed gone: the probes stopped (their error follows).
+            // The feed gone: the probes (or every agent's stream) stopped.
             let Ok(changed) = rx.has_changed() else {
                 return Ok(());
             };
             if changed {
-                let cur = rx.borrow_and_update().clone();
-                if let Some(cur) = cur {
-                    if !st.paused {
-                        let (vms, disks, secs) = interval(prev.as_deref(), &cur);
-                        st.vms = vms;
-                        st.disks = disks;
-                        st.interval_s = secs;
-                        st.lost = cur.lost;
-                        st.unmatched = cur.unmatched;
-                    }
-                    prev = Some(cur);
-                }
+                let fleet = rx.borrow_and_update().clone();
+                sources.update(&fleet, &mut st);
             }
             terminal.draw(|f| draw(f, &st))?;
             if event::poll(Duration::from_millis(100))? {
@@ -949,6 +1040,50 @@ mod tests {
                     .collect::<String>()
             })
             .collect()
+    }
+
+    #[test]
+    fn several_agents_rows_are_grouped_under_their_hosts() {
+        let frame = |at: f64, ios: u64| {
+            Arc::new(Frame {
+                at_s: at,
+                vdisks: vec![row("db", "vd0", Op::Read, ios, 10_000)],
+                disks: vec![row("", "nvme0n1", Op::Read, ios, 5_000)],
+                lost: 1,
+                ..Default::default()
+            })
+        };
+        let mut fleet = Fleet::new();
+        fleet.insert("h1:9464".into(), frame(10.0, 100));
+        fleet.insert("h2:9464".into(), frame(50.0, 1000));
+        let (mut st, mut src) = (State::default(), Sources::default());
+        src.update(&fleet, &mut st);
+        // A second frame from h1 only: h2 keeps its interval.
+        fleet.insert("h1:9464".into(), frame(12.0, 300));
+        src.update(&fleet, &mut st);
+        let names: Vec<String> = st.visible().iter().map(|l| l.label()).collect();
+        for n in [
+            "h1:9464/db",
+            "h2:9464/db",
+            "h1:9464/nvme0n1",
+            "h2:9464/nvme0n1",
+        ] {
+            assert!(names.iter().any(|l| l == n), "{n} in {names:?}");
+        }
+        let h1 = st
+            .vms
+            .iter()
+            .find(|l| l.kind == Kind::Vm && l.vm == "h1:9464/db")
+            .unwrap();
+        assert_eq!(h1.r_iops, 100.0, "200 more over 2 s");
+        let h2 = st
+            .vms
+            .iter()
+            .find(|l| l.kind == Kind::Vm && l.vm == "h2:9464/db")
+            .unwrap();
+        assert_eq!(h2.r_iops, 20.0, "its first frame: 1000 over its 50 s");
+        assert_eq!(st.lost, 2);
+        assert!(screen(&st, 200, 12).join("\n").contains("h2:9464/db"));
     }
 
     #[test]

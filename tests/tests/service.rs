@@ -391,3 +391,79 @@ fn off_the_host_the_api_is_https_with_a_token_and_top_connects_over_it() {
     tmux.keys(&["q"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Two agents (two hosts' worth), one `top --connect A,B`: each agent's
+/// rows under its address.
+#[test]
+fn top_connects_to_several_agents_and_groups_their_rows() {
+    let (_, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let addrs: Vec<String> = (0..2)
+        .map(|_| format!("127.0.0.1:{}", free_port().unwrap()))
+        .collect();
+    let _agents: Vec<Agent> = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let p = config_file(
+                &format!("fleet{i}"),
+                &format!("[agent]\ndisks = [\"{host}\"]\nvms = false\n[api]\nlisten = \"{a}\"\n"),
+            );
+            Agent(
+                Command::new(iospan_bin())
+                    .args(["agent", "--config"])
+                    .arg(&p)
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    for a in &addrs {
+        let t = Instant::now();
+        while get(a, "/healthz", None).0 != 200 {
+            assert!(t.elapsed() < Duration::from_secs(30), "{a} never healthy");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    let tmux = Tmux::start(
+        &format!(
+            "{} top --connect {}",
+            iospan_bin().display(),
+            addrs.join(",")
+        ),
+        200,
+        30,
+    );
+    // Reads on the traced disk, seen by both agents.
+    let reader = std::thread::spawn({
+        let image = image.clone();
+        move || {
+            for _ in 0..20 {
+                let _ = Command::new("dd")
+                    .arg(format!("if={}", image.display()))
+                    .args([
+                        "of=/dev/null",
+                        "bs=4k",
+                        "count=200",
+                        "iflag=direct",
+                        "status=none",
+                    ])
+                    .status();
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    });
+    // Each agent's row of the disk, under its address, with reads.
+    let rate = |s: &str, a: &str| -> Option<f64> {
+        let at = s.lines().next()?.find("R/s")?;
+        let row = s.lines().find(|l| l.starts_with(&format!("{a}/{host}")))?;
+        row.get(at..)?.split_whitespace().next()?.parse().ok()
+    };
+    let s = tmux.until("both agents' rows reading", |s| {
+        addrs.iter().all(|a| rate(s, a).is_some_and(|r| r > 0.0))
+    });
+    eprintln!("{s}");
+    tmux.keys(&["q"]);
+    let _ = reader.join();
+}

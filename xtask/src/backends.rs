@@ -22,6 +22,9 @@ pub enum Backend {
     Prometheus,
     /// Grafana Tempo 2.9 (OTLP in, TraceQL search).
     Tempo,
+    /// The fleet collector: collector/builder.yaml built by the
+    /// OpenTelemetry Collector builder.
+    Otelcol,
 }
 
 impl Backend {
@@ -52,6 +55,11 @@ impl Backend {
                 "v1.5.1-0.20251008140505-607c7fb69662",
                 &[("tempo", "./cmd/tempo")],
             ),
+            Self::Otelcol => (
+                "go.opentelemetry.io/collector/cmd/builder",
+                OTELCOL_VERSION,
+                &[("iospan-otelcol", "")],
+            ),
         }
     }
 
@@ -60,6 +68,7 @@ impl Backend {
             Self::Jaeger => "jaeger",
             Self::Prometheus => "prometheus",
             Self::Tempo => "tempo",
+            Self::Otelcol => "otelcol",
         }
     }
 }
@@ -119,6 +128,9 @@ pub fn cache_dir() -> PathBuf {
 /// The backend's (main) binary, built if not cached yet; the others
 /// built from the same module lie beside it.
 pub fn ensure(b: Backend) -> Result<PathBuf> {
+    if b == Backend::Otelcol {
+        return ensure_otelcol();
+    }
     let (module, version, bins) = b.module();
     let dir = cache_dir()
         .join("backends")
@@ -184,6 +196,77 @@ pub fn ensure(b: Backend) -> Result<PathBuf> {
     Ok(bin)
 }
 
+/// The collector builder's version, and so the collector's (builder.yaml
+/// pins its components to the same).
+pub const OTELCOL_VERSION: &str = "v0.159.0";
+
+/// The fleet collector, built from collector/builder.yaml by the builder
+/// (itself `go install`ed at the same version); cached by the manifest's
+/// content, so a changed manifest builds anew.
+pub fn ensure_otelcol() -> Result<PathBuf> {
+    let manifest = sh::root().join("collector/builder.yaml");
+    let text = std::fs::read_to_string(&manifest)
+        .with_context(|| format!("reading {}", manifest.display()))?;
+    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    let dir = cache_dir()
+        .join("backends")
+        .join(format!("otelcol-{OTELCOL_VERSION}-{hash:016x}"));
+    let bin = dir.join("iospan-otelcol");
+    if bin.exists() {
+        return Ok(bin);
+    }
+    if !sh::which("go") {
+        bail!(
+            "building the collector needs Go (the go command); install it, or put a built collector at {}",
+            bin.display()
+        );
+    }
+    eprintln!(
+        "xtask: building the collector {OTELCOL_VERSION} (builder, then its components: minutes, once; cached in {})",
+        cache_dir().display()
+    );
+    let gobin = cache_dir()
+        .join("backends")
+        .join(format!("builder-{OTELCOL_VERSION}"));
+    let builder = gobin.join("builder");
+    if !builder.exists() {
+        sh::run(
+            Command::new("go")
+                .args([
+                    "install",
+                    &format!("go.opentelemetry.io/collector/cmd/builder@{OTELCOL_VERSION}"),
+                ])
+                .env("GOBIN", &gobin),
+        )?;
+    }
+    // The manifest's output path, made absolute in a copy beside the build.
+    let work = cache_dir().join("src").join(format!("otelcol-{hash:016x}"));
+    if work.exists() {
+        std::fs::remove_dir_all(&work).with_context(|| format!("clearing {}", work.display()))?;
+    }
+    std::fs::create_dir_all(&work)?;
+    let copy = work.join("builder.yaml");
+    std::fs::write(
+        &copy,
+        text.replace(
+            "output_path: ./dist",
+            &format!("output_path: {}", work.join("dist").display()),
+        ),
+    )?;
+    sh::run(Command::new(&builder).arg("--config").arg(&copy))?;
+    std::fs::create_dir_all(&dir)?;
+    std::fs::copy(
+        work.join("dist/iospan-otelcol"),
+        bin.with_extension("partial"),
+    )
+    .context("the builder's output")?;
+    std::fs::rename(bin.with_extension("partial"), &bin)?;
+    let _ = std::fs::remove_dir_all(&work);
+    Ok(bin)
+}
+
 /// A free TCP port on 127.0.0.1 (taken by the next bind, which is racy but
 /// fine on a test machine).
 pub fn free_port() -> Result<u16> {
@@ -209,10 +292,23 @@ impl Server {
         ready_path: &str,
         within: Duration,
     ) -> Result<Self> {
+        Self::start_env(b, dir, args, &[], ready_at, ready_path, within)
+    }
+
+    fn start_env(
+        b: Backend,
+        dir: TempDir,
+        args: &[String],
+        envs: &[(String, String)],
+        ready_at: &str,
+        ready_path: &str,
+        within: Duration,
+    ) -> Result<Self> {
         let bin = ensure(b)?;
         let log = std::fs::File::create(dir.0.join("log"))?;
         let child = Command::new(&bin)
             .args(args)
+            .envs(envs.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -246,6 +342,25 @@ impl Server {
     }
 
     /// What it wrote to stderr.
+    /// CPU time (user + system) the server has used so far.
+    pub fn cpu_time(&self) -> Result<Duration> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))?;
+        // Fields after the command's closing parenthesis: utime, stime are 14, 15.
+        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+        let f: Vec<u64> = rest
+            .split_whitespace()
+            .skip(11)
+            .take(2)
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        match f[..] {
+            [u, s] => Ok(Duration::from_secs_f64((u + s) as f64 / hz)),
+            _ => bail!("reading /proc/{}/stat: {stat}", self.child.id()),
+        }
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.0.join("log")).unwrap_or_default()
     }
@@ -479,6 +594,50 @@ impl Prometheus {
             bail!("query {promql}: HTTP {code}: {body}");
         }
         Ok(serde_json::from_str(&body)?)
+    }
+}
+
+/// A running fleet collector: a shipped configuration (collector/NAME.yaml)
+/// with its endpoints and policy figures set through the environment.
+pub struct Collector {
+    pub server: Server,
+    pub otlp_grpc: String,
+    pub otlp_http: String,
+    /// host:port of the Prometheus exporter (gateway).
+    pub prometheus: String,
+}
+
+impl Collector {
+    /// `config`: "gateway" or "lb"; `env`: IOSPAN_* settings beyond the
+    /// endpoints this picks.
+    pub fn start(config: &str, env: &[(&str, &str)]) -> Result<Self> {
+        let dir = TempDir::new("otelcol")?;
+        let (grpc, http, prom, health) =
+            (local_addr()?, local_addr()?, local_addr()?, local_addr()?);
+        let path = sh::root().join(format!("collector/{config}.yaml"));
+        let mut envs: Vec<(String, String)> = vec![
+            ("IOSPAN_OTLP_GRPC_ENDPOINT".into(), grpc.clone()),
+            ("IOSPAN_OTLP_HTTP_ENDPOINT".into(), http.clone()),
+            ("IOSPAN_PROMETHEUS_ENDPOINT".into(), prom.clone()),
+            ("IOSPAN_HEALTH_ENDPOINT".into(), health.clone()),
+        ];
+        envs.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        let args = [format!("--config={}", path.display())];
+        let server = Server::start_env(
+            Backend::Otelcol,
+            dir,
+            &args,
+            &envs,
+            &health,
+            "/",
+            Duration::from_secs(60),
+        )?;
+        Ok(Self {
+            server,
+            otlp_grpc: grpc,
+            otlp_http: http,
+            prometheus: prom,
+        })
     }
 }
 

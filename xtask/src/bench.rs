@@ -668,3 +668,144 @@ fn chrono_free_date() -> String {
     out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default()
 }
+
+#[derive(clap::Args, Clone)]
+pub struct CollectorArgs {
+    /// Replays (the table shows medians).
+    #[arg(long, default_value_t = 3)]
+    reps: u32,
+    /// I/Os the rig guest records (QD16), replayed --repeat times per rep.
+    #[arg(long, default_value_t = 3000)]
+    ios: u64,
+    /// Times through the recording per replay.
+    #[arg(long, default_value_t = 20)]
+    repeat: u64,
+    /// OTLP protocol the replay sends with: grpc or http/protobuf.
+    #[arg(long, default_value = "grpc")]
+    protocol: String,
+}
+
+/// What one gateway (the shipped collector/gateway.yaml: memory limiter,
+/// tail sampling at its defaults, span metrics) takes of iospan's own
+/// spans: a rig run's I/Os recorded once, then replayed at full speed.
+/// The replay shares this machine's CPUs with the collector, so the
+/// portable figure is spans per second of the collector's own CPU time.
+pub fn collector(a: &CollectorArgs) -> Result<()> {
+    use crate::{
+        backends::{self, Collector, Jaeger},
+        guest::{self as rig, RunArgs},
+    };
+    sh::cargo(&["build", "--release", "-p", "iospan"])?;
+    let iospan = sh::root().join("target/release/iospan");
+    let out_dir = sh::root().join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    backends::ensure(backends::Backend::Otelcol)?;
+    let built = rig::build()?;
+    let image = rig::dir().join("disk.img");
+    rig::ensure_image(&image, 256)?;
+    let events = out_dir.join("collector-events.jsonl");
+    let args = RunArgs {
+        qd: 16,
+        ios: a.ios,
+        name: "bench-guest".into(),
+        ..Default::default()
+    };
+    let (qemu, _) = rig::qemu_command(&built, &args, &image);
+    eprintln!("xtask: bench collector: recording {} rig I/Os", a.ios);
+    let out = Command::new(&iospan)
+        .args(["run", "--quiet", "--events-out"])
+        .arg(&events)
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args())
+        .output()
+        .context("recording the rig run")?;
+    if !out.status.success() {
+        bail!(
+            "recording the rig run: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let jaeger = Jaeger::start()?;
+    // The gateway at its shipped defaults (slow 5 ms, 1% baseline).
+    let gw = Collector::start(
+        "gateway",
+        &[("IOSPAN_TRACES_ENDPOINT", jaeger.otlp_grpc.as_str())],
+    )?;
+    let endpoint = if a.protocol == "grpc" {
+        format!("http://{}", gw.otlp_grpc)
+    } else {
+        format!("http://{}", gw.otlp_http)
+    };
+    struct Row {
+        spans: f64,
+        wall_s: f64,
+        cpu_s: f64,
+        failed: u64,
+    }
+    let mut rows = Vec::new();
+    for rep in 0..a.reps {
+        let cpu0 = gw.server.cpu_time()?;
+        let out = Command::new(&iospan)
+            .arg("replay")
+            .arg(&events)
+            .args(["--quiet", "--speed", "0", "--repeat", &a.repeat.to_string()])
+            .args(["--otlp-endpoint", &endpoint, "--otlp-protocol", &a.protocol])
+            .output()
+            .context("running iospan replay")?;
+        // Whatever the gateway still holds is part of this replay's work.
+        std::thread::sleep(Duration::from_secs(3));
+        let cpu_s = (gw.server.cpu_time()? - cpu0).as_secs_f64();
+        let s: Value = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("iospan replay: {}", String::from_utf8_lossy(&out.stderr)))?;
+        let row = Row {
+            spans: s["exported_spans"].as_f64().unwrap_or(0.0),
+            wall_s: s["elapsed_s"].as_f64().unwrap_or(f64::NAN),
+            cpu_s,
+            failed: s["failed_traces"].as_u64().unwrap_or(0)
+                + s["dropped_queue_full"].as_u64().unwrap_or(0),
+        };
+        eprintln!(
+            "xtask: bench collector: rep {}: {:.0} spans in {:.1} s, gateway CPU {:.1} s, {} traces failed",
+            rep + 1,
+            row.spans,
+            row.wall_s,
+            row.cpu_s,
+            row.failed
+        );
+        rows.push(row);
+    }
+    let med = |f: &dyn Fn(&Row) -> f64| {
+        let mut v: Vec<f64> = rows.iter().map(f).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let wall = med(&|r| r.spans / r.wall_s);
+    let per_cpu = med(&|r| r.spans / r.cpu_s);
+    let cores = med(&|r| r.cpu_s / r.wall_s);
+    let failed: u64 = rows.iter().map(|r| r.failed).sum();
+    println!(
+        "one gateway (collector/gateway.yaml at its defaults), iospan spans over OTLP {}, {} replays, medians",
+        a.protocol, a.reps
+    );
+    println!(
+        "  spans/s taken (replay and gateway on this {}-CPU machine): {wall:.0}",
+        num_cpus()
+    );
+    println!("  gateway CPU: {cores:.2} cores; spans per gateway CPU-second: {per_cpu:.0}");
+    println!("  traces not taken: {failed}");
+    let json = serde_json::json!({
+        "date": chrono_free_date(), "machine": machine(),
+        "params": {"reps": a.reps, "ios": a.ios, "repeat": a.repeat, "protocol": a.protocol},
+        "spans_per_s": wall, "gateway_cores": cores, "spans_per_gateway_cpu_s": per_cpu,
+        "traces_not_taken": failed,
+    });
+    let path = out_dir.join("collector.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
+    eprintln!("xtask: wrote {}", path.display());
+    Ok(())
+}
+
+fn num_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}

@@ -67,6 +67,9 @@ enum BenchCmd {
     /// The rig guest's own latency with and without iospan on the host, and
     /// iospan's cost per guest I/O.
     Guest(bench::GuestArgs),
+    /// Spans per second one fleet gateway (collector/gateway.yaml) takes: a rig run's
+    /// recorded I/Os replayed into it as fast as it accepts them.
+    Collector(bench::CollectorArgs),
 }
 
 fn main() -> Result<()> {
@@ -84,6 +87,9 @@ fn main() -> Result<()> {
         Cmd::Bench {
             which: BenchCmd::Guest(a),
         } => bench::guest(&a),
+        Cmd::Bench {
+            which: BenchCmd::Collector(a),
+        } => bench::collector(&a),
         Cmd::Guest { cmd } => guest::main(cmd),
         Cmd::Vmlinux => setup::vmlinux(),
         Cmd::Backends { cmd } => backends::main(cmd),
@@ -133,6 +139,7 @@ fn test(args: &[String]) -> Result<()> {
     backends::ensure(backends::Backend::Jaeger)?;
     backends::ensure(backends::Backend::Prometheus)?;
     backends::ensure(backends::Backend::Tempo)?;
+    backends::ensure(backends::Backend::Otelcol)?;
     // The packaging test builds the .deb.
     dist::ensure_cargo_deb()?;
     sh::cargo(&["build", "--release", "-p", "iospan"])?;

@@ -296,20 +296,29 @@ fn direction(op: Op) -> &'static str {
     }
 }
 
-/// The service's resource: `service.name` iospan unless OTEL_SERVICE_NAME
-/// or OTEL_RESOURCE_ATTRIBUTES name it, `host.name`, the agent's version.
+/// The service's resource: `service.name` iospan and `host.name` the
+/// kernel's hostname unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES
+/// name them (a fleet may know its hosts by other names), the agent's version.
 pub fn resource() -> Resource {
-    let named = std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.is_empty())
-        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|v| v.contains("service.name="));
+    let attrs = std::env::var("OTEL_RESOURCE_ATTRIBUTES").unwrap_or_default();
+    let given = |key: &str| {
+        attrs
+            .split(',')
+            .any(|kv| kv.split_once('=').is_some_and(|(k, _)| k.trim() == key))
+    };
+    let named =
+        std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.is_empty()) || given("service.name");
     let mut b = Resource::builder();
     if !named {
         b = b.with_service_name("iospan");
     }
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_default();
-    b.with_attribute(KeyValue::new("host.name", host))
-        .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+    if !given("host.name") {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default();
+        b = b.with_attribute(KeyValue::new("host.name", host));
+    }
+    b.with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
         .build()
 }
 
@@ -407,6 +416,34 @@ impl Exporter {
             .is_err()
         {
             stats.dropped_queue_full.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Queues one I/O, waiting while the queue is full (a replay loses
+    /// nothing: it goes at the backend's pace).
+    pub async fn send_wait(&self, s: &IoSpan, names: &Names, reason: Reason) {
+        self.shared.stats.chosen.fetch_add(1, Ordering::Relaxed);
+        let Some(tx) = self.tx.as_ref() else { return };
+        let root = self.traces.new_root();
+        let trace = self.traces.of(s, names, reason, &root, &[]);
+        let Some(first) = trace.first() else { return };
+        let seed = Exemplar {
+            trace_id: format!("{:032x}", root.trace_id()),
+            value_ns: s.total_ns,
+            unix_s: first
+                .end_time
+                .duration_since(UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+        };
+        if tx
+            .send((trace, (SeriesKey::of(s, names), seed)))
+            .await
+            .is_err()
+        {
+            self.shared
+                .stats
+                .dropped_queue_full
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 

@@ -1,0 +1,348 @@
+//! The fleet collector (collector/): the distribution the builder makes
+//! from collector/builder.yaml accepts every shipped pipeline.
+
+use std::process::Command;
+
+use agent_integration::run;
+use xtask::backends;
+
+#[test]
+fn every_shipped_collector_config_validates() {
+    let bin = backends::ensure(backends::Backend::Otelcol).unwrap_or_else(|e| panic!("{e:#}"));
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../collector");
+    let mut configs: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.extension().is_some_and(|x| x == "yaml")
+                && p.file_name() != Some("builder.yaml".as_ref())
+        })
+        .collect();
+    configs.sort();
+    assert!(configs.len() >= 2, "{configs:?}");
+    for c in &configs {
+        let out = run(Command::new(&bin)
+            .arg("validate")
+            .arg(format!("--config={}", c.display())));
+        assert!(
+            out.status.success(),
+            "{}: {}{}",
+            c.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // And a broken one is refused, naming what is wrong.
+    let bad =
+        std::env::temp_dir().join(format!("iospan-bad-collector-{}.yaml", std::process::id()));
+    let text = std::fs::read_to_string(dir.join("gateway.yaml"))
+        .unwrap()
+        .replace("threshold_ms:", "threshold_mss:");
+    std::fs::write(&bad, text).unwrap();
+    let out = run(Command::new(&bin)
+        .arg("validate")
+        .arg(format!("--config={}", bad.display())));
+    assert!(!out.status.success(), "a broken policy was accepted");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("threshold_mss"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_file(&bad);
+}
+
+/// Two agents (two rig guests, each under its own `iospan run` exporting
+/// every joined I/O, each naming its own host) through the gateway: Jaeger holds exactly what the
+/// tail-sampling policy keeps — every trace of the watched VM, only the
+/// slow ones of the other — and the span metrics of both reach Prometheus
+/// with their VM and disk labels.
+#[test]
+fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
+    // The latency policy counts whole milliseconds and keeps those above
+    // its threshold: IOSPAN_SLOW_MS=2 keeps traces of 3.0 ms and more.
+    const SLOW_US: f64 = 3000.0;
+    let jaeger = backends::Jaeger::start().unwrap_or_else(|e| panic!("{e:#}"));
+    let gw = backends::Collector::start(
+        "gateway",
+        &[
+            ("IOSPAN_TRACES_ENDPOINT", jaeger.otlp_grpc.as_str()),
+            ("IOSPAN_SLOW_MS", "2"),
+            ("IOSPAN_WATCH_VMS", "^keep-vm$"),
+            ("IOSPAN_BASELINE_PERCENT", "0"),
+            ("IOSPAN_DECISION_WAIT", "1s"),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let prom = backends::Prometheus::start(&gw.prometheus).unwrap_or_else(|e| panic!("{e:#}"));
+    let (rig, image) = agent_integration::rig_and_image();
+    let host = agent_integration::host_disk_of(&image);
+
+    // Per VM: the totals (µs) of the I/Os its agent exported.
+    let mut exported: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+    for vm in ["keep-vm", "other-vm"] {
+        let a = xtask::guest::RunArgs {
+            ios: 400,
+            name: vm.into(),
+            ..Default::default()
+        };
+        let (qemu, _) = xtask::guest::qemu_command(&rig, &a, &image);
+        let dir = std::env::temp_dir().join(format!("iospan-fleet-{vm}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (rep, ev) = (dir.join("report.json"), dir.join("events.jsonl"));
+        let out = run(Command::new(agent_integration::iospan_bin())
+            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .arg(&rep)
+            .arg("--events-out")
+            .arg(&ev)
+            .args(["--otlp-endpoint", &format!("http://{}", gw.otlp_http)])
+            .args([
+                "--otlp-protocol",
+                "http/protobuf",
+                "--trace-one-in",
+                "1",
+                "--trace-slowest",
+                "0",
+            ])
+            // Each agent its own host, as in a fleet.
+            .env("OTEL_RESOURCE_ATTRIBUTES", format!("host.name=hv-{vm}"))
+            .arg("--")
+            .arg(qemu.get_program())
+            .args(qemu.get_args()));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&rep).unwrap()).unwrap();
+        let ex = &report["export"];
+        assert_eq!(ex["exported_traces"], ex["offered"], "{vm}: {ex}");
+        let totals: Vec<f64> = std::fs::read_to_string(&ev)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|r| r["kind"] == "guest_io" && r["vm"] == vm)
+            .map(|r| r["total_us"].as_f64().unwrap())
+            .collect();
+        assert_eq!(
+            totals.len() as u64,
+            ex["exported_traces"].as_u64().unwrap(),
+            "{vm}"
+        );
+        exported.insert(vm.to_string(), totals);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    // What Jaeger holds, per VM, once the gateway has decided.
+    let traces_of = |vm: &str| -> Vec<f64> {
+        let (code, body) = jaeger
+            .get(&format!(
+                "/api/traces?service=iospan&limit=100000&lookback=1h&tags=%7B%22virt.vm.name%22%3A%22{vm}%22%7D"
+            ))
+            .unwrap();
+        assert_eq!(code, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["data"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|t| {
+                let hosts: Vec<_> = t["processes"]
+                    .as_object()
+                    .unwrap()
+                    .values()
+                    .flat_map(|p| p["tags"].as_array().cloned().unwrap_or_default())
+                    .filter(|tag| tag["key"] == "host.name")
+                    .map(|tag| tag["value"].clone())
+                    .collect();
+                assert_eq!(hosts, [format!("hv-{vm}")], "the host of a {vm} trace");
+                t["spans"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter(|s| {
+                        s["references"]
+                            .as_array()
+                            .is_none_or(|r| r.iter().all(|r| r["refType"] != "CHILD_OF"))
+                    })
+                    .map(|s| s["duration"].as_f64().unwrap())
+                    .fold(0.0, f64::max)
+            })
+            .collect()
+    };
+    let keep_n = exported["keep-vm"].len();
+    let other = &exported["other-vm"];
+    let slow_lo = other.iter().filter(|t| **t > SLOW_US + 1.0).count();
+    let slow_hi = other.iter().filter(|t| **t >= SLOW_US - 1.0).count();
+    let t0 = std::time::Instant::now();
+    let (mut kept_keep, mut kept_other) = (Vec::new(), Vec::new());
+    while t0.elapsed() < std::time::Duration::from_secs(60) {
+        kept_keep = traces_of("keep-vm");
+        kept_other = traces_of("other-vm");
+        if kept_keep.len() >= keep_n && kept_other.len() >= slow_lo {
+            // Decisions come a wait after the last span: one more wait for stragglers.
+            std::thread::sleep(std::time::Duration::from_secs(3));
+            kept_keep = traces_of("keep-vm");
+            kept_other = traces_of("other-vm");
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    let ctx = format!(
+        "keep-vm: {} exported, {} kept; other-vm: {} exported, {slow_lo}..={slow_hi} slower than {SLOW_US} µs, {} kept\n{}",
+        keep_n,
+        kept_keep.len(),
+        other.len(),
+        kept_other.len(),
+        gw.server.log()
+    );
+    assert_eq!(
+        kept_keep.len(),
+        keep_n,
+        "every trace of the watched VM: {ctx}"
+    );
+    assert!(
+        (slow_lo..=slow_hi).contains(&kept_other.len()),
+        "only the other VM's slow traces: {ctx}"
+    );
+    assert!(kept_other.len() < other.len(), "{ctx}");
+    for d in &kept_other {
+        assert!(*d >= SLOW_US - 1.0, "a kept trace of {d} µs: {ctx}");
+    }
+    eprintln!("{}", ctx.lines().next().unwrap_or(""));
+
+    // Span metrics of every exported span (before sampling), by VM and disk.
+    let t0 = std::time::Instant::now();
+    loop {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        let q = prom
+            .query(
+                "sum by (virt_vm_name, virt_disk_id) (traces_span_metrics_calls_total{span_name=\"vdisk.read\"})",
+                now,
+            )
+            .unwrap();
+        let series = q["data"]["result"].as_array().cloned().unwrap_or_default();
+        let calls = |vm: &str| {
+            series
+                .iter()
+                .find(|s| s["metric"]["virt_vm_name"] == vm && s["metric"]["virt_disk_id"] == "vd0")
+                .and_then(|s| s["value"][1].as_str()?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        if calls("keep-vm") as usize == keep_n && calls("other-vm") as usize == other.len() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "span metrics {q:#} vs {keep_n} and {} exported\n{}",
+            other.len(),
+            gw.server.log()
+        );
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+}
+
+/// A recorded run (`run --events-out`) replayed over OTLP: the backend
+/// holds every I/O of it, each time through, with its recorded latency and
+/// its segments, on new trace ids.
+#[test]
+fn a_replayed_run_reaches_the_backend_as_recorded() {
+    let jaeger = backends::Jaeger::start().unwrap_or_else(|e| panic!("{e:#}"));
+    let (rig, image) = agent_integration::rig_and_image();
+    let host = agent_integration::host_disk_of(&image);
+    let a = xtask::guest::RunArgs {
+        ios: 200,
+        name: "replayed-vm".into(),
+        ..Default::default()
+    };
+    let (qemu, _) = xtask::guest::qemu_command(&rig, &a, &image);
+    let dir = std::env::temp_dir().join(format!("iospan-replay-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ev = dir.join("events.jsonl");
+    let out = run(Command::new(agent_integration::iospan_bin())
+        .args(["run", "--quiet", "--disk", &host, "--events-out"])
+        .arg(&ev)
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut recorded: Vec<f64> = std::fs::read_to_string(&ev)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r["kind"] == "guest_io" && r["vm"] == "replayed-vm")
+        .map(|r| r["total_us"].as_f64().unwrap())
+        .collect();
+    assert!(recorded.len() > 150, "{} recorded", recorded.len());
+
+    let out = run(Command::new(agent_integration::iospan_bin())
+        .arg("replay")
+        .arg(&ev)
+        .args([
+            "--quiet", "--speed", "0", "--repeat", "2", "--label", "replayed",
+        ])
+        .args(["--otlp-endpoint", &format!("http://{}", jaeger.otlp_http)]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let n = recorded.len() as u64;
+    assert_eq!(s["exported_traces"], 2 * n, "{s}");
+    assert_eq!(s["failed_traces"], 0, "{s}");
+
+    // Each root's duration is a recorded total (Jaeger keeps whole µs).
+    let t0 = std::time::Instant::now();
+    let roots = loop {
+        let (code, body) = jaeger
+            .get("/api/traces?service=iospan&limit=100000&lookback=1h&tags=%7B%22iospan.run.label%22%3A%22replayed%22%7D")
+            .unwrap();
+        assert_eq!(code, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let traces = v["data"].as_array().cloned().unwrap_or_default();
+        if traces.len() as u64 >= 2 * n || t0.elapsed() > std::time::Duration::from_secs(30) {
+            break traces
+                .iter()
+                .map(|t| {
+                    let spans = t["spans"].as_array().unwrap();
+                    let root = spans
+                        .iter()
+                        .find(|s| s["references"].as_array().is_none_or(|r| r.is_empty()))
+                        .unwrap();
+                    assert!(spans.len() >= 5, "a root and its segments: {t}");
+                    (
+                        root["operationName"].as_str().unwrap().to_string(),
+                        root["duration"].as_f64().unwrap(),
+                    )
+                })
+                .collect::<Vec<_>>();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    };
+    assert_eq!(roots.len() as u64, 2 * n);
+    assert!(
+        roots.iter().all(|(name, _)| name.starts_with("vdisk.")),
+        "{roots:?}"
+    );
+    let mut got: Vec<f64> = roots.iter().map(|(_, d)| *d).collect();
+    got.sort_by(f64::total_cmp);
+    recorded.extend(recorded.clone());
+    recorded.sort_by(f64::total_cmp);
+    for (g, r) in got.iter().zip(&recorded) {
+        assert!(
+            (g - r).abs() <= 1.0,
+            "a replayed root of {g} µs for a recorded {r} µs"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
