@@ -97,6 +97,17 @@ pub fn name_of(dev: Dev) -> String {
         .unwrap_or_else(|| dev.to_string())
 }
 
+/// Names of disks as they are asked for, read once each: for per-I/O
+/// output, where a sysfs read per record would cost more than the record.
+#[derive(Default)]
+pub struct Names(std::collections::HashMap<Dev, String>);
+
+impl Names {
+    pub fn of(&mut self, dev: Dev) -> &str {
+        self.0.entry(dev).or_insert_with(|| name_of(dev))
+    }
+}
+
 pub fn whole_disks() -> Vec<String> {
     let mut v: Vec<String> = fs::read_dir("/sys/block")
         .map(|rd| {

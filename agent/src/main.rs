@@ -87,6 +87,7 @@ enum Cmd {
     /// agent exports it (a trace, a child span per segment), as if it had just completed: a past
     /// run in a tracing backend, or real traffic to size a collector tier (--repeat, --speed 0).
     /// Prints what the collector took as JSON.
+    #[cfg(feature = "otlp")]
     Replay {
         /// The event stream (JSON lines) of `iospan run --events-out`.
         #[arg(value_name = "EVENTS")]
@@ -425,6 +426,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
             })
         }
+        #[cfg(feature = "otlp")]
         Cmd::Replay {
             events,
             otlp_endpoint,
@@ -434,43 +436,27 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             label,
             quiet,
         } => {
-            #[cfg(not(feature = "otlp"))]
-            {
-                let _ = (
-                    events,
-                    otlp_endpoint,
-                    otlp_protocol,
-                    repeat,
-                    speed,
-                    label,
-                    quiet,
-                );
-                anyhow::bail!("this iospan was built without OTLP export (the `otlp` feature)");
+            let opts = iospan::replay::ReplayOpts {
+                events,
+                trace: iospan::export::TraceOpts {
+                    endpoint: otlp_endpoint,
+                    protocol: otlp_protocol,
+                    policy: iospan::export::Policy::default(),
+                    run_label: label,
+                },
+                repeat,
+                speed,
+                quiet,
+            };
+            let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            let s = rt.block_on(iospan::replay::replay(&opts))?;
+            println!("{}", serde_json::to_string_pretty(&s)?);
+            let lost = s.export.failed_traces + s.export.dropped_queue_full;
+            if lost > 0 {
+                eprintln!("iospan replay: {lost} traces not taken by the collector");
+                return Ok(ExitCode::from(1));
             }
-            #[cfg(feature = "otlp")]
-            {
-                let opts = iospan::replay::ReplayOpts {
-                    events,
-                    trace: iospan::export::TraceOpts {
-                        endpoint: otlp_endpoint,
-                        protocol: otlp_protocol,
-                        policy: iospan::export::Policy::default(),
-                        run_label: label,
-                    },
-                    repeat,
-                    speed,
-                    quiet,
-                };
-                let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-                let s = rt.block_on(iospan::replay::replay(&opts))?;
-                println!("{}", serde_json::to_string_pretty(&s)?);
-                let lost = s.export.failed_traces + s.export.dropped_queue_full;
-                if lost > 0 {
-                    eprintln!("iospan replay: {lost} traces not taken by the collector");
-                    return Ok(ExitCode::from(1));
-                }
-                Ok(ExitCode::SUCCESS)
-            }
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Report {
             run,

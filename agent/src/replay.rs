@@ -171,16 +171,6 @@ fn shifted(s: &IoSpan, by: u64) -> IoSpan {
     }
 }
 
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec it is given.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 pub async fn replay(o: &ReplayOpts) -> Result<ReplaySummary> {
     if !o.trace.enabled() {
         bail!("no collector: give --otlp-endpoint URL (or set OTEL_EXPORTER_OTLP_ENDPOINT)");
@@ -214,7 +204,7 @@ pub async fn replay(o: &ReplayOpts) -> Result<ReplaySummary> {
             }
             // Each I/O as if it had just completed.
             let end = s.signal_ns.max(s.end_ns).max(s.kick_ns);
-            let by = monotonic_ns().saturating_sub(end);
+            let by = crate::reap::monotonic_ns().saturating_sub(end);
             exporter
                 .send_wait(&shifted(s, by), names, Reason::Uniform)
                 .await;

@@ -627,6 +627,7 @@ async fn drain_events<W: Write>(
     let mut timer = tokio::time::interval(Duration::from_millis(100));
     let mut written = 0u64;
     let mut malformed = 0u64;
+    let mut disk_names = disks::Names::default();
     loop {
         let stopping = tokio::select! {
             r = fd.readable_mut() => { if let Ok(mut g) = r { g.clear_ready(); } false }
@@ -639,8 +640,11 @@ async fn drain_events<W: Write>(
             match Record::from_bytes(&item) {
                 Some(Record::BlkIo(ev)) => {
                     if let Some(out) = out.as_mut() {
-                        let json =
-                            event_json(&ev, &known.lock().unwrap_or_else(|p| p.into_inner()));
+                        let json = event_json(
+                            &ev,
+                            &known.lock().unwrap_or_else(|p| p.into_inner()),
+                            &mut disk_names,
+                        );
                         serde_json::to_writer(&mut *out, &json)?;
                         out.write_all(b"\n")?;
                         written += 1;
@@ -668,7 +672,7 @@ async fn drain_events<W: Write>(
             let known = known.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(out) = out.as_mut() {
                 for sp in spans.iter().filter(|s| s.total_ns >= slower_than_ns) {
-                    serde_json::to_writer(&mut *out, &span_json(sp, &known))?;
+                    serde_json::to_writer(&mut *out, &span_json(sp, &known, &mut disk_names))?;
                     out.write_all(b"\n")?;
                     written += 1;
                 }
@@ -713,13 +717,17 @@ fn names_of(sp: &IoSpan, known: &Registry) -> Names {
     }
 }
 
-fn event_json(ev: &BlkIoEvent, known: &Registry) -> serde_json::Value {
+fn event_json(
+    ev: &BlkIoEvent,
+    known: &Registry,
+    disk_names: &mut disks::Names,
+) -> serde_json::Value {
     let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1000.0;
     let start = (ev.flags & RQ_F_NO_START == 0).then_some(ev.start_ns);
     let issue = (ev.flags & RQ_F_NO_ISSUE == 0).then_some(ev.issue_ns);
     serde_json::json!({
         "kind": "host",
-        "disk": disks::name_of(Dev(ev.dev)),
+        "disk": disk_names.of(Dev(ev.dev)),
         "vm": (ev.vm != 0).then(|| known.name(ev.vm)),
         "vdisk": known.vdisk(ev.vdisk),
         "op": Op::from_index(ev.op as usize).unwrap_or(Op::Other),
@@ -737,7 +745,7 @@ fn event_json(ev: &BlkIoEvent, known: &Registry) -> serde_json::Value {
 }
 
 /// One joined guest I/O: its stamps (host clock) and four segments.
-fn span_json(sp: &IoSpan, known: &Registry) -> serde_json::Value {
+fn span_json(sp: &IoSpan, known: &Registry, disk_names: &mut disks::Names) -> serde_json::Value {
     let us = |ns: u64| ns as f64 / 1000.0;
     serde_json::json!({
         // A host window alone where the VM has no guest agent.
@@ -745,7 +753,7 @@ fn span_json(sp: &IoSpan, known: &Registry) -> serde_json::Value {
         "vm": known.name(sp.vm),
         "vdisk": known.vdisk(sp.vdisk),
         "nvme": known.vdisk_model(sp.vdisk).is_some_and(|m| m.starts_with("nvme")),
-        "host_disk": disks::name_of(Dev(sp.dev)),
+        "host_disk": disk_names.of(Dev(sp.dev)),
         "queue": sp.queue,
         "op": sp.op,
         "pos": sp.pos,

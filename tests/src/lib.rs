@@ -175,7 +175,21 @@ pub fn iospan_bin() -> PathBuf {
     bin
 }
 
-/// Runs a command, panicking with its output if it cannot start.
+/// `iospan` (with its arguments) around a QEMU command line, run to its
+/// end; its failure is the test's.
+pub fn run_around(iospan: &mut Command, qemu: &Command) -> std::process::Output {
+    let out = run(iospan
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 /// Runs a command to its end, its output captured; a command still running
 /// after `RUN_LIMIT` is killed and the test fails (a hang is a failure, not
 /// a stuck CI job).

@@ -90,29 +90,24 @@ fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
         let dir = std::env::temp_dir().join(format!("iospan-fleet-{vm}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let (rep, ev) = (dir.join("report.json"), dir.join("events.jsonl"));
-        let out = run(Command::new(agent_integration::iospan_bin())
-            .args(["run", "--quiet", "--disk", &host, "--json-out"])
-            .arg(&rep)
-            .arg("--events-out")
-            .arg(&ev)
-            .args(["--otlp-endpoint", &format!("http://{}", gw.otlp_http)])
-            .args([
-                "--otlp-protocol",
-                "http/protobuf",
-                "--trace-one-in",
-                "1",
-                "--trace-slowest",
-                "0",
-            ])
-            // Each agent its own host, as in a fleet.
-            .env("OTEL_RESOURCE_ATTRIBUTES", format!("host.name=hv-{vm}"))
-            .arg("--")
-            .arg(qemu.get_program())
-            .args(qemu.get_args()));
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        agent_integration::run_around(
+            Command::new(agent_integration::iospan_bin())
+                .args(["run", "--quiet", "--disk", &host, "--json-out"])
+                .arg(&rep)
+                .arg("--events-out")
+                .arg(&ev)
+                .args(["--otlp-endpoint", &format!("http://{}", gw.otlp_http)])
+                .args([
+                    "--otlp-protocol",
+                    "http/protobuf",
+                    "--trace-one-in",
+                    "1",
+                    "--trace-slowest",
+                    "0",
+                ])
+                // Each agent its own host, as in a fleet.
+                .env("OTEL_RESOURCE_ATTRIBUTES", format!("host.name=hv-{vm}")),
+            &qemu,
         );
         let report: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&rep).unwrap()).unwrap();
@@ -136,17 +131,7 @@ fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
 
     // What Jaeger holds, per VM, once the gateway has decided.
     let traces_of = |vm: &str| -> Vec<f64> {
-        let (code, body) = jaeger
-            .get(&format!(
-                "/api/traces?service=iospan&limit=100000&lookback=1h&tags=%7B%22virt.vm.name%22%3A%22{vm}%22%7D"
-            ))
-            .unwrap();
-        assert_eq!(code, 200, "{body}");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        v["data"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
+        jaeger_traces(&jaeger, "virt.vm.name", vm)
             .iter()
             .map(|t| {
                 let hosts: Vec<_> = t["processes"]
@@ -158,17 +143,7 @@ fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
                     .map(|tag| tag["value"].clone())
                     .collect();
                 assert_eq!(hosts, [format!("hv-{vm}")], "the host of a {vm} trace");
-                t["spans"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .filter(|s| {
-                        s["references"]
-                            .as_array()
-                            .is_none_or(|r| r.iter().all(|r| r["refType"] != "CHILD_OF"))
-                    })
-                    .map(|s| s["duration"].as_f64().unwrap())
-                    .fold(0.0, f64::max)
+                root_of(t)["duration"].as_f64().unwrap()
             })
             .collect()
     };
@@ -264,16 +239,11 @@ fn a_replayed_run_reaches_the_backend_as_recorded() {
     let dir = std::env::temp_dir().join(format!("iospan-replay-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let ev = dir.join("events.jsonl");
-    let out = run(Command::new(agent_integration::iospan_bin())
-        .args(["run", "--quiet", "--disk", &host, "--events-out"])
-        .arg(&ev)
-        .arg("--")
-        .arg(qemu.get_program())
-        .args(qemu.get_args()));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    agent_integration::run_around(
+        Command::new(agent_integration::iospan_bin())
+            .args(["run", "--quiet", "--disk", &host, "--events-out"])
+            .arg(&ev),
+        &qemu,
     );
     let mut recorded: Vec<f64> = std::fs::read_to_string(&ev)
         .unwrap()
@@ -304,22 +274,16 @@ fn a_replayed_run_reaches_the_backend_as_recorded() {
     // Each root's duration is a recorded total (Jaeger keeps whole µs).
     let t0 = std::time::Instant::now();
     let roots = loop {
-        let (code, body) = jaeger
-            .get("/api/traces?service=iospan&limit=100000&lookback=1h&tags=%7B%22iospan.run.label%22%3A%22replayed%22%7D")
-            .unwrap();
-        assert_eq!(code, 200, "{body}");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let traces = v["data"].as_array().cloned().unwrap_or_default();
+        let traces = jaeger_traces(&jaeger, "iospan.run.label", "replayed");
         if traces.len() as u64 >= 2 * n || t0.elapsed() > std::time::Duration::from_secs(30) {
             break traces
                 .iter()
                 .map(|t| {
-                    let spans = t["spans"].as_array().unwrap();
-                    let root = spans
-                        .iter()
-                        .find(|s| s["references"].as_array().is_none_or(|r| r.is_empty()))
-                        .unwrap();
-                    assert!(spans.len() >= 5, "a root and its segments: {t}");
+                    let root = root_of(t);
+                    assert!(
+                        t["spans"].as_array().unwrap().len() >= 5,
+                        "a root and its segments: {t}"
+                    );
                     (
                         root["operationName"].as_str().unwrap().to_string(),
                         root["duration"].as_f64().unwrap(),
@@ -345,4 +309,32 @@ fn a_replayed_run_reaches_the_backend_as_recorded() {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What Jaeger holds of service iospan with the tag KEY=VALUE.
+fn jaeger_traces(jaeger: &backends::Jaeger, key: &str, value: &str) -> Vec<serde_json::Value> {
+    let (code, body) = jaeger
+        .get(&format!(
+            "/api/traces?service=iospan&limit=100000&lookback=1h&tags=%7B%22{key}%22%3A%22{value}%22%7D"
+        ))
+        .unwrap();
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    v["data"].as_array().cloned().unwrap_or_default()
+}
+
+/// A Jaeger trace's root span: the one with no parent.
+fn root_of(trace: &serde_json::Value) -> &serde_json::Value {
+    let roots: Vec<_> = trace["spans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| {
+            s["references"]
+                .as_array()
+                .is_none_or(|r| r.iter().all(|r| r["refType"] != "CHILD_OF"))
+        })
+        .collect();
+    assert_eq!(roots.len(), 1, "one root: {trace}");
+    roots[0]
 }

@@ -47,6 +47,20 @@ fn a_bad_configuration_is_refused_naming_its_key() {
 
 struct Agent(Child);
 
+impl Agent {
+    /// `iospan agent --config CONFIG`, its log discarded.
+    fn start(config: &std::path::Path) -> Self {
+        Agent(
+            Command::new(iospan_bin())
+                .args(["agent", "--config"])
+                .arg(config)
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        )
+    }
+}
+
 impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -336,14 +350,7 @@ fn off_the_host_the_api_is_https_with_a_token_and_top_connects_over_it() {
             key.display().to_string()
         ),
     );
-    let _agent = Agent(
-        Command::new(iospan_bin())
-            .args(["agent", "--config"])
-            .arg(&p)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let _agent = Agent::start(&p);
     let base = format!("https://127.0.0.1:{port}");
     let t = Instant::now();
     while curl_tls(&format!("{base}/healthz"), &ca, None).0 != 200 {
@@ -409,14 +416,7 @@ fn top_connects_to_several_agents_and_groups_their_rows() {
                 &format!("fleet{i}"),
                 &format!("[agent]\ndisks = [\"{host}\"]\nvms = false\n[api]\nlisten = \"{a}\"\n"),
             );
-            Agent(
-                Command::new(iospan_bin())
-                    .args(["agent", "--config"])
-                    .arg(&p)
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .unwrap(),
-            )
+            Agent::start(&p)
         })
         .collect();
     for a in &addrs {

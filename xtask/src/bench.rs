@@ -179,9 +179,7 @@ pub fn guest(a: &GuestArgs) -> Result<()> {
         }
     }
     let med = |arm: GuestArm, f: &dyn Fn(&Row) -> Option<f64>| {
-        let mut v: Vec<f64> = rows.iter().filter(|r| r.arm == arm).filter_map(f).collect();
-        v.sort_by(|a, b| a.total_cmp(b));
-        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+        median(rows.iter().filter(|r| r.arm == arm).filter_map(f))
     };
     println!(
         "rig guest (TCG, 1 vCPU), virtio-blk aio=io_uring, 4k randread QD{} x {} I/Os, {} boots per arm, medians",
@@ -288,29 +286,14 @@ pub fn overhead(a: &OverheadArgs) -> Result<()> {
         }
     }
 
-    let median = |v: Vec<f64>| -> f64 {
-        let mut v = v;
-        v.sort_by(|a, b| a.total_cmp(b));
-        if v.is_empty() {
-            f64::NAN
-        } else if v.len() % 2 == 1 {
-            v[v.len() / 2]
-        } else {
-            (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
-        }
-    };
     let of = |arm: Arm| samples.iter().filter(move |s| s.arm == arm);
     // Added cost per repetition against that repetition's untraced run.
     let added = |arm: Arm| {
-        median(
-            (0..a.reps)
-                .filter_map(|r| {
-                    let base = samples.iter().find(|s| s.arm == Arm::None && s.rep == r)?;
-                    let s = samples.iter().find(|s| s.arm == arm && s.rep == r)?;
-                    Some(s.cpu_ns_per_io - base.cpu_ns_per_io)
-                })
-                .collect(),
-        )
+        median((0..a.reps).filter_map(|r| {
+            let base = samples.iter().find(|s| s.arm == Arm::None && s.rep == r)?;
+            let s = samples.iter().find(|s| s.arm == arm && s.rep == r)?;
+            Some(s.cpu_ns_per_io - base.cpu_ns_per_io)
+        }))
     };
     let opt_median = |v: Vec<Option<f64>>| -> Option<f64> {
         let v: Vec<f64> = v.into_iter().flatten().collect();
@@ -323,8 +306,8 @@ pub fn overhead(a: &OverheadArgs) -> Result<()> {
             let agent = opt_median(of(arm).map(|s| s.agent_ns_per_io).collect());
             Summary {
                 arm,
-                iops: median(of(arm).map(|s| s.iops).collect()),
-                cpu_ns_per_io: median(of(arm).map(|s| s.cpu_ns_per_io).collect()),
+                iops: median(of(arm).map(|s| s.iops)),
+                cpu_ns_per_io: median(of(arm).map(|s| s.cpu_ns_per_io)),
                 added_ns_per_io: if arm == Arm::None { 0.0 } else { added(arm) },
                 bpf_ns_per_io: bpf,
                 agent_ns_per_io: agent,
@@ -775,11 +758,7 @@ pub fn collector(a: &CollectorArgs) -> Result<()> {
         );
         rows.push(row);
     }
-    let med = |f: &dyn Fn(&Row) -> f64| {
-        let mut v: Vec<f64> = rows.iter().map(f).collect();
-        v.sort_by(|a, b| a.total_cmp(b));
-        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-    };
+    let med = |f: &dyn Fn(&Row) -> f64| median(rows.iter().map(f));
     let wall = med(&|r| r.spans / r.wall_s);
     let per_cpu = med(&|r| r.spans / r.cpu_s);
     let cores = med(&|r| r.cpu_s / r.wall_s);
@@ -808,4 +787,15 @@ pub fn collector(a: &CollectorArgs) -> Result<()> {
 
 fn num_cpus() -> usize {
     std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+/// The median (the mean of the middle two for an even count); NaN of none.
+fn median(v: impl IntoIterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = v.into_iter().collect();
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }

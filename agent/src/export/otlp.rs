@@ -398,48 +398,49 @@ impl Exporter {
         root: &SpanContext,
         same_signal: &[SpanContext],
     ) {
-        let stats = &self.shared.stats;
-        stats.chosen.fetch_add(1, Ordering::Relaxed);
-        let Some(tx) = self.tx.as_ref() else { return };
-        let trace = self.traces.of(s, names, reason, root, same_signal);
-        let Some(root) = trace.first() else { return };
-        let seed = Exemplar {
-            trace_id: format!("{:032x}", root.span_context.trace_id()),
-            value_ns: s.total_ns,
-            unix_s: root
-                .end_time
-                .duration_since(UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64()),
+        let Some((tx, queued)) = self.queued(s, names, reason, root, same_signal) else {
+            return;
         };
-        if tx
-            .try_send((trace, (SeriesKey::of(s, names), seed)))
-            .is_err()
-        {
-            stats.dropped_queue_full.fetch_add(1, Ordering::Relaxed);
+        if tx.try_send(queued).is_err() {
+            self.shared
+                .stats
+                .dropped_queue_full
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    /// Queues one I/O, waiting while the queue is full (a replay loses
-    /// nothing: it goes at the backend's pace).
-    pub async fn send_wait(&self, s: &IoSpan, names: &Names, reason: Reason) {
+    /// One chosen I/O as a trace with its exemplar, counted as chosen.
+    fn queued(
+        &self,
+        s: &IoSpan,
+        names: &Names,
+        reason: Reason,
+        root: &SpanContext,
+        same_signal: &[SpanContext],
+    ) -> Option<(&mpsc::Sender<Queued>, Queued)> {
         self.shared.stats.chosen.fetch_add(1, Ordering::Relaxed);
-        let Some(tx) = self.tx.as_ref() else { return };
-        let root = self.traces.new_root();
-        let trace = self.traces.of(s, names, reason, &root, &[]);
-        let Some(first) = trace.first() else { return };
+        let tx = self.tx.as_ref()?;
+        let trace = self.traces.of(s, names, reason, root, same_signal);
+        let first = trace.first()?;
         let seed = Exemplar {
-            trace_id: format!("{:032x}", root.trace_id()),
+            trace_id: format!("{:032x}", first.span_context.trace_id()),
             value_ns: s.total_ns,
             unix_s: first
                 .end_time
                 .duration_since(UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64()),
         };
-        if tx
-            .send((trace, (SeriesKey::of(s, names), seed)))
-            .await
-            .is_err()
-        {
+        Some((tx, (trace, (SeriesKey::of(s, names), seed))))
+    }
+
+    /// Queues one I/O, waiting while the queue is full (a replay loses
+    /// nothing: it goes at the backend's pace).
+    pub async fn send_wait(&self, s: &IoSpan, names: &Names, reason: Reason) {
+        let root = self.traces.new_root();
+        let Some((tx, queued)) = self.queued(s, names, reason, &root, &[]) else {
+            return;
+        };
+        if tx.send(queued).await.is_err() {
             self.shared
                 .stats
                 .dropped_queue_full
