@@ -121,6 +121,16 @@ struct {
 	__type(value, struct blk_stats);
 } vm_latency_nested SEC(".maps");
 
+/* A VM's requests whose completion never reached us, per (VM, host disk,
+ * op, virtual disk): the requests its entry counts beside the timed ones.
+ * The agent adds those still open when their VM has exited. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 128);
+	__type(key, struct vm_key);
+	__type(value, __u64);
+} vm_undelivered SEC(".maps");
+
 /* (VM, host disk) -> the VM's virtual disk there, or VDISK_SEVERAL. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -563,14 +573,27 @@ static __always_inline struct vm_counts *vm_counts_of(__u32 vm)
 	return bpf_map_lookup_elem(&vm_counts, &vm);
 }
 
-/* Counted globally, and per VM where the lost request was a VM's. */
+/* Counted globally, and per VM and entry where the lost request was a
+ * VM's. */
 static __always_inline void note_undelivered(const struct rq_slot *s)
 {
+	static const __u64 zero;
+	struct vm_key k = { .vm = s->vm, .dev = s->dev, .op = s->op, .vdisk = s->vdisk };
 	struct vm_counts *c;
+	__u64 *n;
 
 	count(CNT_UNDELIVERED);
-	if (s->vm && (c = vm_counts_of(s->vm)))
+	if (!s->vm)
+		return;
+	if ((c = vm_counts_of(s->vm)))
 		__sync_fetch_and_add(&c->undelivered, 1);
+	n = bpf_map_lookup_elem(&vm_undelivered, &k);
+	if (!n) {
+		bpf_map_update_elem(&vm_undelivered, &k, &zero, BPF_NOEXIST);
+		n = bpf_map_lookup_elem(&vm_undelivered, &k);
+	}
+	if (n)
+		__sync_fetch_and_add(n, 1);
 }
 
 /* `btf`: a constant per inlined call site, choosing direct or probe reads.
@@ -623,16 +646,20 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 			__sync_fetch_and_add(&c->submitted, 1);
 	}
 	rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns, pos);
+	if (vm) {
+		s->dev = btf ? rq_dev_btf(rq) : rq_dev(rq);
+		s->op = op_class(btf ? rq->cmd_flags : BPF_CORE_READ(rq, cmd_flags));
+	}
 }
 
 static __always_inline void on_issue(__u64 key)
 {
 	struct rq_slot *s = rq_slot_of(key, 1);
 
+	/* An issued, unfinished request here may be dispatched again (not
+	 * lost): only a new request's start tells a lost completion. */
 	if (!s)
 		return;
-	if (rq_undelivered(s, key))
-		note_undelivered(s);
 	rq_on_issue(s, key, bpf_ktime_get_ns());
 }
 
@@ -799,6 +826,35 @@ int BPF_PROG(block_rq_complete, struct request *rq, int error, unsigned int nr_b
 
 	read_rq_raw(rq, &f);
 	on_complete(&f, error, nr_bytes);
+	return 0;
+}
+
+/* A started request merged into another before issue (the scheduler's
+ * request merges): it ends here, inside the other. A guest's request on
+ * a virtual disk counts as merged by the host block layer. */
+static __always_inline void on_rq_merge(__u64 key)
+{
+	struct rq_slot *s = rq_slot_of(key, 0);
+	struct vm_counts *c;
+
+	if (!s || s->rq != key || (s->flags & RQ_F_DONE))
+		return;
+	s->flags = RQ_F_DONE;
+	if (s->vm && s->vdisk && (c = vm_counts_of(s->vm)))
+		__sync_fetch_and_add(&c->bio_merges, 1);
+}
+
+SEC("tp_btf/block_rq_merge")
+int BPF_PROG(block_rq_merge_btf, struct request *rq)
+{
+	on_rq_merge(rq_key_btf(rq));
+	return 0;
+}
+
+SEC("raw_tp/block_rq_merge")
+int BPF_PROG(block_rq_merge, struct request *rq)
+{
+	on_rq_merge(rq_key_raw(rq));
 	return 0;
 }
 

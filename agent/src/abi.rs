@@ -16,6 +16,7 @@ pub const DEFAULT_MAX_DISKS: u32 = 32;
 pub const MAX_STREAM_DEVS: usize = 16;
 pub const RQ_SLOTS: u32 = 1 << 15;
 
+pub const RQ_F_REQUEUE_PENDING: u16 = 1 << 0;
 pub const RQ_F_PARTIAL: u8 = 1 << 1;
 pub const RQ_F_REQUEUED: u8 = 1 << 2;
 pub const RQ_F_NO_START: u8 = 1 << 3;
@@ -92,6 +93,8 @@ pub struct RqSlot {
     pub kick_ns: u64,
     pub pick_ns: u64,
     pub pos: u64,
+    pub dev: u32,
+    pub op: u32,
 }
 
 #[repr(C)]
@@ -156,7 +159,7 @@ pub struct BlkIoEvent {
 }
 
 const _: () = assert!(size_of::<BlkIoEvent>() == 56);
-const _: () = assert!(size_of::<RqSlot>() == 64);
+const _: () = assert!(size_of::<RqSlot>() == 72);
 const _: () = assert!(size_of::<VmIoEvent>() == 72);
 const _: () = assert!(size_of::<VmSignalEvent>() == 16);
 const _: () = assert!(size_of::<VmKey>() == 16);

@@ -175,6 +175,11 @@ pub struct Entry {
     pub errors: u64,
     pub requeued: u64,
     pub partial: u64,
+    /// Requests the kernel completed whose completion never reached us
+    /// (a VM's, found one by one): counted here, not in `ios` or the
+    /// latencies, which they have none of.
+    #[serde(default)]
+    pub undelivered: u64,
     /// The kernel's own count for this disk and op over the run, where it
     /// keeps one (iostats on); `ios` below it means requests went unseen.
     pub kernel: Option<KernelCount>,
@@ -257,6 +262,7 @@ impl Entry {
             mb_per_s: per_s(s.bytes as f64 / 1e6),
             errors: s.errors,
             requeued: s.requeued,
+            undelivered: s.undelivered,
             partial: s.partial,
             kernel: None,
             total: s.segment(BlkSegment::Total).summary(),

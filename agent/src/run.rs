@@ -319,6 +319,23 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         .context("reading the block-layer statistics")?;
     // A VM named this late has finished: nothing left to read on its channel.
     let _ = name_new_vms(&mut probes, &known);
+    // Completions never handed to us are found when their tag is used
+    // again; the rest are still open in the table, and those of VMs that
+    // have exited are finished.
+    let open = {
+        let k = known.lock().unwrap_or_else(|p| p.into_inner());
+        probes.open_requests_of_exited(|slot| k.vms.get(&slot).is_some_and(|vm| !vms::alive(vm)))
+    };
+    match open {
+        Ok(open) => {
+            for (k, n) in open {
+                snap.vm_stats.entry(k).or_default().undelivered += n;
+                snap.vm_counts.entry(k.vm).or_default().undelivered += n;
+                snap.counters.undelivered += n;
+            }
+        }
+        Err(e) => log::warn!("{}", crate::bpf::error_chain(&e)),
+    }
     snap.counters.unseen = report::unseen(&snap.stats, &kernel, &only);
     progress.done();
 

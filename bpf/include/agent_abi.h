@@ -90,6 +90,8 @@ struct rq_slot {
 	__u64 kick_ns;     /* the guest's kick the submitting engine thread picked up last (0: none) */
 	__u64 pick_ns;     /* when it picked that kick up */
 	__u64 pos;         /* file offset a VM's direct I/O is for (the guest's offset on a raw image) */
+	__u32 dev;         /* host disk, for a VM's request: where a lost completion is counted */
+	__u32 op;          /* BLK_OP_* of a VM's request, likewise */
 };
 
 #define RQ_SLOT_BITS 15
@@ -129,7 +131,7 @@ enum counter {
 struct vm_counts {
 	__u64 undelivered;    /* issued requests whose completion never reached us */
 	__u64 engine_merges;  /* guest requests QEMU merged into another */
-	__u64 bio_merges;     /* bios the host block layer merged into a request */
+	__u64 bio_merges;     /* guest requests the host block layer merged into another (as bios or whole requests) */
 	__u64 submitted;      /* requests it started (in flight: submitted less completed) */
 };
 
@@ -281,7 +283,7 @@ _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");
 _Static_assert(sizeof(struct vm_io_event) == 72, "abi: vm_io_event");
 _Static_assert(sizeof(struct vm_signal_event) == 16, "abi: vm_signal_event");
-_Static_assert(sizeof(struct rq_slot) == 64, "abi: rq_slot");
+_Static_assert(sizeof(struct rq_slot) == 72, "abi: rq_slot");
 _Static_assert(sizeof(struct disk_slot) == 16, "abi: disk_slot");
 _Static_assert(sizeof(struct blk_stats) == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS), "abi: blk_stats");
 

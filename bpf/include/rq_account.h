@@ -57,10 +57,13 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
 	s->kick_ns = 0;
 	s->pick_ns = 0;
 	s->pos = 0;
+	s->dev = 0;
+	s->op = 0;
 }
 
-/* The slot still holds an issued request of this key that never finished,
- * and its key (queue, context, tag) is being used again: that request's
+/* At block_io_start: the slot still holds an issued request of this key
+ * that never finished, and its key (queue, context, tag) is being used
+ * again by a new request: that request's
  * completion never reached us, though the kernel completed it (a tag is
  * only reused once its request has ended). The kernel skips tracing
  * programs now and then without counting it anywhere, e.g. for a
@@ -89,13 +92,16 @@ static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, 
 }
 
 /* block_rq_issue. A slot already holding this request belongs to the same
- * I/O only if it was stamped at start and not issued yet, or was requeued;
- * otherwise it is a leftover of an earlier I/O of the same preallocated
- * request (e.g. one whose completion we did not see) and starts afresh. */
+ * I/O if it was stamped at start and not issued yet, or was requeued, or is
+ * a VM's: every new request of a VM passes block_io_start, which takes the
+ * slot afresh, so a second issue is the same request dispatched again (the
+ * kernel re-issues some without a requeue event). Otherwise it is a
+ * leftover of an earlier I/O of the same preallocated request (e.g. one
+ * whose completion we did not see) and starts afresh. */
 static __always_inline void rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now)
 {
 	if (s->rq != rq || (s->flags & RQ_F_DONE) ||
-	    (s->issue_ns && !(s->flags & RQ_F_REQUEUE_PENDING)))
+	    (s->issue_ns && !(s->flags & RQ_F_REQUEUE_PENDING) && !s->vm))
 		rq_slot_reset(s, rq);
 	s->flags &= ~RQ_F_REQUEUE_PENDING;
 	s->issue_ns = now;

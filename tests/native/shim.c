@@ -42,7 +42,7 @@ static const struct shim_field fields[] = {
 	F(blk_io_event, done_ns), F(blk_io_event, sector), F(blk_io_event, bytes),
 	F(blk_io_event, requeues), F(blk_io_event, cpu_lo), F(blk_io_event, vdisk), F(blk_io_event, vm),
 	S(rq_slot), F(rq_slot, rq), F(rq_slot, start_ns), F(rq_slot, issue_ns),
-	F(rq_slot, done_bytes), F(rq_slot, requeues), F(rq_slot, flags), F(rq_slot, vm), F(rq_slot, vdisk), F(rq_slot, kick_ns), F(rq_slot, pick_ns), F(rq_slot, pos),
+	F(rq_slot, done_bytes), F(rq_slot, requeues), F(rq_slot, flags), F(rq_slot, vm), F(rq_slot, vdisk), F(rq_slot, kick_ns), F(rq_slot, pick_ns), F(rq_slot, pos), F(rq_slot, dev), F(rq_slot, op),
 	S(disk_slot), F(disk_slot, queue), F(disk_slot, dev),
 	S(vm_key), F(vm_key, vm), F(vm_key, dev), F(vm_key, op), F(vm_key, vdisk),
 	S(file_key), F(file_key, dev), F(file_key, ino),
@@ -73,7 +73,7 @@ const struct shim_field *shim_layout(void) { return fields; }
 /* Constants the Rust side mirrors. */
 struct shim_consts {
 	__u32 hist_buckets, nr_ops, nr_segs, default_max_disks, rq_slots;
-	__u32 f_partial, f_requeued, f_no_start, f_no_issue, f_error, f_done;
+	__u32 f_partial, f_requeued, f_no_start, f_no_issue, f_error, f_done, f_requeue_pending;
 	__u32 nr_counters, event_blk_io, vdisk_several, event_vm_io, event_vm_signal;
 };
 
@@ -90,6 +90,7 @@ void shim_consts(struct shim_consts *c)
 	c->f_no_issue = RQ_F_NO_ISSUE;
 	c->f_error = RQ_F_ERROR;
 	c->f_done = RQ_F_DONE;
+	c->f_requeue_pending = RQ_F_REQUEUE_PENDING;
 	c->nr_counters = NR_COUNTERS;
 	c->event_blk_io = EVENT_BLK_IO;
 	c->vdisk_several = VDISK_SEVERAL;

@@ -60,6 +60,7 @@ pub struct ShimConsts {
     pub f_no_issue: u32,
     pub f_error: u32,
     pub f_done: u32,
+    pub f_requeue_pending: u32,
     pub nr_counters: u32,
     pub event_blk_io: u32,
     pub vdisk_several: u32,

@@ -36,7 +36,7 @@ macro_rules! rust_layout {
 fn abi_layout() {
     let rust = rust_layout! {
         "blk_io_event" => BlkIoEvent { kind, op, flags, dev, start_ns, issue_ns, done_ns, sector, bytes, requeues, cpu_lo, vdisk, vm }
-        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos }
+        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos, dev, op }
         "disk_slot" => DiskSlot { queue, dev }
         "vm_key" => VmKey { vm, dev, op, vdisk }
         "file_key" => FileKey { dev, ino }
@@ -77,6 +77,7 @@ fn abi_constants() {
     assert_eq!(c.f_no_issue, abi::RQ_F_NO_ISSUE as u32);
     assert_eq!(c.f_error, abi::RQ_F_ERROR as u32);
     assert_eq!(c.f_done, abi::RQ_F_DONE as u32);
+    assert_eq!(c.f_requeue_pending, abi::RQ_F_REQUEUE_PENDING as u32);
     assert_eq!(c.nr_counters, abi::counter::NR);
     assert_eq!(c.event_blk_io, abi::EVENT_BLK_IO as u32);
     assert_eq!(c.vdisk_several, abi::VDISK_SEVERAL);

@@ -11,16 +11,6 @@ use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
 use serde_json::Value;
 use xtask::guest::{self, Aio, DiskModel, RunArgs};
 
-/// Guest reads missing from the VM's count with nothing counted lost or
-/// merged: on clean-clone CI runs, one boot of `virtio_blk_native_qd1` in
-/// a few showed one. The host disk counted it (`unseen` 0), and it is in
-/// neither the virtual disk's entry nor the VM process's own (QEMU's
-/// probes, all at the image's first block): the request reached the host
-/// without the VM's attribution. Untested explanation: its block_io_start
-/// never ran our program (the kernel skips tracing programs now and then,
-/// as it does completions). Tolerated, one per boot, until fixed.
-const UNATTRIBUTED: u64 = 1;
-
 /// `iospan run` around one rig boot (a report under `tag`): the guest's
 /// console and iospan's JSON report.
 fn traced_run(qemu: &Command, host: &str, tag: &str) -> (Vec<String>, Value) {
@@ -171,9 +161,6 @@ fn traced_boot(a: RunArgs) {
     assert_eq!(vm["disk"], a.disk_id.as_str(), "{vm}");
     assert_eq!(vm["host_disk"], host.as_str(), "{vm}");
     let vm_ios = vm["ios"].as_u64().unwrap();
-    // The VM's requests whose completion the kernel never handed us: seen
-    // when their tag is used again (the disk-wide `unseen` also covers a
-    // last request, whose tag never is).
     let summary = rep["vms"]
         .as_array()
         .unwrap()
@@ -210,25 +197,27 @@ fn traced_boot(a: RunArgs) {
             assert_eq!(engine["pid"], summary["pid"], "{summary}");
         }
     }
-    let undelivered = count("undelivered");
+    // The VM's requests whose completion the kernel never handed us:
+    // found when their tag is used again, or still open when the VM
+    // exited. Its disk's entry counts them beside the timed ones.
+    let undelivered = vm["undelivered"].as_u64().unwrap();
     assert!(
-        undelivered <= rep["lost"]["undelivered"].as_u64().unwrap(),
-        "{:#}",
+        undelivered <= count("undelivered")
+            && count("undelivered") <= rep["lost"]["undelivered"].as_u64().unwrap(),
+        "entry {undelivered}, VM {summary}, {:#}",
         rep["lost"]
     );
-    let unseen = unseen.max(undelivered);
+    let unseen = unseen.max(count("undelivered"));
     // Guest requests that reached the host inside another one: merged by
-    // QEMU (adjacent requests of one batch) or the host block layer.
+    // QEMU (adjacent requests of one batch) or the host block layer (as
+    // bios, or whole requests before issue).
     let merged = count("engine_merged") + count("host_merged");
     let ctx = format!("{ctx}\nVM {summary}\nlost {}", rep["lost"]);
+    // Exactly the guest's requests: timed, untimed, or inside another.
     assert!(
-        vm_ios + merged + unseen + UNATTRIBUTED >= r.guest_reads,
-        "VM {vm_ios} + merged {merged} vs guest {} requests: {ctx}",
-        r.guest_reads
-    );
-    assert!(
-        vm_ios + merged <= r.guest_reads + closing,
-        "VM {vm_ios} + merged {merged} vs guest {} requests: {ctx}",
+        vm_ios + undelivered + merged >= r.guest_reads
+            && vm_ios + undelivered + merged <= r.guest_reads + closing,
+        "VM {vm_ios} + undelivered {undelivered} + merged {merged} vs guest {} requests: {ctx}",
         r.guest_reads
     );
     if a.rw == "read" && a.disk == DiskModel::VirtioBlk {
@@ -257,7 +246,7 @@ fn traced_boot(a: RunArgs) {
         let n = window["count"].as_u64().unwrap_or(0);
         // Every guest request (QEMU's own probes of the image have no kick).
         assert!(
-            n + merged + unseen + UNATTRIBUTED >= r.guest_reads && n <= vm_ios,
+            n + merged + undelivered >= r.guest_reads && n <= vm_ios,
             "split {n} of {vm_ios}, guest {}: {split}",
             r.guest_reads
         );
@@ -457,8 +446,19 @@ fn guest_view(
                 .push_back(sp["total_us"].as_f64().unwrap());
         }
         assert_eq!(r.per_io.len() as u64, a.ios, "the workload's per-I/O lines");
+        // An offset the random workload read more than once cannot be
+        // paired by offset alone (at depth the reads overlap): those are
+        // left out of the comparison, and counted.
+        let mut reads_at: HashMap<u64, u32> = HashMap::new();
+        for &(pos, _) in &r.per_io {
+            *reads_at.entry(pos).or_default() += 1;
+        }
+        let repeated = r.per_io.iter().filter(|(p, _)| reads_at[p] > 1).count() as u64;
         let (mut joined, mut close, mut outside) = (0u64, 0u64, Vec::new());
         for &(pos, ns) in &r.per_io {
+            if reads_at[&pos] > 1 {
+                continue;
+            }
             let Some(total) = by_pos.get_mut(&pos).and_then(VecDeque::pop_front) else {
                 continue;
             };
@@ -473,8 +473,8 @@ fn guest_view(
         }
         // The per-I/O records are the stitched ones: the same bound.
         assert!(
-            (joined + unseen) * 100 >= a.ios * pct,
-            "{joined} of the workload's {} I/Os have a per-I/O record",
+            (joined + repeated + unseen) * 100 >= a.ios * pct,
+            "{joined} of the workload's {} I/Os have a per-I/O record ({repeated} at offsets read twice)",
             a.ios
         );
         assert!(
@@ -537,6 +537,89 @@ macro_rules! rig_case {
             });
         }
     };
+}
+
+/// Some completions reach no eBPF program at all (README, "lost"), more
+/// of them while the host is busy with small system calls. Under such a
+/// storm the VM's count stays exact: its disk's timed requests, those whose
+/// completion never reached us, and those merged into others are the
+/// guest's requests.
+#[test]
+fn counts_stay_exact_while_completions_go_missing() {
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let a = RunArgs {
+        disk: DiskModel::VirtioBlk,
+        aio: Aio::Native,
+        qd: 16,
+        ios: 4000,
+        no_guest_agent: true,
+        ..Default::default()
+    };
+    let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
+    let mut storm = Command::new("dd")
+        .args(["if=/dev/zero", "of=/dev/null", "bs=1"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("dd");
+    // Completions are lost a softirq's batch at a time: host reads of the
+    // same image beside the guest's make more batches, and fuller ones.
+    let mut reads = Command::new("fio")
+        .args([
+            "--name=beside",
+            "--readonly",
+            "--direct=1",
+            "--rw=randread",
+            "--bs=4k",
+        ])
+        .args([
+            "--iodepth=8",
+            "--ioengine=io_uring",
+            "--time_based",
+            "--runtime=90",
+        ])
+        // A thread, not a forked job: killing fio ends its I/O.
+        .arg("--thread")
+        .arg(format!("--filename={}", image.display()))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("fio");
+    let t = std::time::Instant::now();
+    let (console, rep) = traced_run(&qemu, &host, "storm");
+    for p in [&mut storm, &mut reads] {
+        let _ = p.kill();
+        let _ = p.wait();
+    }
+    let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64())
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let vm = vd0_reads(&rep, &a.name);
+    let summary = rep["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == a.name.as_str())
+        .cloned()
+        .unwrap_or_else(|| panic!("no VM {}: {:#}", a.name, rep["vms"]));
+    let n = |v: &Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"));
+    let (ios, undelivered) = (n(&vm, "ios"), n(&vm, "undelivered"));
+    let merged = n(&summary, "engine_merged") + n(&summary, "host_merged");
+    eprintln!(
+        "storm: guest {}, timed {ios}, undelivered {undelivered} (host-wide {}), merged {merged}",
+        r.guest_reads, rep["lost"]["undelivered"]
+    );
+    assert_eq!(
+        ios + undelivered + merged,
+        r.guest_reads,
+        "VM {vm}\n{summary}\nlost {}",
+        rep["lost"]
+    );
+    assert!(
+        undelivered <= n(&rep["lost"], "undelivered"),
+        "{}",
+        rep["lost"]
+    );
 }
 
 rig_case!(virtio_blk_io_uring_qd1, VirtioBlk, IoUring, 1, per_io: true);
@@ -730,11 +813,18 @@ fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
         "the killed VM's partial run: {victim}"
     );
     let successor = entry("successor", "vb");
-    let ios = successor["ios"].as_u64().unwrap();
-    let unseen = rep["lost"]["unseen"].as_u64().unwrap();
+    // Timed, untimed (completion never delivered) or merged into another.
+    let ios = successor["ios"].as_u64().unwrap() + successor["undelivered"].as_u64().unwrap();
+    let merged: u64 = rep["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["name"] == "successor")
+        .map(|v| v["engine_merged"].as_u64().unwrap() + v["host_merged"].as_u64().unwrap())
+        .sum();
     assert!(
-        ios + unseen >= rb.guest_reads && ios <= rb.guest_reads + 16,
-        "successor {ios} vs guest {}",
+        ios + merged >= rb.guest_reads && ios <= rb.guest_reads + 16,
+        "successor {successor} + merged {merged} vs guest {}",
         rb.guest_reads
     );
     for k in [

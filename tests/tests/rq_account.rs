@@ -162,7 +162,8 @@ fn request_in_flight_before_tracing_has_no_issue_time() {
 fn a_leftover_slot_of_the_same_request_starts_afresh() {
     // The same preallocated request (same key) comes back for a new I/O
     // while the slot still holds the old one's state: no requeue was seen,
-    // so nothing carries over.
+    // and no start (the host's requests are not followed from their
+    // start), so nothing carries over.
     let mut s = RqSlot {
         rq: K,
         start_ns: 10,
@@ -170,13 +171,17 @@ fn a_leftover_slot_of_the_same_request_starts_afresh() {
         done_bytes: 512,
         requeues: 3,
         flags: 0,
-        vm: 7,
+        vm: 0,
         vdisk: 2,
         kick_ns: 5,
         pick_ns: 6,
         pos: 0,
+        dev: 254 << 20,
+        op: 1,
     };
     rq::issue(&mut s, K, 150);
+    // Nor the entry a lost completion of it would be counted under.
+    assert_eq!((s.dev, s.op, s.vm, s.vdisk), (0, 0, 0, 0));
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
     assert_eq!(
         (
@@ -203,7 +208,7 @@ fn a_completion_never_delivered_is_noticed_when_its_tag_comes_back() {
     rq::complete(Some(&mut s), &done(K, 0, 0, 30, 4096, 4096)).unwrap();
     assert!(!rq::undelivered(&s, K));
     // Started and issued, its completion never seen: the tag's next start
-    // (or issue, where starts are not followed) tells, with whose it was.
+    // tells, with whose it was.
     rq::start(&mut s, K, 40, vm);
     assert!(!rq::undelivered(&s, K), "started, not yet issued");
     rq::issue(&mut s, K, 50);
@@ -220,6 +225,23 @@ fn a_completion_never_delivered_is_noticed_when_its_tag_comes_back() {
     assert!(rq::undelivered(&s, K));
     rq::start(&mut s, K, 70, (0, 0, 0, 0));
     assert!(!rq::undelivered(&s, K), "the new request took the slot");
+}
+
+#[test]
+fn a_vm_request_dispatched_again_without_a_requeue_keeps_what_it_is() {
+    // Every new VM request passes its start, so a second issue of a VM's
+    // unfinished request is the same request dispatched again: its
+    // identity and start stay, its issue moves.
+    let mut s = RqSlot::default();
+    rq::start_at(&mut s, K, 10, (7, 2, 3, 4), 8192);
+    rq::issue(&mut s, K, 20);
+    rq::issue(&mut s, K, 35);
+    let o = rq::complete(Some(&mut s), &done(K, 0, 0, 50, 4096, 4096)).unwrap();
+    assert_eq!(
+        (o.vm, o.vdisk, o.kick_ns, o.pick_ns, o.pos, o.start_ns, o.issue_ns),
+        (7, 2, 3, 4, 8192, 10, 35)
+    );
+    assert_eq!(rq::segments(&o, 50), [40, 25, 15]);
 }
 
 #[test]

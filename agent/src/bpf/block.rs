@@ -15,8 +15,8 @@ use serde::{Deserialize, Serialize};
 use super::{attach, map_mut_of, map_of, Attachment, Flavour, LoadError};
 use crate::{
     abi::{
-        counter, BlkStats, DiskSlot, VmCounts, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS,
-        MAX_STREAM_DEVS, NR_DIO_END_IO,
+        counter, BlkStats, DiskSlot, RqSlot, VmCounts, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS,
+        MAX_STREAM_DEVS, NR_DIO_END_IO, RQ_F_DONE, RQ_F_REQUEUE_PENDING,
     },
     disks::Dev,
     model::{DiskOpStats, Op},
@@ -27,6 +27,7 @@ use crate::{
 const FILL_MAPS: &[&str] = &[
     "vm_pids",
     "vm_counts",
+    "vm_undelivered",
     "vdisk_files",
     "vm_latency",
     "vm_latency_nested",
@@ -418,6 +419,35 @@ impl BlockProbes {
         Ok(probes)
     }
 
+    /// VMs' requests still open in the request table whose VM has exited
+    /// (`exited(slot)`): a process does not exit with direct I/O in
+    /// flight, so the kernel completed them, and their completion never
+    /// reached us — those whose tag was not used again, which is how the
+    /// rest are found. Per (VM, host disk, op, virtual disk); read-only, so
+    /// call once, at the end of a run.
+    pub fn open_requests_of_exited(
+        &self,
+        exited: impl Fn(u32) -> bool,
+    ) -> Result<BTreeMap<VmStatKey, u64>, LoadError> {
+        let slots: Array<_, RqSlot> = map_of(&self.ebpf, "inflight")?;
+        let mut out = BTreeMap::new();
+        for item in slots.iter() {
+            let s = item.map_err(LoadError::map_op("inflight"))?;
+            let open =
+                s.rq != 0 && s.issue_ns != 0 && s.flags & (RQ_F_DONE | RQ_F_REQUEUE_PENDING) == 0;
+            if open && s.vm != 0 && exited(s.vm) {
+                let k = VmStatKey {
+                    vm: s.vm,
+                    dev: Dev(s.dev),
+                    op: Op::from_index(s.op as usize).unwrap_or(Op::Other),
+                    vdisk: s.vdisk,
+                };
+                *out.entry(k).or_default() += 1;
+            }
+        }
+        Ok(out)
+    }
+
     /// The ring buffer of per-request records, for one consumer.
     pub fn take_events(&mut self) -> Result<RingBuf<MapData>, LoadError> {
         let map = self.ebpf.take_map("events").ok_or(LoadError::Map {
@@ -471,6 +501,11 @@ impl BlockProbes {
             let (k, v) = item.map_err(map_err("vm_latency_nested"))?;
             snap.vm_stats.entry(key(&k)).or_default().add_cpu(&v);
         }
+        let undelivered: HashMap<_, VmKey, u64> = map_of(&self.ebpf, "vm_undelivered")?;
+        for item in undelivered.iter() {
+            let (k, n) = item.map_err(map_err("vm_undelivered"))?;
+            snap.vm_stats.entry(key(&k)).or_default().undelivered += n;
+        }
         let counts: HashMap<_, u32, VmCounts> = map_of(&self.ebpf, "vm_counts")?;
         for item in counts.iter() {
             let (vm, c) = item.map_err(map_err("vm_counts"))?;
@@ -518,6 +553,14 @@ impl BlockProbes {
         for name in ["block_bio_backmerge", "block_bio_frontmerge"] {
             self.attach_tracepoint("block", name)?;
         }
+        // Whole requests merged into others before issue.
+        let a = attach(
+            &mut self.ebpf,
+            self.btf.as_ref(),
+            "block_rq_merge",
+            self.flavour,
+        )?;
+        self.attachments.push(a);
         if self.vm_segments {
             for name in ["sys_enter_write", "sys_enter_read"] {
                 self.attach_syscall(name)?;

@@ -75,6 +75,9 @@ pub struct DiskOpStats {
     pub errors: u64,
     pub requeued: u64,
     pub partial: u64,
+    /// Requests the kernel completed whose completion never reached us:
+    /// counted, not timed (only a VM's are known one by one).
+    pub undelivered: u64,
     /// Indexed by `BlkSegment as usize`.
     pub segments: [Hist; BLK_NR_SEGS],
 }
