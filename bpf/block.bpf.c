@@ -85,10 +85,10 @@ struct {
 	__type(value, __u32);
 } vm_pids SEC(".maps");
 
-/* VM slot -> what happened to its requests besides completing: those
- * whose completion never reached us (see rq_undelivered), and the guest
+/* VM slot -> what happened to its requests besides completing: the guest
  * requests that never became host requests of their own because they were
- * merged, by QEMU or by the host block layer. */
+ * merged, by QEMU or by the host block layer, and how many it started.
+ * (Those whose completion never reached us are in vm_undelivered.) */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024);
@@ -573,20 +573,17 @@ static __always_inline struct vm_counts *vm_counts_of(__u32 vm)
 	return bpf_map_lookup_elem(&vm_counts, &vm);
 }
 
-/* Counted globally, and per VM and entry where the lost request was a
- * VM's. */
+/* Counted globally, and per VM entry where the lost request was a VM's
+ * (the VM's own total is its entries' sum). */
 static __always_inline void note_undelivered(const struct rq_slot *s)
 {
 	static const __u64 zero;
 	struct vm_key k = { .vm = s->vm, .dev = s->dev, .op = s->op, .vdisk = s->vdisk };
-	struct vm_counts *c;
 	__u64 *n;
 
 	count(CNT_UNDELIVERED);
 	if (!s->vm)
 		return;
-	if ((c = vm_counts_of(s->vm)))
-		__sync_fetch_and_add(&c->undelivered, 1);
 	n = bpf_map_lookup_elem(&vm_undelivered, &k);
 	if (!n) {
 		bpf_map_update_elem(&vm_undelivered, &k, &zero, BPF_NOEXIST);
@@ -602,7 +599,7 @@ static __always_inline void note_undelivered(const struct rq_slot *s)
 static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int btf)
 {
 	struct rq_slot *s;
-	__u32 vm = 0, vdisk = 0;
+	__u32 vm = 0, vdisk = 0, dev = 0, op = 0;
 	__u64 key, kick_ns = 0, pick_ns = 0, pos = 0;
 
 	if (targ_track_vms) {
@@ -615,8 +612,10 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 			vm = *v;
 			__u8 *state = bpf_map_lookup_elem(&vm_started, &tgid);
 
+			dev = btf ? rq_dev_btf(rq) : rq_dev(rq);
+			op = op_class(btf ? rq->cmd_flags : BPF_CORE_READ(rq, cmd_flags));
 			if (state && *state == VM_RUNNING)
-				vdisk = vdisk_of(rq, vm, btf ? rq_dev_btf(rq) : rq_dev(rq), &pos);
+				vdisk = vdisk_of(rq, vm, dev, &pos);
 			if (targ_vm_segments) {
 				struct pick *p = bpf_map_lookup_elem(&thread_picks, &tid);
 
@@ -645,11 +644,8 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 		if (c)
 			__sync_fetch_and_add(&c->submitted, 1);
 	}
-	rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns, pos);
-	if (vm) {
-		s->dev = btf ? rq_dev_btf(rq) : rq_dev(rq);
-		s->op = op_class(btf ? rq->cmd_flags : BPF_CORE_READ(rq, cmd_flags));
-	}
+	rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns, pos,
+		    dev, op);
 }
 
 static __always_inline void on_issue(__u64 key)

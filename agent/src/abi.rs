@@ -111,7 +111,6 @@ pub struct VmKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct VmCounts {
-    pub undelivered: u64,
     pub engine_merges: u64,
     pub bio_merges: u64,
     pub submitted: u64,
@@ -164,7 +163,7 @@ const _: () = assert!(size_of::<VmIoEvent>() == 72);
 const _: () = assert!(size_of::<VmSignalEvent>() == 16);
 const _: () = assert!(size_of::<VmKey>() == 16);
 const _: () = assert!(size_of::<FileKey>() == 16);
-const _: () = assert!(size_of::<VmCounts>() == 32);
+const _: () = assert!(size_of::<VmCounts>() == 24);
 const _: () = assert!(size_of::<VmDevKey>() == 8);
 const _: () = assert!(size_of::<DiskSlot>() == 16);
 const _: () =

@@ -67,14 +67,11 @@ pub fn frame(
     known: &Registry,
 ) -> Frame {
     let stitched = &stitch.stitched;
-    let mut completed: BTreeMap<u32, u64> = BTreeMap::new();
-    for (k, s) in &snap.vm_stats {
-        *completed.entry(k.vm).or_default() += s.ios;
-    }
+    let finished = snap.vm_finished();
     let inflight = |vm: u32| {
         let c = snap.vm_counts.get(&vm).copied().unwrap_or_default();
         c.submitted
-            .saturating_sub(completed.get(&vm).copied().unwrap_or(0) + c.undelivered)
+            .saturating_sub(finished.get(&vm).map_or(0, |f| f.done))
     };
     let mut vdisks = Vec::new();
     for (k, s) in &snap.vm_stats {

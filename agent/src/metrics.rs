@@ -193,9 +193,8 @@ pub fn render(v: &View<'_>, f: Format) -> String {
     );
     let exemplars = v.exemplars.filter(|_| f == Format::OpenMetrics);
     let (mut ios, mut bytes) = (String::new(), String::new());
-    let mut completed: std::collections::BTreeMap<u32, u64> = Default::default();
+    let finished = v.snap.vm_finished();
     for (k, s) in &v.snap.vm_stats {
-        *completed.entry(k.vm).or_default() += s.ios;
         let vm = v.known.name(k.vm);
         let host = disks::name_of(k.dev);
         let vdisk = v.known.vdisk(k.vdisk).unwrap_or(&host).to_string();
@@ -293,11 +292,12 @@ pub fn render(v: &View<'_>, f: Format) -> String {
             (v.known.name(*slot), key(&c), *slot)
         })
     };
-    for (name, n, _) in per_vm(|c| c.undelivered) {
+    for slot in v.known.vms.keys() {
+        let n = finished.get(slot).map_or(0, |f| f.undelivered);
         let _ = writeln!(
             out,
             "iospan_vm_undelivered_total{{{}}} {n}",
-            labels(&[("vm", &name)])
+            labels(&[("vm", &v.known.name(*slot))])
         );
     }
     family(
@@ -331,8 +331,7 @@ pub fn render(v: &View<'_>, f: Format) -> String {
         "Requests of VMs on the host disks now: started, not yet completed.",
     );
     for (name, submitted, slot) in per_vm(|c| c.submitted) {
-        let c = v.snap.vm_counts.get(&slot).copied().unwrap_or_default();
-        let done = completed.get(&slot).copied().unwrap_or(0) + c.undelivered;
+        let done = finished.get(&slot).map_or(0, |f| f.done);
         let _ = writeln!(
             out,
             "iospan_vm_inflight_requests{{{}}} {}",

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     abi::VmCounts,
     bpf::{
-        block::{Counters, VmStatKey},
+        block::{Counters, VmFinished, VmStatKey},
         progstats::ProgStats,
         Attachment,
     },
@@ -100,7 +100,11 @@ pub fn guests(known: &Registry, stitch: &Stitcher) -> Vec<GuestSummary> {
         .collect()
 }
 
-pub fn vms(known: &Registry, counts: &BTreeMap<u32, VmCounts>) -> Vec<VmSummary> {
+pub fn vms(
+    known: &Registry,
+    counts: &BTreeMap<u32, VmCounts>,
+    finished: &BTreeMap<u32, VmFinished>,
+) -> Vec<VmSummary> {
     known
         .vms
         .iter()
@@ -111,7 +115,7 @@ pub fn vms(known: &Registry, counts: &BTreeMap<u32, VmCounts>) -> Vec<VmSummary>
                 pid: v.pid,
                 disks: v.disks.iter().map(|d| d.id.clone()).collect(),
                 kicks: v.kicks,
-                undelivered: c.undelivered,
+                undelivered: finished.get(slot).map_or(0, |f| f.undelivered),
                 engine_merged: c.engine_merges,
                 host_merged: c.bio_merges,
                 engines: v

@@ -330,7 +330,6 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         Ok(open) => {
             for (k, n) in open {
                 snap.vm_stats.entry(k).or_default().undelivered += n;
-                snap.vm_counts.entry(k.vm).or_default().undelivered += n;
                 snap.counters.undelivered += n;
             }
         }
@@ -367,7 +366,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
         let known = known.lock().unwrap_or_else(|p| p.into_inner());
         (
-            report::vms(&known, &snap.vm_counts),
+            report::vms(&known, &snap.vm_counts, &snap.vm_finished()),
             report::guests(&known, &corr.stitch),
         )
     };

@@ -1070,18 +1070,18 @@ mod tests {
         ] {
             assert!(names.iter().any(|l| l == n), "{n} in {names:?}");
         }
-        let h1 = st
-            .vms
-            .iter()
-            .find(|l| l.kind == Kind::Vm && l.vm == "h1:9464/db")
-            .unwrap();
-        assert_eq!(h1.r_iops, 100.0, "200 more over 2 s");
-        let h2 = st
-            .vms
-            .iter()
-            .find(|l| l.kind == Kind::Vm && l.vm == "h2:9464/db")
-            .unwrap();
-        assert_eq!(h2.r_iops, 20.0, "its first frame: 1000 over its 50 s");
+        let vm_row = |name: &str| {
+            st.vms
+                .iter()
+                .find(|l| l.kind == Kind::Vm && l.vm == name)
+                .unwrap_or_else(|| panic!("no row {name}"))
+        };
+        assert_eq!(vm_row("h1:9464/db").r_iops, 100.0, "200 more over 2 s");
+        assert_eq!(
+            vm_row("h2:9464/db").r_iops,
+            20.0,
+            "its first frame: 1000 over its 50 s"
+        );
         assert_eq!(st.lost, 2);
         assert!(screen(&st, 200, 12).join("\n").contains("h2:9464/db"));
     }

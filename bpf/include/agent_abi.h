@@ -129,7 +129,6 @@ enum counter {
  * per VM slot (assigned in `vm_pids`), host disk and op. */
 /* Value of `vm_counts`, per VM slot. */
 struct vm_counts {
-	__u64 undelivered;    /* issued requests whose completion never reached us */
 	__u64 engine_merges;  /* guest requests QEMU merged into another */
 	__u64 bio_merges;     /* guest requests the host block layer merged into another (as bios or whole requests) */
 	__u64 submitted;      /* requests it started (in flight: submitted less completed) */
@@ -278,7 +277,7 @@ _Static_assert(sizeof(struct blk_io_event) == 56, "abi: blk_io_event");
 _Static_assert(sizeof(struct guest_io_event) == 88, "abi: guest_io_event");
 _Static_assert(sizeof(struct guest_reap_event) == 16, "abi: guest_reap_event");
 _Static_assert(sizeof(struct vm_key) == 16, "abi: vm_key");
-_Static_assert(sizeof(struct vm_counts) == 32, "abi: vm_counts");
+_Static_assert(sizeof(struct vm_counts) == 24, "abi: vm_counts");
 _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");
 _Static_assert(sizeof(struct vm_io_event) == 72, "abi: vm_io_event");

@@ -76,14 +76,18 @@ static __always_inline int rq_undelivered(const struct rq_slot *s, __u64 rq)
 
 /* block_io_start (block_rq_insert before v6.5), in the submitter's context:
  * `now` is our start stamp (0 when the kernel keeps one), `vm` and `vdisk`
- * who submitted it and for which virtual disk — completions run in
- * interrupt context under whatever task was there, so identity is only ever
- * taken here. */
+ * who submitted it and for which virtual disk, `dev` and `op` the entry its
+ * lost completion would be counted under — completions run in interrupt
+ * context under whatever task was there, so identity is only ever taken
+ * here. */
 static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 vm,
-					__u32 vdisk, __u64 kick_ns, __u64 pick_ns, __u64 pos)
+					__u32 vdisk, __u64 kick_ns, __u64 pick_ns, __u64 pos,
+					__u32 dev, __u32 op)
 {
 	rq_slot_reset(s, rq);
 	s->start_ns = now;
+	s->dev = dev;
+	s->op = op;
 	s->vm = vm;
 	s->vdisk = vdisk;
 	s->kick_ns = kick_ns;

@@ -13,9 +13,9 @@
 __u32 shim_hist_bucket(__u64 v) { return hist_bucket(v); }
 
 void shim_rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 vm, __u32 vdisk,
-		      __u64 kick_ns, __u64 pick_ns, __u64 pos)
+		      __u64 kick_ns, __u64 pick_ns, __u64 pos, __u32 dev, __u32 op)
 {
-	rq_on_start(s, rq, now, vm, vdisk, kick_ns, pick_ns, pos);
+	rq_on_start(s, rq, now, vm, vdisk, kick_ns, pick_ns, pos, dev, op);
 }
 void shim_rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now) { rq_on_issue(s, rq, now); }
 void shim_rq_on_requeue(struct rq_slot *s, __u64 rq) { rq_on_requeue(s, rq); }

@@ -79,6 +79,8 @@ extern "C" {
         kick_ns: u64,
         pick_ns: u64,
         pos: u64,
+        dev: u32,
+        op: u32,
     );
     fn shim_rq_on_issue(s: *mut RqSlot, rq: u64, now: u64);
     fn shim_rq_on_requeue(s: *mut RqSlot, rq: u64);
@@ -105,8 +107,23 @@ pub mod rq {
     }
     /// As `start`, for a VM request at file offset `pos`.
     pub fn start_at(s: &mut RqSlot, rq: u64, now: u64, ids: (u32, u32, u64, u64), pos: u64) {
+        start_entry(s, rq, now, ids, pos, (0, 0))
+    }
+    /// As `start_at`, naming the (host disk, op) entry it is counted under.
+    pub fn start_entry(
+        s: &mut RqSlot,
+        rq: u64,
+        now: u64,
+        ids: (u32, u32, u64, u64),
+        pos: u64,
+        entry: (u32, u32),
+    ) {
         // SAFETY: `s` is a valid, exclusive slot.
-        unsafe { shim_rq_on_start(s, rq, now, ids.0, ids.1, ids.2, ids.3, pos) }
+        unsafe {
+            shim_rq_on_start(
+                s, rq, now, ids.0, ids.1, ids.2, ids.3, pos, entry.0, entry.1,
+            )
+        }
     }
     pub fn issue(s: &mut RqSlot, rq: u64, now: u64) {
         // SAFETY: as above.

@@ -7,7 +7,7 @@ use std::{
     time::{SystemTime, UNIX_EPOCH},
 };
 
-use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run, run_around};
 use serde_json::Value;
 use xtask::{
     backends::{free_port, http_get, Jaeger, Prometheus},
@@ -211,22 +211,17 @@ fn otlp_exponential_histograms_match_the_report() {
     };
     let (qemu, _) = guest::qemu_command(&rig, &a, &image);
     let report = std::env::temp_dir().join(format!("iospan-otlpm-{}.json", std::process::id()));
-    let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--disk", &host, "--json-out"])
-        .arg(&report)
-        // Metrics only: Prometheus takes no traces.
-        .env(
-            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
-            format!("{}/v1/metrics", prom.otlp_endpoint()),
-        )
-        .env("OTEL_METRIC_EXPORT_INTERVAL", "1000")
-        .arg("--")
-        .arg(qemu.get_program())
-        .args(qemu.get_args()));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    run_around(
+        Command::new(iospan_bin())
+            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .arg(&report)
+            // Metrics only: Prometheus takes no traces.
+            .env(
+                "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+                format!("{}/v1/metrics", prom.otlp_endpoint()),
+            )
+            .env("OTEL_METRIC_EXPORT_INTERVAL", "1000"),
+        &qemu,
     );
     let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(

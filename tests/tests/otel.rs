@@ -3,7 +3,7 @@
 
 use std::{collections::BTreeMap, process::Command, time::Duration};
 
-use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run_around};
 use serde_json::Value;
 use xtask::{
     backends::{free_port, Jaeger, Tempo},
@@ -20,20 +20,15 @@ fn traced(a: &RunArgs, endpoint: &str, protocol: &str, tag: &str) -> Value {
     let (qemu, _) = guest::qemu_command(&rig, a, &image);
     let report =
         std::env::temp_dir().join(format!("iospan-otel-{tag}-{}.json", std::process::id()));
-    let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--disk", &host, "--json-out"])
-        .arg(&report)
-        .args(["--otlp-endpoint", endpoint, "--otlp-protocol", protocol])
-        .args(["--trace-slowest", &SLOWEST.to_string()])
-        .args(["--trace-one-in", &ONE_IN.to_string()])
-        .args(["--run-label", tag])
-        .arg("--")
-        .arg(qemu.get_program())
-        .args(qemu.get_args()));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    run_around(
+        Command::new(iospan_bin())
+            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .arg(&report)
+            .args(["--otlp-endpoint", endpoint, "--otlp-protocol", protocol])
+            .args(["--trace-slowest", &SLOWEST.to_string()])
+            .args(["--trace-one-in", &ONE_IN.to_string()])
+            .args(["--run-label", tag]),
+        &qemu,
     );
     serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap()
 }

@@ -7,7 +7,7 @@ use std::{
     process::Command,
 };
 
-use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run, run_around};
 use serde_json::Value;
 use xtask::guest::{self, Aio, DiskModel, RunArgs};
 
@@ -15,16 +15,11 @@ use xtask::guest::{self, Aio, DiskModel, RunArgs};
 /// console and iospan's JSON report.
 fn traced_run(qemu: &Command, host: &str, tag: &str) -> (Vec<String>, Value) {
     let report = std::env::temp_dir().join(format!("iospan-{tag}-{}.json", std::process::id()));
-    let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--disk", host, "--json-out"])
-        .arg(&report)
-        .arg("--")
-        .arg(qemu.get_program())
-        .args(qemu.get_args()));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = run_around(
+        Command::new(iospan_bin())
+            .args(["run", "--quiet", "--disk", host, "--json-out"])
+            .arg(&report),
+        qemu,
     );
     let console = String::from_utf8_lossy(&out.stdout)
         .lines()

@@ -233,9 +233,14 @@ fn a_vm_request_dispatched_again_without_a_requeue_keeps_what_it_is() {
     // unfinished request is the same request dispatched again: its
     // identity and start stay, its issue moves.
     let mut s = RqSlot::default();
-    rq::start_at(&mut s, K, 10, (7, 2, 3, 4), 8192);
+    rq::start_entry(&mut s, K, 10, (7, 2, 3, 4), 8192, (254 << 20, 1));
     rq::issue(&mut s, K, 20);
     rq::issue(&mut s, K, 35);
+    assert_eq!(
+        (s.dev, s.op),
+        (254 << 20, 1),
+        "the entry a loss would count under"
+    );
     let o = rq::complete(Some(&mut s), &done(K, 0, 0, 50, 4096, 4096)).unwrap();
     assert_eq!(
         (o.vm, o.vdisk, o.kick_ns, o.pick_ns, o.pos, o.start_ns, o.issue_ns),

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run, Tmux};
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run, run_around, Tmux};
 use serde_json::Value;
 use xtask::{
     backends::{free_port, http_get},
@@ -174,16 +174,11 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
     let standalone =
         std::env::temp_dir().join(format!("iospan-svc-standalone-{}.json", std::process::id()));
     let t0 = Instant::now();
-    let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--disk", &host, "--json-out"])
-        .arg(&standalone)
-        .arg("--")
-        .arg(qemu.get_program())
-        .args(qemu.get_args()));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = run_around(
+        Command::new(iospan_bin())
+            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .arg(&standalone),
+        &qemu,
     );
     let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()

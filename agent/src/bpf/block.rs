@@ -173,10 +173,32 @@ pub struct BlockSnapshot {
     pub stats: BTreeMap<(Dev, Op), DiskOpStats>,
     /// Requests VMs submitted, by VM, host disk, op and virtual disk.
     pub vm_stats: BTreeMap<VmStatKey, DiskOpStats>,
-    /// VM slot -> its requests whose completion never reached us, and
-    /// its guest requests merged into others.
+    /// VM slot -> its guest requests merged into others, and how many it
+    /// started.
     pub vm_counts: BTreeMap<u32, VmCounts>,
     pub counters: Counters,
+}
+
+/// A VM's requests that have finished, over its disks and ops.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmFinished {
+    /// Completed, timed or not.
+    pub done: u64,
+    /// Of those, the ones whose completion never reached us.
+    pub undelivered: u64,
+}
+
+impl BlockSnapshot {
+    /// Per VM slot: its finished requests (see `VmFinished`).
+    pub fn vm_finished(&self) -> BTreeMap<u32, VmFinished> {
+        let mut out: BTreeMap<u32, VmFinished> = BTreeMap::new();
+        for (k, s) in &self.vm_stats {
+            let f = out.entry(k.vm).or_default();
+            f.done += s.ios + s.undelivered;
+            f.undelivered += s.undelivered;
+        }
+        out
+    }
 }
 
 /// Request-based (blk-mq) disks whose requests get no start_time_ns from
