@@ -8,15 +8,18 @@ use agent_integration::{host_disk_of, iospan_bin, rig_and_image, Tmux};
 use xtask::guest::{self, RunArgs};
 
 /// The cells of a row under each header title (by the title's column).
-fn cells<'a>(header: &str, row: &'a str, titles: &[&str]) -> Vec<&'a str> {
+fn cells(header: &str, row: &str, titles: &[&str]) -> Vec<String> {
     titles
         .iter()
         .map(|t| {
             let at = header
                 .find(t)
                 .unwrap_or_else(|| panic!("no {t} in {header}"));
-            let rest = row.get(at..).unwrap_or("");
-            rest.split_whitespace().next().unwrap_or("")
+            // Columns by character: the sort arrow (▼) is one column but
+            // three bytes of the header.
+            let col = header[..at].chars().count();
+            let rest: String = row.chars().skip(col).collect();
+            rest.split_whitespace().next().unwrap_or("").to_string()
         })
         .collect()
 }
