@@ -654,10 +654,23 @@ pub struct Difference {
     pub at: String,
     pub a_us: [f64; 5],
     pub b_us: [f64; 5],
+    /// The I/Os behind each side's figures.
+    pub a_ios: u64,
+    pub b_ios: u64,
     /// The segment whose change is the largest, and its share of the
     /// total's change.
     pub segment: &'static str,
     pub share: f64,
+}
+
+/// Fewer I/Os than this in a tail and its mean is a handful of I/Os, not
+/// the run's tail: one stall anywhere decides the verdict.
+pub const FEW_IOS: u64 = 10;
+
+impl Difference {
+    pub fn few(&self) -> bool {
+        self.a_ios.min(self.b_ios) < FEW_IOS
+    }
 }
 
 /// Mean, p99 tail and p99.9 tail of two runs' I/Os on one disk, and the
@@ -675,11 +688,19 @@ pub fn differences(x: &TailEntry, y: &TailEntry) -> Vec<Difference> {
                 at: at.into(),
                 a_us: a.mean_us,
                 b_us: b.mean_us,
+                a_ios: a.ios,
+                b_ios: b.ios,
                 segment: PARTS[i],
                 share: if d[0].abs() > 0.0 { di / d[0] } else { 0.0 },
             })
         })
         .collect()
+}
+
+/// The run length whose tail at `at` holds `FEW_IOS` I/Os.
+fn tail_needs(at: &str) -> u64 {
+    let pct: f64 = at.trim_start_matches('p').parse().unwrap_or(99.0);
+    (FEW_IOS as f64 / (1.0 - pct / 100.0)).round() as u64
 }
 
 /// `iospan compare`'s text: each pair of runs against the first.
@@ -764,12 +785,30 @@ pub fn compare_text(runs: &[StoredRun]) -> Result<String> {
                 out += &row("  B − A", delta);
                 let _ = writeln!(
                     out,
-                    "  → at {}: {} explains {:.0}% of the change ({:+.1} of {:+.1} µs)",
+                    "  → at {}: {} explains {:.0}% of the change ({:+.1} of {:+.1} µs){}",
                     d.at,
                     d.segment,
                     d.share * 100.0,
                     delta[PARTS.iter().position(|p| *p == d.segment).unwrap_or(0)],
-                    delta[0]
+                    delta[0],
+                    if d.at == "mean" {
+                        String::new()
+                    } else {
+                        format!(
+                            "; {} and {} I/Os{}",
+                            d.a_ios,
+                            d.b_ios,
+                            if d.few() {
+                                format!(
+                                    ": too few to speak for the runs' tails (at {} they need {} I/Os or more each)",
+                                    d.at,
+                                    tail_needs(&d.at)
+                                )
+                            } else {
+                                String::new()
+                            }
+                        )
+                    }
                 );
             }
             out.push('\n');
@@ -1362,6 +1401,28 @@ mod tests {
         assert!((p99.share - 1.0).abs() < 1e-9);
         let mean = d.iter().find(|d| d.at == "mean").unwrap();
         assert_eq!(mean.share, 0.0, "no change at the mean");
+    }
+
+    #[test]
+    fn a_tail_of_a_handful_of_ios_is_said_to_be_one() {
+        let a = stored("a", "hv-a", entry("vm", 50.0));
+        let mut t = entry("vm", 450.0);
+        t.bands[2].ios = 1;
+        let text = compare_text(&[a, stored("b", "hv-a", t)]).unwrap();
+        let line = |at: &str| {
+            text.lines()
+                .find(|l| l.contains(&format!("→ at {at}:")))
+                .unwrap_or_else(|| panic!("{text}"))
+                .to_string()
+        };
+        assert!(line("p99").ends_with("µs); 10 and 10 I/Os"), "{text}");
+        assert!(
+            line("p99.9").ends_with(
+                "; 10 and 1 I/Os: too few to speak for the runs' tails (at p99.9 they need 10000 I/Os or more each)"
+            ),
+            "{text}"
+        );
+        assert!(!line("mean").contains("I/Os"), "{text}");
     }
 
     #[test]
