@@ -255,6 +255,55 @@ struct {
 	__type(value, struct pick);
 } thread_picks SEC(".maps");
 
+/* The eventfds QEMU hands the kernel's vhost as a queue's kick
+ * (VHOST_SET_VRING_KICK): open file -> 1. A kick on one reaches the worker
+ * inside the kernel (eventfd wake-up -> vhost_task), with no read. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, __u8);
+} vhost_kick_files SEC(".maps");
+
+/* VMs with a vhost kick not yet picked up: tgid -> time of the first. The
+ * pickup is the VM's vhost worker being switched in. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u64);
+} vhost_kicks SEC(".maps");
+
+/* The VM's vhost worker taking its pending kick, if there is one: when it
+ * is switched in, or, when the kick came while it ran (no wake-up needed),
+ * at its next submission (the worker's queueing then counts as the
+ * hypervisor's). */
+static __always_inline void claim_vhost_kick(__u32 tgid, __u32 tid)
+{
+	struct pick p = {};
+	__u64 *kick = bpf_map_lookup_elem(&vhost_kicks, &tgid);
+
+	if (!kick)
+		return;
+	p.kick_ns = *kick;
+	p.pick_ns = bpf_ktime_get_ns();
+	bpf_map_delete_elem(&vhost_kicks, &tgid);
+	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
+	bpf_map_update_elem(&vm_last_pick, &tgid, &p, BPF_ANY);
+}
+
+/* A kick on `file`: pending for the engine reading it, or, on a vhost
+ * kick eventfd, for the VM's vhost worker. */
+static __always_inline void note_kick(__u32 tgid, __u64 file)
+{
+	__u64 now = bpf_ktime_get_ns();
+
+	if (bpf_map_lookup_elem(&vhost_kick_files, &file))
+		bpf_map_update_elem(&vhost_kicks, &tgid, &now, BPF_NOEXIST);
+	else
+		bpf_map_update_elem(&pending_kicks, &file, &now, BPF_NOEXIST);
+}
+
 /* Source of a zeroed blk_stats for new vm_latency entries (too big for the
  * stack). */
 const struct blk_stats zero_stats = {};
@@ -517,11 +566,38 @@ static __always_inline void account(void *map, void *nested, void *key, const st
 	st->busy = 0;
 }
 
+/* vCPU threads are named "CPU <n>/KVM" or "CPU <n>/TCG" (debug-threads=on,
+ * as libvirt runs QEMU). */
+static __always_inline int in_vcpu(void)
+{
+	char c[16];
+
+	bpf_get_current_comm(c, sizeof(c));
+	return c[0] == 'C' && c[1] == 'P' && c[2] == 'U' && c[3] == ' ';
+}
+
+/* The kernel's vhost workers are named "vhost-<owner pid>"; since v6.4
+ * (vhost_task) they are threads of the owner, QEMU, so its requests and
+ * signals reach the VM's slot through its tgid. */
+static __always_inline int vhost_comm(const char *c)
+{
+	return c[0] == 'v' && c[1] == 'h' && c[2] == 'o' && c[3] == 's' && c[4] == 't' && c[5] == '-';
+}
+
+static __always_inline int in_vhost_worker(void)
+{
+	char c[16];
+
+	bpf_get_current_comm(c, sizeof(c));
+	return vhost_comm(c);
+}
+
 /* The virtual disk a VM's direct-I/O request is for. Where the VM has one
  * virtual disk on this host disk, a direct-I/O bio of its process is that
  * disk's; only where several share it is the file read (bio -> kiocb ->
  * inode -> vdisk_files). Buffered I/O (cache=writeback, QEMU's own files)
- * and block-device images are not resolved here: 0. */
+ * and block-device images are not resolved here (0), except from a vhost
+ * worker. */
 static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, __u64 *pos)
 {
 	struct bio *bio = BPF_CORE_READ(rq, bio);
@@ -540,11 +616,16 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, _
 	for (i = 0; i < NR_DIO_END_IO; i++)
 		if (targ_dio_end_io[i] && end_io == targ_dio_end_io[i])
 			dio = 1;
-	if (!dio)
+	if (!dio && !in_vhost_worker())
 		return 0;
 	slot = bpf_map_lookup_elem(&vm_disks, &vk);
 	if (!slot)
 		return 0;
+	/* A vhost worker serves only its VM's vhost disks, and submits their
+	 * bios itself (LIO's block and file backstores: no kiocb to read): on
+	 * a host disk holding one of them, the request is that disk's. */
+	if (!dio)
+		return *slot != VDISK_SEVERAL ? *slot : 0;
 	/* struct iomap_dio and struct blkdev_dio both begin with the kiocb.
 	 * Its position is the direct I/O's start until it completes: the
 	 * guest's offset on a raw image, which joins guest and host records. */
@@ -617,7 +698,11 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 			if (state && *state == VM_RUNNING)
 				vdisk = vdisk_of(rq, vm, dev, &pos);
 			if (targ_vm_segments) {
-				struct pick *p = bpf_map_lookup_elem(&thread_picks, &tid);
+				struct pick *p;
+
+				if (in_vhost_worker())
+					claim_vhost_kick(tgid, tid);
+				p = bpf_map_lookup_elem(&thread_picks, &tid);
 
 				if (p && (p->flags & PICK_USED))
 					p = bpf_map_lookup_elem(&vm_last_pick, &tgid);
@@ -893,16 +978,6 @@ int BPF_PROG(sched_process_exec)
 	return 0;
 }
 
-/* vCPU threads are named "CPU <n>/KVM" or "CPU <n>/TCG" (debug-threads=on,
- * as libvirt runs QEMU). */
-static __always_inline int in_vcpu(void)
-{
-	char c[16];
-
-	bpf_get_current_comm(c, sizeof(c));
-	return c[0] == 'C' && c[1] == 'P' && c[2] == 'U' && c[3] == ' ';
-}
-
 /* The VM a read or write belongs to. An eventfd write moves exactly 8
  * bytes; reads are made with larger buffers (QEMU drains an eventfd with a
  * 512-byte read), so only writes are filtered on size. */
@@ -938,7 +1013,7 @@ SEC("tracepoint/syscalls/sys_enter_write")
 int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
 {
 	struct fd_key k;
-	__u64 now, file;
+	__u64 file;
 
 	if (!vm_of_eventfd_io(ctx, 1) || !in_vcpu())
 		return 0;
@@ -957,10 +1032,8 @@ int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
 		note_kicked(&k, kicked);
 	}
 	file = fd_file(k.fd);
-	if (!file)
-		return 0;
-	now = bpf_ktime_get_ns();
-	bpf_map_update_elem(&pending_kicks, &file, &now, BPF_NOEXIST);
+	if (file)
+		note_kick(k.tgid, file);
 	return 0;
 }
 
@@ -1016,8 +1089,10 @@ int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
 	/* Its file may outlive this fd (another process holds it too); a kick
 	 * left pending on it would be a stale one. */
 	file = fd_file(k.fd);
-	if (file)
+	if (file) {
 		bpf_map_delete_elem(&pending_kicks, &file);
+		bpf_map_delete_elem(&vhost_kick_files, &file);
+	}
 	if (!was_kicked)
 		return 0;
 	open = bpf_map_lookup_elem(&vm_open_notifiers, &k.tgid);
@@ -1068,6 +1143,13 @@ struct ioeventfd_arg {
 };
 
 #define KVM_IOEVENTFD_CMD 0x4040ae79 /* _IOW(KVMIO, 0x79, struct kvm_ioeventfd) */
+#define VHOST_SET_VRING_KICK_CMD 0x4008af20 /* _IOW(VHOST_VIRTIO, 0x20, struct vhost_vring_file) */
+
+/* struct vhost_vring_file (UAPI). */
+struct vring_file_arg {
+	__u32 index;
+	__s32 fd;
+};
 #define KVM_IOEVENTFD_DEASSIGN (1 << 2)
 #define KVM_TRACE_MMIO_WRITE 2
 
@@ -1079,11 +1161,24 @@ int sys_enter_ioctl(struct trace_event_raw_sys_enter *ctx)
 	struct fd_key f;
 	__u8 zero = 0;
 
-	if ((__u32)ctx->args[1] != KVM_IOEVENTFD_CMD || !targ_vm_segments)
+	if (((__u32)ctx->args[1] != KVM_IOEVENTFD_CMD && (__u32)ctx->args[1] != VHOST_SET_VRING_KICK_CMD) ||
+	    !targ_vm_segments)
 		return 0;
 	k.tgid = bpf_get_current_pid_tgid() >> 32;
 	if (!bpf_map_lookup_elem(&vm_pids, &k.tgid))
 		return 0;
+	if ((__u32)ctx->args[1] == VHOST_SET_VRING_KICK_CMD) {
+		struct vring_file_arg vf;
+		__u64 file;
+		__u8 one = 1;
+
+		if (bpf_probe_read_user(&vf, sizeof(vf), (void *)ctx->args[2]) || vf.fd < 0)
+			return 0;
+		file = fd_file(vf.fd);
+		if (file)
+			bpf_map_update_elem(&vhost_kick_files, &file, &one, BPF_ANY);
+		return 0;
+	}
 	if (bpf_probe_read_user(&io, sizeof(io), (void *)ctx->args[2]))
 		return 0;
 	k.gpa = io.addr;
@@ -1119,7 +1214,7 @@ static __always_inline void on_kvm_notify(__u64 gpa)
 	struct gpa_key k = { .gpa = gpa };
 	struct fd_key f;
 	__u32 *fd;
-	__u64 now, file;
+	__u64 file;
 	__u8 one = 1, *kicked;
 
 	k.tgid = bpf_get_current_pid_tgid() >> 32;
@@ -1135,10 +1230,8 @@ static __always_inline void on_kvm_notify(__u64 gpa)
 		note_kicked(&f, kicked);
 	/* In the vCPU's exit: the current process is the VM's. */
 	file = fd_file(f.fd);
-	if (!file)
-		return;
-	now = bpf_ktime_get_ns();
-	bpf_map_update_elem(&pending_kicks, &file, &now, BPF_NOEXIST);
+	if (file)
+		note_kick(k.tgid, file);
 }
 
 SEC("tracepoint/kvm/kvm_mmio")
@@ -1212,6 +1305,42 @@ int BPF_PROG(sched_wakeup_new, struct task_struct *p)
 	return 0;
 }
 
+/* A VM's vhost worker switched in with a kick pending: it picks the kick
+ * up (it runs all its device's work when it runs), and the requests it
+ * submits next belong to it, as an engine thread's after its eventfd
+ * read. The wait from kick to here is the hypervisor's. Attached only
+ * while a VM with a kernel vhost disk runs: a program run per context
+ * switch, most leaving at the name. */
+static __always_inline void on_switch_in(__u32 tgid, __u32 tid, const char *comm)
+{
+	if (vhost_comm(comm))
+		claim_vhost_kick(tgid, tid);
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(sched_switch_btf, bool preempt, struct task_struct *prev, struct task_struct *next)
+{
+	char comm[16];
+
+	if (!targ_vm_segments)
+		return 0;
+	bpf_probe_read_kernel(comm, sizeof(comm), next->comm);
+	on_switch_in(next->tgid, next->pid, comm);
+	return 0;
+}
+
+SEC("raw_tp/sched_switch")
+int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_struct *next)
+{
+	char comm[16];
+
+	if (!targ_vm_segments)
+		return 0;
+	BPF_CORE_READ_INTO(&comm, next, comm);
+	on_switch_in(BPF_CORE_READ(next, tgid), BPF_CORE_READ(next, pid), comm);
+	return 0;
+}
+
 /* The engine making a completion visible to the guest, one record per hit:
  * virtio's used-ring push (virtqueue_flush, once per request: the guest may
  * reap it by polling the ring, without an interrupt, when QEMU suppresses
@@ -1245,6 +1374,18 @@ SEC("uprobe")
 int msix_notify(void *ctx)
 {
 	return on_signal();
+}
+
+/* A vhost worker raising its VM's interrupt: the call eventfd it signals
+ * after pushing completions to the used ring is an irqfd, which KVM turns
+ * into an MSI in the signalling thread. One per batch, as NVMe's
+ * msix_notify. */
+SEC("tracepoint/kvm/kvm_msi_set_irq")
+int kvm_msi_set_irq(void *ctx)
+{
+	if (targ_vm_segments && in_vhost_worker())
+		return on_signal();
+	return 0;
 }
 
 /* libvhost-user's used-ring push (fill, then flush), in an engine serving

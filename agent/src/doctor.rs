@@ -93,7 +93,9 @@ pub fn examine() -> Result<Doctor> {
         how: if works(ProbeType::Uprobe) {
             "the engine's eventfd read (syscall tracepoint) → host block start, and host completion → QEMU raising \
              the completion made visible (uprobe on virtqueue_flush for virtio, msix_notify for NVMe: one hit per request \
-             at most, on that VM's process only)"
+             at most, on that VM's process only); for the kernel's vhost-scsi workers, the worker switched in after a \
+             kick (sched_switch) → host block start, and host completion → the MSI the worker raises through the \
+             irqfd (kvm:kvm_msi_set_irq; the ring pop and push inside the worker need kprobes, not used)"
                 .into()
         } else {
             "no uprobes: the interrupt QEMU raises is not visible, so the engine's completion half is not".into()
@@ -104,7 +106,9 @@ pub fn examine() -> Result<Doctor> {
         measurable: if tp { Support::Partial } else { Support::No },
         how: {
             let mut s = String::from(
-                "kick → the engine's pickup: a vCPU's eventfd write (syscall tracepoints; TCG, or ioeventfd in user space)",
+                "kick → the engine's pickup: a vCPU's eventfd write (syscall tracepoints; TCG, or ioeventfd in user space), \
+                 or, for a kernel vhost worker, a kick on an eventfd handed to vhost (VHOST_SET_VRING_KICK) → the worker switched \
+                 in (sched_switch) or, already running, its next submission",
             );
             s.push_str(if kvm_tracepoints {
                 " or KVM's MMIO exit at a registered notify address (kvm:kvm_mmio/kvm_fast_mmio, KVM_IOEVENTFD)"

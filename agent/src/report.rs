@@ -124,6 +124,10 @@ pub fn vms(
                     .map(|d| {
                         let (program, pid, export) = match &d.engine {
                             Some(e) => (e.program.clone(), e.pid, Some(e.export.clone())),
+                            // The kernel's workers, threads of QEMU's process.
+                            None if d.kernel_vhost() => {
+                                (format!("vhost-{}", v.pid), v.pid, d.target.clone())
+                            }
                             _ => (
                                 v.exe
                                     .as_deref()

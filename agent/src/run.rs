@@ -594,6 +594,19 @@ fn attach_vm_probes(probes: &mut BlockProbes, vm: &vms::Vm) {
             );
         }
     }
+    if vm
+        .disks
+        .iter()
+        .any(|d| d.split_supported() && d.kernel_vhost())
+    {
+        if let Err(e) = probes.ensure_vhost_probes() {
+            log::warn!(
+                "VM {}: kernel vhost disks not split: {}",
+                vm.name,
+                crate::bpf::error_chain(&e)
+            );
+        }
+    }
     if let Err(e) = probes.attach_vm_uprobes(vm) {
         log::warn!(
             "VM {}: no host-window split or merge count: {}",

@@ -85,6 +85,10 @@ pub struct VDisk {
     /// Its engine also serves another VM (see `Registry::add`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub engine_shared: bool,
+    /// A kernel vhost-scsi disk's target: its WWPN, and the LUN once found
+    /// in LIO's configfs (`naa.…/lun_0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
 }
 
 /// An engine process serving a virtual disk: the one that pops its
@@ -112,6 +116,15 @@ impl VDisk {
         self.split_support().is_ok()
     }
 
+    /// Whether the kernel's vhost workers serve it (vhost-scsi): they pick
+    /// its kicks up, submit its requests and raise its interrupts, inside
+    /// the kernel.
+    pub fn kernel_vhost(&self) -> bool {
+        self.model
+            .as_deref()
+            .is_some_and(|m| m.starts_with("vhost-scsi"))
+    }
+
     /// Whether its requests are submitted by QEMU's worker threads.
     pub fn worker_submitted(&self) -> bool {
         self.aio.as_deref() == Some("threads")
@@ -134,8 +147,12 @@ impl VDisk {
                     "NVMe doorbells without ioeventfd=on are handled inside the vCPU's exit",
                 )
             }
+            Some(m) if m.starts_with("vhost-scsi") && self.host_dev.is_some() => {}
+            Some(m) if m.starts_with("vhost-scsi") => {
+                return Err("no LUN of its target found in LIO's configfs (target/vhost/WWPN under IOSPAN_CONFIGFS, default /sys/kernel/config) on a host disk")
+            }
             Some(m) if m.starts_with("vhost") => {
-                return Err("vhost devices other than vhost-user-blk are not followed yet")
+                return Err("vhost devices other than vhost-user-blk and vhost-scsi are not followed yet")
             }
             _ => return Err("device model not followed"),
         }
@@ -189,6 +206,7 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
     let mut aio: Vec<(String, String)> = Vec::new(); // (drive/node id, aio mode)
     let mut devices: Vec<(String, Option<String>, String, bool)> = Vec::new(); // (model, id, drive, ioeventfd)
     let mut vhost: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, chardev)
+    let mut vscsi: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, wwpn)
     let mut i = 0;
     while i < args.len() {
         let a = args[i].trim_start_matches('-');
@@ -254,6 +272,17 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                         ));
                     }
                 }
+                if let (Some(model), Some(wwpn)) =
+                    (get(&o, "").or_else(|| get(&o, "driver")), get(&o, "wwpn"))
+                {
+                    if model.starts_with("vhost-scsi") {
+                        vscsi.push((
+                            model.to_string(),
+                            get(&o, "id").map(str::to_string),
+                            wwpn.to_string(),
+                        ));
+                    }
+                }
                 if get(&o, "").or_else(|| get(&o, "driver")) == Some("virtserialport")
                     && get(&o, "name") == Some(crate::transport::PORT_NAME)
                 {
@@ -288,6 +317,7 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
             socket: None,
             engine: None,
             engine_shared: false,
+            target: None,
         })
         .collect();
     // vhost-user disks: served by whoever exports on the chardev's socket.
@@ -305,6 +335,22 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                 .map(|(_, p)| p.clone()),
             engine: None,
             engine_shared: false,
+            target: None,
+        });
+    }
+    // Kernel vhost-scsi disks: their LUNs are LIO's (Vm::find_luns).
+    for (model, id, wwpn) in &vscsi {
+        disks.push(VDisk {
+            id: id.clone().unwrap_or_else(|| wwpn.clone()),
+            model: Some(model.clone()),
+            file: None,
+            host_dev: None,
+            aio: None,
+            ioeventfd: true,
+            socket: None,
+            engine: None,
+            engine_shared: false,
+            target: Some(wwpn.clone()),
         });
     }
     // -drive with if=virtio (or default) and no -device: the drive is the disk.
@@ -322,6 +368,7 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                 socket: None,
                 engine: None,
                 engine_shared: false,
+                target: None,
             });
         }
     }
@@ -536,6 +583,40 @@ impl Vm {
         }
     }
 
+    /// Expands its vhost-scsi disks into their LUNs, from LIO's configfs
+    /// under `configfs`: one virtual disk per LUN (`ID/lun_N` where the
+    /// target has several), backed by the LUN's file or block device.
+    pub fn find_luns(&mut self, configfs: &Path) {
+        let mut out = Vec::with_capacity(self.disks.len());
+        for d in self.disks.drain(..) {
+            let (true, Some(wwpn)) = (d.kernel_vhost(), d.target.clone()) else {
+                out.push(d);
+                continue;
+            };
+            let luns = lio_luns(configfs, &wwpn);
+            if luns.is_empty() {
+                out.push(d);
+                continue;
+            }
+            let several = luns.len() > 1;
+            for (lun, backing) in luns {
+                let host_dev = host_disk_of(&backing);
+                out.push(VDisk {
+                    id: if several {
+                        format!("{}/{lun}", d.id)
+                    } else {
+                        d.id.clone()
+                    },
+                    target: Some(format!("{wwpn}/{lun}")),
+                    file: Some(backing),
+                    host_dev,
+                    ..d.clone()
+                });
+            }
+        }
+        self.disks = out;
+    }
+
     /// The engine processes serving its disks from outside QEMU (and not
     /// another VM's as well).
     pub fn engines(&self) -> Vec<&EngineRef> {
@@ -551,9 +632,74 @@ impl Vm {
     }
 }
 
-/// The whole disk a file lives on.
+/// Where LIO's configfs is mounted: `IOSPAN_CONFIGFS`, else the kernel's
+/// usual place.
+pub fn configfs_root() -> PathBuf {
+    std::env::var_os("IOSPAN_CONFIGFS")
+        .map_or_else(|| PathBuf::from("/sys/kernel/config"), PathBuf::from)
+}
+
+/// The LUNs a vhost target exports, in LUN order: (`lun_N`, backing file
+/// or block device). Each LUN directory links to its backstore, whose
+/// `udev_path` names the backing (set by targetcli), else its `info`
+/// ("File: …" for a file backstore, "UDEV PATH: …" for a block one).
+pub fn lio_luns(configfs: &Path, wwpn: &str) -> Vec<(String, PathBuf)> {
+    let mut out = Vec::new();
+    let target = configfs.join("target/vhost").join(wwpn);
+    let Ok(tpgs) = fs::read_dir(&target) else {
+        return out;
+    };
+    for tpg in tpgs.flatten() {
+        if !tpg.file_name().to_string_lossy().starts_with("tpgt_") {
+            continue;
+        }
+        let Ok(luns) = fs::read_dir(tpg.path().join("lun")) else {
+            continue;
+        };
+        for lun in luns.flatten() {
+            let name = lun.file_name().to_string_lossy().into_owned();
+            let Ok(links) = fs::read_dir(lun.path()) else {
+                continue;
+            };
+            let backing = links
+                .flatten()
+                .filter(|l| l.file_type().is_ok_and(|t| t.is_symlink()))
+                .find_map(|l| backstore_path(&fs::canonicalize(l.path()).ok()?));
+            if let Some(b) = backing {
+                out.push((name, b));
+            }
+        }
+    }
+    out.sort_by_key(|(lun, _)| {
+        lun.trim_start_matches("lun_")
+            .parse::<u64>()
+            .unwrap_or(u64::MAX)
+    });
+    out
+}
+
+fn backstore_path(dir: &Path) -> Option<PathBuf> {
+    let udev = fs::read_to_string(dir.join("udev_path")).unwrap_or_default();
+    if !udev.trim().is_empty() {
+        return Some(PathBuf::from(udev.trim()));
+    }
+    let info = fs::read_to_string(dir.join("info")).ok()?;
+    ["File: ", "UDEV PATH: "].iter().find_map(|key| {
+        let rest = &info[info.find(key)? + key.len()..];
+        let path = rest.split_whitespace().next()?;
+        Some(PathBuf::from(path))
+    })
+}
+
+/// The whole host disk a file lives on, or a block device is part of.
 pub fn host_disk_of(file: &Path) -> Option<Dev> {
-    let dev = fs::metadata(file).ok()?.dev();
+    use std::os::unix::fs::FileTypeExt;
+    let meta = fs::metadata(file).ok()?;
+    let dev = if meta.file_type().is_block_device() {
+        meta.rdev()
+    } else {
+        meta.dev()
+    };
     let (major, minor) = (libc::major(dev), libc::minor(dev));
     let sys = fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).ok()?;
     let disk = if sys.join("partition").exists() {
@@ -585,6 +731,9 @@ pub fn identify(pid: u32) -> Option<Vm> {
     if vm.disks.iter().any(|d| d.socket.is_some()) {
         let cwd = fs::read_link(format!("/proc/{pid}/cwd")).unwrap_or_default();
         vm.find_engines(&storage_daemons(), &cwd);
+    }
+    if vm.disks.iter().any(VDisk::kernel_vhost) {
+        vm.find_luns(&configfs_root());
     }
     Some(vm)
 }
@@ -747,6 +896,70 @@ mod tests {
 
     fn args(s: &[&str]) -> Vec<String> {
         s.iter().map(|a| a.to_string()).collect()
+    }
+
+    /// A configfs tree as LIO lays it out: a vhost target whose TPG's LUNs
+    /// link to file and block backstores.
+    fn lio_tree(root: &Path, wwpn: &str, luns: &[(&str, &str, &str, &str)]) {
+        for (lun, store, udev, info) in luns {
+            let core = root.join("target/core").join(store);
+            fs::create_dir_all(&core).unwrap();
+            fs::write(core.join("udev_path"), udev).unwrap();
+            fs::write(core.join("info"), info).unwrap();
+            let dir = root
+                .join("target/vhost")
+                .join(wwpn)
+                .join("tpgt_1/lun")
+                .join(lun);
+            fs::create_dir_all(&dir).unwrap();
+            std::os::unix::fs::symlink(&core, dir.join("5f2e8a91c3")).unwrap();
+        }
+        fs::create_dir_all(root.join("target/vhost").join(wwpn).join("tpgt_1/acls")).unwrap();
+    }
+
+    #[test]
+    fn a_vhost_scsi_target_becomes_a_disk_per_lun_with_its_backing() {
+        let root = std::env::temp_dir().join(format!("iospan-lio-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let img = root.join("vm.img");
+        fs::create_dir_all(&root).unwrap();
+        fs::write(&img, [0u8; 4096]).unwrap();
+        let wwpn = "naa.5001405c0ffee001";
+        lio_tree(
+            &root,
+            wwpn,
+            &[
+                ("lun_10", "fileio_1/logs", "",
+                 &format!("Status: ACTIVATED  Max Queue Depth: 128\n        TCM FILEIO ID: 1        File: {}  Size: 4096  Mode: O_DSYNC Async: 1\n", img.display())),
+                ("lun_2", "fileio_0/data", &img.display().to_string(), ""),
+            ],
+        );
+        let mut vm = from_args(
+            7,
+            &args(&["-device", &format!("vhost-scsi-pci,wwpn={wwpn},id=vs0")]),
+        );
+        assert_eq!(vm.disks.len(), 1);
+        assert!(vm.disks[0].kernel_vhost());
+        assert_eq!(
+            vm.disks[0].split_support().unwrap_err(),
+            "no LUN of its target found in LIO's configfs (target/vhost/WWPN under IOSPAN_CONFIGFS, default /sys/kernel/config) on a host disk"
+        );
+        vm.find_luns(&root.join("nowhere"));
+        assert_eq!(vm.disks.len(), 1, "no configfs: the device stays, unsplit");
+        vm.find_luns(&root);
+        let ids: Vec<_> = vm.disks.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["vs0/lun_2", "vs0/lun_10"], "in LUN order");
+        for d in &vm.disks {
+            assert_eq!(d.file.as_deref(), Some(img.as_path()));
+            assert_eq!(d.host_dev, host_disk_of(&img));
+        }
+        assert_eq!(
+            vm.disks[1].target.as_deref(),
+            Some("naa.5001405c0ffee001/lun_10")
+        );
+        // On a host disk (not tmpfs) the split is supported.
+        assert_eq!(vm.disks[0].split_supported(), host_disk_of(&img).is_some());
+        let _ = fs::remove_dir_all(&root);
     }
 
     #[test]
@@ -931,6 +1144,7 @@ mod tests {
             socket: None,
             engine: None,
             engine_shared: false,
+            target: None,
         };
         let mut r = Registry::default();
         let m1 = r.add(

@@ -28,34 +28,33 @@ fn kvm_vm() -> PathBuf {
     exe
 }
 
-#[test]
-fn kvm_kicks_start_the_host_window() {
+/// The helper VM run under `iospan run` for `n` requests, with `vm_args`
+/// (`{image}`: the image's path) and `envs` for iospan and the VM: its
+/// report.
+fn traced_vm(name: &str, n: u64, vm_args: &[&str], envs: &[(&str, &std::path::Path)]) -> Value {
     assert!(
         std::path::Path::new("/dev/kvm").exists(),
         "this test needs /dev/kvm (the kvm module)"
     );
     let exe = kvm_vm();
     let dir = exe.parent().unwrap();
-    // On a real disk (not tmpfs), fully written, so O_DIRECT reads reach it.
-    let image = dir.join("disk.img");
-    let chunk: Vec<u8> = (0..1u32 << 20)
-        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
-        .collect();
-    std::fs::write(&image, chunk.repeat(16)).unwrap();
-    let report = dir.join("report.json");
-    let n = 400u64;
-    let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--json-out"])
+    let report = dir.join(format!("{name}.json"));
+    let mut cmd = Command::new(iospan_bin());
+    cmd.args(["run", "--quiet", "--json-out"])
         .arg(&report)
         .arg("--")
         .arg(&exe)
-        .args(["-name", "guest=kvm-probe,debug-threads=on", "-drive"])
-        .arg(format!(
-            "file={},if=none,id=kd0,format=raw,cache=none,aio=native",
-            image.display()
-        ))
-        .args(["-device", "virtio-blk-pci,drive=kd0"])
-        .env("IOSPAN_KVM_IOS", n.to_string()));
+        .args(["-name", "guest=kvm-probe,debug-threads=on"])
+        .args(
+            vm_args
+                .iter()
+                .map(|a| a.replace("{image}", image(dir).to_str().unwrap())),
+        )
+        .env("IOSPAN_KVM_IOS", n.to_string());
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = run(&mut cmd);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -66,35 +65,44 @@ fn kvm_kicks_start_the_host_window() {
         stdout.contains(&format!("kvm_vm: {n} requests")),
         "{stdout}"
     );
+    serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap()
+}
 
-    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    let probes: Vec<&str> = rep["probes"]
+/// On a real disk (not tmpfs), fully written, so O_DIRECT reads reach it.
+fn image(dir: &std::path::Path) -> PathBuf {
+    let image = dir.join("disk.img");
+    if std::fs::metadata(&image).is_ok_and(|m| m.len() == 16 << 20) {
+        return image;
+    }
+    let chunk: Vec<u8> = (0..1u32 << 20)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
+    std::fs::write(&image, chunk.repeat(16)).unwrap();
+    image
+}
+
+fn probes(rep: &Value) -> Vec<&str> {
+    rep["probes"]
         .as_array()
         .unwrap()
         .iter()
         .filter_map(|p| p["tracepoint"].as_str())
-        .collect();
-    assert!(
-        probes.contains(&"kvm:kvm_mmio") && probes.contains(&"syscalls:sys_enter_ioctl"),
-        "{probes:?}"
-    );
-    let vm = rep["vms"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == "kvm-probe")
-        .unwrap_or_else(|| panic!("{:#}", rep["vms"]));
-    assert_eq!(vm["kicks"], "queue-notifiers", "{vm}");
+        .collect()
+}
 
+/// The VM's entry for `disk`: every one of its `n` requests split, the
+/// segments tiling the host window, the device segment the request's own
+/// block-layer lifetime, and kick to pickup a wake-up, not a request's
+/// lifetime (a kick matched to the wrong notification, a previous
+/// request's, would put a whole request period there).
+fn every_request_split<'a>(rep: &'a Value, disk: &str, n: u64) -> &'a Value {
     let e = rep["entries"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|e| e["vm"] == "kvm-probe" && e["disk"] == "kd0" && e["op"] == "read")
-        .unwrap_or_else(|| panic!("no kvm-probe/kd0 entry: {rep:#}"));
+        .find(|e| e["vm"] == "kvm-probe" && e["disk"] == disk && e["op"] == "read")
+        .unwrap_or_else(|| panic!("no kvm-probe/{disk} entry: {rep:#}"));
     assert_eq!(e["ios"].as_u64(), Some(n), "{e}");
-    // Every request split: its kick from the MMIO write, picked up by the
-    // engine's read of the registered eventfd; its end at virtqueue_flush (the used-ring push).
     let split = &rep["lost"]["host_split"];
     for k in ["no_kick", "no_signal", "unordered", "not_followed"] {
         assert_eq!(split[k].as_u64(), Some(0), "host_split.{k}: {split}");
@@ -110,18 +118,113 @@ fn kvm_kicks_start_the_host_window() {
         "segments {tiled} vs window {}",
         mean("host_window")
     );
-    // The device segment is the request's own block-layer lifetime.
     let total = e["total"]["mean_us"].as_f64().unwrap();
     assert!(
         (mean("device") - total).abs() <= 0.01 * total,
         "device {} vs total {total}",
         mean("device")
     );
-    // Kick to pickup is a wake-up of the engine's loop, not a request's
-    // lifetime: a kick matched to the wrong notification (a previous
-    // request's) would put a whole request period here.
     assert!(
         mean("hypervisor") > 0.0 && mean("hypervisor") < mean("host_window") / 2.0,
+        "{e}"
+    );
+    e
+}
+
+#[test]
+fn kvm_kicks_start_the_host_window() {
+    let n = 400u64;
+    let rep = traced_vm(
+        "kvm",
+        n,
+        &[
+            "-drive",
+            "file={image},if=none,id=kd0,format=raw,cache=none,aio=native",
+            "-device",
+            "virtio-blk-pci,drive=kd0",
+        ],
+        &[],
+    );
+    let probes = probes(&rep);
+    assert!(
+        probes.contains(&"kvm:kvm_mmio") && probes.contains(&"syscalls:sys_enter_ioctl"),
+        "{probes:?}"
+    );
+    let vm = rep["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "kvm-probe")
+        .unwrap_or_else(|| panic!("{:#}", rep["vms"]));
+    assert_eq!(vm["kicks"], "queue-notifiers", "{vm}");
+    // Its kick from the MMIO write, picked up by the engine's read of the
+    // registered eventfd; its end at virtqueue_flush (the used-ring push).
+    every_request_split(&rep, "kd0", n);
+}
+
+/// A vhost-scsi disk served the way the kernel's vhost worker serves it: a
+/// thread `vhost-<pid>` of the VM's process woken by the kick's eventfd
+/// signal inside the kernel, never reading it, submitting the I/O itself
+/// and raising the interrupt through an irqfd (an MSI KVM injects in that
+/// thread). Its LUN is found in a configfs tree laid out as LIO's.
+#[test]
+fn a_kernel_vhost_worker_is_the_engine_of_its_disk() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("kvm-vm");
+    std::fs::create_dir_all(&dir).unwrap();
+    let configfs = dir.join("configfs");
+    let _ = std::fs::remove_dir_all(&configfs);
+    let wwpn = "naa.5001405c0ffee001";
+    let store = configfs.join("target/core/fileio_0/vs0-data");
+    let lun = configfs
+        .join("target/vhost")
+        .join(wwpn)
+        .join("tpgt_1/lun/lun_0");
+    std::fs::create_dir_all(&store).unwrap();
+    std::fs::create_dir_all(&lun).unwrap();
+    std::fs::write(store.join("udev_path"), image(&dir).to_str().unwrap()).unwrap();
+    std::os::unix::fs::symlink(&store, lun.join("2b1c6a6f0e")).unwrap();
+
+    let n = 400u64;
+    // No -drive: QEMU does not open the LUN's backing (the worker reads
+    // the image it is given, as the backstore's).
+    let image = dir.join("disk.img");
+    let rep = traced_vm(
+        "vhost",
+        n,
+        &["-device", &format!("vhost-scsi-pci,wwpn={wwpn},id=vs0")],
+        &[("IOSPAN_CONFIGFS", &configfs), ("KVM_VM_BACKSTORE", &image)],
+    );
+    let probes = probes(&rep);
+    for p in [
+        "sched_switch",
+        "kvm:kvm_msi_set_irq",
+        "kvm:kvm_mmio",
+        "syscalls:sys_enter_ioctl",
+    ] {
+        assert!(probes.contains(&p), "{p}: {probes:?}");
+    }
+    let vm = rep["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "kvm-probe")
+        .unwrap_or_else(|| panic!("{:#}", rep["vms"]));
+    let engine = vm["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["disk"] == "vs0")
+        .unwrap_or_else(|| panic!("no engine for vs0: {vm}"));
+    let pid = vm["pid"].as_u64().unwrap();
+    assert_eq!(engine["program"], format!("vhost-{pid}"), "{engine}");
+    assert_eq!(engine["export"], format!("{wwpn}/lun_0"), "{engine}");
+    assert!(engine["not_split"].is_null(), "{engine}");
+    // The worker's requests are the vhost disk's: the VM's only disk.
+    let e = every_request_split(&rep, "vs0", n);
+    // The engine segment is the worker's own time: from running after the
+    // kick to submitting, and from the completion to its MSI.
+    assert!(
+        e["segments"]["engine"]["mean_us"].as_f64().unwrap() > 0.0,
         "{e}"
     );
 }

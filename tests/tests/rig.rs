@@ -255,10 +255,15 @@ fn traced_boot(a: RunArgs) {
             "segments {tiled} vs window {}",
             mean("host_window")
         );
+        // Engine and device time is all after the request was popped, so
+        // within what the guest saw. The hypervisor segment starts at the
+        // batch's kick: a request the guest queued after it (no kick of its
+        // own under EVENT_IDX) counts time from before it existed, up to
+        // the batch's pickup delay, which a starved engine makes long.
         assert!(
-            mean("host_window") <= guest_mean,
-            "host window {} above the guest's {guest_mean}",
-            mean("host_window")
+            mean("engine") + mean("device") <= guest_mean,
+            "engine and device {} above the guest's {guest_mean}",
+            mean("engine") + mean("device")
         );
         // The host window's share of what the guest observed, on boots
         // without the guest agent: under TCG its probes and its own work

@@ -36,6 +36,8 @@ const FILL_MAPS: &[&str] = &[
     "vq_notifiers",
     "thread_picks",
     "vm_last_pick",
+    "vhost_kicks",
+    "vhost_kick_files",
     "kvm_notify_addrs",
     "vm_started",
     "vm_open_notifiers",
@@ -308,6 +310,7 @@ pub struct BlockProbes {
     vm_segments: bool,
     vm_probes: bool,
     handoff_probe: bool,
+    vhost_probes: bool,
     /// Each VM process's uprobe links: (program, link).
     vm_links: std::collections::HashMap<u32, Vec<(&'static str, UProbeLinkId)>>,
 }
@@ -404,6 +407,7 @@ impl BlockProbes {
             vm_segments: vm_segments != 0,
             vm_probes: false,
             handoff_probe: false,
+            vhost_probes: false,
             vm_links: Default::default(),
         };
         // The start probe takes each request's submitter, in the submitting
@@ -605,6 +609,28 @@ impl BlockProbes {
             self.attachments.push(a);
         }
         self.handoff_probe = true;
+        Ok(())
+    }
+
+    /// What a kernel vhost worker's disks need: the worker's switch-in
+    /// after a kick (its pickup) and the MSI it raises through the irqfd
+    /// (the end of its host windows). The switch costs a program run per
+    /// context switch on the whole host, so attached only once a VM needs
+    /// it.
+    pub fn ensure_vhost_probes(&mut self) -> Result<(), LoadError> {
+        if !self.vm_segments || self.vhost_probes {
+            return Ok(());
+        }
+        let a = attach(
+            &mut self.ebpf,
+            self.btf.as_ref(),
+            "sched_switch",
+            self.flavour,
+        )?;
+        log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
+        self.attachments.push(a);
+        self.attach_tracepoint("kvm", "kvm_msi_set_irq")?;
+        self.vhost_probes = true;
         Ok(())
     }
 
