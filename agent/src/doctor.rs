@@ -287,9 +287,12 @@ impl Doctor {
                     .host_dev
                     .map(crate::disks::name_of)
                     .unwrap_or_else(|| "no host disk".into());
+                let served = d.engine.as_ref().map_or_else(String::new, |e| {
+                    format!(" served by {} (pid {}, {})", e.program, e.pid, e.export)
+                });
                 let _ = writeln!(
                     out,
-                    "    {:<16} {:<18} {} on {host}: host block requests attributed to the VM; host window {}",
+                    "    {:<16} {:<18} {} on {host}{served}: host block requests attributed to the VM; host window {}",
                     d.id,
                     d.model.as_deref().unwrap_or("-"),
                     d.file

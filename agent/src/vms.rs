@@ -98,10 +98,14 @@ pub struct EngineRef {
     pub pid: u32,
     /// Its program (`qemu-storage-daemon`).
     pub program: String,
-    /// The export serving the disk (its `id=`).
+    /// The export serving the disk (its `id=`), or the socket it listens
+    /// on for an engine other than qemu-storage-daemon.
     pub export: String,
     #[serde(skip)]
     pub exe: Option<PathBuf>,
+    /// Its thread-group leader's name, to tell it still runs as itself.
+    #[serde(skip)]
+    pub comm: String,
 }
 
 impl VDisk {
@@ -137,9 +141,15 @@ impl VDisk {
             Some(m) if m.starts_with("vhost-user-blk") && self.engine_shared => {
                 return Err("its qemu-storage-daemon also serves another VM: its requests are counted as the host's")
             }
+            Some(m)
+                if m.starts_with("vhost-user-blk")
+                    && self.engine.as_ref().is_some_and(|e| !e.followed()) =>
+            {
+                return Err("its engine is not qemu-storage-daemon (SPDK, …): its requests are the VM's, their kicks, pickups and used-ring pushes are not followed")
+            }
             Some(m) if m.starts_with("vhost-user-blk") && self.engine.is_some() => {}
             Some(m) if m.starts_with("vhost-user-blk") => {
-                return Err("no qemu-storage-daemon exports on its socket (other engines are not followed yet)")
+                return Err("no process listens on its socket (is its vhost-user server running?)")
             }
             Some("nvme") if self.ioeventfd => {}
             Some("nvme") => {
@@ -548,6 +558,7 @@ pub fn storage_daemons() -> Vec<(EngineRef, Vec<Export>)> {
                     ),
                     export: String::new(),
                     exe: exe.filter(|p| p.exists()),
+                    comm: STORAGE_DAEMON_COMM.into(),
                 },
                 exports_from_args(&args, &cwd),
             ))
@@ -731,6 +742,9 @@ pub fn identify(pid: u32) -> Option<Vm> {
     if vm.disks.iter().any(|d| d.socket.is_some()) {
         let cwd = fs::read_link(format!("/proc/{pid}/cwd")).unwrap_or_default();
         vm.find_engines(&storage_daemons(), &cwd);
+        for d in vm.disks.iter_mut().filter(|d| d.engine.is_none()) {
+            d.engine = d.socket.as_ref().and_then(|s| socket_engine(&cwd.join(s)));
+        }
     }
     if vm.disks.iter().any(VDisk::kernel_vhost) {
         vm.find_luns(&configfs_root());
@@ -755,8 +769,56 @@ pub fn alive(vm: &Vm) -> bool {
 
 /// Whether an engine process still runs (as the same program).
 pub fn engine_alive(e: &EngineRef) -> bool {
-    fs::read_to_string(format!("/proc/{}/comm", e.pid))
-        .is_ok_and(|c| c.trim_end() == STORAGE_DAEMON_COMM)
+    fs::read_to_string(format!("/proc/{}/comm", e.pid)).is_ok_and(|c| c.trim_end() == e.comm)
+}
+
+/// The inode of the listening Unix socket bound at `path`
+/// (/proc/net/unix: flag __SO_ACCEPTCON, 0x10000, marks a listener).
+fn unix_listener(path: &Path) -> Option<u64> {
+    let table = fs::read_to_string("/proc/net/unix").ok()?;
+    let canon = fs::canonicalize(path).ok();
+    table.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let (flags, inode, bound) = (f.get(3)?, f.get(6)?, Path::new(f.get(7)?));
+        let listening = u32::from_str_radix(flags, 16).ok()? & 0x10000 != 0;
+        let same = bound == path || (canon.is_some() && fs::canonicalize(bound).ok() == canon);
+        (listening && same).then(|| inode.parse().ok()).flatten()
+    })
+}
+
+/// The process holding socket `inode` open (the lowest pid, if several).
+fn socket_owner(inode: u64) -> Option<u32> {
+    let want = format!("socket:[{inode}]");
+    let mut pids: Vec<u32> = fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    pids.sort_unstable();
+    pids.into_iter().find(|pid| {
+        fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+            fds.flatten()
+                .any(|fd| fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == want.as_str()))
+        })
+    })
+}
+
+/// The process listening on a vhost-user socket: the engine of a disk no
+/// qemu-storage-daemon serves (an SPDK vhost target, another server).
+pub fn socket_engine(socket: &Path) -> Option<EngineRef> {
+    let pid = socket_owner(unix_listener(socket)?)?;
+    let comm = fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    let exe = fs::read_link(format!("/proc/{pid}/exe")).ok();
+    Some(EngineRef {
+        pid,
+        program: exe.as_deref().and_then(Path::file_name).map_or_else(
+            || comm.trim_end().into(),
+            |n| n.to_string_lossy().into_owned(),
+        ),
+        export: socket.display().to_string(),
+        exe: exe.filter(|p| p.exists()),
+        comm: comm.trim_end().into(),
+    })
 }
 
 /// Every QEMU VM running now.
@@ -1105,6 +1167,7 @@ mod tests {
             program: "qemu-storage-daemon".into(),
             export: String::new(),
             exe: None,
+            comm: STORAGE_DAEMON_COMM.into(),
         };
         vm.find_engines(&[(engine, exports)], Path::new("/srv"));
         let e = vm.disks[0].engine.as_ref().expect("served");
@@ -1271,10 +1334,17 @@ impl Vm {
 }
 
 impl EngineRef {
+    /// Whether its kick pickups and used-ring pushes are followed
+    /// (qemu-storage-daemon's libvhost-user); other engines are only
+    /// identified, their requests the VM's.
+    pub fn followed(&self) -> bool {
+        self.comm == STORAGE_DAEMON_COMM
+    }
+
     /// The engine's probes: its used-ring push ends its disks' host
     /// windows, as QEMU's does.
     pub fn uprobe_symbols(&self, split: bool) -> Vec<(&'static str, bool)> {
-        if split {
+        if split && self.followed() {
             vec![("vu_queue_push", true)]
         } else {
             Vec::new()

@@ -382,3 +382,58 @@ fn more_disks_than_slots_are_counted_not_mixed() {
         "the table says so"
     );
 }
+
+/// A vhost-user disk served by a process that is not qemu-storage-daemon
+/// (an SPDK vhost target, say): the process listening on the disk's socket
+/// is named as its engine, and the disk as not split, saying why. Here the
+/// server is this test process, and the VM a process named as QEMU's with
+/// QEMU's arguments.
+#[test]
+fn doctor_names_the_process_listening_on_a_vhost_user_socket() {
+    let dir = std::env::temp_dir().join(format!("iospan-vu-engine-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("vhost.0");
+    let _server = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    // A shell script's process takes the script's name: QEMU's, to iospan.
+    let qemu = dir.join("qemu-system-x86_64");
+    // (Not ending in the sleep: a shell may exec its last command.)
+    std::fs::write(&qemu, "#!/bin/sh\nsleep 30\n:\n").unwrap();
+    std::fs::set_permissions(&qemu, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mut vm = Command::new(&qemu)
+        .args(["-name", "guest=spdk-vm", "-chardev"])
+        .arg(format!("socket,id=c0,path={}", sock.display()))
+        .args(["-device", "vhost-user-blk-pci,chardev=c0,id=vu0"])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let json = run(Command::new(iospan_bin()).args(["doctor", "--json"]));
+    let text = run(Command::new(iospan_bin()).arg("doctor"));
+    let _ = vm.kill();
+    let _ = vm.wait();
+    let d: Value = serde_json::from_slice(&json.stdout).unwrap();
+    let v = d["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "spdk-vm")
+        .unwrap_or_else(|| panic!("{:#}", d["vms"]));
+    let engine = &v["disks"][0]["engine"];
+    assert_eq!(
+        engine["pid"].as_u64(),
+        Some(u64::from(std::process::id())),
+        "{v}"
+    );
+    assert_eq!(engine["export"].as_str(), sock.to_str(), "{v}");
+    let text = String::from_utf8_lossy(&text.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("vu0 "))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        line.contains(&format!("(pid {}, {})", std::process::id(), sock.display()))
+            && line.contains("not split: its engine is not qemu-storage-daemon"),
+        "{line}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
