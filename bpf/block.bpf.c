@@ -530,12 +530,8 @@ DEFINE_ACCOUNT(account_atomic, ATOMIC_ADD, ATOMIC_MAX)
  * hashes, an array entry always exists). */
 static __always_inline struct blk_stats *stats_entry(void *map, void *key)
 {
-	struct blk_stats *st = bpf_map_lookup_elem(map, key);
+	struct blk_stats *st = lookup_or_init(map, key, &zero_stats);
 
-	if (st)
-		return st;
-	bpf_map_update_elem(map, key, &zero_stats, BPF_NOEXIST);
-	st = bpf_map_lookup_elem(map, key);
 	if (!st)
 		count(CNT_VM_TABLE_FULL);
 	return st;
@@ -646,12 +642,8 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, _
 static __always_inline struct vm_counts *vm_counts_of(__u32 vm)
 {
 	static const struct vm_counts zero;
-	struct vm_counts *c = bpf_map_lookup_elem(&vm_counts, &vm);
 
-	if (c)
-		return c;
-	bpf_map_update_elem(&vm_counts, &vm, &zero, BPF_NOEXIST);
-	return bpf_map_lookup_elem(&vm_counts, &vm);
+	return lookup_or_init(&vm_counts, &vm, &zero);
 }
 
 /* Counted globally, and per VM entry where the lost request was a VM's
@@ -665,11 +657,7 @@ static __always_inline void note_undelivered(const struct rq_slot *s)
 	count(CNT_UNDELIVERED);
 	if (!s->vm)
 		return;
-	n = bpf_map_lookup_elem(&vm_undelivered, &k);
-	if (!n) {
-		bpf_map_update_elem(&vm_undelivered, &k, &zero, BPF_NOEXIST);
-		n = bpf_map_lookup_elem(&vm_undelivered, &k);
-	}
+	n = lookup_or_init(&vm_undelivered, &k, &zero);
 	if (n)
 		__sync_fetch_and_add(n, 1);
 }
@@ -918,9 +906,8 @@ static __always_inline void on_rq_merge(__u64 key)
 	struct rq_slot *s = rq_slot_of(key, 0);
 	struct vm_counts *c;
 
-	if (!s || s->rq != key || (s->flags & RQ_F_DONE))
+	if (!s || !rq_on_merge(s, key))
 		return;
-	s->flags = RQ_F_DONE;
 	if (s->vm && s->vdisk && (c = vm_counts_of(s->vm)))
 		__sync_fetch_and_add(&c->bio_merges, 1);
 }

@@ -572,7 +572,8 @@ fn guest_channels(known: &Registry) -> Vec<(u32, PathBuf)> {
         .collect()
 }
 
-/// The per-VM probes: the worker hand-off for aio=threads disks, and the
+/// The per-VM probes: the worker hand-off for aio=threads disks, the
+/// worker switch-in and MSI for kernel vhost disks, and the
 /// probes that end its host windows. A failure costs the VM its split,
 /// not the run.
 fn attach_vm_probes(probes: &mut BlockProbes, vm: &vms::Vm) {
@@ -581,30 +582,24 @@ fn attach_vm_probes(probes: &mut BlockProbes, vm: &vms::Vm) {
             log::warn!("VM {}: {}", vm.name, crate::bpf::error_chain(&e));
         }
     }
-    if vm
-        .disks
-        .iter()
-        .any(|d| d.split_supported() && d.worker_submitted())
-    {
+    // Probes some disks need, shared by every VM that has such a disk.
+    let needs =
+        |kind: fn(&vms::VDisk) -> bool| vm.disks.iter().any(|d| d.split_supported() && kind(d));
+    let unsplit = |what: &str, e: crate::bpf::LoadError| {
+        log::warn!(
+            "VM {}: {what} disks not split: {}",
+            vm.name,
+            crate::bpf::error_chain(&e)
+        )
+    };
+    if needs(vms::VDisk::worker_submitted) {
         if let Err(e) = probes.ensure_handoff_probe() {
-            log::warn!(
-                "VM {}: aio=threads disks not split: {}",
-                vm.name,
-                crate::bpf::error_chain(&e)
-            );
+            unsplit("aio=threads", e);
         }
     }
-    if vm
-        .disks
-        .iter()
-        .any(|d| d.split_supported() && d.kernel_vhost())
-    {
+    if needs(vms::VDisk::kernel_vhost) {
         if let Err(e) = probes.ensure_vhost_probes() {
-            log::warn!(
-                "VM {}: kernel vhost disks not split: {}",
-                vm.name,
-                crate::bpf::error_chain(&e)
-            );
+            unsplit("kernel vhost", e);
         }
     }
     if let Err(e) = probes.attach_vm_uprobes(vm) {

@@ -58,7 +58,7 @@ pub enum KickSource {
     AnyVcpuEventfd,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VDisk {
     /// The virtual disk's id: the device's `id=`, else its drive's id.
     pub id: String,
@@ -252,51 +252,33 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
             }
             (true, "device") => {
                 let o = options(v);
-                if let (Some(model), Some(drive)) =
-                    (get(&o, "").or_else(|| get(&o, "driver")), get(&o, "drive"))
-                {
+                let model = get(&o, "").or_else(|| get(&o, "driver")).unwrap_or("");
+                let id = get(&o, "id").map(str::to_string);
+                if let (false, Some(drive)) = (model.is_empty(), get(&o, "drive")) {
                     let ioeventfd =
                         get(&o, "ioeventfd").is_some_and(|v| matches!(v, "on" | "true" | "yes"));
                     if let Some(serial) = get(&o, "serial") {
                         serials.push((
-                            get(&o, "id").unwrap_or(drive).to_string(),
+                            id.clone().unwrap_or_else(|| drive.to_string()),
                             serial.to_string(),
                         ));
                     }
-                    devices.push((
-                        model.to_string(),
-                        get(&o, "id").map(str::to_string),
-                        drive.to_string(),
-                        ioeventfd,
-                    ));
+                    devices.push((model.to_string(), id.clone(), drive.to_string(), ioeventfd));
                 }
-                if let (Some(model), Some(chardev)) = (
-                    get(&o, "").or_else(|| get(&o, "driver")),
-                    get(&o, "chardev"),
-                ) {
-                    if model.starts_with("vhost-user-blk") {
-                        vhost.push((
-                            model.to_string(),
-                            get(&o, "id").map(str::to_string),
-                            chardev.to_string(),
-                        ));
+                match (get(&o, "chardev"), get(&o, "wwpn")) {
+                    (Some(chardev), _) if model.starts_with("vhost-user-blk") => {
+                        vhost.push((model.to_string(), id, chardev.to_string()));
                     }
-                }
-                if let (Some(model), Some(wwpn)) =
-                    (get(&o, "").or_else(|| get(&o, "driver")), get(&o, "wwpn"))
-                {
-                    if model.starts_with("vhost-scsi") {
-                        vscsi.push((
-                            model.to_string(),
-                            get(&o, "id").map(str::to_string),
-                            wwpn.to_string(),
-                        ));
+                    (_, Some(wwpn)) if model.starts_with("vhost-scsi") => {
+                        vscsi.push((model.to_string(), id, wwpn.to_string()));
                     }
-                }
-                if get(&o, "").or_else(|| get(&o, "driver")) == Some("virtserialport")
-                    && get(&o, "name") == Some(crate::transport::PORT_NAME)
-                {
-                    channel_dev = get(&o, "chardev").map(str::to_string);
+                    (chardev, _)
+                        if model == "virtserialport"
+                            && get(&o, "name") == Some(crate::transport::PORT_NAME) =>
+                    {
+                        channel_dev = chardev.map(str::to_string);
+                    }
+                    _ => {}
                 }
                 i += 1;
             }
@@ -321,13 +303,9 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
             id: id.clone().unwrap_or_else(|| drive.clone()),
             model: Some(model.clone()),
             file: file_of(drive),
-            host_dev: None,
             aio: aio_of(drive),
             ioeventfd: *ioeventfd,
-            socket: None,
-            engine: None,
-            engine_shared: false,
-            target: None,
+            ..Default::default()
         })
         .collect();
     // vhost-user disks: served by whoever exports on the chardev's socket.
@@ -335,17 +313,12 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         disks.push(VDisk {
             id: id.clone().unwrap_or_else(|| chardev.clone()),
             model: Some(model.clone()),
-            file: None,
-            host_dev: None,
-            aio: None,
             ioeventfd: true,
             socket: chardevs
                 .iter()
                 .find(|(c, _)| c == chardev)
                 .map(|(_, p)| p.clone()),
-            engine: None,
-            engine_shared: false,
-            target: None,
+            ..Default::default()
         });
     }
     // Kernel vhost-scsi disks: their LUNs are LIO's (Vm::find_luns).
@@ -353,14 +326,9 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         disks.push(VDisk {
             id: id.clone().unwrap_or_else(|| wwpn.clone()),
             model: Some(model.clone()),
-            file: None,
-            host_dev: None,
-            aio: None,
             ioeventfd: true,
-            socket: None,
-            engine: None,
-            engine_shared: false,
             target: Some(wwpn.clone()),
+            ..Default::default()
         });
     }
     // -drive with if=virtio (or default) and no -device: the drive is the disk.
@@ -370,15 +338,9 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         if !used && file.is_some() {
             disks.push(VDisk {
                 id: id.clone(),
-                model: None,
                 file: file.clone(),
-                host_dev: None,
                 aio: aio_of(id),
-                ioeventfd: false,
-                socket: None,
-                engine: None,
-                engine_shared: false,
-                target: None,
+                ..Default::default()
             });
         }
     }
@@ -1199,15 +1161,8 @@ mod tests {
         let (a, b) = (Dev::new(8, 0), Dev::new(259, 0));
         let disk = |id: &str, dev| VDisk {
             id: id.into(),
-            model: None,
-            file: None,
             host_dev: Some(dev),
-            aio: None,
-            ioeventfd: false,
-            socket: None,
-            engine: None,
-            engine_shared: false,
-            target: None,
+            ..Default::default()
         };
         let mut r = Registry::default();
         let m1 = r.add(

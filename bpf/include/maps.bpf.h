@@ -23,4 +23,16 @@ static __always_inline void count(__u32 which)
 		__sync_fetch_and_add(c, 1);
 }
 
+/* The entry for `key`, made from `init` if there is none yet (NULL when the
+ * map is full). Two CPUs racing to make it both end on the one that won. */
+static __always_inline void *lookup_or_init(void *map, const void *key, const void *init)
+{
+	void *v = bpf_map_lookup_elem(map, key);
+
+	if (v)
+		return v;
+	bpf_map_update_elem(map, key, init, BPF_NOEXIST);
+	return bpf_map_lookup_elem(map, key);
+}
+
 #endif /* IOSPAN_MAPS_BPF_H */

@@ -121,6 +121,16 @@ static __always_inline void rq_on_requeue(struct rq_slot *s, __u64 rq)
 	s->flags |= RQ_F_REQUEUE_PENDING | RQ_F_REQUEUED;
 }
 
+/* block_rq_merge: a started request merged into another before issue ends
+ * inside it. Returns whether the slot held it, open (and now done). */
+static __always_inline int rq_on_merge(struct rq_slot *s, __u64 rq)
+{
+	if (s->rq != rq || (s->flags & RQ_F_DONE))
+		return 0;
+	s->flags = RQ_F_DONE;
+	return 1;
+}
+
 /* block_rq_complete. Returns 0 for a partial completion (more bytes remain:
  * the request stays in flight) and 1 for the final one, filling *out and
  * marking the slot done. `s` may be NULL when no slot could be found. */

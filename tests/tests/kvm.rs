@@ -39,17 +39,14 @@ fn traced_vm(name: &str, n: u64, vm_args: &[&str], envs: &[(&str, &std::path::Pa
     let exe = kvm_vm();
     let dir = exe.parent().unwrap();
     let report = dir.join(format!("{name}.json"));
+    let image = image(dir).display().to_string();
     let mut cmd = Command::new(iospan_bin());
     cmd.args(["run", "--quiet", "--json-out"])
         .arg(&report)
         .arg("--")
         .arg(&exe)
         .args(["-name", "guest=kvm-probe,debug-threads=on"])
-        .args(
-            vm_args
-                .iter()
-                .map(|a| a.replace("{image}", image(dir).to_str().unwrap())),
-        )
+        .args(vm_args.iter().map(|a| a.replace("{image}", &image)))
         .env("IOSPAN_KVM_IOS", n.to_string());
     for (k, v) in envs {
         cmd.env(k, v);
@@ -79,6 +76,16 @@ fn image(dir: &std::path::Path) -> PathBuf {
         .collect();
     std::fs::write(&image, chunk.repeat(16)).unwrap();
     image
+}
+
+/// The helper VM in the report's `vms`.
+fn the_vm(rep: &Value) -> &Value {
+    rep["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "kvm-probe")
+        .unwrap_or_else(|| panic!("{:#}", rep["vms"]))
 }
 
 fn probes(rep: &Value) -> Vec<&str> {
@@ -150,12 +157,7 @@ fn kvm_kicks_start_the_host_window() {
         probes.contains(&"kvm:kvm_mmio") && probes.contains(&"syscalls:sys_enter_ioctl"),
         "{probes:?}"
     );
-    let vm = rep["vms"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == "kvm-probe")
-        .unwrap_or_else(|| panic!("{:#}", rep["vms"]));
+    let vm = the_vm(&rep);
     assert_eq!(vm["kicks"], "queue-notifiers", "{vm}");
     // Its kick from the MMIO write, picked up by the engine's read of the
     // registered eventfd; its end at virtqueue_flush (the used-ring push).
@@ -203,12 +205,7 @@ fn a_kernel_vhost_worker_is_the_engine_of_its_disk() {
     ] {
         assert!(probes.contains(&p), "{p}: {probes:?}");
     }
-    let vm = rep["vms"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == "kvm-probe")
-        .unwrap_or_else(|| panic!("{:#}", rep["vms"]));
+    let vm = the_vm(&rep);
     let engine = vm["engines"]
         .as_array()
         .unwrap()

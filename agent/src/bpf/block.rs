@@ -549,19 +549,13 @@ impl BlockProbes {
         if self.start_probe {
             return Ok(());
         }
-        let btf = self.btf.as_ref();
-        let a = match attach(&mut self.ebpf, btf, "block_io_start", self.flavour) {
-            Ok(a) => a,
-            Err(e) => {
-                log::info!(
-                    "{}; using block_rq_insert for start stamps",
-                    super::error_chain(&e)
-                );
-                attach(&mut self.ebpf, btf, "block_rq_insert", self.flavour)?
-            }
-        };
-        log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
-        self.attachments.push(a);
+        if let Err(e) = self.attach_raw("block_io_start") {
+            log::info!(
+                "{}; using block_rq_insert for start stamps",
+                super::error_chain(&e)
+            );
+            self.attach_raw("block_rq_insert")?;
+        }
         self.start_probe = true;
         Ok(())
     }
@@ -580,13 +574,7 @@ impl BlockProbes {
             self.attach_tracepoint("block", name)?;
         }
         // Whole requests merged into others before issue.
-        let a = attach(
-            &mut self.ebpf,
-            self.btf.as_ref(),
-            "block_rq_merge",
-            self.flavour,
-        )?;
-        self.attachments.push(a);
+        self.attach_raw("block_rq_merge")?;
         if self.vm_segments {
             for name in ["sys_enter_write", "sys_enter_read"] {
                 self.attach_syscall(name)?;
@@ -604,9 +592,7 @@ impl BlockProbes {
             return Ok(());
         }
         for tp in ["sched_waking", "sched_wakeup_new"] {
-            let a = attach(&mut self.ebpf, self.btf.as_ref(), tp, self.flavour)?;
-            log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
-            self.attachments.push(a);
+            self.attach_raw(tp)?;
         }
         self.handoff_probe = true;
         Ok(())
@@ -621,16 +607,18 @@ impl BlockProbes {
         if !self.vm_segments || self.vhost_probes {
             return Ok(());
         }
-        let a = attach(
-            &mut self.ebpf,
-            self.btf.as_ref(),
-            "sched_switch",
-            self.flavour,
-        )?;
-        log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
-        self.attachments.push(a);
+        self.attach_raw("sched_switch")?;
         self.attach_tracepoint("kvm", "kvm_msi_set_irq")?;
         self.vhost_probes = true;
+        Ok(())
+    }
+
+    /// A raw tracepoint's program, in the probes' flavour (tp_btf or
+    /// raw_tp), kept among the attachments.
+    fn attach_raw(&mut self, tracepoint: &str) -> Result<(), LoadError> {
+        let a = attach(&mut self.ebpf, self.btf.as_ref(), tracepoint, self.flavour)?;
+        log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
+        self.attachments.push(a);
         Ok(())
     }
 
