@@ -272,30 +272,38 @@ pub fn wait_limited(
     }
 }
 
-/// fio's JSON for one job: (total_ios, clat mean µs, clat p99 µs) for `dir`.
-pub fn fio_numbers(json: &serde_json::Value, dir: &str) -> (u64, f64, f64) {
+/// fio's JSON for one job: (total_ios, clat mean, p50, p99 µs) for `dir`.
+pub fn fio_numbers(json: &serde_json::Value, dir: &str) -> (u64, f64, f64, f64) {
     let d = &json["jobs"][0][dir];
     let ios = d["total_ios"].as_u64().expect("fio total_ios");
-    let mean = d["clat_ns"]["mean"].as_f64().expect("fio clat mean") / 1000.0;
-    let p99 = d["clat_ns"]["percentile"]["99.000000"]
-        .as_f64()
-        .expect("fio clat p99")
-        / 1000.0;
-    (ios, mean, p99)
+    let (mean, p50, p99) = fio_latency(&d["clat_ns"], "clat");
+    (ios, mean, p50, p99)
 }
 
 /// fio's total latency for `dir` (submission and completion, `lat_ns`;
-/// percentiles with `--lat_percentiles=1`): (mean µs, p99 µs). A request's
-/// block-layer life starts inside the submission call, so only this holds
-/// all of it; clat misses that part.
-pub fn fio_total_latency(json: &serde_json::Value, dir: &str) -> (f64, f64) {
-    let d = &json["jobs"][0][dir]["lat_ns"];
-    let mean = d["mean"].as_f64().expect("fio lat mean") / 1000.0;
-    let p99 = d["percentile"]["99.000000"]
+/// percentiles with `--lat_percentiles=1`): (mean, p50, p99) µs. A
+/// request's block-layer life starts inside the submission call, so only
+/// this holds all of it; clat misses that part.
+pub fn fio_total_latency(json: &serde_json::Value, dir: &str) -> (f64, f64, f64) {
+    fio_latency(
+        &json["jobs"][0][dir]["lat_ns"],
+        "lat (run fio with --lat_percentiles=1)",
+    )
+}
+
+/// (mean, p50, p99) µs of one of fio's latency objects.
+fn fio_latency(d: &serde_json::Value, what: &str) -> (f64, f64, f64) {
+    let pct = |p: &str| {
+        d["percentile"][p]
+            .as_f64()
+            .unwrap_or_else(|| panic!("fio {what} percentile {p}: {d}"))
+            / 1000.0
+    };
+    let mean = d["mean"]
         .as_f64()
-        .expect("fio lat p99 (run fio with --lat_percentiles=1)")
+        .unwrap_or_else(|| panic!("fio {what} mean: {d}"))
         / 1000.0;
-    (mean, p99)
+    (mean, pct("50.000000"), pct("99.000000"))
 }
 
 /// The rig's kernel and initramfs, and its fully written image.
