@@ -67,19 +67,31 @@ impl Channel {
         }
     }
 
-    /// What the host agent sent back, without waiting (empty: nothing,
-    /// or no host agent on the other end).
+    /// All the host agent sent back, without waiting (empty: nothing, or
+    /// no host agent on the other end). All, not one read: the port hands
+    /// over one host write per read, and the host acknowledges after each
+    /// of its reads, so a read per round would fall ever further behind
+    /// and see ever older acknowledgements.
     fn read_now(&mut self, buf: &mut [u8]) -> Vec<u8> {
-        let r = match self {
-            Channel::Port(f) => f.read(buf),
-            Channel::Tcp(s) => s.read(buf),
-        };
-        match r {
-            Ok(n) => buf[..n].to_vec(),
-            Err(_) => Vec::new(),
+        let mut out = Vec::new();
+        while out.len() < READ_NOW_MAX {
+            let r = match self {
+                Channel::Port(f) => f.read(buf),
+                Channel::Tcp(s) => s.read(buf),
+            };
+            match r {
+                Ok(n) if n > 0 => out.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                _ => break,
+            }
         }
+        out
     }
 }
+
+/// Bytes of control messages taken per round (thousands of
+/// acknowledgements: the channel never sends as many in 100 ms).
+const READ_NOW_MAX: usize = 256 << 10;
 
 /// One encoded frame and the records in it.
 struct Queued {

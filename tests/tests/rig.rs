@@ -271,11 +271,14 @@ fn traced_boot(a: RunArgs) {
         // bottleneck, so they lengthen the guest's time, not the host's
         // (`cargo xtask bench guest --qd 16` measures by how much). The
         // sequential boot makes a system call per I/O on that one CPU: its
-        // guest is the bottleneck, host agent or not.
+        // guest is the bottleneck, host agent or not. Measured at depth 16
+        // over 15 boots: 26-37% for every disk kind and engine, so the
+        // bound is below that spread; a window that lost its largest
+        // segment (engine or device, by kind) measured 7-18%, under it.
         if a.no_guest_agent && a.rw.starts_with("rand") {
             assert!(
-                mean("host_window") >= 0.3 * guest_mean,
-                "host window {} below 30% of the guest's {guest_mean}",
+                mean("host_window") >= 0.2 * guest_mean,
+                "host window {} below 20% of the guest's {guest_mean}",
                 mean("host_window")
             );
         }
