@@ -271,15 +271,24 @@ fn traced_boot(a: RunArgs) {
         // bottleneck, so they lengthen the guest's time, not the host's
         // (`cargo xtask bench guest --qd 16` measures by how much). The
         // sequential boot makes a system call per I/O on that one CPU: its
-        // guest is the bottleneck, host agent or not. Measured at depth 16
-        // over 15 boots: 26-37% for every disk kind and engine, so the
-        // bound is below that spread; a window that lost its largest
-        // segment (engine or device, by kind) measured 7-18%, under it.
+        // guest is the bottleneck, host agent or not. Measured over 8 runs
+        // of every such boot: QEMU's virtio-blk and NVMe 28.7-43.8%, the
+        // median of each kind and depth 32-39%; vhost-user, whose engine is
+        // a third busy process on this two-CPU host, 26-34%. A boot is held
+        // to 25% (20% for vhost-user), below that spread; a window that
+        // lost its largest segment (engine or device, by kind) measured
+        // 7-18%, under both.
         if a.no_guest_agent && a.rw.starts_with("rand") {
+            let share = if a.disk == DiskModel::VhostUser {
+                0.2
+            } else {
+                0.25
+            };
             assert!(
-                mean("host_window") >= 0.2 * guest_mean,
-                "host window {} below 20% of the guest's {guest_mean}",
-                mean("host_window")
+                mean("host_window") >= share * guest_mean,
+                "host window {} below {}% of the guest's {guest_mean}",
+                mean("host_window"),
+                share * 100.0
             );
         }
         assert!(
