@@ -39,8 +39,8 @@ const volatile __u32 targ_track_vms = 0;
 const volatile __u32 targ_vm_segments = 0;
 /* Next VM slot to hand out; the agent starts it past the VMs it found. */
 __u32 next_vm = 0;
-/* Addresses of iomap_dio_bio_end_io and blkdev_bio_end_io_async (from
- * kallsyms; 0 when absent): bios they end carry their kiocb in bi_private. */
+/* Addresses of the direct-I/O completion functions, in enum dio_kind's
+ * order (from kallsyms; 0 when absent). */
 const volatile __u64 targ_dio_end_io[NR_DIO_END_IO] = {};
 const volatile __u32 targ_stream_devs[MAX_STREAM_DEVS] = {};
 
@@ -590,41 +590,58 @@ static __always_inline int in_vhost_worker(void)
 
 /* The virtual disk a VM's direct-I/O request is for. Where the VM has one
  * virtual disk on this host disk, a direct-I/O bio of its process is that
- * disk's; only where several share it is the file read (bio -> kiocb ->
- * inode -> vdisk_files). Buffered I/O (cache=writeback, QEMU's own files)
- * and block-device images are not resolved here (0), except from a vhost
- * worker. */
+ * disk's; only where several share it is the file or device read (see
+ * enum dio_kind). Buffered I/O (cache=writeback, QEMU's own files) is not
+ * resolved here (0), except from a vhost worker. `pos` is the request's
+ * offset in the virtual disk's backing (the guest's offset on a raw
+ * image), where known. */
 static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, __u64 *pos)
 {
 	struct bio *bio = BPF_CORE_READ(rq, bio);
 	struct vm_dev_key vk = { .vm = vm, .dev = dev };
 	struct iomap_dio *dio_priv;
+	struct block_device *bdev;
 	struct kiocb *iocb;
 	struct inode *inode;
 	struct file_key k = {};
 	__u64 end_io;
 	__u32 *slot;
-	int i, dio = 0;
+	int i, kind = -1;
 
 	if (!bio)
 		return 0;
 	end_io = (__u64)BPF_CORE_READ(bio, bi_end_io);
 	for (i = 0; i < NR_DIO_END_IO; i++)
 		if (targ_dio_end_io[i] && end_io == targ_dio_end_io[i])
-			dio = 1;
-	if (!dio && !in_vhost_worker())
+			kind = i;
+	if (kind < 0 && !in_vhost_worker())
 		return 0;
 	slot = bpf_map_lookup_elem(&vm_disks, &vk);
 	if (!slot)
 		return 0;
 	/* A vhost worker serves only its VM's vhost disks, and submits their
 	 * bios itself (LIO's block and file backstores: no kiocb to read): on
-	 * a host disk holding one of them, the request is that disk's. */
-	if (!dio)
+	 * a host disk holding one of them, the request is that disk's. A dm
+	 * clone's offset is the physical disk's, not the virtual disk's. */
+	if (kind < 0 || kind == DIO_DM_CLONE)
 		return *slot != VDISK_SEVERAL ? *slot : 0;
-	/* struct iomap_dio and struct blkdev_dio both begin with the kiocb.
-	 * Its position is the direct I/O's start until it completes: the
-	 * guest's offset on a raw image, which joins guest and host records. */
+	if (kind != DIO_IOMAP) {
+		/* Kernels before 5.12 name the disk, not the bdev: no offset,
+		 * and the device only where the VM has one disk on it. */
+		if (!bpf_core_field_exists(bio->bi_bdev))
+			return *slot != VDISK_SEVERAL ? *slot : 0;
+		bdev = BPF_CORE_READ(bio, bi_bdev);
+		*pos = (BPF_CORE_READ(bio, bi_iter.bi_sector) - BPF_CORE_READ(bdev, bd_start_sect)) << 9;
+		if (*slot != VDISK_SEVERAL)
+			return *slot;
+		k.dev = VDISK_FILE_BDEV;
+		k.ino = BPF_CORE_READ(bdev, bd_dev);
+		slot = bpf_map_lookup_elem(&vdisk_files, &k);
+		return slot ? *slot : 0;
+	}
+	/* The iomap_dio begins with the kiocb. Its position is the direct
+	 * I/O's start until it completes: the guest's offset on a raw image,
+	 * which joins guest and host records. */
 	dio_priv = BPF_CORE_READ(bio, bi_private);
 	iocb = BPF_CORE_READ(dio_priv, iocb);
 	if (!iocb)
@@ -926,21 +943,38 @@ int BPF_PROG(block_rq_merge, struct request *rq)
 	return 0;
 }
 
+/* Whether a program name is a QEMU system emulator's as distributions
+ * install it: qemu-system-* (upstream, Debian, SUSE), qemu-kvm (RHEL,
+ * Fedora), kvm (Proxmox). Mirrors vms::is_qemu_comm; the agent drops a
+ * process that turns out to run no guest. */
+static __always_inline int vm_comm(const char *comm)
+{
+	const char prefix[] = VM_COMM_PREFIX;
+	int i, qemu = 1;
+
+	for (i = 0; i < sizeof(prefix) - 1; i++)
+		if (comm[i] != prefix[i])
+			qemu = 0;
+	if (qemu)
+		return 1;
+	if (comm[0] == 'q' && comm[1] == 'e' && comm[2] == 'm' && comm[3] == 'u' && comm[4] == '-' &&
+	    comm[5] == 'k' && comm[6] == 'v' && comm[7] == 'm' && comm[8] == 0)
+		return 1;
+	return comm[0] == 'k' && comm[1] == 'v' && comm[2] == 'm' && comm[3] == 0;
+}
+
 /* A new process whose command is a VM: give it a slot before its first
  * request, so no request of it is ever attributed to the host. */
 static __always_inline void on_exec(void)
 {
-	const char prefix[] = VM_COMM_PREFIX;
 	char comm[16];
 	__u32 tgid, slot;
-	int i;
 
 	if (!targ_track_vms)
 		return;
 	bpf_get_current_comm(comm, sizeof(comm));
-	for (i = 0; i < sizeof(prefix) - 1; i++)
-		if (comm[i] != prefix[i])
-			return;
+	if (!vm_comm(comm))
+		return;
 	tgid = bpf_get_current_pid_tgid() >> 32;
 	slot = __sync_fetch_and_add(&next_vm, 1) + 1;
 	bpf_map_update_elem(&vm_pids, &tgid, &slot, BPF_NOEXIST);

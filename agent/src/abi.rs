@@ -125,7 +125,18 @@ pub struct FileKey {
     pub ino: u64,
 }
 
-pub const NR_DIO_END_IO: usize = 2;
+/// The direct-I/O completion functions (enum dio_kind), in order.
+pub const DIO_END_IO: [&str; NR_DIO_END_IO] = [
+    "iomap_dio_bio_end_io",
+    "blkdev_bio_end_io_async",
+    "blkdev_bio_end_io",
+    "submit_bio_wait_endio",
+    "clone_endio",
+];
+pub const NR_DIO_END_IO: usize = 5;
+
+/// `vdisk_files` key for a block device: dev = this, ino = its dev_t.
+pub const VDISK_FILE_BDEV: u32 = u32::MAX;
 
 /// Which of a VM's virtual disks a host disk backs (`vm_disks`).
 #[repr(C)]

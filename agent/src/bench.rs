@@ -1355,6 +1355,7 @@ mod tests {
                 stitch: Default::default(),
                 export: None,
                 vms: Vec::new(),
+                not_vms: 0,
                 entries: Vec::new(),
             },
             tails: vec![t],

@@ -4,7 +4,6 @@
 //! VM may restart), counts what is lost on the way.
 
 use std::{
-    path::PathBuf,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -15,8 +14,11 @@ use tokio::{io::AsyncReadExt, net::UnixStream, sync::watch};
 use crate::{
     correlate::Correlator,
     transport::{encode_control, Control, Frame, FrameReader, Hello, SenderStats},
-    vms::Registry,
+    vms::{channel_socket, Registry, SocketSource},
 };
+
+const BACKOFF_MIN: Duration = Duration::from_millis(200);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// One VM's guest channel, as the host saw it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -41,9 +43,14 @@ pub struct ChannelStats {
 }
 
 /// Follows the channel until `stop`, then reads what is already there.
+/// Each connection goes to the listening socket the VM's process `pid`
+/// holds for the chardev (`vms::channel_socket`), found anew each time:
+/// never to a path only its command line names. Attempts back off from
+/// 200 ms to 5 s while nothing answers.
 pub async fn follow(
     vm: u32,
-    path: PathBuf,
+    pid: u32,
+    src: SocketSource,
     known: Arc<Mutex<Registry>>,
     correlator: Arc<Mutex<Correlator>>,
     mut stop: watch::Receiver<bool>,
@@ -56,20 +63,27 @@ pub async fn follow(
         .unwrap_or_else(|p| p.into_inner())
         .stitch
         .expect_guest(vm);
+    let mut backoff = BACKOFF_MIN;
     loop {
         if *stop.borrow() {
             return;
         }
-        let stream = match UnixStream::connect(&path).await {
-            Ok(s) => s,
-            Err(_) => {
-                // QEMU not listening yet, or gone: try again shortly.
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(200)) => continue,
-                    _ = stop.changed() => return,
+        let found = channel_socket(pid, &src);
+        let stream = match &found {
+            Some(path) => UnixStream::connect(path).await.ok(),
+            None => None,
+        };
+        let (Some(stream), Some(path)) = (stream, found) else {
+            // QEMU not listening yet, or gone: try again, less often.
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                    continue;
                 }
+                _ = stop.changed() => return,
             }
         };
+        let connected = tokio::time::Instant::now();
         with_stats(&correlator, vm, |s| s.connections += 1);
         let (mut rd, wr) = stream.into_split();
         // Whatever the guest agent wrote that nobody acknowledged (a host
@@ -126,6 +140,15 @@ pub async fn follow(
         }
         if stopping.is_some() {
             return;
+        }
+        // A connection that closes at once is not retried at once.
+        if connected.elapsed() >= Duration::from_secs(1) {
+            backoff = BACKOFF_MIN;
+        } else {
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => backoff = (backoff * 2).min(BACKOFF_MAX),
+                _ = stop.changed() => return,
+            }
         }
     }
 }

@@ -235,6 +235,18 @@ impl Doctor {
         let _ = writeln!(out, "\nQEMU processes ({}):", self.vms.len());
         for vm in &self.vms {
             let _ = writeln!(out, "  {} (pid {})", vm.name, vm.pid);
+            if let Some(dom) = &vm.libvirt {
+                let _ = writeln!(
+                    out,
+                    "    libvirt domain {}{}",
+                    dom.name,
+                    dom.uuid
+                        .as_deref()
+                        .map_or(String::new(), |u| format!(", uuid {u}"))
+                );
+            } else if let Some(u) = &vm.uuid {
+                let _ = writeln!(out, "    uuid {u}");
+            }
             for (symbol, hot) in vm.uprobe_symbols(true) {
                 let site = vm
                     .exe
@@ -273,9 +285,16 @@ impl Doctor {
             let _ = writeln!(
                 out,
                 "    guest channel: {}",
-                match &vm.guest_channel {
-                    Some(p) => format!("{} (guest segment from `iospan agent --guest` in the VM)", p.display()),
-                    None => format!(
+                match (&vm.guest_channel, &vm.channel) {
+                    (Some(p), _) => format!("{} (guest segment from `iospan agent --guest` in the VM)", p.display()),
+                    (None, Some(src)) => format!(
+                        "{src:?} on the command line, but the VM's process holds no listening socket for it: not connected"
+                    ),
+                    (None, None) if vm.libvirt.is_some() => format!(
+                        "none: no guest segment (add <channel type='unix'><target type='virtio' name='{}'/></channel> to the domain's <devices>)",
+                        crate::transport::PORT_NAME
+                    ),
+                    (None, None) => format!(
                         "none: no guest segment (add -device virtio-serial-pci -chardev socket,id=iospan,path=PATH,\
                          server=on,wait=off -device virtserialport,chardev=iospan,name={})",
                         crate::transport::PORT_NAME
@@ -290,10 +309,24 @@ impl Doctor {
                 let served = d.engine.as_ref().map_or_else(String::new, |e| {
                     format!(" served by {} (pid {}, {})", e.program, e.pid, e.export)
                 });
+                let host = if d.host_stack.is_empty() {
+                    host
+                } else {
+                    // Device-mapper: the dm device, then the disks under it.
+                    format!("{} ({})", d.host_stack[0], d.host_stack[1..].join(", "))
+                };
+                let id = match &d.target_dev {
+                    Some(t) => format!("{} {t}", d.id),
+                    None => d.id.clone(),
+                };
+                let iothread = d
+                    .iothread
+                    .as_deref()
+                    .map_or(String::new(), |t| format!(", iothread {t}"));
                 let _ = writeln!(
                     out,
-                    "    {:<16} {:<18} {} on {host}{served}: host block requests attributed to the VM; host window {}",
-                    d.id,
+                    "    {:<16} {:<18} {} on {host}{served}{iothread}: host block requests attributed to the VM; host window {}",
+                    id,
                     d.model.as_deref().unwrap_or("-"),
                     d.file
                         .as_ref()

@@ -18,10 +18,12 @@ pub mod doctor;
 pub mod export;
 pub mod guest_agent;
 pub mod html;
+pub mod libvirt;
 pub mod live;
 pub mod metrics;
 pub mod model;
 pub mod preflight;
+pub mod procfs;
 pub mod reap;
 #[cfg(feature = "otlp")]
 pub mod replay;

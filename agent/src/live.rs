@@ -69,6 +69,10 @@ pub fn frame(
     let stitched = &stitch.stitched;
     let finished = snap.vm_finished();
     let inflight = |vm: u32| {
+        if known.exited.contains(&vm) {
+            // Never completed for us, not in flight (see metrics).
+            return 0;
+        }
         let c = snap.vm_counts.get(&vm).copied().unwrap_or_default();
         c.submitted
             .saturating_sub(finished.get(&vm).map_or(0, |f| f.done))

@@ -194,7 +194,8 @@ pub fn render(v: &View<'_>, f: Format) -> String {
     let exemplars = v.exemplars.filter(|_| f == Format::OpenMetrics);
     let (mut ios, mut bytes) = (String::new(), String::new());
     let finished = v.snap.vm_finished();
-    for (k, s) in &v.snap.vm_stats {
+    // Slots of QEMU processes that are not VMs are the host's requests.
+    for (k, s) in v.snap.vm_stats.iter().filter(|(k, _)| v.known.is_vm(k.vm)) {
         let vm = v.known.name(k.vm);
         let host = disks::name_of(k.dev);
         let vdisk = v.known.vdisk(k.vdisk).unwrap_or(&host).to_string();
@@ -332,11 +333,36 @@ pub fn render(v: &View<'_>, f: Format) -> String {
     );
     for (name, submitted, slot) in per_vm(|c| c.submitted) {
         let done = finished.get(&slot).map_or(0, |f| f.done);
+        // A process does not exit with direct I/O in flight: what an
+        // exited VM still has open never reached our completion probes,
+        // and is counted as undelivered when the run ends, not as in flight.
+        let inflight = if v.known.exited.contains(&slot) {
+            0
+        } else {
+            submitted.saturating_sub(done)
+        };
         let _ = writeln!(
             out,
-            "iospan_vm_inflight_requests{{{}}} {}",
+            "iospan_vm_inflight_requests{{{}}} {inflight}",
             labels(&[("vm", &name)]),
-            submitted.saturating_sub(done)
+        );
+    }
+    family(
+        &mut out,
+        f,
+        "iospan_vm_info",
+        "gauge",
+        "A VM iospan knows: its UUID and libvirt domain, where it has them (1 per VM).",
+    );
+    for (slot, vm) in &v.known.vms {
+        let _ = writeln!(
+            out,
+            "iospan_vm_info{{{}}} 1",
+            labels(&[
+                ("vm", &v.known.name(*slot)),
+                ("vm_uuid", vm.uuid.as_deref().unwrap_or("")),
+                ("pid", &vm.pid.to_string()),
+            ])
         );
     }
 

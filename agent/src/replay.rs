@@ -139,6 +139,7 @@ fn load(path: &Path) -> Result<Vec<(IoSpan, Names)>> {
             vdisk,
             host_disk: r.host_disk,
             nvme: r.nvme,
+            ..Default::default()
         };
         out.push((span, names));
     }

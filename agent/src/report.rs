@@ -46,15 +46,28 @@ pub struct RunReport {
     /// The VMs seen during the run.
     #[serde(default)]
     pub vms: Vec<VmSummary>,
+    /// QEMU processes that were not VMs (capability probes, processes gone
+    /// before they could be named): their requests are the host's.
+    #[serde(default)]
+    pub not_vms: u64,
     pub entries: Vec<Entry>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct VmSummary {
     pub name: String,
+    /// Its UUID (`-uuid`; libvirt's domain UUID).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
     pub pid: u32,
-    /// Virtual disk ids.
+    /// Virtual disk ids (libvirt's aliases).
     pub disks: Vec<String>,
+    /// Per virtual disk, the names its users know it by and where it lives.
+    #[serde(default)]
+    pub vdisks: Vec<VDiskSummary>,
+    /// The libvirt domain, when libvirt runs the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub libvirt_domain: Option<String>,
     pub kicks: KickSource,
     /// Its requests whose completion never reached us (not in `entries`).
     #[serde(default)]
@@ -73,6 +86,25 @@ pub struct VmSummary {
     /// segment is that process's time.
     #[serde(default)]
     pub engines: Vec<DiskEngine>,
+}
+
+/// A virtual disk: its id (libvirt's alias), its target dev, its backing
+/// and the host disks under it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VDiskSummary {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_dev: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backing: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iothread: Option<String>,
+    /// A device-mapper backing's stack: the dm device, then the physical
+    /// disks under it, whose block layer the device segment times.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_stack: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,8 +144,22 @@ pub fn vms(
             let c = counts.get(slot).copied().unwrap_or_default();
             VmSummary {
                 name: v.name.clone(),
+                uuid: v.uuid.clone(),
                 pid: v.pid,
                 disks: v.disks.iter().map(|d| d.id.clone()).collect(),
+                vdisks: v
+                    .disks
+                    .iter()
+                    .map(|d| VDiskSummary {
+                        id: d.id.clone(),
+                        target_dev: d.target_dev.clone(),
+                        model: d.model.clone(),
+                        backing: d.file.as_ref().map(|f| f.display().to_string()),
+                        iothread: d.iothread.clone(),
+                        host_stack: d.host_stack.clone(),
+                    })
+                    .collect(),
+                libvirt_domain: v.libvirt.as_ref().map(|d| d.name.clone()),
                 kicks: v.kicks,
                 undelivered: finished.get(slot).map_or(0, |f| f.undelivered),
                 engine_merged: c.engine_merges,
@@ -175,6 +221,9 @@ pub struct Entry {
     /// The host disk the requests went to.
     #[serde(default)]
     pub host_disk: String,
+    /// A VM's virtual disk's target dev (`vda`), where libvirt names one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_dev: Option<String>,
     pub op: Op,
     pub ios: u64,
     pub bytes: u64,
@@ -273,6 +322,7 @@ impl Entry {
             undelivered: s.undelivered,
             partial: s.partial,
             kernel: None,
+            target_dev: None,
             total: s.segment(BlkSegment::Total).summary(),
             segments,
             stitched: None,
@@ -318,6 +368,8 @@ pub fn vm_entries(
     let mut v: Vec<Entry> = stats
         .iter()
         .filter(|(k, _)| only.is_empty() || only.contains(&k.dev))
+        // Slots of QEMU processes that were not VMs: the host's requests.
+        .filter(|(k, _)| vms.is_vm(k.vm))
         .map(|(k, s)| {
             let host = disks::name_of(k.dev);
             let disk = vms
@@ -325,6 +377,7 @@ pub fn vm_entries(
                 .map_or_else(|| host.clone(), str::to_string);
             let mut e = Entry::from_stats(Some(vms.name(k.vm)), disk, k.op, s, duration_s);
             e.host_disk = host;
+            e.target_dev = vms.vdisk_target(k.vdisk).map(str::to_string);
             let split_key = SplitKey {
                 vm: k.vm,
                 dev: k.dev,
@@ -393,9 +446,29 @@ impl RunReport {
     /// The terminal table: a row per (disk, op, segment), latencies in µs.
     pub fn table(&self) -> String {
         let mut out = String::new();
+        // A virtual disk by the names its users know: libvirt's alias and
+        // target dev (`virtio-disk0 vda`).
+        let disk_label = |e: &Entry| match &e.target_dev {
+            Some(t) => format!("{} {t}", e.disk),
+            None => e.disk.clone(),
+        };
+        let vw = self
+            .entries
+            .iter()
+            .filter_map(|e| e.vm.as_ref().map(|v| v.chars().count()))
+            .max()
+            .unwrap_or(0)
+            .max(14);
+        let dw = self
+            .entries
+            .iter()
+            .map(|e| disk_label(e).chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(10);
         let _ = writeln!(
             out,
-            "{:<14} {:<10} {:<7} {:>9} {:>10} {:>8}  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "{:<vw$} {:<dw$} {:<7} {:>9} {:>10} {:>8}  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
             "VM",
             "DISK",
             "OP",
@@ -441,11 +514,12 @@ impl RunReport {
                 })
                 .collect();
             let rows = rows.map(|(k, v)| (k.to_string(), v)).chain(stitched);
+            let label = disk_label(e);
             for (i, (seg, s)) in rows.enumerate() {
                 let (vm, disk, op, ios, iops, mbs) = if i == 0 {
                     (
                         e.vm.as_deref().unwrap_or("-"),
-                        e.disk.as_str(),
+                        label.as_str(),
                         e.op.as_str(),
                         e.ios.to_string(),
                         format!("{:.1}", e.iops),
@@ -456,7 +530,7 @@ impl RunReport {
                 };
                 let _ = writeln!(
                     out,
-                    "{:<14} {:<10} {:<7} {:>9} {:>10} {:>8}  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                    "{:<vw$} {:<dw$} {:<7} {:>9} {:>10} {:>8}  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
                     vm, disk, op, ios, iops, mbs, seg,
                     us(s.mean_us), us(s.p50_us), us(s.p90_us), us(s.p99_us), us(s.p999_us), us(s.max_us)
                 );
@@ -474,6 +548,14 @@ impl RunReport {
             .filter(|v| v.kicks == KickSource::AnyVcpuEventfd)
             .map(|v| v.name.as_str())
             .collect();
+        if self.not_vms > 0 {
+            let _ = writeln!(
+                out,
+                "{} QEMU process{} ran no guest (capability probes, or gone before named): not VMs, their requests the host's",
+                self.not_vms,
+                if self.not_vms == 1 { "" } else { "es" }
+            );
+        }
         if !guessed.is_empty() {
             let _ = writeln!(
                 out,

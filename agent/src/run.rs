@@ -150,10 +150,11 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let correlator = Arc::new(Mutex::new(Correlator::new(50_000_000)));
     // Guest channels of the VMs running now; later VMs' as they are named.
     let mut channel_tasks = Vec::new();
-    for (slot, path) in guest_channels(&known.lock().unwrap_or_else(|p| p.into_inner())) {
+    for (slot, pid, src) in guest_channels(&known.lock().unwrap_or_else(|p| p.into_inner())) {
         channel_tasks.push(tokio::spawn(channel::follow(
             slot,
-            path,
+            pid,
+            src,
             known.clone(),
             correlator.clone(),
             stop_rx.clone(),
@@ -273,8 +274,8 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             }
             _ = vm_tick.tick(), if opts.vms => {
                 forget_exited_vms(&mut probes, &known, &mut exited);
-                for (slot, path) in name_new_vms(&mut probes, &known) {
-                    channel_tasks.push(tokio::spawn(channel::follow(slot, path, known.clone(), correlator.clone(), stop_rx.clone())));
+                for (slot, pid, src) in name_new_vms(&mut probes, &known) {
+                    channel_tasks.push(tokio::spawn(channel::follow(slot, pid, src, known.clone(), correlator.clone(), stop_rx.clone())));
                 }
             }
             _ = async { stop.as_mut().expect("guarded").wait_for(|s| *s).await.ok() }, if stop.is_some() => {
@@ -361,13 +362,14 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         .clone();
     // Guards taken in the literal below would live to its end: the
     // registry's and the correlator's are taken here, one at a time.
-    let (vms, guests) = {
+    let (vms, guests, not_vms) = {
         // The correlator, then the registry: the order every task takes them in.
         let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
         let known = known.lock().unwrap_or_else(|p| p.into_inner());
         (
             report::vms(&known, &snap.vm_counts, &snap.vm_finished()),
             report::guests(&known, &corr.stitch),
+            known.not_vms.len() as u64,
         )
     };
     let stitch = correlator
@@ -389,6 +391,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             bpf: opts.bpf_stats.then(|| probes.program_stats()),
         },
         vms,
+        not_vms,
         guests,
         stitch,
         export,
@@ -432,24 +435,40 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
 }
 
 /// Names VM slots the kernel side handed out since the last look, and
-/// tells it their backing files.
+/// tells it their backing files. A QEMU process that runs no guest (a
+/// capability probe), or is gone before it could be named, is let go: its
+/// requests are the host's, and it is counted, not shown.
 /// Returns the guest channels of the VMs it named.
-fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) -> Vec<(u32, PathBuf)> {
+fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) -> Vec<GuestChannel> {
     let mut channels = Vec::new();
     let Ok(pids) = probes.vm_pids() else {
         return channels;
     };
     let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
     for (tgid, slot) in pids {
-        if known.vms.contains_key(&slot) {
+        if known.vms.contains_key(&slot) || known.not_vms.contains_key(&slot) {
             continue;
         }
+        let mut vm = match vms::identify(tgid) {
+            Some(vm) if vm.not_vm.is_none() => vm,
+            other => {
+                let why = other
+                    .and_then(|v| v.not_vm)
+                    .unwrap_or_else(|| "gone before it could be named".to_string());
+                log::debug!("QEMU pid {tgid} is not a VM: {why}");
+                if let Err(e) = probes.forget_vm(tgid, slot) {
+                    log::warn!("QEMU pid {tgid}: {}", crate::bpf::error_chain(&e));
+                }
+                known.not_vms.insert(slot, vms::NotVm { pid: tgid, why });
+                continue;
+            }
+        };
         // A VM's requests need their submitter taken at their start, and
         // its notifications followed.
         if let Err(e) = probes.ensure_vm_probes() {
             log::warn!("VM attribution off: {}", crate::bpf::error_chain(&e));
         }
-        if let Some(mut vm) = vms::identify(tgid) {
+        {
             // Exec'd while the probes ran: its notifiers were seen created.
             vm.kicks = vms::KickSource::QueueNotifiers;
             if !vm.named_threads {
@@ -465,8 +484,8 @@ fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) -> Vec<(u32, 
                 vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>()
             );
             attach_vm_probes(probes, &vm);
-            if let Some(p) = &vm.guest_channel {
-                channels.push((slot, p.clone()));
+            if let Some(src) = &vm.channel {
+                channels.push((slot, vm.pid, src.clone()));
             }
             let maps = known.add(slot, vm);
             if let Err(e) = probes.add_vm_maps(&maps) {
@@ -521,6 +540,7 @@ fn forget_exited_vms(
             continue;
         }
         exited.insert(*slot);
+        known.exited.insert(*slot);
         match probes.forget_vm(vm.pid, *slot) {
             Ok(()) => log::info!(
                 "VM {} (pid {}) exited: its probes detached",
@@ -563,12 +583,15 @@ fn add_engines(probes: &mut BlockProbes, slot: u32, vm: &vms::Vm) {
     }
 }
 
+/// A VM's guest channel: its slot, its process, the chardev's socket.
+type GuestChannel = (u32, u32, vms::SocketSource);
+
 /// The guest channels of the VMs known now.
-fn guest_channels(known: &Registry) -> Vec<(u32, PathBuf)> {
+fn guest_channels(known: &Registry) -> Vec<GuestChannel> {
     known
         .vms
         .iter()
-        .filter_map(|(slot, vm)| Some((*slot, vm.guest_channel.clone()?)))
+        .filter_map(|(slot, vm)| Some((*slot, vm.pid, vm.channel.clone()?)))
         .collect()
 }
 
@@ -733,6 +756,7 @@ async fn drain_events<W: Write>(
 fn names_of(sp: &IoSpan, known: &Registry) -> Names {
     Names {
         vm: known.name(sp.vm),
+        vm_uuid: known.vms.get(&sp.vm).and_then(|v| v.uuid.clone()),
         vdisk: known.vdisk(sp.vdisk).unwrap_or_default().to_string(),
         host_disk: disks::name_of(Dev(sp.dev)),
         nvme: known

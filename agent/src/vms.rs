@@ -17,10 +17,13 @@ use crate::disks::Dev;
 /// file name it was executed as). Mirrors VM_COMM_PREFIX in agent_abi.h.
 pub const QEMU_PREFIX: &str = "qemu-system-";
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Vm {
     pub pid: u32,
     pub name: String,
+    /// The VM's UUID (`-uuid`, libvirt's domain UUID).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
     pub disks: Vec<VDisk>,
     /// The QEMU binary it runs (for uprobes).
     #[serde(default)]
@@ -32,14 +35,25 @@ pub struct Vm {
     /// runs it): vCPU threads, and so the guest's kicks, can be told apart.
     #[serde(default)]
     pub named_threads: bool,
-    /// The host end of the guest agent's channel: the unix socket of the
-    /// chardev behind a virtserialport named `org.iospan.0`.
+    /// The chardev behind a virtserialport named `org.iospan.0`, as the
+    /// command line gives it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub channel: Option<SocketSource>,
+    /// The host end of the guest agent's channel: the listening unix socket
+    /// the VM's process holds for that chardev (`channel_socket`).
     #[serde(default)]
     pub guest_channel: Option<PathBuf>,
     /// Device serials (`serial=`) by virtual disk id, to match the guest's
     /// disks.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub serials: Vec<(String, String)>,
+    /// Why this QEMU process is not a VM (it runs no guest: a capability
+    /// probe), or None for a VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_vm: Option<String>,
+    /// The libvirt domain it runs, when libvirt started it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub libvirt: Option<crate::libvirt::Domain>,
 }
 
 /// Which vCPU eventfd writes count as the guest's kicks.
@@ -68,6 +82,17 @@ pub struct VDisk {
     /// The whole host disk under the backing file, when it is on one.
     #[serde(skip)]
     pub host_dev: Option<Dev>,
+    /// The host disks under a device-mapper backing device (its slaves,
+    /// down to the physical disks), where the device segment is timed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_stack: Vec<String>,
+    /// The name the guest's user knows the disk by (libvirt's target
+    /// dev: `vda`, `sdb`), when libvirt started the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_dev: Option<String>,
+    /// The iothread serving it (`iothread=`), when not the main loop.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iothread: Option<String>,
     /// QEMU's I/O engine for the drive (`aio=`: threads, native, io_uring).
     #[serde(default)]
     pub aio: Option<String>,
@@ -170,9 +195,47 @@ impl VDisk {
     }
 }
 
-/// `k=v,k=v` options as QEMU parses them (`,,` is a literal comma); a
-/// leading bare word is returned under the key "".
+/// An option's value as QEMU takes it: a JSON object (`-device {"driver":…}`,
+/// as libvirt passes every device, blockdev and object) or `k=v,k=v`
+/// (`,,` is a literal comma; a leading bare word under the key ""). JSON
+/// is flattened to the same pairs: nested objects as dotted keys
+/// (`cache.direct`), booleans and numbers as their text.
 fn options(s: &str) -> Vec<(String, String)> {
+    if s.trim_start().starts_with('{') {
+        if let Ok(serde_json::Value::Object(m)) = serde_json::from_str(s) {
+            let mut out = Vec::new();
+            flatten_json("", &m, &mut out, 0);
+            return out;
+        }
+    }
+    keyval(s)
+}
+
+fn flatten_json(
+    prefix: &str,
+    m: &serde_json::Map<String, serde_json::Value>,
+    out: &mut Vec<(String, String)>,
+    depth: usize,
+) {
+    use serde_json::Value;
+    for (k, v) in m {
+        let key = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        match v {
+            Value::String(s) => out.push((key, s.clone())),
+            Value::Bool(b) => out.push((key, if *b { "on" } else { "off" }.into())),
+            Value::Number(n) => out.push((key, n.to_string())),
+            // Bounded: a command line is anyone's to write.
+            Value::Object(o) if depth < 4 => flatten_json(&key, o, out, depth + 1),
+            _ => {}
+        }
+    }
+}
+
+fn keyval(s: &str) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let mut cur = String::new();
     let mut chars = s.chars().peekable();
@@ -204,33 +267,74 @@ fn get<'a>(opts: &'a [(String, String)], key: &str) -> Option<&'a str> {
     opts.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
 }
 
-/// Identity from QEMU's arguments (argv without argv[0]).
+/// Where a chardev's unix socket comes from: a path QEMU binds, or a
+/// socket libvirt bound and passed in (`fd=N`), found through the process's
+/// own file table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SocketSource {
+    Path(PathBuf),
+    Fd(i32),
+}
+
+/// Identity from QEMU's arguments (argv without argv[0]): every form
+/// QEMU takes them in, keyval or JSON (libvirt's), in one pass.
 pub fn from_args(pid: u32, args: &[String]) -> Vm {
     let mut name = None;
+    let mut uuid = None;
     let mut named_threads = false;
-    let mut chardevs: Vec<(String, PathBuf)> = Vec::new(); // (id, unix socket path)
+    let mut machine: Option<String> = None;
+    let (mut paused, mut kernel) = (false, false);
+    let mut iothreads: Vec<String> = Vec::new();
+    let mut chardevs: Vec<(String, SocketSource)> = Vec::new(); // (id, unix socket)
     let mut channel_dev: Option<String> = None; // chardev of the guest agent's port
     let mut serials: Vec<(String, String)> = Vec::new(); // (device or drive id, serial)
                                                          // drive/node id -> backing file
     let mut files: Vec<(String, Option<PathBuf>, Option<String>)> = Vec::new(); // (id, file, child node)
     let mut aio: Vec<(String, String)> = Vec::new(); // (drive/node id, aio mode)
-    let mut devices: Vec<(String, Option<String>, String, bool)> = Vec::new(); // (model, id, drive, ioeventfd)
+    let mut devices: Vec<Device> = Vec::new();
     let mut vhost: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, chardev)
     let mut vscsi: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, wwpn)
+    let on = |v: Option<&str>| v.is_some_and(|v| matches!(v, "on" | "true" | "yes"));
     let mut i = 0;
     while i < args.len() {
+        let is_opt = args[i].starts_with('-');
         let a = args[i].trim_start_matches('-');
         let v = args.get(i + 1).map(String::as_str).unwrap_or("");
-        let is_opt = args[i].starts_with('-');
+        // Options that take no value.
         match (is_opt, a) {
-            (true, "name") => {
+            (true, "S") => {
+                paused = true;
+                i += 1;
+                continue;
+            }
+            (false, _) => {
+                i += 1;
+                continue;
+            }
+            _ => {}
+        }
+        match a {
+            "name" => {
                 let o = options(v);
                 name = get(&o, "guest").or_else(|| get(&o, "")).map(str::to_string);
-                named_threads =
-                    get(&o, "debug-threads").is_some_and(|v| matches!(v, "on" | "true" | "yes"));
-                i += 1;
+                named_threads = on(get(&o, "debug-threads"));
             }
-            (true, "drive") => {
+            "uuid" => uuid = Some(v.to_string()),
+            "machine" | "M" => {
+                let o = options(v);
+                machine = get(&o, "type").or_else(|| get(&o, "")).map(str::to_string);
+            }
+            "kernel" => kernel = true,
+            "object" => {
+                let o = options(v);
+                if get(&o, "qom-type").or_else(|| get(&o, "")) == Some("iothread") {
+                    if let Some(id) = get(&o, "id") {
+                        iothreads.push(id.to_string());
+                    }
+                }
+            }
+            "drive" => {
                 let o = options(v);
                 if let Some(id) = get(&o, "id") {
                     files.push((id.to_string(), get(&o, "file").map(PathBuf::from), None));
@@ -239,31 +343,33 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                         get(&o, "aio").unwrap_or("threads").to_string(),
                     ));
                 }
-                i += 1;
             }
-            (true, "blockdev") => {
+            "blockdev" => {
                 if let Some((id, file, child, a)) = blockdev(v) {
                     files.push((id.clone(), file, child));
                     if let Some(a) = a {
                         aio.push((id, a));
                     }
                 }
-                i += 1;
             }
-            (true, "device") => {
+            "device" => {
                 let o = options(v);
                 let model = get(&o, "").or_else(|| get(&o, "driver")).unwrap_or("");
                 let id = get(&o, "id").map(str::to_string);
                 if let (false, Some(drive)) = (model.is_empty(), get(&o, "drive")) {
-                    let ioeventfd =
-                        get(&o, "ioeventfd").is_some_and(|v| matches!(v, "on" | "true" | "yes"));
                     if let Some(serial) = get(&o, "serial") {
                         serials.push((
                             id.clone().unwrap_or_else(|| drive.to_string()),
                             serial.to_string(),
                         ));
                     }
-                    devices.push((model.to_string(), id.clone(), drive.to_string(), ioeventfd));
+                    devices.push(Device {
+                        model: model.to_string(),
+                        id: id.clone(),
+                        drive: drive.to_string(),
+                        ioeventfd: on(get(&o, "ioeventfd")),
+                        iothread: get(&o, "iothread").map(str::to_string),
+                    });
                 }
                 match (get(&o, "chardev"), get(&o, "wwpn")) {
                     (Some(chardev), _) if model.starts_with("vhost-user-blk") => {
@@ -280,31 +386,43 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                     }
                     _ => {}
                 }
-                i += 1;
             }
-            (true, "chardev") => {
+            "chardev" => {
                 let o = options(v);
-                if let (Some("socket"), Some(id), Some(path)) =
-                    (get(&o, ""), get(&o, "id"), get(&o, "path"))
-                {
-                    chardevs.push((id.to_string(), PathBuf::from(path)));
+                let backend = get(&o, "").or_else(|| get(&o, "backend"));
+                let src = match (get(&o, "path"), get(&o, "fd")) {
+                    (Some(p), _) => Some(SocketSource::Path(PathBuf::from(p))),
+                    (None, Some(fd)) => fd.parse().ok().map(SocketSource::Fd),
+                    _ => None,
+                };
+                if let (Some("socket"), Some(id), Some(src)) = (backend, get(&o, "id"), src) {
+                    chardevs.push((id.to_string(), src));
                 }
-                i += 1;
             }
-            _ => {}
+            _ => {
+                i += 1;
+                continue;
+            }
         }
-        i += 1;
+        i += 2;
     }
     let file_of = |id: &str| node_file(&files, id);
     let aio_of = |id: &str| Some(node_aio(&files, &aio, id));
+    let socket_of = |chardev: &str| {
+        chardevs
+            .iter()
+            .find(|(c, _)| c == chardev)
+            .map(|(_, s)| s.clone())
+    };
     let mut disks: Vec<VDisk> = devices
         .iter()
-        .map(|(model, id, drive, ioeventfd)| VDisk {
-            id: id.clone().unwrap_or_else(|| drive.clone()),
-            model: Some(model.clone()),
-            file: file_of(drive),
-            aio: aio_of(drive),
-            ioeventfd: *ioeventfd,
+        .map(|d| VDisk {
+            id: d.id.clone().unwrap_or_else(|| d.drive.clone()),
+            model: Some(d.model.clone()),
+            file: file_of(&d.drive),
+            aio: aio_of(&d.drive),
+            ioeventfd: d.ioeventfd,
+            iothread: d.iothread.clone(),
             ..Default::default()
         })
         .collect();
@@ -314,10 +432,10 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
             id: id.clone().unwrap_or_else(|| chardev.clone()),
             model: Some(model.clone()),
             ioeventfd: true,
-            socket: chardevs
-                .iter()
-                .find(|(c, _)| c == chardev)
-                .map(|(_, p)| p.clone()),
+            socket: match socket_of(chardev) {
+                Some(SocketSource::Path(p)) => Some(p),
+                _ => None,
+            },
             ..Default::default()
         });
     }
@@ -333,7 +451,7 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
     }
     // -drive with if=virtio (or default) and no -device: the drive is the disk.
     for (id, file, _) in &files {
-        let used = devices.iter().any(|(_, _, d, _)| d == id)
+        let used = devices.iter().any(|d| d.drive == *id)
             || files.iter().any(|(_, _, c)| c.as_deref() == Some(id));
         if !used && file.is_some() {
             disks.push(VDisk {
@@ -345,23 +463,41 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         }
     }
     for d in &mut disks {
-        d.host_dev = d.file.as_deref().and_then(host_disk_of);
+        d.resolve_host();
+        // A device naming an iothread no -object made is QEMU's error;
+        // keep only what exists.
+        d.iothread = d.iothread.take().filter(|t| iothreads.contains(t));
     }
+    let not_vm = if machine.as_deref() == Some("none") {
+        Some("runs no machine (-machine none): a capability probe".to_string())
+    } else if paused && disks.is_empty() && !kernel {
+        Some("paused (-S) with no disk and no kernel to run".to_string())
+    } else {
+        None
+    };
     Vm {
         pid,
         name: name.unwrap_or_else(|| format!("qemu-{pid}")),
+        uuid,
         disks,
         exe: None,
         kicks: KickSource::default(),
         named_threads,
-        guest_channel: channel_dev.and_then(|c| {
-            chardevs
-                .into_iter()
-                .find(|(id, _)| *id == c)
-                .map(|(_, p)| p)
-        }),
+        channel: channel_dev.and_then(|c| socket_of(&c)),
+        guest_channel: None,
         serials,
+        not_vm,
+        libvirt: None,
     }
+}
+
+/// A `-device` with a drive.
+struct Device {
+    model: String,
+    id: Option<String>,
+    drive: String,
+    ioeventfd: bool,
+    iothread: Option<String>,
 }
 
 /// A `-blockdev` (JSON or key=value): node name, file name, child node
@@ -370,21 +506,16 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
 type BlockNode = (String, Option<PathBuf>, Option<String>, Option<String>);
 
 fn blockdev(v: &str) -> Option<BlockNode> {
-    if let Ok(j) = serde_json::from_str::<serde_json::Value>(v) {
-        let id = j["node-name"].as_str()?.to_string();
-        return Some((
-            id,
-            j["filename"].as_str().map(PathBuf::from),
-            j["file"].as_str().map(str::to_string),
-            j["aio"].as_str().map(str::to_string),
-        ));
-    }
     let o = options(v);
     Some((
         get(&o, "node-name")?.to_string(),
-        get(&o, "filename").map(PathBuf::from),
+        get(&o, "filename")
+            .or_else(|| get(&o, "file.filename"))
+            .map(PathBuf::from),
         get(&o, "file").map(str::to_string),
-        get(&o, "aio").map(str::to_string),
+        get(&o, "aio")
+            .or_else(|| get(&o, "file.aio"))
+            .map(str::to_string),
     ))
 }
 
@@ -550,7 +681,7 @@ impl Vm {
                     });
                     d.file = x.file.clone();
                     d.aio = Some(x.aio.clone());
-                    d.host_dev = d.file.as_deref().and_then(host_disk_of);
+                    d.resolve_host();
                 }
             }
         }
@@ -665,7 +796,34 @@ fn backstore_path(dir: &Path) -> Option<PathBuf> {
 }
 
 /// The whole host disk a file lives on, or a block device is part of.
+/// Under device-mapper (LVM, multipath, dm-crypt) it is the first
+/// physical disk under the stack (see `host_stack_of`).
 pub fn host_disk_of(file: &Path) -> Option<Dev> {
+    host_stack_of(Path::new("/sys"), file)?
+        .leaves
+        .first()
+        .copied()
+}
+
+/// The block devices under a backing file or device, as sysfs tells them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostStack {
+    /// The device QEMU's requests enter: the whole disk or partition it
+    /// opened, or the disk holding its file (`sdb1`, `dm-3`, `loop0p1`).
+    pub top: String,
+    /// The physical disks at the bottom, whose requests the block layer
+    /// times (a dm device has none of its own), whole disks, in order.
+    pub leaves: Vec<Dev>,
+    /// Their names, for the report (`loop0`, `nvme0n1`).
+    pub leaf_names: Vec<String>,
+    /// Whether device-mapper stands between the two.
+    pub dm: bool,
+}
+
+/// The stack under `file` read from the sysfs tree at `sys` (a recorded
+/// tree in tests): the device it is or lives on, down through dm slaves
+/// (`/sys/block/dm-N/slaves/…`) to whole physical disks.
+pub fn host_stack_of(sys: &Path, file: &Path) -> Option<HostStack> {
     use std::os::unix::fs::FileTypeExt;
     let meta = fs::metadata(file).ok()?;
     let dev = if meta.file_type().is_block_device() {
@@ -673,34 +831,124 @@ pub fn host_disk_of(file: &Path) -> Option<Dev> {
     } else {
         meta.dev()
     };
-    let (major, minor) = (libc::major(dev), libc::minor(dev));
-    let sys = fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).ok()?;
-    let disk = if sys.join("partition").exists() {
-        sys.parent()?.to_path_buf()
-    } else {
-        sys
-    };
-    let text = fs::read_to_string(disk.join("dev")).ok()?;
-    let (a, b) = text.trim().split_once(':')?;
-    Some(Dev::new(a.parse().ok()?, b.parse().ok()?))
+    host_stack_of_dev(sys, libc::major(dev), libc::minor(dev))
 }
 
-/// A running process's identity, if it is a QEMU VM.
+pub fn host_stack_of_dev(sys: &Path, major: u32, minor: u32) -> Option<HostStack> {
+    let dir = fs::canonicalize(sys.join(format!("dev/block/{major}:{minor}"))).ok()?;
+    let top = dir.file_name()?.to_string_lossy().into_owned();
+    let mut st = HostStack {
+        top,
+        ..Default::default()
+    };
+    let mut todo = vec![dir];
+    let mut seen = 0;
+    while let Some(d) = todo.pop() {
+        // A stack is shallow; a loop in a (recorded) tree must not hang us.
+        seen += 1;
+        if seen > 64 {
+            break;
+        }
+        let slaves: Vec<PathBuf> = fs::read_dir(d.join("slaves"))
+            .map(|rd| {
+                let mut v: Vec<PathBuf> = rd
+                    .flatten()
+                    .filter_map(|e| fs::canonicalize(e.path()).ok())
+                    .collect();
+                v.sort();
+                v
+            })
+            .unwrap_or_default();
+        if !slaves.is_empty() {
+            st.dm = true;
+            // Depth first, in name order.
+            todo.extend(slaves.into_iter().rev());
+            continue;
+        }
+        let disk = if d.join("partition").exists() {
+            d.parent()?.to_path_buf()
+        } else {
+            d
+        };
+        let text = fs::read_to_string(disk.join("dev")).ok()?;
+        let (a, b) = text.trim().split_once(':')?;
+        let leaf = Dev::new(a.parse().ok()?, b.parse().ok()?);
+        if !st.leaves.contains(&leaf) {
+            st.leaves.push(leaf);
+            st.leaf_names
+                .push(disk.file_name()?.to_string_lossy().into_owned());
+        }
+    }
+    (!st.leaves.is_empty()).then_some(st)
+}
+
+impl VDisk {
+    /// Finds the host disks under its backing file or device.
+    fn resolve_host(&mut self) {
+        let st = self
+            .file
+            .as_deref()
+            .and_then(|f| host_stack_of(Path::new("/sys"), f));
+        self.host_dev = st.as_ref().and_then(|s| s.leaves.first().copied());
+        self.host_stack = match st {
+            Some(s) if s.dm => std::iter::once(s.top).chain(s.leaf_names).collect(),
+            _ => Vec::new(),
+        };
+    }
+}
+
+/// Whether a program name (a comm) is a QEMU system emulator's, as
+/// distributions install it: `qemu-system-*` (upstream, Debian, SUSE),
+/// `qemu-kvm` (RHEL and Fedora's /usr/libexec/qemu-kvm), `kvm` (Proxmox's
+/// /usr/bin/kvm). Mirrors vm_comm() in block.bpf.c, which gives such a
+/// process a VM slot at exec.
+pub fn is_qemu_comm(comm: &str) -> bool {
+    let comm = comm.trim_end_matches('\n');
+    comm.starts_with(QEMU_PREFIX) || comm == "qemu-kvm" || comm == "kvm"
+}
+
+/// Whether arguments are QEMU's: a name other programs use too (`kvm`)
+/// must come with a command line only QEMU takes.
+fn looks_like_qemu(comm: &str, vm: &Vm) -> bool {
+    comm.starts_with(QEMU_PREFIX)
+        || vm.not_vm.is_some()
+        || !vm.disks.is_empty()
+        || vm.uuid.is_some()
+        || !vm.name.starts_with("qemu-")
+}
+
+/// A running process's identity, if it is a QEMU process: a VM, or (with
+/// `not_vm` set) a QEMU that runs no guest.
 pub fn identify(pid: u32) -> Option<Vm> {
     let comm = fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-    if !comm.starts_with(QEMU_PREFIX) {
+    if !is_qemu_comm(&comm) {
         return None;
     }
     let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    // An exited process awaiting its parent (a zombie) has no command
+    // line left to tell what it was.
+    if raw.is_empty() {
+        return None;
+    }
     let args: Vec<String> = raw
         .split(|&b| b == 0)
         .skip(1)
         .map(|a| String::from_utf8_lossy(a).into_owned())
         .collect();
     let mut vm = from_args(pid, &args);
+    if !looks_like_qemu(&comm, &vm) {
+        return None;
+    }
     vm.exe = fs::read_link(format!("/proc/{pid}/exe"))
         .ok()
         .filter(|p| p.exists());
+    if vm.not_vm.is_some() {
+        return Some(vm);
+    }
+    if let Some(dom) = crate::libvirt::domain_of(pid) {
+        vm.apply_domain(dom);
+    }
+    vm.guest_channel = vm.channel.as_ref().and_then(|c| channel_socket(pid, c));
     if vm.disks.iter().any(|d| d.socket.is_some()) {
         let cwd = fs::read_link(format!("/proc/{pid}/cwd")).unwrap_or_default();
         vm.find_engines(&storage_daemons(), &cwd);
@@ -712,6 +960,42 @@ pub fn identify(pid: u32) -> Option<Vm> {
         vm.find_luns(&configfs_root());
     }
     Some(vm)
+}
+
+/// The guest channel's host socket: a listening unix socket the VM's own
+/// process holds for the chardev (passed in by libvirt as `fd=N`, or bound
+/// by QEMU at `path=`). A path on the command line that the process does
+/// not itself listen on is never connected to.
+pub fn channel_socket(pid: u32, src: &SocketSource) -> Option<PathBuf> {
+    match src {
+        SocketSource::Fd(fd) => crate::procfs::held_listener(pid, Some(*fd), None),
+        SocketSource::Path(p) => {
+            let abs = if p.is_absolute() {
+                p.clone()
+            } else {
+                fs::read_link(format!("/proc/{pid}/cwd")).ok()?.join(p)
+            };
+            crate::procfs::held_listener(pid, None, Some(&abs))
+        }
+    }
+}
+
+impl Vm {
+    /// What libvirt knows of the domain: its UUID, and each disk's target
+    /// dev by the alias QEMU has as the device's id.
+    pub fn apply_domain(&mut self, dom: crate::libvirt::Domain) {
+        if self.uuid.is_none() {
+            self.uuid = dom.uuid.clone();
+        }
+        for d in &mut self.disks {
+            d.target_dev = dom
+                .disks
+                .iter()
+                .find(|x| x.alias == d.id)
+                .map(|x| x.target_dev.clone());
+        }
+        self.libvirt = Some(dom);
+    }
 }
 
 /// Whether the VM's process still runs: not gone, not a zombie awaiting its
@@ -726,7 +1010,7 @@ pub fn alive(vm: &Vm) -> bool {
     };
     let comm = &stat[open + 1..close];
     let state = stat[close + 1..].trim_start().chars().next();
-    comm.starts_with(QEMU_PREFIX) && !matches!(state, Some('Z' | 'X' | 'x'))
+    is_qemu_comm(comm) && !matches!(state, Some('Z' | 'X' | 'x'))
 }
 
 /// Whether an engine process still runs (as the same program).
@@ -790,6 +1074,7 @@ pub fn scan() -> Vec<Vm> {
             rd.flatten()
                 .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
                 .filter_map(identify)
+                .filter(|vm| vm.not_vm.is_none())
                 .collect()
         })
         .unwrap_or_default();
@@ -809,6 +1094,19 @@ pub struct Registry {
     /// Engine processes serving running VMs from outside QEMU: pid -> VM
     /// slot (removed when the VM exits).
     pub engines: std::collections::BTreeMap<u32, u32>,
+    /// Slots the kernel side handed to QEMU processes that are not VMs:
+    /// they run no guest (capability probes), or were gone before they
+    /// could be named. Their requests are the host's.
+    pub not_vms: std::collections::BTreeMap<u32, NotVm>,
+    /// Slots of VMs whose process has exited.
+    pub exited: std::collections::BTreeSet<u32>,
+}
+
+/// A QEMU process that is not a VM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NotVm {
+    pub pid: u32,
+    pub why: String,
 }
 
 /// What the kernel side needs to know of a VM's virtual disks.
@@ -879,6 +1177,11 @@ impl Registry {
         maps
     }
 
+    /// Whether a slot is a VM's (named, and not found to run no guest).
+    pub fn is_vm(&self, slot: u32) -> bool {
+        self.vms.contains_key(&slot)
+    }
+
     pub fn name(&self, slot: u32) -> String {
         self.vms
             .get(&slot)
@@ -889,23 +1192,38 @@ impl Registry {
         self.vdisks.get(&vdisk).map(|(_, id)| id.as_str())
     }
 
+    /// A virtual disk by its slot.
+    fn vdisk_def(&self, vdisk: u32) -> Option<&VDisk> {
+        let (vm, id) = self.vdisks.get(&vdisk)?;
+        self.vms.get(vm)?.disks.iter().find(|d| &d.id == id)
+    }
+
+    /// A virtual disk's target dev (libvirt's `vda`), where known.
+    pub fn vdisk_target(&self, vdisk: u32) -> Option<&str> {
+        self.vdisk_def(vdisk)?.target_dev.as_deref()
+    }
+
     /// The QEMU device model of a virtual disk (virtio-blk-pci, nvme, …).
     pub fn vdisk_model(&self, vdisk: u32) -> Option<&str> {
-        let (vm, id) = self.vdisks.get(&vdisk)?;
-        self.vms
-            .get(vm)?
-            .disks
-            .iter()
-            .find(|d| &d.id == id)?
-            .model
-            .as_deref()
+        self.vdisk_def(vdisk)?.model.as_deref()
     }
 }
 
 /// The kernel's identity of a file: its superblock's dev_t (major << 20 |
 /// minor) and inode number, as the eBPF side reads them from the inode.
 pub fn file_key(path: &Path) -> Option<crate::abi::FileKey> {
+    use std::os::unix::fs::FileTypeExt;
     let m = fs::metadata(path).ok()?;
+    // A block device by its number: whatever node opened it (libvirt's
+    // private /dev, a by-id link) is the same device.
+    if m.file_type().is_block_device() {
+        let rdev = m.rdev();
+        return Some(crate::abi::FileKey {
+            dev: crate::abi::VDISK_FILE_BDEV,
+            _pad: 0,
+            ino: u64::from((libc::major(rdev) << 20) | libc::minor(rdev)),
+        });
+    }
     let dev = m.dev();
     Some(crate::abi::FileKey {
         dev: (libc::major(dev) << 20) | libc::minor(dev),
@@ -1005,8 +1323,8 @@ mod tests {
         );
         assert_eq!(vm.name, "web01");
         assert_eq!(
-            vm.guest_channel.as_deref(),
-            Some(Path::new("/run/iospan/web01.sock"))
+            vm.channel,
+            Some(SocketSource::Path("/run/iospan/web01.sock".into()))
         );
         assert_eq!(vm.serials, [("d1".to_string(), "abc".to_string())]);
         assert_eq!(vm.disks.len(), 2);
@@ -1030,6 +1348,290 @@ mod tests {
         assert_eq!(
             vm.disks[1].file.as_deref(),
             Some(Path::new("/data/db,with,commas.raw"))
+        );
+    }
+
+    /// Split a recorded command line as /proc/PID/cmdline would (one
+    /// argument per element; the recordings keep JSON in single quotes).
+    fn recorded(line: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut cur = String::new();
+        let mut quoted = false;
+        for c in line.chars() {
+            match c {
+                '\'' => quoted = !quoted,
+                ' ' | '\n' if !quoted => {
+                    if !cur.is_empty() {
+                        out.push(std::mem::take(&mut cur));
+                    }
+                }
+                _ => cur.push(c),
+            }
+        }
+        if !cur.is_empty() {
+            out.push(cur);
+        }
+        out.remove(0);
+        out
+    }
+
+    /// libvirt 9.0 (Debian 12) starting a TCG domain with an iothread, a
+    /// file disk, a block-device disk and the guest channel passed as an fd.
+    const LIBVIRT: &str = r#"/usr/bin/qemu-system-x86_64 -name guest=lv-file,debug-threads=on -S
+        -object '{"qom-type":"secret","id":"masterKey0","format":"raw","file":"/var/lib/libvirt/qemu/domain-2-lv-file/master-key.aes"}'
+        -machine pc-i440fx-7.2,usb=off,dump-guest-core=off,memory-backend=pc.ram -accel tcg -cpu qemu64
+        -bios /usr/share/qemu/qboot.rom -m 512 -object '{"qom-type":"memory-backend-ram","id":"pc.ram","size":536870912}'
+        -overcommit mem-lock=off -smp 1,sockets=1,cores=1,threads=1 -object '{"qom-type":"iothread","id":"iothread1"}'
+        -uuid b40a0dcb-ecba-4afd-97ea-fcc0c6900c2a -display none -no-user-config -nodefaults
+        -chardev socket,id=charmonitor,fd=31,server=on,wait=off -mon chardev=charmonitor,id=monitor,mode=control
+        -rtc base=utc -no-shutdown -no-acpi -boot strict=on -kernel /srv/rig/vmlinuz -initrd /srv/rig/initrd.cpio.gz
+        -append 'console=ttyS0 quiet'
+        -device '{"driver":"virtio-serial-pci","id":"virtio-serial0","bus":"pci.0","addr":"0x2"}'
+        -blockdev '{"driver":"file","filename":"/var/lib/libvirt/images/lv-file.img","aio":"io_uring","node-name":"libvirt-2-storage","cache":{"direct":true,"no-flush":false},"auto-read-only":true,"discard":"unmap"}'
+        -blockdev '{"node-name":"libvirt-2-format","read-only":false,"cache":{"direct":true,"no-flush":false},"driver":"raw","file":"libvirt-2-storage"}'
+        -device '{"driver":"virtio-blk-pci","iothread":"iothread1","bus":"pci.0","addr":"0x3","drive":"libvirt-2-format","id":"virtio-disk0","bootindex":1,"write-cache":"on"}'
+        -blockdev '{"driver":"host_device","filename":"/dev/vg0/lv-data","aio":"native","node-name":"libvirt-1-storage","cache":{"direct":true,"no-flush":false},"auto-read-only":true,"discard":"unmap"}'
+        -blockdev '{"node-name":"libvirt-1-format","read-only":false,"cache":{"direct":true,"no-flush":false},"driver":"raw","file":"libvirt-1-storage"}'
+        -device '{"driver":"virtio-blk-pci","bus":"pci.0","addr":"0x4","drive":"libvirt-1-format","id":"virtio-disk1","write-cache":"on"}'
+        -add-fd set=0,fd=30,opaque=serial0-source -chardev file,id=charserial0,path=/dev/fdset/0,append=on
+        -device '{"driver":"isa-serial","chardev":"charserial0","id":"serial0","index":0}'
+        -chardev socket,id=charchannel0,fd=29,server=on,wait=off
+        -device '{"driver":"virtserialport","bus":"virtio-serial0.0","nr":1,"chardev":"charchannel0","id":"channel0","name":"org.iospan.0"}'
+        -audiodev '{"id":"audio1","driver":"none"}' -sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny -msg timestamp=on"#;
+
+    #[test]
+    fn libvirt_json_devices_blockdevs_iothreads_uuid_and_fd_channel() {
+        let vm = from_args(7, &recorded(LIBVIRT));
+        assert_eq!(vm.name, "lv-file");
+        assert_eq!(
+            vm.uuid.as_deref(),
+            Some("b40a0dcb-ecba-4afd-97ea-fcc0c6900c2a")
+        );
+        assert!(vm.named_threads);
+        assert_eq!(vm.not_vm, None, "paused at start, but it has disks");
+        let d: Vec<_> = vm
+            .disks
+            .iter()
+            .map(|d| {
+                (
+                    d.id.as_str(),
+                    d.model.as_deref(),
+                    d.file.as_deref().and_then(Path::to_str),
+                    d.aio.as_deref(),
+                    d.iothread.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            d,
+            [
+                (
+                    "virtio-disk0",
+                    Some("virtio-blk-pci"),
+                    Some("/var/lib/libvirt/images/lv-file.img"),
+                    Some("io_uring"),
+                    Some("iothread1")
+                ),
+                (
+                    "virtio-disk1",
+                    Some("virtio-blk-pci"),
+                    Some("/dev/vg0/lv-data"),
+                    Some("native"),
+                    None
+                ),
+            ]
+        );
+        assert!(vm.disks.iter().all(VDisk::split_supported));
+        assert_eq!(vm.channel, Some(SocketSource::Fd(29)));
+        assert_eq!(vm.guest_channel, None, "resolved only through the process");
+    }
+
+    #[test]
+    fn libvirt_capability_probes_are_not_vms() {
+        // What libvirtd runs to learn a binary's capabilities.
+        let probe = recorded(
+            "qemu-system-x86_64 -S -no-user-config -nodefaults -nographic -machine none,accel=kvm:tcg \
+             -qmp unix:/var/lib/libvirt/qemu/capabilities.monitor.sock,server=on,wait=off \
+             -pidfile /var/lib/libvirt/qemu/capabilities.pidfile -daemonize",
+        );
+        let vm = from_args(40, &probe);
+        assert!(
+            vm.not_vm
+                .as_deref()
+                .is_some_and(|w| w.contains("-machine none")),
+            "{vm:?}"
+        );
+        // -M and JSON-free keyval forms too; paused with nothing to run.
+        assert!(from_args(41, &args(&["-M", "none"])).not_vm.is_some());
+        assert!(from_args(42, &args(&["-machine", "type=none,accel=tcg"]))
+            .not_vm
+            .is_some());
+        assert!(
+            from_args(43, &args(&["-S", "-nodefaults", "-qmp", "stdio"]))
+                .not_vm
+                .is_some()
+        );
+        // Paused with a kernel to run, or a disk, is a VM.
+        assert!(from_args(44, &args(&["-S", "-kernel", "/boot/vmlinuz"]))
+            .not_vm
+            .is_none());
+        assert!(from_args(45, &args(&["-S", "-drive", "file=/a.img,id=d0"]))
+            .not_vm
+            .is_none());
+    }
+
+    #[test]
+    fn rhel_qemu_kvm_and_proxmox_kvm_are_qemu() {
+        assert!(is_qemu_comm("qemu-system-x86"));
+        assert!(is_qemu_comm("qemu-kvm\n"));
+        assert!(is_qemu_comm("kvm"));
+        assert!(!is_qemu_comm("kvm-pit/1234"));
+        assert!(!is_qemu_comm("qemu-storage-da"));
+        assert!(!is_qemu_comm("qemu-ga"));
+        // RHEL 9's /usr/libexec/qemu-kvm as libvirt starts it (from libvirt's
+        // and RHEL's documentation): q35, a qcow2 on a file, the guest channel.
+        let rhel = recorded(
+            r#"/usr/libexec/qemu-kvm -name guest=rhel9-db,debug-threads=on -S -machine pc-q35-rhel9.2.0,usb=off,memory-backend=pc.ram
+               -accel kvm -uuid 5d2b1cbf-0f6e-4c2a-9d0c-6a7c3f0e1a11 -no-user-config -nodefaults
+               -object '{"qom-type":"iothread","id":"iothread1"}'
+               -blockdev '{"driver":"file","filename":"/var/lib/libvirt/images/rhel9-db.qcow2","node-name":"libvirt-1-storage","auto-read-only":true,"discard":"unmap","aio":"native","cache":{"direct":true,"no-flush":false}}'
+               -blockdev '{"node-name":"libvirt-1-format","read-only":false,"discard":"unmap","cache":{"direct":true,"no-flush":false},"driver":"qcow2","file":"libvirt-1-storage"}'
+               -device '{"driver":"virtio-blk-pci","iothread":"iothread1","bus":"pci.4","addr":"0x0","drive":"libvirt-1-format","id":"virtio-disk0","bootindex":1,"write-cache":"on","num-queues":4}'
+               -chardev socket,id=charchannel1,fd=35,server=on,wait=off
+               -device '{"driver":"virtserialport","bus":"virtio-serial0.0","nr":2,"chardev":"charchannel1","id":"channel1","name":"org.iospan.0"}'"#,
+        );
+        let vm = from_args(100, &rhel);
+        assert_eq!(vm.name, "rhel9-db");
+        assert_eq!(vm.disks.len(), 1);
+        assert_eq!(vm.disks[0].id, "virtio-disk0");
+        assert_eq!(
+            vm.disks[0].file.as_deref(),
+            Some(Path::new("/var/lib/libvirt/images/rhel9-db.qcow2"))
+        );
+        assert_eq!(vm.disks[0].aio.as_deref(), Some("native"));
+        assert_eq!(vm.disks[0].iothread.as_deref(), Some("iothread1"));
+        assert_eq!(vm.channel, Some(SocketSource::Fd(35)));
+        assert!(looks_like_qemu("qemu-kvm", &vm));
+        // Proxmox VE's qemu-server (from its documentation): /usr/bin/kvm,
+        // -id, a bare -name with options, keyval drives on LVM and ZFS.
+        let pve = recorded(
+            "/usr/bin/kvm -id 100 -name 'web01,debug-threads=on' -no-shutdown \
+             -chardev socket,id=qmp,path=/var/run/qemu-server/100.qmp,server=on,wait=off -mon chardev=qmp,mode=control \
+             -pidfile /var/run/qemu-server/100.pid -daemonize -smbios type=1,uuid=6b0e1c0a-1f3a-4c55-9d4e-2b7f0c2a9e10 \
+             -smp 2,sockets=1,cores=2,maxcpus=2 -m 4096 -object iothread,id=iothread-virtio0 \
+             -drive file=/dev/pve/vm-100-disk-0,if=none,id=drive-virtio0,cache=none,aio=io_uring,format=raw,detect-zeroes=on \
+             -device virtio-blk-pci,drive=drive-virtio0,id=virtio0,bus=pci.0,addr=0xa,iothread=iothread-virtio0,bootindex=100 \
+             -drive file=/dev/zvol/rpool/data/vm-100-disk-1,if=none,id=drive-scsi0,cache=none,aio=native,format=raw \
+             -device scsi-hd,bus=scsihw0.0,channel=0,scsi-id=0,lun=0,drive=drive-scsi0,id=scsi0 -machine type=pc+pve0",
+        );
+        let vm = from_args(200, &pve);
+        assert_eq!(vm.name, "web01");
+        assert!(vm.named_threads);
+        assert_eq!(vm.not_vm, None);
+        let ids: Vec<_> = vm.disks.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["virtio0", "scsi0"]);
+        assert_eq!(
+            vm.disks[0].file.as_deref(),
+            Some(Path::new("/dev/pve/vm-100-disk-0"))
+        );
+        assert_eq!(vm.disks[0].iothread.as_deref(), Some("iothread-virtio0"));
+        assert_eq!(vm.disks[1].aio.as_deref(), Some("native"));
+        assert!(looks_like_qemu("kvm", &vm));
+        // Something else named kvm, with a command line QEMU never takes.
+        assert!(!looks_like_qemu(
+            "kvm",
+            &from_args(300, &args(&["--verbose", "x"]))
+        ));
+    }
+
+    /// A recorded sysfs tree: an LVM volume (dm-0) over a partition of a
+    /// loop device, a striped one (dm-1) over two whole disks, and a plain
+    /// partition.
+    fn sysfs_tree(root: &Path) {
+        let dev = |p: &str, d: &str| {
+            fs::create_dir_all(root.join(p)).unwrap();
+            fs::write(root.join(p).join("dev"), format!("{d}\n")).unwrap();
+        };
+        dev("devices/virtual/block/loop0", "7:0");
+        dev("devices/virtual/block/loop0/loop0p1", "259:0");
+        fs::write(
+            root.join("devices/virtual/block/loop0/loop0p1/partition"),
+            "1\n",
+        )
+        .unwrap();
+        dev("devices/pci0000:00/nvme/nvme0n1", "259:1");
+        dev("devices/pci0000:00/sda", "8:0");
+        dev("devices/virtual/block/dm-0", "253:0");
+        dev("devices/virtual/block/dm-1", "253:1");
+        let link = |from: &str, to: &str| {
+            let p = root.join(from);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::os::unix::fs::symlink(root.join(to), p).unwrap();
+        };
+        link(
+            "devices/virtual/block/dm-0/slaves/loop0p1",
+            "devices/virtual/block/loop0/loop0p1",
+        );
+        link(
+            "devices/virtual/block/dm-1/slaves/sda",
+            "devices/pci0000:00/sda",
+        );
+        link(
+            "devices/virtual/block/dm-1/slaves/nvme0n1",
+            "devices/pci0000:00/nvme/nvme0n1",
+        );
+        for (n, d) in [
+            ("7:0", "devices/virtual/block/loop0"),
+            ("259:0", "devices/virtual/block/loop0/loop0p1"),
+            ("259:1", "devices/pci0000:00/nvme/nvme0n1"),
+            ("8:0", "devices/pci0000:00/sda"),
+            ("253:0", "devices/virtual/block/dm-0"),
+            ("253:1", "devices/virtual/block/dm-1"),
+        ] {
+            link(&format!("dev/block/{n}"), d);
+        }
+    }
+
+    #[test]
+    fn device_mapper_stacks_resolve_to_the_physical_disks_under_them() {
+        let root = std::env::temp_dir().join(format!("iospan-sysfs-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        sysfs_tree(&root);
+        let lv = host_stack_of_dev(&root, 253, 0).unwrap();
+        assert_eq!(lv.top, "dm-0");
+        assert!(lv.dm);
+        assert_eq!(lv.leaves, [Dev::new(7, 0)], "the partition's whole disk");
+        assert_eq!(lv.leaf_names, ["loop0"]);
+        let striped = host_stack_of_dev(&root, 253, 1).unwrap();
+        assert_eq!(striped.leaf_names, ["nvme0n1", "sda"]);
+        assert_eq!(striped.leaves, [Dev::new(259, 1), Dev::new(8, 0)]);
+        let part = host_stack_of_dev(&root, 259, 0).unwrap();
+        assert_eq!((part.top.as_str(), part.dm), ("loop0p1", false));
+        assert_eq!(part.leaves, [Dev::new(7, 0)]);
+        assert!(host_stack_of_dev(&root, 1, 1).is_none());
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn block_devices_are_keyed_by_their_number_not_their_node() {
+        let k = file_key(Path::new("/dev/null")).unwrap();
+        assert_ne!(
+            k.dev,
+            crate::abi::VDISK_FILE_BDEV,
+            "a character device is a file"
+        );
+        let loop_node = fs::read_dir("/dev")
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| crate::procfs::is_block_device(p))
+            .expect("a block device node under /dev");
+        let k = file_key(&loop_node).unwrap();
+        let rdev = fs::metadata(&loop_node).unwrap().rdev();
+        assert_eq!(k.dev, crate::abi::VDISK_FILE_BDEV);
+        assert_eq!(
+            k.ino,
+            u64::from((libc::major(rdev) << 20) | libc::minor(rdev))
         );
     }
 
@@ -1171,11 +1773,8 @@ mod tests {
                 pid: 10,
                 name: "one".into(),
                 disks: vec![disk("x", a)],
-                exe: None,
-                kicks: KickSource::default(),
                 named_threads: true,
-                guest_channel: None,
-                serials: Vec::new(),
+                ..Default::default()
             },
         );
         let m2 = r.add(
@@ -1184,11 +1783,8 @@ mod tests {
                 pid: 11,
                 name: "two".into(),
                 disks: vec![disk("y", a), disk("z", a), disk("w", b)],
-                exe: None,
-                kicks: KickSource::default(),
                 named_threads: true,
-                guest_channel: None,
-                serials: Vec::new(),
+                ..Default::default()
             },
         );
         assert_eq!(m1.disks, [(crate::abi::VmDevKey { vm: 1, dev: a.0 }, 1)]);

@@ -159,9 +159,27 @@ struct vm_dev_key {
 
 #define VDISK_SEVERAL 0xffffffffu
 
-/* Direct-I/O completion functions whose bio->bi_private leads to the
- * kiocb (and so the file) a request is for: `targ_dio_end_io`. */
-#define NR_DIO_END_IO 2
+/* Completion functions of the bios a VM's direct I/O arrives as, in the
+ * order of `targ_dio_end_io`: how each leads to what the request is for.
+ * iomap (a file on a filesystem): bi_private is the iomap_dio, its kiocb
+ * the file and offset. Block devices (QEMU on /dev/…): the async path's
+ * bio is inside a blkdev_dio (no bi_private), the multi-bio path's
+ * bi_private is one, the synchronous path (aio=threads) waits with
+ * submit_bio_wait; the device itself is the bio's bdev, the offset its
+ * sector less the partition's start. A device-mapper clone (LVM) leads to
+ * neither: its disk is known only where the VM has one on that host disk. */
+enum dio_kind {
+	DIO_IOMAP = 0,
+	DIO_BLKDEV_ASYNC = 1,
+	DIO_BLKDEV = 2,
+	DIO_BLKDEV_SYNC = 3,
+	DIO_DM_CLONE = 4,
+};
+#define NR_DIO_END_IO 5
+
+/* vdisk_files' key for a block device: dev = VDISK_FILE_BDEV, ino = the
+ * device's dev_t (as the kernel encodes it), whatever inode opened it. */
+#define VDISK_FILE_BDEV 0xffffffffu
 
 /* The process names that make a process a VM (or a storage engine serving
  * one), matched on the executable's file name at exec. */

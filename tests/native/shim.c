@@ -75,6 +75,7 @@ struct shim_consts {
 	__u32 hist_buckets, nr_ops, nr_segs, default_max_disks, rq_slots;
 	__u32 f_partial, f_requeued, f_no_start, f_no_issue, f_error, f_done, f_requeue_pending;
 	__u32 nr_counters, event_blk_io, vdisk_several, event_vm_io, event_vm_signal;
+	__u32 nr_dio_end_io, vdisk_file_bdev;
 };
 
 void shim_consts(struct shim_consts *c)
@@ -96,4 +97,6 @@ void shim_consts(struct shim_consts *c)
 	c->vdisk_several = VDISK_SEVERAL;
 	c->event_vm_io = EVENT_VM_IO;
 	c->event_vm_signal = EVENT_VM_SIGNAL;
+	c->nr_dio_end_io = NR_DIO_END_IO;
+	c->vdisk_file_bdev = VDISK_FILE_BDEV;
 }

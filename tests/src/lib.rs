@@ -66,6 +66,8 @@ pub struct ShimConsts {
     pub vdisk_several: u32,
     pub event_vm_io: u32,
     pub event_vm_signal: u32,
+    pub nr_dio_end_io: u32,
+    pub vdisk_file_bdev: u32,
 }
 
 extern "C" {
@@ -206,6 +208,24 @@ pub fn run_around(iospan: &mut Command, qemu: &Command) -> std::process::Output 
         String::from_utf8_lossy(&out.stderr)
     );
     out
+}
+
+/// Runs a traced guest to its end (`run`), which must succeed, and
+/// returns its console (stdout) and how long it took.
+pub fn run_guest(cmd: &mut Command) -> (Vec<String>, f64) {
+    let t = std::time::Instant::now();
+    let out = run(cmd);
+    let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        console.join("\n")
+    );
+    (console, t.elapsed().as_secs_f64())
 }
 
 /// Runs a command to its end, its output captured; a command still running

@@ -83,6 +83,8 @@ fn abi_constants() {
     assert_eq!(c.vdisk_several, abi::VDISK_SEVERAL);
     assert_eq!(c.event_vm_io, abi::EVENT_VM_IO as u32);
     assert_eq!(c.event_vm_signal, abi::EVENT_VM_SIGNAL as u32);
+    assert_eq!(c.nr_dio_end_io as usize, abi::NR_DIO_END_IO);
+    assert_eq!(c.vdisk_file_bdev, abi::VDISK_FILE_BDEV);
 }
 
 /// Histogram buckets: the kernel's `hist_bucket` and the agent's

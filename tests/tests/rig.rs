@@ -7,7 +7,7 @@ use std::{
     process::Command,
 };
 
-use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run, run_around};
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run, run_around, run_guest};
 use serde_json::Value;
 use xtask::guest::{self, Aio, DiskModel, RunArgs};
 
@@ -75,20 +75,8 @@ fn traced_boot(a: RunArgs) {
         .arg("--")
         .arg(qemu.get_program())
         .args(qemu.get_args());
-    let t = std::time::Instant::now();
-    let out = run(&mut cmd);
-    let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_string)
-        .collect();
-    assert!(
-        out.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        console.join("\n")
-    );
-    let r = guest::parse(&console, &a, guest_dev, t.elapsed().as_secs_f64())
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    let (console, secs) = run_guest(&mut cmd);
+    let r = guest::parse(&console, &a, guest_dev, secs).unwrap_or_else(|e| panic!("{e:#}"));
     let ctx = format!("{:?} QD{}: {r:#?}", a.disk, a.qd);
 
     // The guest did exactly the I/Os asked for, without errors; its own

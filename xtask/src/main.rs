@@ -106,7 +106,10 @@ fn demo() -> Result<()> {
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
     let iospan = sh::root().join("target/release/iospan");
     let vms_running = std::fs::read_dir("/proc")?.flatten().any(|e| {
-        std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.starts_with("qemu-system-"))
+        std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| {
+            let c = c.trim_end();
+            c.starts_with("qemu-system-") || c == "qemu-kvm" || c == "kvm"
+        })
     });
     if vms_running {
         eprintln!("xtask: demo: tracing the VMs running on this host for 10 s");

@@ -35,6 +35,11 @@ const TEST: &[(Need, &str)] = &[
     (Need::Tool("curl"), "curl"),
     (Need::Tool("systemd-analyze"), "systemd"),
     (Need::Tool("qemu-storage-daemon"), "qemu-system-common"),
+    // VMs as hypervisor hosts run them: started by libvirt.
+    (Need::Tool("libvirtd"), "libvirt-daemon-system"),
+    (Need::Tool("virtlogd"), "libvirt-daemon-system"),
+    (Need::Tool("virsh"), "libvirt-clients"),
+    (Need::Tool("partx"), "util-linux"),
 ];
 
 #[derive(Clone, Copy)]

@@ -238,7 +238,7 @@ pub struct VmStatKey {
 /// to their file (0 where a symbol is absent: those requests stay
 /// unresolved, never misattributed).
 fn dio_end_io_addresses() -> [u64; NR_DIO_END_IO] {
-    const NAMES: [&str; NR_DIO_END_IO] = ["iomap_dio_bio_end_io", "blkdev_bio_end_io_async"];
+    const NAMES: [&str; NR_DIO_END_IO] = crate::abi::DIO_END_IO;
     let mut out = [0u64; NR_DIO_END_IO];
     if let Ok(text) = std::fs::read_to_string("/proc/kallsyms") {
         for line in text.lines() {

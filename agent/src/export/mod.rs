@@ -381,6 +381,8 @@ pub struct ExportShared {
 #[derive(Clone, Debug, Default)]
 pub struct Names {
     pub vm: String,
+    /// The VM's UUID, where it has one (`virt.vm.uuid`).
+    pub vm_uuid: Option<String>,
     pub vdisk: String,
     pub host_disk: String,
     /// The virtual disk is an NVMe controller's namespace.
@@ -576,6 +578,7 @@ mod tests {
             vdisk: format!("vd{}", sp.vdisk),
             host_disk: "sda".into(),
             nvme: false,
+            ..Default::default()
         };
         for (vm, vdisk, t) in [
             (1, 1, 150),  // a/vd1: vd1's 100 ns -> chosen

@@ -180,6 +180,7 @@ impl Traces {
         };
         let mut attrs = vec![
             KeyValue::new("virt.vm.name", names.vm.clone()),
+            KeyValue::new("virt.vm.uuid", names.vm_uuid.clone().unwrap_or_default()),
             KeyValue::new("virt.disk.id", names.vdisk.clone()),
             KeyValue::new("system.device", names.host_disk.clone()),
             KeyValue::new("disk.io.direction", direction(s.op)),
