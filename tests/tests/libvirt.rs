@@ -22,12 +22,18 @@ const URI: &str = "qemu:///system";
 /// hidden: this host's KVM cannot run an unmodified guest (the domains are
 /// TCG), and a libvirtd that sees it probes QEMU again at every start.
 struct Libvirtd {
-    started: Vec<u32>,
+    /// (pid, program) of each daemon started here.
+    started: Vec<(u32, &'static str)>,
 }
 
-fn pid_alive(pidfile: &str) -> Option<u32> {
+/// The daemon a pidfile names, if it runs (not a stale file whose pid is
+/// gone, a zombie, or another program's now).
+fn pid_alive(pidfile: &str, daemon: &str) -> Option<u32> {
     let pid: u32 = std::fs::read_to_string(pidfile).ok()?.trim().parse().ok()?;
-    Path::new(&format!("/proc/{pid}")).exists().then_some(pid)
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let state = stat[close + 1..].trim_start().chars().next()?;
+    (&stat[open + 1..close] == daemon && state != 'Z').then_some(pid)
 }
 
 impl Libvirtd {
@@ -37,7 +43,7 @@ impl Libvirtd {
             ("virtlogd", "/run/virtlogd.pid"),
             ("libvirtd", "/run/libvirtd.pid"),
         ] {
-            if pid_alive(pidfile).is_some() {
+            if pid_alive(pidfile, daemon).is_some() {
                 continue;
             }
             let hide_kvm = if Path::new("/dev/kvm").exists() {
@@ -53,7 +59,7 @@ impl Libvirtd {
             assert!(st.success(), "{daemon} -d: {st}");
             let t = Instant::now();
             let pid = loop {
-                if let Some(p) = pid_alive(pidfile) {
+                if let Some(p) = pid_alive(pidfile, daemon) {
                     break p;
                 }
                 assert!(
@@ -62,7 +68,7 @@ impl Libvirtd {
                 );
                 std::thread::sleep(Duration::from_millis(100));
             };
-            started.push(pid);
+            started.push((pid, daemon));
         }
         // Answers once its driver is up (the first start probes QEMU).
         let t = Instant::now();
@@ -79,9 +85,28 @@ impl Libvirtd {
 
 impl Drop for Libvirtd {
     fn drop(&mut self) {
-        for pid in self.started.iter().rev() {
+        // Gone before the next test looks for one: a daemon still shutting
+        // down would be taken for a running one.
+        for (pid, daemon) in self.started.iter().rev() {
+            let running = || {
+                std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                    s.contains(&format!("({daemon})"))
+                        && s.rsplit(')')
+                            .next()
+                            .and_then(|r| r.trim_start().chars().next())
+                            != Some('Z')
+                })
+            };
             // SAFETY: signalling a pid we started.
             unsafe { libc::kill(*pid as i32, libc::SIGTERM) };
+            let t = Instant::now();
+            while running() && t.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            if running() {
+                // SAFETY: as above.
+                unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+            }
         }
     }
 }
