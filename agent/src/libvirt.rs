@@ -9,13 +9,23 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-/// Where libvirtd's QEMU driver keeps its status files: `IOSPAN_LIBVIRT_RUN`
-/// (a colon-separated list), else the system and session drivers' places.
-pub fn run_dirs() -> Vec<PathBuf> {
-    match std::env::var_os("IOSPAN_LIBVIRT_RUN") {
-        Some(v) => std::env::split_paths(&v).collect(),
-        None => vec![PathBuf::from("/run/libvirt/qemu")],
+/// Where libvirtd's QEMU driver keeps its status files, with the user a
+/// file there must belong to (None: root): `IOSPAN_LIBVIRT_RUN` (a
+/// colon-separated list, root's), else the system driver's place and each
+/// user's session driver's (`/run/user/UID/libvirt/qemu/run`, that user's).
+pub fn run_dirs() -> Vec<(PathBuf, Option<u32>)> {
+    if let Some(v) = std::env::var_os("IOSPAN_LIBVIRT_RUN") {
+        return std::env::split_paths(&v).map(|p| (p, None)).collect();
     }
+    let mut v = vec![(PathBuf::from("/run/libvirt/qemu"), None)];
+    if let Ok(rd) = std::fs::read_dir("/run/user") {
+        for e in rd.flatten() {
+            if let Some(uid) = e.file_name().to_str().and_then(|n| n.parse().ok()) {
+                v.push((e.path().join("libvirt/qemu/run"), Some(uid)));
+            }
+        }
+    }
+    v
 }
 
 /// A status file larger than this is not libvirt's.
@@ -117,34 +127,46 @@ pub fn parse_status(xml: &str) -> Option<(u32, Domain)> {
     Some((pid, d))
 }
 
-/// Every running domain libvirt has a status file for, with its pid.
-pub fn domains() -> Vec<(u32, Domain)> {
+/// Every running domain libvirt has a status file for: its pid, the
+/// domain, and the user the file belongs to.
+pub fn domains() -> Vec<(u32, Domain, u32)> {
     let mut out = Vec::new();
-    for dir in run_dirs() {
-        out.extend(domains_in(&dir));
+    for (dir, user) in run_dirs() {
+        out.extend(
+            domains_in(&dir)
+                .into_iter()
+                .filter(|(_, _, owner)| *owner == user.unwrap_or(0)),
+        );
     }
-    out.sort_by_key(|(pid, _)| *pid);
+    out.sort_by_key(|(pid, _, _)| *pid);
     out
 }
 
-pub fn domains_in(dir: &Path) -> Vec<(u32, Domain)> {
+pub fn domains_in(dir: &Path) -> Vec<(u32, Domain, u32)> {
+    use std::os::unix::fs::MetadataExt;
     let Ok(rd) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
     rd.flatten()
         .filter(|e| e.path().extension().is_some_and(|x| x == "xml"))
         .filter_map(|e| {
+            let owner = std::fs::symlink_metadata(e.path()).ok()?.uid();
             let bytes = crate::procfs::read_regular(&e.path(), STATUS_CAP).ok()?;
-            parse_status(std::str::from_utf8(&bytes).ok()?)
+            let (pid, d) = parse_status(std::str::from_utf8(&bytes).ok()?)?;
+            Some((pid, d, owner))
         })
         .collect()
 }
 
-/// The domain running as process `pid`, if libvirt runs it.
+/// The domain running as process `pid`, if libvirt runs it: told by a
+/// status file root wrote, or, for a session domain, the user the process
+/// runs as (a user's file speaks only for that user's processes).
 pub fn domain_of(pid: u32) -> Option<Domain> {
+    use std::os::unix::fs::MetadataExt;
+    let proc_uid = std::fs::metadata(format!("/proc/{pid}")).ok()?.uid();
     domains()
         .into_iter()
-        .find_map(|(p, d)| (p == pid).then_some(d))
+        .find_map(|(p, d, owner)| (p == pid && (owner == 0 || owner == proc_uid)).then_some(d))
 }
 
 #[cfg(test)]
@@ -248,6 +270,9 @@ OVERWRITTEN AND LOST.
         let v = domains_in(&dir);
         assert_eq!(v.len(), 1);
         assert_eq!(v[0].0, 12215);
+        // Whoever runs the test wrote it.
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(v[0].2, unsafe { libc::geteuid() });
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
