@@ -36,8 +36,19 @@ fn top_shows_a_guests_segments_and_answers_its_keys() {
         200,
         50,
     );
-    // The probes load before the guest starts.
+    // The probes load before the guest starts: the header is drawn while
+    // they still load, so the guest waits until direct reads of its image
+    // show on the host disk's row (a QEMU exec'd before the probes attach
+    // would not be seen).
     tmux.until("the header", |s| s.contains("VM / DISK"));
+    tmux.until("the host disk's row", |s| {
+        let _ = std::process::Command::new("dd")
+            .arg(format!("if={}", image.display()))
+            .args(["of=/dev/null", "bs=4k", "count=16", "iflag=direct"])
+            .stderr(std::process::Stdio::null())
+            .status();
+        s.lines().any(|l| l.starts_with(host.as_str()))
+    });
 
     let a = RunArgs {
         qd: 4,
