@@ -612,8 +612,10 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, _
 		return 0;
 	end_io = (__u64)BPF_CORE_READ(bio, bi_end_io);
 	for (i = 0; i < NR_DIO_END_IO; i++)
-		if (targ_dio_end_io[i] && end_io == targ_dio_end_io[i])
+		if (targ_dio_end_io[i] && end_io == targ_dio_end_io[i]) {
 			kind = i;
+			break;
+		}
 	if (kind < 0 && !in_vhost_worker())
 		return 0;
 	slot = bpf_map_lookup_elem(&vm_disks, &vk);

@@ -6,7 +6,7 @@
 use std::{
     fs,
     io::Read,
-    os::unix::fs::{FileTypeExt, OpenOptionsExt},
+    os::unix::fs::OpenOptionsExt,
     path::{Path, PathBuf},
 };
 
@@ -122,11 +122,6 @@ pub fn read_regular(path: &Path, cap: u64) -> std::io::Result<Vec<u8>> {
         ));
     }
     Ok(buf)
-}
-
-/// Whether a path names a block device (not following a final link).
-pub fn is_block_device(path: &Path) -> bool {
-    fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device())
 }
 
 #[cfg(test)]

@@ -1021,20 +1021,16 @@ pub fn engine_alive(e: &EngineRef) -> bool {
 /// The inode of the listening Unix socket bound at `path`
 /// (/proc/net/unix: flag __SO_ACCEPTCON, 0x10000, marks a listener).
 fn unix_listener(path: &Path) -> Option<u64> {
-    let table = fs::read_to_string("/proc/net/unix").ok()?;
     let canon = fs::canonicalize(path).ok();
-    table.lines().skip(1).find_map(|l| {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        let (flags, inode, bound) = (f.get(3)?, f.get(6)?, Path::new(f.get(7)?));
-        let listening = u32::from_str_radix(flags, 16).ok()? & 0x10000 != 0;
+    crate::procfs::unix_sockets().into_iter().find_map(|s| {
+        let bound = s.path.as_deref()?;
         let same = bound == path || (canon.is_some() && fs::canonicalize(bound).ok() == canon);
-        (listening && same).then(|| inode.parse().ok()).flatten()
+        (s.listening && same).then_some(s.inode)
     })
 }
 
 /// The process holding socket `inode` open (the lowest pid, if several).
 fn socket_owner(inode: u64) -> Option<u32> {
-    let want = format!("socket:[{inode}]");
     let mut pids: Vec<u32> = fs::read_dir("/proc")
         .ok()?
         .flatten()
@@ -1042,10 +1038,9 @@ fn socket_owner(inode: u64) -> Option<u32> {
         .collect();
     pids.sort_unstable();
     pids.into_iter().find(|pid| {
-        fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
-            fds.flatten()
-                .any(|fd| fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == want.as_str()))
-        })
+        crate::procfs::sockets_of(*pid)
+            .iter()
+            .any(|(_, i)| *i == inode)
     })
 }
 
@@ -1624,7 +1619,10 @@ mod tests {
             .unwrap()
             .flatten()
             .map(|e| e.path())
-            .find(|p| crate::procfs::is_block_device(p))
+            .find(|p| {
+                use std::os::unix::fs::FileTypeExt;
+                fs::metadata(p).is_ok_and(|m| m.file_type().is_block_device())
+            })
             .expect("a block device node under /dev");
         let k = file_key(&loop_node).unwrap();
         let rdev = fs::metadata(&loop_node).unwrap().rdev();
