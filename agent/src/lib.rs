@@ -1,41 +1,24 @@
 //! iospan: where each guest I/O's latency goes.
 //!
-//! Layers, bottom up: `abi` (records shared with the eBPF programs), `bpf`
-//! (the only module using aya), `model` (what is measured, no I/O), then the
-//! commands: `run`, `doctor`, `demo`, with `report` rendering results.
+//! Layers, bottom up; a module uses only the layers below its own (checked by
+//! `cargo xtask layers`, see docs/architecture.md):
+//!
+//! - `abi`: the records and map layouts shared with the eBPF programs.
+//! - `model`: what is measured — operations, segments, histograms, spans, loss
+//!   counters. Plain data: no I/O, no async.
+//! - `discover`: the host's VMs, virtual disks, host disks and storage engines,
+//!   from command lines, /proc, /sys and libvirt's status files.
+//! - `probes`: loading and attaching the eBPF programs; the only aya user.
+//! - `pipeline`: kernel records and guest frames in, model values out (decode,
+//!   correlate, stitch).
+//! - `output`: what reads the model — report, metrics, live frames, OTLP, HTML,
+//!   the run store.
+//! - `cmd`: the commands, wiring the layers; `main.rs` parses arguments only.
 
 pub mod abi;
-pub mod api;
-pub mod bench;
-pub mod bpf;
-pub mod channel;
-pub mod config;
-pub mod correlate;
-pub mod demo;
-pub mod disks;
-pub mod diskstats;
-pub mod doctor;
-pub mod export;
-pub mod guest_agent;
-pub mod html;
-pub mod libvirt;
-pub mod live;
-pub mod metrics;
+pub mod cmd;
+pub mod discover;
 pub mod model;
-pub mod preflight;
-pub mod procfs;
-pub mod reap;
-#[cfg(feature = "otlp")]
-pub mod replay;
-pub mod report;
-pub mod run;
-pub mod scratch;
-#[cfg(feature = "serve")]
-pub mod service;
-pub mod stitch;
-#[cfg(any(feature = "serve", feature = "tui"))]
-pub mod tls;
-#[cfg(feature = "tui")]
-pub mod top;
-pub mod transport;
-pub mod vms;
+pub mod output;
+pub mod pipeline;
+pub mod probes;

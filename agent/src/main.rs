@@ -3,7 +3,7 @@ use std::{path::PathBuf, process::ExitCode, time::Duration};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 
-use iospan::{abi::DEFAULT_MAX_DISKS, demo, doctor, run};
+use iospan::{abi::DEFAULT_MAX_DISKS, cmd::demo, cmd::doctor, cmd::run};
 
 /// Where each guest I/O's latency goes: eBPF latency attribution for KVM hosts.
 #[derive(Parser)]
@@ -123,8 +123,8 @@ enum Cmd {
         html: Option<PathBuf>,
         /// Pass/fail threshold (see `run --check`); a failed check exits with 1.
         #[arg(long = "check", value_name = "EXPR")]
-        checks: Vec<iospan::bench::Check>,
-        #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::bench::default_runs_dir())]
+        checks: Vec<iospan::output::store::Check>,
+        #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::output::store::default_runs_dir())]
         runs_dir: PathBuf,
     },
     /// Stored runs side by side, each against the first: per virtual disk, which segment
@@ -133,7 +133,7 @@ enum Cmd {
         /// Two runs or more (labels in --runs-dir, or their directories).
         #[arg(value_name = "RUN", num_args = 2.., required = true)]
         runs: Vec<String>,
-        #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::bench::default_runs_dir())]
+        #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::output::store::default_runs_dir())]
         runs_dir: PathBuf,
     },
     /// Run a workload at increasing queue depth (or job count) and find its saturation
@@ -158,7 +158,7 @@ enum Cmd {
         /// Report only this disk; repeatable.
         #[arg(long = "disk", value_name = "NAME")]
         disks: Vec<String>,
-        #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::bench::default_runs_dir())]
+        #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::output::store::default_runs_dir())]
         runs_dir: PathBuf,
         /// The workload, after `--`.
         #[arg(last = true, value_name = "CMD", required = true)]
@@ -255,12 +255,12 @@ struct RunArgs {
     #[arg(long, value_name = "LABEL", help_heading = "Benchmark runs")]
     label: Option<String>,
     /// Where labelled runs are stored.
-    #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::bench::default_runs_dir(), help_heading = "Benchmark runs")]
+    #[arg(long, env = "IOSPAN_RUNS_DIR", value_name = "DIR", default_value_os_t = iospan::output::store::default_runs_dir(), help_heading = "Benchmark runs")]
     runs_dir: PathBuf,
     /// Pass/fail threshold, e.g. read.p99<20ms, vd1:write.p99<10ms, read.mean.device<2ms
     /// ([VDISK:]OP.STAT[.SEGMENT]<DURATION); repeatable. A failed check exits with 1.
     #[arg(long = "check", value_name = "EXPR", help_heading = "Benchmark runs")]
-    checks: Vec<iospan::bench::Check>,
+    checks: Vec<iospan::output::store::Check>,
     /// Command to trace, after `--`.
     #[arg(last = true, value_name = "CMD")]
     command: Vec<String>,
@@ -270,7 +270,7 @@ struct RunArgs {
 #[derive(Clone, Debug)]
 enum SlowerThan {
     All(Duration),
-    Disk(iospan::export::DiskThreshold),
+    Disk(iospan::output::export::DiskThreshold),
 }
 
 impl std::str::FromStr for SlowerThan {
@@ -289,13 +289,13 @@ impl std::str::FromStr for SlowerThan {
 /// `iospan agent` on a host.
 #[cfg(feature = "serve")]
 fn host_agent(config: Option<PathBuf>, check: bool) -> Result<ExitCode> {
-    let opts = iospan::service::ServiceOptions { config };
+    let opts = iospan::cmd::service::ServiceOptions { config };
     if check {
-        println!("{}", iospan::service::check(&opts)?);
+        println!("{}", iospan::cmd::service::check(&opts)?);
         return Ok(ExitCode::SUCCESS);
     }
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    rt.block_on(iospan::service::serve(opts))?;
+    rt.block_on(iospan::cmd::service::serve(opts))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -347,7 +347,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             if !a.checks.is_empty() && a.label.is_none() {
                 anyhow::bail!("--check needs a labelled run: add --label LABEL");
             }
-            let labelled = a.label.clone().map(|label| iospan::bench::Labelled {
+            let labelled = a.label.clone().map(|label| iospan::cmd::bench::Labelled {
                 label,
                 runs_dir: a.runs_dir.clone(),
             });
@@ -365,10 +365,10 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 vms: !a.no_vms,
                 quiet: a.quiet,
                 command: a.command,
-                traces: iospan::export::TraceOpts {
+                traces: iospan::output::export::TraceOpts {
                     endpoint: a.otlp_endpoint,
                     protocol: a.otlp_protocol,
-                    policy: iospan::export::Policy {
+                    policy: iospan::output::export::Policy {
                         slowest: a.trace_slowest,
                         slower_than_ns: a
                             .trace_slower_than
@@ -401,14 +401,14 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             let (outcome, checked) = match &labelled {
                 Some(l) => {
                     let (outcome, stored, path) =
-                        rt.block_on(iospan::bench::run_labelled(opts, l))?;
+                        rt.block_on(iospan::cmd::bench::run_labelled(opts, l))?;
                     print!("{}", stored.summary());
                     eprintln!("run {:?} stored in {}", l.label, path.display());
                     let mut verdicts = Vec::new();
                     for c in &checks {
                         verdicts.extend(c.evaluate(&stored.report)?);
                     }
-                    let (text, pass) = iospan::bench::verdict_text(&verdicts);
+                    let (text, pass) = iospan::output::store::verdict_text(&verdicts);
                     print!("{text}");
                     (outcome, pass)
                 }
@@ -436,12 +436,12 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             label,
             quiet,
         } => {
-            let opts = iospan::replay::ReplayOpts {
+            let opts = iospan::cmd::replay::ReplayOpts {
                 events,
-                trace: iospan::export::TraceOpts {
+                trace: iospan::output::export::TraceOpts {
                     endpoint: otlp_endpoint,
                     protocol: otlp_protocol,
-                    policy: iospan::export::Policy::default(),
+                    policy: iospan::output::export::Policy::default(),
                     run_label: label,
                 },
                 repeat,
@@ -449,7 +449,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 quiet,
             };
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            let s = rt.block_on(iospan::replay::replay(&opts))?;
+            let s = rt.block_on(iospan::cmd::replay::replay(&opts))?;
             println!("{}", serde_json::to_string_pretty(&s)?);
             let lost = s.export.failed_traces + s.export.dropped_queue_full;
             if lost > 0 {
@@ -464,10 +464,10 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             checks,
             runs_dir,
         } => {
-            let stored = iospan::bench::StoredRun::load(&runs_dir, &run)?;
+            let stored = iospan::output::store::StoredRun::load(&runs_dir, &run)?;
             print!("{}", stored.summary());
             if let Some(p) = &html {
-                std::fs::write(p, iospan::html::render(&stored))
+                std::fs::write(p, iospan::output::html::render(&stored))
                     .with_context(|| format!("writing --html {}", p.display()))?;
                 eprintln!("HTML report: {}", p.display());
             }
@@ -475,7 +475,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             for c in &checks {
                 verdicts.extend(c.evaluate(&stored.report)?);
             }
-            let (text, pass) = iospan::bench::verdict_text(&verdicts);
+            let (text, pass) = iospan::output::store::verdict_text(&verdicts);
             print!("{text}");
             Ok(if pass {
                 ExitCode::SUCCESS
@@ -504,7 +504,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 command: cmd,
                 ..Default::default()
             };
-            let (result, path) = rt.block_on(iospan::bench::sweep(
+            let (result, path) = rt.block_on(iospan::cmd::bench::sweep(
                 make, &command, over, &values, &label, &runs_dir,
             ))?;
             print!("{}", result.text());
@@ -514,9 +514,9 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
         Cmd::Compare { runs, runs_dir } => {
             let stored = runs
                 .iter()
-                .map(|r| iospan::bench::StoredRun::load(&runs_dir, r))
+                .map(|r| iospan::output::store::StoredRun::load(&runs_dir, r))
                 .collect::<Result<Vec<_>>>()?;
-            print!("{}", iospan::bench::compare_text(&stored)?);
+            print!("{}", iospan::output::store::compare_text(&stored)?);
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Agent {
@@ -531,7 +531,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             if !guest {
                 return host_agent(config, check_config);
             }
-            iospan::guest_agent::run(&iospan::guest_agent::GuestOptions {
+            iospan::cmd::guest::run(&iospan::cmd::guest::GuestOptions {
                 port,
                 connect,
                 ready_file,
@@ -552,7 +552,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 anyhow::bail!("--interval {interval:?}: use 100ms or more");
             }
             let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            rt.block_on(iospan::top::top(iospan::top::TopOptions {
+            rt.block_on(iospan::cmd::top::top(iospan::cmd::top::TopOptions {
                 disks,
                 interval,
                 max_disks,

@@ -4,7 +4,7 @@
 use std::{path::Path, process::Command};
 
 use agent_integration::{fio_numbers, fio_total_latency, iospan_bin, run};
-use iospan::scratch::ScratchLoop;
+use iospan::cmd::scratch::ScratchLoop;
 use serde_json::Value;
 
 const IOS: u64 = 5000;

@@ -4,7 +4,7 @@
 use std::{path::Path, process::Command, time::Instant};
 
 use agent_integration::{iospan_bin, run};
-use iospan::scratch::ScratchLoop;
+use iospan::cmd::scratch::ScratchLoop;
 use serde_json::Value;
 
 fn stderr(o: &std::process::Output) -> String {

@@ -17,7 +17,7 @@ use xtask::{
 /// The classic bucket `[lo, hi)` (seconds) holding `v`.
 fn bucket_of(v: f64) -> (f64, f64) {
     let ns = (v * 1e9) as u64;
-    let bounds = iospan::metrics::bounds_ns();
+    let bounds = iospan::output::metrics::bounds_ns();
     let hi = bounds.iter().copied().find(|&b| b > ns).unwrap_or(u64::MAX);
     let lo = bounds.iter().copied().rev().find(|&b| b <= ns).unwrap_or(0);
     (lo as f64 / 1e9, hi as f64 / 1e9)

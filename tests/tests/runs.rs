@@ -103,7 +103,7 @@ fn compare_names_the_segment_that_moved_and_the_report_draws() {
             .lines()
             .find(|l| l.contains(&format!("→ at {at}:")))
             .unwrap_or_else(|| panic!("no verdict at {at}:\n{cmp}"));
-        let named = iospan::bench::PARTS[1..]
+        let named = iospan::output::store::PARTS[1..]
             .iter()
             .any(|p| line.contains(&format!("{p} explains")));
         assert!(named && line.contains("µs)"), "{line}");
@@ -152,7 +152,7 @@ fn compare_names_the_segment_that_moved_and_the_report_draws() {
         .unwrap_or_else(|| panic!("no p99.9 change row:\n{cmp}"));
     let most = (1..5)
         .max_by(|&i, &j| delta[i].abs().total_cmp(&delta[j].abs()))
-        .map(|i| iospan::bench::PARTS[i])
+        .map(|i| iospan::output::store::PARTS[i])
         .unwrap_or_default();
     assert!(line.contains(&format!("{most} explains")), "{line}\n{cmp}");
     let rows: Vec<&str> = cmp
@@ -214,9 +214,9 @@ fn compare_names_the_segment_that_moved_and_the_report_draws() {
         png::ColorType::Rgb => 3,
         c => panic!("colour type {c:?}"),
     };
-    for (name, hex) in iospan::bench::PARTS
+    for (name, hex) in iospan::output::store::PARTS
         .iter()
-        .zip(iospan::html::COLOURS)
+        .zip(iospan::output::html::COLOURS)
         .skip(1)
     {
         let rgb: Vec<u8> = (0..3)

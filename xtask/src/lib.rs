@@ -7,5 +7,6 @@ pub mod bench;
 pub mod dashboards;
 pub mod dist;
 pub mod guest;
+pub mod layers;
 pub mod setup;
 pub mod sh;

@@ -3,7 +3,7 @@
 //! xtask depends on nothing of the agent, so it builds on a machine that
 //! still lacks clang and libbpf: `setup` is what installs them.
 
-use xtask::{backends, bench, dist, guest, setup, sh};
+use xtask::{backends, bench, dist, guest, layers, setup, sh};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -54,6 +54,9 @@ enum Cmd {
     /// Check dashboards/ offline: Grafana's schema types (tsc --strict) and
     /// every PromQL expression (promtool).
     Dashboards,
+    /// Check that every module of agent/src uses only the layers below its own
+    /// and that no units of one layer reach each other in a circle.
+    Layers,
     /// Build the .deb (binary, systemd unit, default configuration,
     /// dashboards) into target/debian/.
     Dist,
@@ -94,6 +97,7 @@ fn main() -> Result<()> {
         Cmd::Vmlinux => setup::vmlinux(),
         Cmd::Backends { cmd } => backends::main(cmd),
         Cmd::Dashboards => xtask::dashboards::check(),
+        Cmd::Layers => layers::main(),
         Cmd::Dist => {
             setup::ensure(false)?;
             dist::build().map(|_| ())

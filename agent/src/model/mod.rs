@@ -2,12 +2,17 @@
 //! segments, per-(disk, op) statistics. No aya, no terminal here.
 
 pub mod hist;
+pub mod loss;
+pub mod span;
+pub mod tails;
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
 pub use hist::{Hist, Summary};
+pub use loss::{ChannelStats, SenderStats, SplitCounters};
+pub use span::IoSpan;
 
 use crate::abi::{BlkStats, BLK_NR_SEGS};
 

@@ -1,0 +1,310 @@
+//! Mirrors of `bpf/include/agent_abi.h`. The agent-integration test
+//! `abi_layout` compiles the header natively and compares every size and
+//! offset below with the C compiler's; the const asserts catch the rest at
+//! build time.
+
+use std::mem::size_of;
+
+pub const HIST_SUB_BITS: u32 = 3;
+pub const HIST_SUB: u32 = 1 << HIST_SUB_BITS;
+pub const HIST_MAX_LOG2: u32 = 38;
+pub const HIST_BUCKETS: usize = ((HIST_MAX_LOG2 - HIST_SUB_BITS + 2) * HIST_SUB) as usize;
+
+pub const BLK_NR_OPS: usize = 5;
+pub const BLK_NR_SEGS: usize = 3;
+pub const DEFAULT_MAX_DISKS: u32 = 32;
+pub const MAX_STREAM_DEVS: usize = 16;
+pub const RQ_SLOTS: u32 = 1 << 15;
+
+pub const RQ_F_REQUEUE_PENDING: u16 = 1 << 0;
+pub const RQ_F_PARTIAL: u8 = 1 << 1;
+pub const RQ_F_REQUEUED: u8 = 1 << 2;
+pub const RQ_F_NO_START: u8 = 1 << 3;
+pub const RQ_F_NO_ISSUE: u8 = 1 << 4;
+pub const RQ_F_ERROR: u8 = 1 << 5;
+pub const RQ_F_DONE: u16 = 1 << 6;
+
+pub const EVENT_BLK_IO: u16 = 1;
+pub const EVENT_VM_IO: u16 = 2;
+pub const EVENT_VM_SIGNAL: u16 = 3;
+pub const EVENT_GUEST_IO: u16 = 4;
+pub const EVENT_GUEST_REAP: u16 = 5;
+
+pub const GUEST_F_NO_KICK: u8 = 1 << 0;
+pub const GUEST_F_NO_IRQ: u8 = 1 << 1;
+pub const GUEST_F_NVME: u8 = 1 << 2;
+pub const GUEST_F_SYSCALL: u8 = 1 << 3;
+pub const GUEST_F_SYNC: u8 = 1 << 4;
+pub const GUEST_F_STACKED: u8 = 1 << 5;
+pub const GUEST_F_REAPED: u8 = 1 << 6;
+pub const GUEST_REAP_SYNC: u8 = 1 << 0;
+
+/// Indices of the per-CPU array `counters` (enum counter).
+pub mod counter {
+    pub const RINGBUF_DROPS: u32 = 0;
+    pub const DISK_CONFLICTS: u32 = 1;
+    pub const SLOT_CONFLICTS: u32 = 2;
+    pub const NO_START: u32 = 3;
+    pub const NO_ISSUE: u32 = 4;
+    pub const PARTIAL_PIECES: u32 = 5;
+    pub const REQUEUES: u32 = 6;
+    pub const SAMPLED: u32 = 7;
+    pub const VM_TABLE_FULL: u32 = 8;
+    pub const GUEST_RING_LOST: u32 = 9;
+    pub const GUEST_INFLIGHT_FULL: u32 = 10;
+    pub const UNDELIVERED: u32 = 11;
+    pub const NR: u32 = 12;
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlkStats {
+    pub busy: u32,
+    pub _pad: u32,
+    pub ios: u64,
+    pub bytes: u64,
+    pub errors: u64,
+    pub requeued: u64,
+    pub partial: u64,
+    pub sum_ns: [u64; BLK_NR_SEGS],
+    pub max_ns: [u64; BLK_NR_SEGS],
+    pub hist: [[u64; HIST_BUCKETS]; BLK_NR_SEGS],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DiskSlot {
+    pub queue: u64,
+    pub dev: u32,
+    pub _pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RqSlot {
+    pub rq: u64,
+    pub start_ns: u64,
+    pub issue_ns: u64,
+    pub done_bytes: u32,
+    pub requeues: u16,
+    pub flags: u16,
+    pub vm: u32,
+    pub vdisk: u32,
+    pub kick_ns: u64,
+    pub pick_ns: u64,
+    pub pos: u64,
+    pub dev: u32,
+    pub op: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VmKey {
+    pub vm: u32,
+    pub dev: u32,
+    pub op: u32,
+    pub vdisk: u32,
+}
+
+/// `vm_counts` value: per VM, what became of its requests besides
+/// completing.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmCounts {
+    pub engine_merges: u64,
+    pub bio_merges: u64,
+    pub submitted: u64,
+}
+
+/// A backing file, by the kernel's (superblock dev, inode).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FileKey {
+    pub dev: u32,
+    pub _pad: u32,
+    pub ino: u64,
+}
+
+/// The direct-I/O completion functions (enum dio_kind), in order.
+pub const DIO_END_IO: [&str; NR_DIO_END_IO] = [
+    "iomap_dio_bio_end_io",
+    "blkdev_bio_end_io_async",
+    "blkdev_bio_end_io",
+    "submit_bio_wait_endio",
+    "clone_endio",
+];
+pub const NR_DIO_END_IO: usize = 5;
+
+/// `vdisk_files` key for a block device: dev = this, ino = its dev_t.
+pub const VDISK_FILE_BDEV: u32 = u32::MAX;
+
+/// Which of a VM's virtual disks a host disk backs (`vm_disks`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VmDevKey {
+    pub vm: u32,
+    pub dev: u32,
+}
+
+/// `vm_disks` value: several of the VM's disks share the host disk.
+pub const VDISK_SEVERAL: u32 = u32::MAX;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlkIoEvent {
+    pub kind: u16,
+    pub op: u8,
+    pub flags: u8,
+    pub dev: u32,
+    pub start_ns: u64,
+    pub issue_ns: u64,
+    pub done_ns: u64,
+    pub sector: u64,
+    pub bytes: u32,
+    pub requeues: u16,
+    pub cpu_lo: u8,
+    pub _pad: u8,
+    pub vdisk: u32,
+    pub vm: u32,
+}
+
+const _: () = assert!(size_of::<BlkIoEvent>() == 56);
+const _: () = assert!(size_of::<RqSlot>() == 72);
+const _: () = assert!(size_of::<VmIoEvent>() == 72);
+const _: () = assert!(size_of::<VmSignalEvent>() == 16);
+const _: () = assert!(size_of::<VmKey>() == 16);
+const _: () = assert!(size_of::<FileKey>() == 16);
+const _: () = assert!(size_of::<VmCounts>() == 24);
+const _: () = assert!(size_of::<VmDevKey>() == 8);
+const _: () = assert!(size_of::<DiskSlot>() == 16);
+const _: () =
+    assert!(size_of::<BlkStats>() == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS));
+
+// SAFETY: plain-old-data, `repr(C)`, no padding the kernel could leave
+// uninitialised that we would read as anything but integers.
+unsafe impl aya::Pod for BlkStats {}
+unsafe impl aya::Pod for DiskSlot {}
+unsafe impl aya::Pod for RqSlot {}
+unsafe impl aya::Pod for BlkIoEvent {}
+unsafe impl aya::Pod for VmKey {}
+unsafe impl aya::Pod for FileKey {}
+unsafe impl aya::Pod for VmCounts {}
+unsafe impl aya::Pod for VmDevKey {}
+unsafe impl aya::Pod for VmIoEvent {}
+unsafe impl aya::Pod for VmSignalEvent {}
+
+/// A VM's request at its final host completion, with the kick and pickup
+/// that led to it (`struct vm_io_event`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmIoEvent {
+    pub kind: u16,
+    pub op: u8,
+    pub flags: u8,
+    pub dev: u32,
+    pub kick_ns: u64,
+    pub pick_ns: u64,
+    pub start_ns: u64,
+    pub issue_ns: u64,
+    pub done_ns: u64,
+    pub bytes: u32,
+    pub vm: u32,
+    pub vdisk: u32,
+    pub _pad: u32,
+    pub pos: u64,
+}
+
+/// An engine thread of a VM signalled the guest (`struct vm_signal_event`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmSignalEvent {
+    pub kind: u16,
+    pub _pad: u16,
+    pub vm: u32,
+    pub ts_ns: u64,
+}
+
+/// One ring-buffer record, by its leading kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Record {
+    BlkIo(BlkIoEvent),
+    VmIo(VmIoEvent),
+    VmSignal(VmSignalEvent),
+    GuestIo(GuestIoEvent),
+    GuestReap(GuestReapEvent),
+}
+
+/// One request as the guest saw it (`struct guest_io_event`), guest clock.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GuestIoEvent {
+    pub kind: u16,
+    pub op: u8,
+    pub flags: u8,
+    pub dev: u32,
+    pub sector: u64,
+    pub start_ns: u64,
+    pub issue_ns: u64,
+    pub kick_ns: u64,
+    pub irq_ns: u64,
+    pub done_ns: u64,
+    pub bytes: u32,
+    pub queue: u32,
+    pub sys_ns: u64,
+    pub reap_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+}
+
+const _: () = assert!(size_of::<GuestIoEvent>() == 88);
+
+/// A system call handing completions back to the application
+/// (`struct guest_reap_event`), guest clock.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GuestReapEvent {
+    pub kind: u16,
+    pub flags: u8,
+    pub _pad: u8,
+    pub id: u32,
+    pub ts_ns: u64,
+}
+
+const _: () = assert!(size_of::<GuestReapEvent>() == 16);
+
+impl GuestIoEvent {
+    pub const SIZE: usize = size_of::<Self>();
+
+    /// Its bytes as the C struct lays them out (the wire format of the
+    /// guest channel: both ends are little-endian x86_64 or aarch64).
+    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
+        // SAFETY: repr(C) plain integers without padding (asserted above and
+        // by the layout test), so every byte is initialised.
+        unsafe { std::mem::transmute_copy(self) }
+    }
+}
+
+impl Record {
+    /// `None` for a record whose kind is unknown or whose length does not
+    /// match its kind (the caller counts those).
+    pub fn from_bytes(buf: &[u8]) -> Option<Self> {
+        fn read<T: Copy>(buf: &[u8]) -> Option<T> {
+            // SAFETY: length checked; every bit pattern is a valid T (plain integers).
+            (buf.len() == size_of::<T>())
+                .then(|| unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) })
+        }
+        let kind = u16::from_ne_bytes([*buf.first()?, *buf.get(1)?]);
+        match kind {
+            EVENT_BLK_IO => read(buf).map(Record::BlkIo),
+            EVENT_VM_IO => read(buf).map(Record::VmIo),
+            EVENT_VM_SIGNAL => read(buf).map(Record::VmSignal),
+            EVENT_GUEST_IO => read(buf).map(Record::GuestIo),
+            EVENT_GUEST_REAP => read(buf).map(Record::GuestReap),
+            _ => None,
+        }
+    }
+}
+
+/// The virtio-serial port the guest agent writes to: the name by which both
+/// agents, and the host's discovery of a VM's channel, know it.
+pub const PORT_NAME: &str = "org.iospan.0";

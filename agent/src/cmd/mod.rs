@@ -1,0 +1,18 @@
+//! The commands: each wires the layers below for one job.
+
+pub mod api;
+pub mod bench;
+pub mod config;
+pub mod demo;
+pub mod doctor;
+pub mod guest;
+#[cfg(feature = "otlp")]
+pub mod replay;
+pub mod run;
+pub mod scratch;
+#[cfg(feature = "serve")]
+pub mod service;
+#[cfg(any(feature = "serve", feature = "tui"))]
+pub mod tls;
+#[cfg(feature = "tui")]
+pub mod top;

@@ -1,0 +1,138 @@
+//! `iospan agent`: the host agent as a service. Measures continuously what
+//! `iospan run` measures, serves the HTTP API (`api`), exports over OTLP
+//! when configured, tells systemd when it is ready and that it is alive
+//! (`Type=notify`, watchdog), reloads its configuration on SIGHUP and
+//! flushes its exports on SIGTERM.
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::{Context, Result};
+use sd_notify::NotifyState;
+use tokio::{
+    signal::unix::{signal, SignalKind},
+    sync::watch,
+};
+
+use crate::{
+    cmd::api::{self, Shared},
+    cmd::config::{Config, DEFAULT_PATH},
+    cmd::run::{self, RunOptions},
+};
+
+pub struct ServiceOptions {
+    /// The configuration file; `None`: the default path, if it exists.
+    pub config: Option<PathBuf>,
+}
+
+fn load(opts: &ServiceOptions) -> Result<(Config, Option<PathBuf>)> {
+    match &opts.config {
+        Some(p) => Ok((Config::load(p)?, Some(p.clone()))),
+        None => {
+            let p = PathBuf::from(DEFAULT_PATH);
+            if p.exists() {
+                Ok((Config::load(&p)?, Some(p)))
+            } else {
+                log::info!("no {DEFAULT_PATH}: running on the defaults");
+                Ok((Config::defaults(), None))
+            }
+        }
+    }
+}
+
+/// systemd's notification socket, where there is one (no-op elsewhere).
+fn notify(state: &[NotifyState]) {
+    if let Err(e) = sd_notify::notify(state) {
+        log::debug!("sd_notify: {e}");
+    }
+}
+
+pub async fn serve(opts: ServiceOptions) -> Result<()> {
+    let (mut cfg, path) = load(&opts)?;
+    let shared = Shared::new(cfg.token.clone());
+    api::serve(cfg.listen, cfg.tls.as_ref(), shared.clone())
+        .await
+        .context("api.listen")?;
+    log::info!(
+        "HTTP API on {}://{}",
+        if cfg.tls.is_some() { "https" } else { "http" },
+        cfg.listen
+    );
+    let mut hup = signal(SignalKind::hangup()).context("handling SIGHUP")?;
+    let watchdog = sd_notify::watchdog_enabled();
+    let mut ping = tokio::time::interval(watchdog.map_or(Duration::from_secs(3600), |d| d / 2));
+    let mut ready = false;
+    loop {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut frames = shared.frames.subscribe();
+        let run = run::run(RunOptions {
+            disks: cfg.disks.clone(),
+            max_disks: cfg.max_disks,
+            vms: cfg.vms,
+            quiet: true,
+            traces: cfg.traces.clone(),
+            api: Some(shared.clone()),
+            stop: Some(stop_rx),
+            ..Default::default()
+        });
+        tokio::pin!(run);
+        loop {
+            tokio::select! {
+                // SIGTERM or SIGINT: the run flushes its exports and ends.
+                r = &mut run => {
+                    notify(&[NotifyState::Stopping]);
+                    return r.map(|_| ());
+                }
+                _ = frames.changed() => {
+                    // Probes attached and measuring: ready (again).
+                    if !ready {
+                        ready = true;
+                        notify(&[NotifyState::Ready, NotifyState::Status("measuring")]);
+                    }
+                }
+                _ = ping.tick(), if watchdog.is_some() => {
+                    // Alive only while the run still makes frames.
+                    let fresh = frames.borrow().as_ref().is_some();
+                    if fresh {
+                        notify(&[NotifyState::Watchdog]);
+                    }
+                }
+                _ = hup.recv() => {
+                    let Some(p) = path.as_ref() else {
+                        log::warn!("SIGHUP: no configuration file to reload");
+                        continue;
+                    };
+                    match Config::load(p) {
+                        Ok(new) => {
+                            if new.listen != cfg.listen || new.token != cfg.token || new.tls != cfg.tls {
+                                log::warn!("{}: api.listen, api.token and api.tls_* take effect at the next start", p.display());
+                            }
+                            notify(&[NotifyState::Reloading]);
+                            let _ = stop_tx.send(true);
+                            let _ = (&mut run).await;
+                            log::info!("{}: reloaded", p.display());
+                            cfg = Config { listen: cfg.listen, token: cfg.token.clone(), tls: cfg.tls.clone(), ..new };
+                            ready = false;
+                            break;
+                        }
+                        Err(e) => log::error!("SIGHUP: {e:#}; the running configuration stays"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The config file checked, for `iospan agent --check-config`.
+pub fn check(opts: &ServiceOptions) -> Result<String> {
+    let (cfg, path) = load(opts)?;
+    Ok(format!(
+        "{}: ok (API on {}, {})",
+        path.map_or("defaults".to_string(), |p| p.display().to_string()),
+        cfg.listen,
+        if cfg.traces.any_enabled() {
+            "exporting over OTLP"
+        } else {
+            "no OTLP export"
+        }
+    ))
+}

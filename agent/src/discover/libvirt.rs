@@ -1,0 +1,278 @@
+//! libvirt's own account of the VMs it runs: the live status XML libvirtd
+//! keeps for each running domain (`/run/libvirt/qemu/NAME.xml`), matched
+//! to a QEMU process by the pid it records, never by a name from a command
+//! line. It gives the names libvirt's users know — the domain, its UUID,
+//! each disk's target dev (`vda`) beside its alias (`virtio-disk0`) — and
+//! the guest channel's socket. Read only; libvirt's monitor is never used.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Where libvirtd's QEMU driver keeps its status files, with the user a
+/// file there must belong to (None: root): `IOSPAN_LIBVIRT_RUN` (a
+/// colon-separated list, root's), else the system driver's place and each
+/// user's session driver's (`/run/user/UID/libvirt/qemu/run`, that user's).
+pub fn run_dirs() -> Vec<(PathBuf, Option<u32>)> {
+    if let Some(v) = std::env::var_os("IOSPAN_LIBVIRT_RUN") {
+        return std::env::split_paths(&v).map(|p| (p, None)).collect();
+    }
+    let mut v = vec![(PathBuf::from("/run/libvirt/qemu"), None)];
+    if let Ok(rd) = std::fs::read_dir("/run/user") {
+        for e in rd.flatten() {
+            if let Some(uid) = e.file_name().to_str().and_then(|n| n.parse().ok()) {
+                v.push((e.path().join("libvirt/qemu/run"), Some(uid)));
+            }
+        }
+    }
+    v
+}
+
+/// A status file larger than this is not libvirt's.
+const STATUS_CAP: u64 = 8 << 20;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Domain {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    #[serde(default)]
+    pub disks: Vec<DomainDisk>,
+    #[serde(default)]
+    pub channels: Vec<DomainChannel>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DomainDisk {
+    /// The device's alias: QEMU's device id (`virtio-disk0`).
+    pub alias: String,
+    /// The target dev (`vda`).
+    pub target_dev: String,
+    /// `file`, `block`, `network`, `volume`.
+    pub kind: String,
+    /// The source file or device, when local.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DomainChannel {
+    /// The virtio-serial port's name (`org.iospan.0`).
+    pub name: String,
+    /// The host socket libvirt bound for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+}
+
+/// Reads one status file's text: the pid it records and the domain.
+pub fn parse_status(xml: &str) -> Option<(u32, Domain)> {
+    let doc = roxmltree::Document::parse(xml).ok()?;
+    let root = doc.root_element();
+    // A status file wraps the domain in <domstatus pid=…>; a bare <domain>
+    // (an inactive definition) runs nothing.
+    if root.tag_name().name() != "domstatus" {
+        return None;
+    }
+    let pid = root.attribute("pid")?.parse().ok()?;
+    let dom = root.children().find(|n| n.has_tag_name("domain"))?;
+    fn child<'a, 'i>(n: roxmltree::Node<'a, 'i>, tag: &str) -> Option<roxmltree::Node<'a, 'i>> {
+        n.children().find(|c| c.has_tag_name(tag))
+    }
+    let text =
+        |n: Option<roxmltree::Node<'_, '_>>| n.and_then(|n| n.text()).map(|t| t.trim().to_string());
+    let name = text(child(dom, "name"))?;
+    let uuid = text(child(dom, "uuid"));
+    let mut d = Domain {
+        name,
+        uuid,
+        ..Default::default()
+    };
+    if let Some(devices) = child(dom, "devices") {
+        for n in devices.children().filter(|n| n.is_element()) {
+            match n.tag_name().name() {
+                "disk" => {
+                    let (Some(target), Some(alias)) = (
+                        child(n, "target").and_then(|t| t.attribute("dev")),
+                        child(n, "alias").and_then(|a| a.attribute("name")),
+                    ) else {
+                        continue;
+                    };
+                    let source = child(n, "source").and_then(|s| {
+                        s.attribute("file")
+                            .or_else(|| s.attribute("dev"))
+                            .map(str::to_string)
+                    });
+                    d.disks.push(DomainDisk {
+                        alias: alias.to_string(),
+                        target_dev: target.to_string(),
+                        kind: n.attribute("type").unwrap_or("file").to_string(),
+                        source,
+                    });
+                }
+                "channel" => {
+                    let Some(name) = child(n, "target").and_then(|t| t.attribute("name")) else {
+                        continue;
+                    };
+                    d.channels.push(DomainChannel {
+                        name: name.to_string(),
+                        path: child(n, "source")
+                            .and_then(|s| s.attribute("path"))
+                            .map(str::to_string),
+                    });
+                }
+                _ => {}
+            }
+        }
+    }
+    Some((pid, d))
+}
+
+/// Every running domain libvirt has a status file for: its pid, the
+/// domain, and the user the file belongs to.
+pub fn domains() -> Vec<(u32, Domain, u32)> {
+    let mut out = Vec::new();
+    for (dir, user) in run_dirs() {
+        out.extend(
+            domains_in(&dir)
+                .into_iter()
+                .filter(|(_, _, owner)| *owner == user.unwrap_or(0)),
+        );
+    }
+    out.sort_by_key(|(pid, _, _)| *pid);
+    out
+}
+
+pub fn domains_in(dir: &Path) -> Vec<(u32, Domain, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "xml"))
+        .filter_map(|e| {
+            let owner = std::fs::symlink_metadata(e.path()).ok()?.uid();
+            let bytes = crate::discover::procfs::read_regular(&e.path(), STATUS_CAP).ok()?;
+            let (pid, d) = parse_status(std::str::from_utf8(&bytes).ok()?)?;
+            Some((pid, d, owner))
+        })
+        .collect()
+}
+
+/// The domain running as process `pid`, if libvirt runs it: told by a
+/// status file root wrote, or, for a session domain, the user the process
+/// runs as (a user's file speaks only for that user's processes).
+pub fn domain_of(pid: u32) -> Option<Domain> {
+    use std::os::unix::fs::MetadataExt;
+    let proc_uid = std::fs::metadata(format!("/proc/{pid}")).ok()?.uid();
+    domains()
+        .into_iter()
+        .find_map(|(p, d, owner)| (p == pid && (owner == 0 || owner == proc_uid)).then_some(d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A status file as libvirtd 9.0 writes it (trimmed).
+    const STATUS: &str = r#"<!--
+WARNING: THIS IS AN AUTO-GENERATED FILE. CHANGES TO IT ARE LIKELY TO BE
+OVERWRITTEN AND LOST.
+-->
+<domstatus state='running' reason='booted' pid='12215'>
+  <monitor path='/var/lib/libvirt/qemu/domain-2-db01/monitor.sock' type='unix'/>
+  <domain type='qemu' id='2'>
+    <name>db01</name>
+    <uuid>b40a0dcb-ecba-4afd-97ea-fcc0c6900c2a</uuid>
+    <devices>
+      <emulator>/usr/bin/qemu-system-x86_64</emulator>
+      <disk type='file' device='disk'>
+        <driver name='qemu' type='raw' cache='none' io='io_uring' iothread='1'/>
+        <source file='/var/lib/libvirt/images/db01.img' index='2'/>
+        <target dev='vda' bus='virtio'/>
+        <alias name='virtio-disk0'/>
+      </disk>
+      <disk type='block' device='disk'>
+        <driver name='qemu' type='raw' cache='none' io='native'/>
+        <source dev='/dev/vg0/db01-data' index='1'/>
+        <target dev='vdb' bus='virtio'/>
+        <alias name='virtio-disk1'/>
+      </disk>
+      <disk type='file' device='cdrom'>
+        <target dev='sda' bus='sata'/>
+        <readonly/>
+        <alias name='sata0-0-0'/>
+      </disk>
+      <channel type='unix'>
+        <source mode='bind' path='/var/lib/libvirt/qemu/channel/target/domain-2-db01/org.iospan.0'/>
+        <target type='virtio' name='org.iospan.0' state='connected'/>
+        <alias name='channel0'/>
+      </channel>
+    </devices>
+  </domain>
+</domstatus>
+"#;
+
+    #[test]
+    fn a_status_file_gives_the_pid_names_uuid_disks_and_channel() {
+        let (pid, d) = parse_status(STATUS).unwrap();
+        assert_eq!(pid, 12215);
+        assert_eq!(d.name, "db01");
+        assert_eq!(
+            d.uuid.as_deref(),
+            Some("b40a0dcb-ecba-4afd-97ea-fcc0c6900c2a")
+        );
+        let disks: Vec<_> = d
+            .disks
+            .iter()
+            .map(|x| {
+                (
+                    x.alias.as_str(),
+                    x.target_dev.as_str(),
+                    x.kind.as_str(),
+                    x.source.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            disks,
+            [
+                (
+                    "virtio-disk0",
+                    "vda",
+                    "file",
+                    Some("/var/lib/libvirt/images/db01.img")
+                ),
+                ("virtio-disk1", "vdb", "block", Some("/dev/vg0/db01-data")),
+                ("sata0-0-0", "sda", "file", None),
+            ]
+        );
+        assert_eq!(d.channels.len(), 1);
+        assert_eq!(d.channels[0].name, "org.iospan.0");
+    }
+
+    #[test]
+    fn definitions_and_garbage_are_not_running_domains() {
+        assert!(parse_status("<domain><name>x</name></domain>").is_none());
+        assert!(parse_status("<domstatus><domain><name>x</name></domain></domstatus>").is_none());
+        assert!(parse_status("<domstatus pid='7'></domstatus>").is_none());
+        assert!(parse_status("not xml <<<").is_none());
+        assert!(parse_status("").is_none());
+    }
+
+    #[test]
+    fn a_run_dir_is_scanned_for_status_files_only() {
+        let dir = std::env::temp_dir().join(format!("iospan-libvirt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("db01.xml"), STATUS).unwrap();
+        std::fs::write(dir.join("db01.pid"), "12215").unwrap();
+        std::fs::write(dir.join("broken.xml"), "<domstatus").unwrap();
+        let v = domains_in(&dir);
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].0, 12215);
+        // Whoever runs the test wrote it.
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(v[0].2, unsafe { libc::geteuid() });
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,8 @@
+//! The host as it is: VMs and their virtual disks, host disks, storage
+//! engines. Parsers are pure functions over recorded input; scanners read /proc.
+
+pub mod disks;
+pub mod diskstats;
+pub mod libvirt;
+pub mod procfs;
+pub mod vms;

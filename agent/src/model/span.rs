@@ -1,0 +1,84 @@
+//! One guest I/O, joined: the value every per-I/O output (events, traces,
+//! tails) is made from.
+
+use crate::{abi::VmIoEvent, model::Op};
+
+/// One guest I/O, joined: the record per-I/O outputs (the event stream,
+/// traces) are made from. Stamps are on the host's clock; the guest's are
+/// moved there by the VM's clock offset at the time of the join (`None`
+/// before the first offset is known: then they are the guest's own).
+#[derive(Clone, Debug, PartialEq)]
+pub struct IoSpan {
+    pub vm: u32,
+    pub vdisk: u32,
+    /// The host disk the engine's request went to.
+    pub dev: u32,
+    pub op: Op,
+    pub pos: u64,
+    pub bytes: u32,
+    /// Guest stamps: the application's call, the kick, the interrupt, the
+    /// call that handed the completion back.
+    pub begin_ns: u64,
+    pub guest_kick_ns: u64,
+    pub guest_irq_ns: u64,
+    pub end_ns: u64,
+    /// Host stamps: the kick seen, the engine's pickup, the host request's
+    /// start, issue to the driver and completion, the engine's signal to
+    /// the guest.
+    pub kick_ns: u64,
+    pub pick_ns: u64,
+    pub start_ns: u64,
+    pub issue_ns: u64,
+    pub done_ns: u64,
+    pub signal_ns: u64,
+    /// The offset added to the guest's stamps (host = guest + offset).
+    pub clock_offset_ns: Option<i64>,
+    pub guest_ns: u64,
+    pub hypervisor_ns: u64,
+    pub engine_ns: u64,
+    pub device_ns: u64,
+    /// Guest-observed: end − begin = the four segments' sum.
+    pub total_ns: u64,
+    /// The guest's ends are the block layer's (no system call seen).
+    pub app_ends_from_block_layer: bool,
+    /// Whether the guest's side was joined; without it the I/O is the host
+    /// window only (kick to signal) and the guest stamps are 0.
+    pub has_guest: bool,
+    /// The guest's queue for it (its block layer's hardware context),
+    /// where the guest agent told.
+    pub queue: Option<u32>,
+}
+
+impl IoSpan {
+    /// A VM request's host window alone, for VMs without a guest agent.
+    pub fn host_only(ev: &VmIoEvent, signal_ns: u64) -> Self {
+        let engine = (ev.start_ns - ev.pick_ns) + (signal_ns - ev.done_ns);
+        Self {
+            vm: ev.vm,
+            vdisk: ev.vdisk,
+            dev: ev.dev,
+            op: Op::from_index(ev.op as usize).unwrap_or(Op::Other),
+            pos: ev.pos,
+            bytes: ev.bytes,
+            begin_ns: 0,
+            guest_kick_ns: 0,
+            guest_irq_ns: 0,
+            end_ns: 0,
+            kick_ns: ev.kick_ns,
+            pick_ns: ev.pick_ns,
+            start_ns: ev.start_ns,
+            issue_ns: ev.issue_ns.clamp(ev.start_ns, ev.done_ns),
+            done_ns: ev.done_ns,
+            signal_ns,
+            clock_offset_ns: None,
+            guest_ns: 0,
+            hypervisor_ns: ev.pick_ns - ev.kick_ns,
+            engine_ns: engine,
+            device_ns: ev.done_ns - ev.start_ns,
+            total_ns: signal_ns - ev.kick_ns,
+            app_ends_from_block_layer: false,
+            has_guest: false,
+            queue: None,
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! Segment latency over OTLP: base-2 exponential histograms per VM, virtual
+//! disk, op and segment, recorded from the same per-I/O records the traces
+//! come from (every one, not only the exported), pushed every
+//! OTEL_METRIC_EXPORT_INTERVAL (default 60 s) and once more at the end.
+
+use std::{collections::HashMap, time::Duration};
+
+use anyhow::{bail, Context, Result};
+use opentelemetry::{
+    metrics::{Histogram, MeterProvider as _},
+    KeyValue,
+};
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::{
+    metrics::{
+        periodic_reader_with_async_runtime::PeriodicReader, Aggregation, InstrumentKind,
+        SdkMeterProvider, Stream,
+    },
+    runtime,
+};
+
+use super::{
+    otlp::{transport, Transport, EXPORT_TIMEOUT},
+    Names, TraceOpts,
+};
+use crate::{model::IoSpan, model::Op};
+
+pub struct Meters {
+    provider: SdkMeterProvider,
+    latency: Histogram<f64>,
+    /// The attributes every record of a (VM, virtual disk, op) shares.
+    base: HashMap<(u32, u32, Op), Vec<KeyValue>>,
+}
+
+impl Meters {
+    pub fn start(opts: &TraceOpts) -> Result<Self> {
+        let exporter = build_exporter(opts)?;
+        let reader = PeriodicReader::builder(exporter, runtime::Tokio).build();
+        let provider = SdkMeterProvider::builder()
+            .with_reader(reader)
+            .with_resource(super::otlp::resource())
+            // Latency spans decades: exponential buckets, the resolution
+            // following the data.
+            .with_view(|i: &opentelemetry_sdk::metrics::Instrument| {
+                (i.kind() == InstrumentKind::Histogram)
+                    .then(|| {
+                        Stream::builder()
+                            .with_aggregation(Aggregation::Base2ExponentialHistogram {
+                                max_size: 160,
+                                max_scale: 20,
+                                record_min_max: true,
+                            })
+                            .build()
+                            .ok()
+                    })
+                    .flatten()
+            })
+            .build();
+        let latency = provider
+            .meter("iospan")
+            .f64_histogram("iospan.vm.latency")
+            .with_unit("s")
+            .with_description(
+                "Latency of VMs' I/O per virtual disk, op and segment (host window: \
+                 hypervisor/engine/device/host_window; guest-observed: \
+                 g_total/g_guest/g_hypervisor/g_engine/g_device)",
+            )
+            .build();
+        Ok(Self {
+            provider,
+            latency,
+            base: HashMap::new(),
+        })
+    }
+
+    /// One I/O's segments; `names` is asked once per (VM, disk, op).
+    pub fn record(&mut self, s: &IoSpan, names: impl Fn(&IoSpan) -> Names) {
+        let base = self.base.entry((s.vm, s.vdisk, s.op)).or_insert_with(|| {
+            let n = names(s);
+            vec![
+                KeyValue::new("virt.vm.name", n.vm),
+                KeyValue::new("virt.disk.id", n.vdisk),
+                KeyValue::new("disk.io.direction", s.op.as_str()),
+            ]
+        });
+        let segs: [(&'static str, u64); 5] = if s.has_guest {
+            [
+                ("g_total", s.total_ns),
+                ("g_guest", s.guest_ns),
+                ("g_hypervisor", s.hypervisor_ns),
+                ("g_engine", s.engine_ns),
+                ("g_device", s.device_ns),
+            ]
+        } else {
+            [
+                ("host_window", s.total_ns),
+                ("hypervisor", s.hypervisor_ns),
+                ("engine", s.engine_ns),
+                ("device", s.device_ns),
+                ("", 0),
+            ]
+        };
+        let mut attrs = base.clone();
+        attrs.push(KeyValue::new("iospan.segment", ""));
+        for (seg, ns) in segs.into_iter().filter(|(seg, _)| !seg.is_empty()) {
+            if let Some(last) = attrs.last_mut() {
+                *last = KeyValue::new("iospan.segment", seg);
+            }
+            self.latency.record(ns as f64 / 1e9, &attrs);
+        }
+    }
+
+    /// Pushes what is recorded and stops, within `grace`.
+    pub async fn finish(self, grace: Duration) -> Result<()> {
+        let provider = self.provider;
+        let done = tokio::task::spawn_blocking(move || provider.shutdown_with_timeout(grace));
+        match tokio::time::timeout(grace + Duration::from_secs(1), done).await {
+            Ok(Ok(r)) => r.context("pushing the last OTLP metrics"),
+            Ok(Err(e)) => bail!("pushing the last OTLP metrics: {e}"),
+            Err(_) => bail!("pushing the last OTLP metrics: no answer within {grace:?}"),
+        }
+    }
+}
+
+fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::MetricExporter> {
+    let builder = opentelemetry_otlp::MetricExporter::builder();
+    let built = match transport(opts, "metrics")? {
+        (Transport::Grpc, endpoint) => {
+            let b = builder.with_tonic().with_timeout(EXPORT_TIMEOUT);
+            match endpoint {
+                Some(e) => b.with_endpoint(e).build(),
+                None => b.build(),
+            }
+        }
+        (Transport::Http, endpoint) => {
+            let b = builder.with_http().with_timeout(EXPORT_TIMEOUT);
+            match endpoint {
+                Some(e) => b.with_endpoint(e).build(),
+                None => b.build(),
+            }
+        }
+    };
+    built.context("setting up the OTLP metric exporter")
+}

@@ -1,0 +1,220 @@
+//! What a running agent has measured so far, as one frame: cumulative
+//! figures per VM virtual disk and op, and per host disk and op. A live
+//! view (`top`) differences two frames into the last interval's rates and
+//! latencies; the same frame goes over the HTTP API to a remote view.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    discover::disks,
+    discover::vms::Registry,
+    model::{BlkSegment, Hist, Op},
+    pipeline::correlate::{HostSplit, SplitKey},
+    pipeline::stitch::{StitchKey, Stitched, Stitcher},
+    probes::block::BlockSnapshot,
+};
+
+/// The segment columns of a live view, in order.
+pub const SEGMENTS: [&str; 6] = ["total", "guest", "hv", "engine", "device", "queue"];
+
+/// Cumulative figures since the agent started.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Frame {
+    /// Seconds on the agent's monotonic clock.
+    pub at_s: f64,
+    pub vdisks: Vec<Row>,
+    /// Per guest queue of a virtual disk (VMs with a guest agent: the
+    /// queue is the guest's).
+    #[serde(default)]
+    pub queues: Vec<Row>,
+    pub disks: Vec<Row>,
+    /// Losses of every kind so far (the report's `lost`).
+    pub lost: u64,
+    /// Guest and host requests of VMs with a guest agent that found no
+    /// partner (the report's `stitch.unmatched_*`).
+    #[serde(default)]
+    pub unmatched: u64,
+}
+
+/// One (VM, virtual disk, op), or one (host disk, op) with `vm` empty.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Row {
+    pub vm: String,
+    pub disk: String,
+    /// A queue row's guest queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<u32>,
+    pub op: Op,
+    pub ios: u64,
+    pub bytes: u64,
+    /// Requests of the VM in flight on the host now (VM rows).
+    pub inflight: u64,
+    /// Whether `total` is the guest-observed latency (guest agent) or the
+    /// host window (kick to interrupt) only.
+    pub guest_observed: bool,
+    /// By `SEGMENTS` name; absent where not measured.
+    pub segs: BTreeMap<String, Hist>,
+}
+
+/// The frame of one snapshot.
+pub fn frame(
+    at_s: f64,
+    snap: &BlockSnapshot,
+    splits: &BTreeMap<SplitKey, HostSplit>,
+    stitch: &Stitcher,
+    known: &Registry,
+) -> Frame {
+    let stitched = &stitch.stitched;
+    let finished = snap.vm_finished();
+    let inflight = |vm: u32| {
+        if known.exited.contains(&vm) {
+            // Never completed for us, not in flight (see metrics).
+            return 0;
+        }
+        let c = snap.vm_counts.get(&vm).copied().unwrap_or_default();
+        c.submitted
+            .saturating_sub(finished.get(&vm).map_or(0, |f| f.done))
+    };
+    let mut vdisks = Vec::new();
+    for (k, s) in &snap.vm_stats {
+        // The VM process's own requests (no virtual disk) are not a row.
+        let Some(vdisk) = known.vdisk(k.vdisk) else {
+            continue;
+        };
+        let mut segs = BTreeMap::new();
+        segs.insert("queue".to_string(), s.segment(BlkSegment::Queue).clone());
+        let split = splits.get(&SplitKey {
+            vm: k.vm,
+            dev: k.dev,
+            op: k.op,
+            vdisk: k.vdisk,
+        });
+        let joined = stitched
+            .get(&StitchKey {
+                vm: k.vm,
+                vdisk: k.vdisk,
+                op: k.op,
+            })
+            .filter(|st| st.total.count > 0);
+        if let Some(st) = joined {
+            segs.extend(stitched_segs(st));
+        } else if let Some(h) = split {
+            for (name, h) in [
+                ("total", &h.window),
+                ("hv", &h.hypervisor),
+                ("engine", &h.engine),
+                ("device", &h.device),
+            ] {
+                segs.insert(name.to_string(), h.clone());
+            }
+        } else {
+            segs.insert("device".to_string(), s.segment(BlkSegment::Total).clone());
+        }
+        vdisks.push(Row {
+            vm: known.name(k.vm),
+            disk: vdisk.to_string(),
+            queue: None,
+            op: k.op,
+            ios: s.ios,
+            bytes: s.bytes,
+            inflight: inflight(k.vm),
+            guest_observed: joined.is_some(),
+            segs,
+        });
+    }
+    let disks = snap
+        .stats
+        .iter()
+        .map(|((dev, op), s)| Row {
+            vm: String::new(),
+            disk: disks::name_of(*dev),
+            queue: None,
+            op: *op,
+            ios: s.ios,
+            bytes: s.bytes,
+            inflight: 0,
+            guest_observed: false,
+            segs: [
+                ("device", s.segment(BlkSegment::Service)),
+                ("queue", s.segment(BlkSegment::Queue)),
+                ("total", s.segment(BlkSegment::Total)),
+            ]
+            .into_iter()
+            .map(|(n, h)| (n.to_string(), h.clone()))
+            .collect(),
+        })
+        .collect();
+    let queues = stitch
+        .queues
+        .iter()
+        .filter_map(|((k, q), st)| {
+            Some(Row {
+                vm: known.name(k.vm),
+                disk: known.vdisk(k.vdisk)?.to_string(),
+                queue: Some(*q),
+                op: k.op,
+                ios: st.total.count,
+                bytes: st.bytes,
+                inflight: 0,
+                guest_observed: true,
+                segs: stitched_segs(st),
+            })
+        })
+        .collect();
+    Frame {
+        at_s,
+        vdisks,
+        queues,
+        disks,
+        lost: snap.counters.losses().iter().map(|l| l.2).sum(),
+        unmatched: stitch.counters.unmatched_guest + stitch.counters.unmatched_host,
+    }
+}
+
+fn stitched_segs(st: &Stitched) -> BTreeMap<String, Hist> {
+    [
+        ("total", &st.total),
+        ("guest", &st.guest),
+        ("hv", &st.hypervisor),
+        ("engine", &st.engine),
+        ("device", &st.device),
+    ]
+    .into_iter()
+    .map(|(n, h)| (n.to_string(), h.clone()))
+    .collect()
+}
+
+impl Row {
+    /// The same (VM, disk, op).
+    pub fn same(&self, other: &Row) -> bool {
+        self.vm == other.vm
+            && self.disk == other.disk
+            && self.queue == other.queue
+            && self.op == other.op
+    }
+
+    /// What this row gained since `earlier` (the same row, in an earlier
+    /// frame); all of it when there is none.
+    pub fn since(&self, earlier: Option<&Row>) -> Row {
+        let Some(e) = earlier else {
+            return self.clone();
+        };
+        Row {
+            ios: self.ios.saturating_sub(e.ios),
+            bytes: self.bytes.saturating_sub(e.bytes),
+            segs: self
+                .segs
+                .iter()
+                .map(|(k, h)| {
+                    (
+                        k.clone(),
+                        e.segs.get(k).map_or_else(|| h.clone(), |o| h.since(o)),
+                    )
+                })
+                .collect(),
+            ..self.clone()
+        }
+    }
+}

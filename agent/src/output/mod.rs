@@ -1,0 +1,9 @@
+//! Everything that reads the model and shows or ships it; nothing here calls
+//! back into the pipeline.
+
+pub mod export;
+pub mod html;
+pub mod live;
+pub mod metrics;
+pub mod report;
+pub mod store;

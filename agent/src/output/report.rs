@@ -1,0 +1,594 @@
+//! The run report: the `iospan.run/v1` JSON contract and its terminal table.
+
+use std::{collections::BTreeMap, fmt::Write as _};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    abi::VmCounts,
+    discover::disks::{self, Dev},
+    discover::diskstats::{DiskStat, KernelCount},
+    discover::vms::{KickSource, Registry},
+    model::ChannelStats,
+    model::{BlkSegment, DiskOpStats, Op, Summary},
+    pipeline::correlate::{HostSplit, SplitKey},
+    pipeline::stitch::{ClockEstimate, StitchCounters, StitchKey, Stitched, Stitcher},
+    probes::{
+        block::{Counters, VmFinished, VmStatKey},
+        progstats::ProgStats,
+        Attachment,
+    },
+};
+
+pub const SCHEMA: &str = "iospan.run/v1";
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunReport {
+    pub schema: String,
+    pub duration_s: f64,
+    /// The traced command, when there was one, and how it ended.
+    pub command: Option<Vec<String>>,
+    pub exit_code: Option<i32>,
+    /// Everything lost or degraded; see `Counters`.
+    pub lost: Counters,
+    pub probes: Vec<Attachment>,
+    pub agent: AgentCost,
+    /// Guest agents heard from, per VM.
+    #[serde(default)]
+    pub guests: Vec<GuestSummary>,
+    /// Guest and host requests not joined (see `stitch::StitchCounters`).
+    #[serde(default)]
+    pub stitch: StitchCounters,
+    /// Per-I/O traces: offered, chosen, exported, dropped, failed (when
+    /// exporting).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub export: Option<crate::output::export::ExportCounters>,
+    /// The VMs seen during the run.
+    #[serde(default)]
+    pub vms: Vec<VmSummary>,
+    /// QEMU processes that were not VMs (capability probes, processes gone
+    /// before they could be named): their requests are the host's.
+    #[serde(default)]
+    pub not_vms: u64,
+    pub entries: Vec<Entry>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VmSummary {
+    pub name: String,
+    /// Its UUID (`-uuid`; libvirt's domain UUID).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    pub pid: u32,
+    /// Virtual disk ids (libvirt's aliases).
+    pub disks: Vec<String>,
+    /// Per virtual disk, the names its users know it by and where it lives.
+    #[serde(default)]
+    pub vdisks: Vec<VDiskSummary>,
+    /// The libvirt domain, when libvirt runs the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub libvirt_domain: Option<String>,
+    pub kicks: KickSource,
+    /// Its requests whose completion never reached us (not in `entries`).
+    #[serde(default)]
+    pub undelivered: u64,
+    /// Guest requests that reached the host inside another request, not
+    /// as one of their own: merged by QEMU (virtio-blk merges adjacent
+    /// requests of one batch) ...
+    #[serde(default)]
+    pub engine_merged: u64,
+    /// ... or by the host block layer (a bio merged into a request).
+    /// A VM's requests in `entries` plus these are its guest's requests.
+    #[serde(default)]
+    pub host_merged: u64,
+    /// Per virtual disk, the process that serves it: QEMU itself, or an
+    /// engine outside it (vhost-user: qemu-storage-daemon). Its engine
+    /// segment is that process's time.
+    #[serde(default)]
+    pub engines: Vec<DiskEngine>,
+}
+
+/// A virtual disk: its id (libvirt's alias), its target dev, its backing
+/// and the host disks under it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VDiskSummary {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_dev: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backing: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iothread: Option<String>,
+    /// A device-mapper backing's stack: the dm device, then the physical
+    /// disks under it, whose block layer the device segment times.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_stack: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskEngine {
+    pub disk: String,
+    pub program: String,
+    pub pid: u32,
+    /// The engine's export serving it (outside QEMU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub export: Option<String>,
+    /// Why its host windows are not split, where they are not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_split: Option<String>,
+}
+
+pub fn guests(known: &Registry, stitch: &Stitcher) -> Vec<GuestSummary> {
+    stitch
+        .channels
+        .iter()
+        .map(|(slot, ch)| GuestSummary {
+            vm: known.name(*slot),
+            channel: ch.clone(),
+            clock: stitch.clocks.get(slot).and_then(|c| c.estimate()),
+        })
+        .collect()
+}
+
+pub fn vms(
+    known: &Registry,
+    counts: &BTreeMap<u32, VmCounts>,
+    finished: &BTreeMap<u32, VmFinished>,
+) -> Vec<VmSummary> {
+    known
+        .vms
+        .iter()
+        .map(|(slot, v)| {
+            let c = counts.get(slot).copied().unwrap_or_default();
+            VmSummary {
+                name: v.name.clone(),
+                uuid: v.uuid.clone(),
+                pid: v.pid,
+                disks: v.disks.iter().map(|d| d.id.clone()).collect(),
+                vdisks: v
+                    .disks
+                    .iter()
+                    .map(|d| VDiskSummary {
+                        id: d.id.clone(),
+                        target_dev: d.target_dev.clone(),
+                        model: d.model.clone(),
+                        backing: d.file.as_ref().map(|f| f.display().to_string()),
+                        iothread: d.iothread.clone(),
+                        host_stack: d.host_stack.clone(),
+                    })
+                    .collect(),
+                libvirt_domain: v.libvirt.as_ref().map(|d| d.name.clone()),
+                kicks: v.kicks,
+                undelivered: finished.get(slot).map_or(0, |f| f.undelivered),
+                engine_merged: c.engine_merges,
+                host_merged: c.bio_merges,
+                engines: v
+                    .disks
+                    .iter()
+                    .map(|d| {
+                        let (program, pid, export) = match &d.engine {
+                            Some(e) => (e.program.clone(), e.pid, Some(e.export.clone())),
+                            // The kernel's workers, threads of QEMU's process.
+                            None if d.kernel_vhost() => {
+                                (format!("vhost-{}", v.pid), v.pid, d.target.clone())
+                            }
+                            _ => (
+                                v.exe
+                                    .as_deref()
+                                    .and_then(std::path::Path::file_name)
+                                    .map_or_else(
+                                        || "qemu".into(),
+                                        |n| n.to_string_lossy().into_owned(),
+                                    ),
+                                v.pid,
+                                None,
+                            ),
+                        };
+                        DiskEngine {
+                            disk: d.id.clone(),
+                            program,
+                            pid,
+                            export,
+                            not_split: d.split_support().err().map(str::to_string),
+                        }
+                    })
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AgentCost {
+    /// The agent process's own CPU over the run.
+    pub cpu_user_s: f64,
+    pub cpu_sys_s: f64,
+    /// Kernel-side cost of the eBPF programs, when run-time stats were on.
+    pub bpf: Option<Vec<ProgStats>>,
+}
+
+/// One (vm, disk, op).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Entry {
+    pub vm: Option<String>,
+    /// The virtual disk's id for a VM's entry (the host disk's name for the
+    /// VM process's requests that are none of its disks' — firmware, kernel
+    /// images, buffered I/O not resolved to a file); the host disk for a
+    /// host entry.
+    pub disk: String,
+    /// The host disk the requests went to.
+    #[serde(default)]
+    pub host_disk: String,
+    /// A VM's virtual disk's target dev (`vda`), where libvirt names one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_dev: Option<String>,
+    pub op: Op,
+    pub ios: u64,
+    pub bytes: u64,
+    pub iops: f64,
+    pub mb_per_s: f64,
+    pub errors: u64,
+    pub requeued: u64,
+    pub partial: u64,
+    /// Requests the kernel completed whose completion never reached us
+    /// (a VM's, found one by one): counted here, not in `ios` or the
+    /// latencies, which they have none of.
+    #[serde(default)]
+    pub undelivered: u64,
+    /// The kernel's own count for this disk and op over the run, where it
+    /// keeps one (iostats on); `ios` below it means requests went unseen.
+    pub kernel: Option<KernelCount>,
+    pub total: Summary,
+    pub segments: BTreeMap<String, Summary>,
+    /// The requests joined with the guest agent's records: guest-observed
+    /// latency (`total`) split into guest, hypervisor, engine and device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stitched: Option<StitchedEntry>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StitchedEntry {
+    pub count: u64,
+    /// guest, hypervisor, engine, device, total.
+    pub segments: BTreeMap<String, Summary>,
+    /// The same per guest queue (virtqueue or NVMe queue pair).
+    #[serde(default)]
+    pub queues: Vec<QueueEntry>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct QueueEntry {
+    pub queue: u32,
+    pub count: u64,
+    pub segments: BTreeMap<String, Summary>,
+}
+
+fn segment_summaries(s: &Stitched) -> BTreeMap<String, Summary> {
+    [
+        ("guest", &s.guest),
+        ("hypervisor", &s.hypervisor),
+        ("engine", &s.engine),
+        ("device", &s.device),
+        ("total", &s.total),
+    ]
+    .into_iter()
+    .map(|(k, h)| (k.to_string(), h.summary()))
+    .collect()
+}
+
+/// One VM's guest agent over the run: its channel and its clock.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GuestSummary {
+    pub vm: String,
+    pub channel: ChannelStats,
+    /// host = guest + offset, estimated from the joined requests.
+    pub clock: Option<ClockEstimate>,
+}
+
+impl Entry {
+    pub fn from_stats(
+        vm: Option<String>,
+        disk: String,
+        op: Op,
+        s: &DiskOpStats,
+        duration_s: f64,
+    ) -> Self {
+        let per_s = |v: f64| {
+            if duration_s > 0.0 {
+                round3(v / duration_s)
+            } else {
+                0.0
+            }
+        };
+        let mut segments = BTreeMap::new();
+        segments.insert("queue".to_string(), s.segment(BlkSegment::Queue).summary());
+        segments.insert(
+            "service".to_string(),
+            s.segment(BlkSegment::Service).summary(),
+        );
+        Entry {
+            vm,
+            host_disk: disk.clone(),
+            disk,
+            op,
+            ios: s.ios,
+            bytes: s.bytes,
+            iops: per_s(s.ios as f64),
+            mb_per_s: per_s(s.bytes as f64 / 1e6),
+            errors: s.errors,
+            requeued: s.requeued,
+            undelivered: s.undelivered,
+            partial: s.partial,
+            kernel: None,
+            target_dev: None,
+            total: s.segment(BlkSegment::Total).summary(),
+            segments,
+            stitched: None,
+        }
+    }
+}
+
+fn round3(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
+}
+
+/// Entries for the disks asked for (all when `only` is empty), sorted by
+/// disk name then op, each with the kernel's own count beside it.
+pub fn entries(
+    stats: &BTreeMap<(Dev, Op), DiskOpStats>,
+    kernel: &BTreeMap<Dev, DiskStat>,
+    only: &[Dev],
+    duration_s: f64,
+) -> Vec<Entry> {
+    let mut v: Vec<Entry> = stats
+        .iter()
+        .filter(|((dev, _), _)| only.is_empty() || only.contains(dev))
+        .map(|((dev, op), s)| {
+            let mut e = Entry::from_stats(None, disks::name_of(*dev), *op, s, duration_s);
+            e.kernel = kernel.get(dev).and_then(|k| k.for_op(*op));
+            e
+        })
+        .collect();
+    v.sort_by(|a, b| (&a.disk, a.op).cmp(&(&b.disk, b.op)));
+    v
+}
+
+/// Entries for the requests VMs submitted, named by VM and virtual disk.
+pub fn vm_entries(
+    stats: &BTreeMap<VmStatKey, DiskOpStats>,
+    splits: &BTreeMap<SplitKey, HostSplit>,
+    stitched: &BTreeMap<StitchKey, Stitched>,
+    queues: &BTreeMap<(StitchKey, u32), Stitched>,
+    vms: &Registry,
+    only: &[Dev],
+    duration_s: f64,
+) -> Vec<Entry> {
+    let mut v: Vec<Entry> = stats
+        .iter()
+        .filter(|(k, _)| only.is_empty() || only.contains(&k.dev))
+        // Slots of QEMU processes that were not VMs: the host's requests.
+        .filter(|(k, _)| vms.is_vm(k.vm))
+        .map(|(k, s)| {
+            let host = disks::name_of(k.dev);
+            let disk = vms
+                .vdisk(k.vdisk)
+                .map_or_else(|| host.clone(), str::to_string);
+            let mut e = Entry::from_stats(Some(vms.name(k.vm)), disk, k.op, s, duration_s);
+            e.host_disk = host;
+            e.target_dev = vms.vdisk_target(k.vdisk).map(str::to_string);
+            let split_key = SplitKey {
+                vm: k.vm,
+                dev: k.dev,
+                op: k.op,
+                vdisk: k.vdisk,
+            };
+            if let Some(h) = splits.get(&split_key) {
+                e.segments
+                    .insert("hypervisor".into(), h.hypervisor.summary());
+                e.segments.insert("engine".into(), h.engine.summary());
+                e.segments.insert("device".into(), h.device.summary());
+                e.segments.insert("host_window".into(), h.window.summary());
+            }
+            let key = StitchKey {
+                vm: k.vm,
+                vdisk: k.vdisk,
+                op: k.op,
+            };
+            if let Some(s) = stitched.get(&key) {
+                e.stitched = Some(StitchedEntry {
+                    count: s.total.count,
+                    segments: segment_summaries(s),
+                    queues: queues
+                        .range((key, 0)..=(key, u32::MAX))
+                        .map(|((_, q), s)| QueueEntry {
+                            queue: *q,
+                            count: s.total.count,
+                            segments: segment_summaries(s),
+                        })
+                        .collect(),
+                });
+            }
+            e
+        })
+        .collect();
+    v.sort_by(|a, b| (&a.vm, &a.disk, a.op).cmp(&(&b.vm, &b.disk, b.op)));
+    v
+}
+
+/// Requests the kernel completed on the traced disks that no completion
+/// event brought us, summed over (disk, op). Ops we never saw on a disk
+/// count too.
+pub fn unseen(
+    stats: &BTreeMap<(Dev, Op), DiskOpStats>,
+    kernel: &BTreeMap<Dev, DiskStat>,
+    only: &[Dev],
+) -> u64 {
+    kernel
+        .iter()
+        .filter(|(dev, _)| only.is_empty() || only.contains(dev))
+        .flat_map(|(dev, k)| {
+            Op::ALL.iter().filter_map(move |op| {
+                let theirs = k.for_op(*op)?.ios;
+                let mut ours = stats.get(&(*dev, *op)).map_or(0, |s| s.ios);
+                if *op == Op::Write {
+                    // The kernel files write-zeroes under writes.
+                    ours += stats.get(&(*dev, Op::Other)).map_or(0, |s| s.ios);
+                }
+                Some(theirs.saturating_sub(ours))
+            })
+        })
+        .sum()
+}
+
+impl RunReport {
+    /// The terminal table: a row per (disk, op, segment), latencies in µs.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        // A virtual disk by the names its users know: libvirt's alias and
+        // target dev (`virtio-disk0 vda`).
+        let disk_label = |e: &Entry| match &e.target_dev {
+            Some(t) => format!("{} {t}", e.disk),
+            None => e.disk.clone(),
+        };
+        let vw = self
+            .entries
+            .iter()
+            .filter_map(|e| e.vm.as_ref().map(|v| v.chars().count()))
+            .max()
+            .unwrap_or(0)
+            .max(14);
+        let dw = self
+            .entries
+            .iter()
+            .map(|e| disk_label(e).chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(10);
+        let _ = writeln!(
+            out,
+            "{:<vw$} {:<dw$} {:<7} {:>9} {:>10} {:>8}  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "VM",
+            "DISK",
+            "OP",
+            "IOS",
+            "IOPS",
+            "MB/s",
+            "SEGMENT",
+            "MEAN",
+            "P50",
+            "P90",
+            "P99",
+            "P99.9",
+            "MAX"
+        );
+        if self.entries.is_empty() {
+            let _ = writeln!(out, "(no block I/O completed on the traced disks)");
+        }
+        for e in &self.entries {
+            // Block segments, then the host window's split, then the window.
+            const ORDER: [&str; 6] = [
+                "queue",
+                "service",
+                "hypervisor",
+                "engine",
+                "device",
+                "host_window",
+            ];
+            let rows = std::iter::once(("total", &e.total)).chain(
+                ORDER
+                    .iter()
+                    .filter_map(|k| e.segments.get(*k).map(|v| (*k, v))),
+            );
+            // The guest agent's view after the host's: guest-observed latency
+            // and its four segments.
+            const STITCHED: [&str; 5] = ["total", "guest", "hypervisor", "engine", "device"];
+            let stitched: Vec<(String, &Summary)> = e
+                .stitched
+                .iter()
+                .flat_map(|st| {
+                    STITCHED
+                        .iter()
+                        .filter_map(move |k| st.segments.get(*k).map(|v| (format!("g.{k}"), v)))
+                })
+                .collect();
+            let rows = rows.map(|(k, v)| (k.to_string(), v)).chain(stitched);
+            let label = disk_label(e);
+            for (i, (seg, s)) in rows.enumerate() {
+                let (vm, disk, op, ios, iops, mbs) = if i == 0 {
+                    (
+                        e.vm.as_deref().unwrap_or("-"),
+                        label.as_str(),
+                        e.op.as_str(),
+                        e.ios.to_string(),
+                        format!("{:.1}", e.iops),
+                        format!("{:.2}", e.mb_per_s),
+                    )
+                } else {
+                    ("", "", "", String::new(), String::new(), String::new())
+                };
+                let _ = writeln!(
+                    out,
+                    "{:<vw$} {:<dw$} {:<7} {:>9} {:>10} {:>8}  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                    vm, disk, op, ios, iops, mbs, seg,
+                    us(s.mean_us), us(s.p50_us), us(s.p90_us), us(s.p99_us), us(s.p999_us), us(s.max_us)
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "latencies in µs over {:.2} s; {}",
+            self.duration_s,
+            self.lost_line()
+        );
+        let guessed: Vec<&str> = self
+            .vms
+            .iter()
+            .filter(|v| v.kicks == KickSource::AnyVcpuEventfd)
+            .map(|v| v.name.as_str())
+            .collect();
+        if self.not_vms > 0 {
+            let _ = writeln!(
+                out,
+                "{} QEMU process{} ran no guest (capability probes, or gone before named): not VMs, their requests the host's",
+                self.not_vms,
+                if self.not_vms == 1 { "" } else { "es" }
+            );
+        }
+        if !guessed.is_empty() {
+            let _ = writeln!(
+                out,
+                "kicks guessed for {} (running before iospan: any eventfd their vCPUs write counts; \
+                 a request held in the engine may be given a later kick)",
+                guessed.join(", ")
+            );
+        }
+        out
+    }
+
+    pub fn lost_line(&self) -> String {
+        let parts: Vec<String> = self
+            .lost
+            .losses()
+            .iter()
+            .filter(|(_, _, n)| *n > 0)
+            .map(|(_, what, n)| format!("{what}: {n}"))
+            .collect();
+        if parts.is_empty() {
+            "lost: none".to_string()
+        } else {
+            format!("lost/degraded: {}", parts.join(", "))
+        }
+    }
+}
+
+fn us(v: f64) -> String {
+    if v >= 100_000.0 {
+        format!("{v:.0}")
+    } else if v >= 100.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}

@@ -1,0 +1,204 @@
+//! The host end of a VM's guest channel: connects to the unix socket of
+//! QEMU's chardev, reads the guest agent's frames, and hands guest records
+//! to the stitcher. Reconnects while the run lasts (the guest agent or the
+//! VM may restart), counts what is lost on the way.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use tokio::{io::AsyncReadExt, net::UnixStream, sync::watch};
+
+use crate::model::ChannelStats;
+use crate::{
+    discover::vms::{channel_socket, Registry, SocketSource},
+    pipeline::correlate::Correlator,
+    pipeline::transport::{encode_control, Control, Frame, FrameReader, Hello},
+};
+
+const BACKOFF_MIN: Duration = Duration::from_millis(200);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Follows the channel until `stop`, then reads what is already there.
+/// Each connection goes to the listening socket the VM's process `pid`
+/// holds for the chardev (`vms::channel_socket`), found anew each time:
+/// never to a path only its command line names. Attempts back off from
+/// 200 ms to 5 s while nothing answers.
+pub async fn follow(
+    vm: u32,
+    pid: u32,
+    src: SocketSource,
+    known: Arc<Mutex<Registry>>,
+    correlator: Arc<Mutex<Correlator>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; 1 << 16];
+    // One sequence across reconnections: resent frames are not counted twice.
+    let mut reader = FrameReader::default();
+    correlator
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .stitch
+        .expect_guest(vm);
+    let mut backoff = BACKOFF_MIN;
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        let found = channel_socket(pid, &src);
+        let stream = match &found {
+            Some(path) => UnixStream::connect(path).await.ok(),
+            None => None,
+        };
+        let (Some(stream), Some(path)) = (stream, found) else {
+            // QEMU not listening yet, or gone: try again, less often.
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                    continue;
+                }
+                _ = stop.changed() => return,
+            }
+        };
+        let connected = tokio::time::Instant::now();
+        with_stats(&correlator, vm, |s| s.connections += 1);
+        let (mut rd, wr) = stream.into_split();
+        // Whatever the guest agent wrote that nobody acknowledged (a host
+        // agent before this one, a broken connection) comes again.
+        let mut owe_resend = true;
+        reader.new_stream();
+        let mut stopping: Option<tokio::time::Instant> = None;
+        loop {
+            if owe_resend {
+                owe_resend = !send_control(&wr, Control::Resend);
+            }
+            let n = if let Some(until) = stopping {
+                // Stopping: what the guest agent sent up to now (it drains
+                // every 100 ms), not what it goes on sending.
+                match tokio::time::timeout_at(until, rd.read(&mut buf)).await {
+                    Ok(Ok(n)) => n,
+                    _ => 0,
+                }
+            } else {
+                tokio::select! {
+                    r = rd.read(&mut buf) => r.unwrap_or(0),
+                    _ = stop.changed() => {
+                        stopping = Some(tokio::time::Instant::now() + Duration::from_millis(300));
+                        continue;
+                    }
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            reader.push(&buf[..n]);
+            loop {
+                match reader.next_frame() {
+                    Ok(Some(frame)) => handle(vm, frame, &known, &correlator),
+                    Ok(None) => break,
+                    Err(e) => {
+                        // The reader skipped to the next frame's start.
+                        log::warn!("VM slot {vm}: guest channel {}: {e}", path.display());
+                        with_stats(&correlator, vm, |s| s.decode_errors += 1);
+                    }
+                }
+            }
+            // Handled: the guest agent may forget them. (Again after each
+            // read: frames resent after a crossing acknowledgement are
+            // acknowledged anew.)
+            if let Some(a) = reader.ack() {
+                send_control(&wr, a);
+            }
+            with_stats(&correlator, vm, |s| {
+                s.lost_frames = reader.lost_frames;
+                s.sender_restarts = reader.restarts;
+                s.resent_duplicates = reader.duplicates;
+            });
+        }
+        if stopping.is_some() {
+            return;
+        }
+        // A connection that closes at once is not retried at once.
+        if connected.elapsed() >= Duration::from_secs(1) {
+            backoff = BACKOFF_MIN;
+        } else {
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => backoff = (backoff * 2).min(BACKOFF_MAX),
+                _ = stop.changed() => return,
+            }
+        }
+    }
+}
+
+/// Sends a control message if the socket takes it now (an acknowledgement
+/// not taken is carried by the next one).
+fn send_control(wr: &tokio::net::unix::OwnedWriteHalf, c: Control) -> bool {
+    let msg = encode_control(c);
+    matches!(wr.try_write(&msg), Ok(n) if n == msg.len())
+}
+
+fn with_stats(correlator: &Mutex<Correlator>, vm: u32, f: impl FnOnce(&mut ChannelStats)) {
+    let mut c = correlator.lock().unwrap_or_else(|p| p.into_inner());
+    f(c.stitch.channels.entry(vm).or_default());
+}
+
+fn handle(vm: u32, frame: Frame, known: &Mutex<Registry>, correlator: &Mutex<Correlator>) {
+    match frame {
+        Frame::Hello(h) => {
+            let map = disk_map(vm, &h, &known.lock().unwrap_or_else(|p| p.into_inner()));
+            let mut c = correlator.lock().unwrap_or_else(|p| p.into_inner());
+            for (dev, vdisk) in map {
+                c.stitch.map_disk(vm, dev, vdisk);
+            }
+            let s = c.stitch.channels.entry(vm).or_default();
+            s.guest_probes = Some(h.probes);
+            s.guest_kernel = Some(h.kernel);
+        }
+        Frame::Records(recs) => {
+            let mut c = correlator.lock().unwrap_or_else(|p| p.into_inner());
+            c.stitch.channels.entry(vm).or_default().records += recs.len() as u64;
+            for r in recs {
+                c.stitch.on_guest(vm, r);
+            }
+        }
+        Frame::Stats(s) => with_stats(correlator, vm, |c| c.sender = s),
+    }
+}
+
+/// Guest disk → virtual disk slot: by serial where the VM gives its disks
+/// one; otherwise a VM with a single virtual disk and a guest with a single
+/// disk are each other's.
+fn disk_map(vm: u32, hello: &Hello, known: &Registry) -> Vec<(u32, u32)> {
+    let Some(v) = known.vms.get(&vm) else {
+        return Vec::new();
+    };
+    let slots: Vec<(u32, &str)> = known
+        .vdisks
+        .iter()
+        .filter(|(_, (owner, _))| *owner == vm)
+        .map(|(slot, (_, id))| (*slot, id.as_str()))
+        .collect();
+    let mut out = Vec::new();
+    for d in &hello.disks {
+        let Some(serial) = &d.serial else { continue };
+        if let Some((id, _)) = v.serials.iter().find(|(_, s)| s == serial) {
+            if let Some((slot, _)) = slots.iter().find(|(_, i)| i == id) {
+                out.push((d.dev, *slot));
+            }
+        }
+    }
+    let real: Vec<_> = hello
+        .disks
+        .iter()
+        .filter(|d| {
+            !["loop", "ram", "zram", "sr", "dm-", "md", "nbd"]
+                .iter()
+                .any(|p| d.name.starts_with(p))
+        })
+        .collect();
+    if out.is_empty() && slots.len() == 1 && real.len() == 1 {
+        out.push((real[0].dev, slots[0].0));
+    }
+    out
+}

@@ -1,0 +1,307 @@
+//! Splits each VM request's host window into hypervisor, engine and device
+//! time, from the records the kernel side streams:
+//!
+//! ```text
+//!  kick ──hypervisor── pickup ──engine── host start ──device── host done ──engine── signal
+//!  (vCPU writes the     (engine thread    (the request's         (driver          (engine writes an
+//!   virtqueue eventfd)   reads it)         kernel start)          completion)      eventfd to the guest)
+//! ```
+//!
+//! The kick and pickup ride with the request from its submission; the
+//! signal is the first one the VM's engine sends after the request's host
+//! completion. Signals come through the ring buffer from any CPU, so a
+//! request waits `hold_ns` of stream time for its signal to arrive before it
+//! is settled. The three segments tile the window exactly. Under TCG the
+//! injection that follows the signal is not observable: the window ends at
+//! the signal.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use crate::model::SplitCounters;
+use crate::{
+    abi::VmIoEvent,
+    discover::disks::Dev,
+    model::IoSpan,
+    model::{Hist, Op},
+    pipeline::stitch::{HostIo, Stitcher},
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct SplitKey {
+    pub vm: u32,
+    pub dev: Dev,
+    pub op: Op,
+    pub vdisk: u32,
+}
+
+/// Host-window segments of one (VM, disk, op, vdisk).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostSplit {
+    pub hypervisor: Hist,
+    pub engine: Hist,
+    pub device: Hist,
+    pub window: Hist,
+}
+
+impl Default for HostSplit {
+    fn default() -> Self {
+        Self {
+            hypervisor: Hist::fine(),
+            engine: Hist::fine(),
+            device: Hist::fine(),
+            window: Hist::fine(),
+        }
+    }
+}
+
+pub struct Correlator {
+    hold_ns: u64,
+    signals: HashMap<u32, VecDeque<u64>>,
+    pending: VecDeque<VmIoEvent>,
+    latest_ns: u64,
+    pub splits: BTreeMap<SplitKey, HostSplit>,
+    pub counters: SplitCounters,
+    /// Joins split requests of VMs with a guest agent to the guest's records.
+    pub stitch: Stitcher,
+}
+
+impl Correlator {
+    pub fn new(hold_ns: u64) -> Self {
+        Self {
+            hold_ns,
+            signals: HashMap::new(),
+            pending: VecDeque::new(),
+            latest_ns: 0,
+            splits: BTreeMap::new(),
+            counters: SplitCounters::default(),
+            // Guest records arrive in batches (the guest agent sends every
+            // 100 ms): a partner may be a second late.
+            stitch: Stitcher::new(2_000_000_000),
+        }
+    }
+
+    pub fn on_signal(&mut self, vm: u32, ts_ns: u64) {
+        let q = self.signals.entry(vm).or_default();
+        // Nearly always in order; records from other CPUs may be a little late.
+        let at = q.iter().rposition(|&t| t <= ts_ns).map_or(0, |i| i + 1);
+        q.insert(at, ts_ns);
+        self.latest_ns = self.latest_ns.max(ts_ns);
+        self.settle(false);
+    }
+
+    /// `followed`: whether the request's virtual disk is one whose engine
+    /// path is followed; others are only counted.
+    pub fn on_io(&mut self, ev: VmIoEvent, followed: bool) {
+        self.latest_ns = self.latest_ns.max(ev.done_ns);
+        if !followed {
+            self.counters.not_followed += 1;
+            return;
+        }
+        if ev.kick_ns == 0 {
+            self.counters.no_kick += 1;
+            return;
+        }
+        self.pending.push_back(ev);
+        self.settle(false);
+    }
+
+    /// Settles every request still waiting, with the signals there are.
+    pub fn finish(&mut self) {
+        self.settle(true);
+        self.stitch.finish();
+    }
+
+    /// Settles requests from the oldest on, stopping at the first that must
+    /// still wait: records arrive in completion order, so what follows it
+    /// waits with it. Called per record: constant work in the steady state.
+    fn settle(&mut self, all: bool) {
+        while let Some(ev) = self.pending.front() {
+            let sig = self.signals.get(&ev.vm).and_then(|q| {
+                let i = q.partition_point(|&t| t < ev.done_ns);
+                q.get(i).copied()
+            });
+            let waited = all || self.latest_ns >= ev.done_ns + self.hold_ns;
+            if sig.is_none() && !waited {
+                break;
+            }
+            let ev = self.pending.pop_front().expect("front exists");
+            match sig {
+                Some(sig) => self.record(&ev, sig),
+                None => self.counters.no_signal += 1,
+            }
+        }
+        // Signals older than the oldest request still pending (less the
+        // hold) are done with.
+        let horizon = self
+            .pending
+            .front()
+            .map_or(self.latest_ns, |e| e.done_ns)
+            .saturating_sub(self.hold_ns);
+        for q in self.signals.values_mut() {
+            while q.front().is_some_and(|&t| t < horizon) {
+                q.pop_front();
+            }
+        }
+    }
+
+    fn record(&mut self, ev: &VmIoEvent, sig: u64) {
+        let (kick, pick, start, done) = (ev.kick_ns, ev.pick_ns, ev.start_ns, ev.done_ns);
+        if !(kick <= pick && pick <= start && start <= done && done <= sig) {
+            self.counters.unordered += 1;
+            return;
+        }
+        let key = SplitKey {
+            vm: ev.vm,
+            dev: Dev(ev.dev),
+            op: Op::from_index(ev.op as usize).unwrap_or(Op::Other),
+            vdisk: ev.vdisk,
+        };
+        let span = IoSpan::host_only(ev, sig);
+        let s = self.splits.entry(key).or_default();
+        s.hypervisor.record(span.hypervisor_ns);
+        s.engine.record(span.engine_ns);
+        s.device.record(span.device_ns);
+        s.window.record(span.total_ns);
+        if self.stitch.has_guest(ev.vm) {
+            self.stitch.on_host(HostIo {
+                ev: *ev,
+                signal_ns: sig,
+            });
+        } else {
+            self.stitch.tail(&span);
+            if self.stitch.keeping_spans() {
+                self.stitch.keep(span);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi::EVENT_VM_IO;
+
+    fn io(vm: u32, kick: u64, pick: u64, start: u64, done: u64) -> VmIoEvent {
+        VmIoEvent {
+            kind: EVENT_VM_IO,
+            dev: Dev::new(254, 0).0,
+            kick_ns: kick,
+            pick_ns: pick,
+            start_ns: start,
+            done_ns: done,
+            vm,
+            vdisk: 1,
+            ..Default::default()
+        }
+    }
+
+    fn split(c: &Correlator, vm: u32) -> &HostSplit {
+        c.splits
+            .get(&SplitKey {
+                vm,
+                dev: Dev::new(254, 0),
+                op: Op::Read,
+                vdisk: 1,
+            })
+            .expect("a split")
+    }
+
+    #[test]
+    fn segments_tile_the_window() {
+        let mut c = Correlator::new(1_000);
+        c.on_io(io(1, 100, 130, 200, 900), true);
+        c.on_signal(1, 950);
+        let s = split(&c, 1);
+        assert_eq!(
+            (
+                s.hypervisor.sum_ns,
+                s.engine.sum_ns,
+                s.device.sum_ns,
+                s.window.sum_ns
+            ),
+            (30, 70 + 50, 700, 850)
+        );
+        assert_eq!(
+            s.hypervisor.sum_ns + s.engine.sum_ns + s.device.sum_ns,
+            s.window.sum_ns
+        );
+    }
+
+    #[test]
+    fn the_first_signal_after_completion_counts_even_if_it_arrives_first() {
+        let mut c = Correlator::new(1_000);
+        // An earlier signal (for another request) and the right one, seen
+        // before the request's own record (another CPU's ring position).
+        c.on_signal(1, 500);
+        c.on_signal(1, 960);
+        c.on_io(io(1, 100, 130, 200, 900), true);
+        assert_eq!(split(&c, 1).window.sum_ns, 860);
+    }
+
+    #[test]
+    fn one_signal_ends_a_batch_of_completions() {
+        let mut c = Correlator::new(1_000);
+        c.on_io(io(1, 100, 130, 200, 900), true);
+        c.on_io(io(1, 100, 130, 210, 920), true);
+        c.on_signal(1, 1000);
+        let s = split(&c, 1);
+        assert_eq!(s.window.count, 2);
+        assert_eq!(s.window.sum_ns, 900 + 900);
+    }
+
+    #[test]
+    fn vms_do_not_share_signals() {
+        let mut c = Correlator::new(1_000);
+        c.on_io(io(1, 100, 130, 200, 900), true);
+        c.on_signal(2, 950);
+        assert!(c.splits.is_empty());
+        c.on_signal(1, 3_000);
+        assert_eq!(split(&c, 1).window.sum_ns, 2_900);
+        assert!(!c.splits.contains_key(&SplitKey {
+            vm: 2,
+            dev: Dev::new(254, 0),
+            op: Op::Read,
+            vdisk: 1
+        }));
+    }
+
+    #[test]
+    fn missing_kicks_signals_and_disorder_are_counted() {
+        let mut c = Correlator::new(1_000);
+        c.on_io(io(1, 0, 0, 200, 900), true);
+        c.on_io(io(1, 100, 300, 200, 900), true); // pickup after the start
+        c.on_io(io(3, 100, 130, 200, 900), true); // no signal, ever
+        c.on_signal(1, 950);
+        c.on_signal(1, 5_000); // stream time moves past the hold
+        c.finish();
+        c.on_io(io(1, 100, 130, 200, 900), false);
+        assert_eq!(
+            c.counters,
+            SplitCounters {
+                no_kick: 1,
+                no_signal: 1,
+                unordered: 1,
+                not_followed: 1
+            }
+        );
+        assert!(c.splits.is_empty());
+    }
+
+    #[test]
+    fn a_request_waits_for_its_signal_only_for_the_hold() {
+        let mut c = Correlator::new(1_000);
+        c.on_io(io(1, 100, 130, 200, 900), true);
+        c.on_signal(2, 1_500); // other VM's traffic moves stream time, not past the hold
+        assert_eq!(c.counters.no_signal, 0);
+        c.on_signal(2, 2_000);
+        assert_eq!(
+            c.counters.no_signal, 1,
+            "settled without a signal once the hold passed"
+        );
+        c.on_signal(1, 2_100);
+        assert!(
+            c.splits.is_empty(),
+            "a late signal does not revive a settled request"
+        );
+    }
+}

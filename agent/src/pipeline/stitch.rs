@@ -1,0 +1,713 @@
+//! Joins each guest request (from the guest agent, guest clock) with the
+//! host's record of the same request (host clock) into one record with all
+//! four segments:
+//!
+//! ```text
+//!  guest:   begin ──guest── kick ·············· irq ──guest── end       (guest clock)
+//!  host:              kick ─hv─ pick ─engine─ start ─device─ done ─engine─ signal
+//! ```
+//!
+//! The guest's ends are the application's: begin is the entry of the
+//! system call that submitted the request, end the return of the one that
+//! handed its completion back (the block layer's own stamps where the guest
+//! agent saw no such call, counted). total = end − begin (what the guest
+//! observed); guest = (kick − begin) + (end − irq); engine and device as on
+//! the host; and
+//! hypervisor = the rest: the guest's kick to its interrupt, less the host's
+//! window, plus the host's kick → pickup. The four tile the total exactly
+//! and need no common clock: each difference is taken on one clock.
+//!
+//! The clocks are needed to tell requests apart (two requests for the same
+//! offset) and to put guest events on the host's timeline. Each joined
+//! request bounds the offset θ = host − guest: the host sees the kick after
+//! the guest made it (θ ≤ host kick − guest kick) and raised the completion
+//! before the guest saw it (θ ≥ host signal − guest irq). The bounds of
+//! each second are kept; their midpoints give the offset and its drift,
+//! their width the uncertainty. No NTP, no assumption of equal clocks.
+//!
+//! Requests are joined by (VM, virtual disk, op, offset, length): the guest's
+//! sector × 512 is the host's file offset on a raw image.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::IoSpan;
+use crate::{
+    abi::{
+        GuestIoEvent, VmIoEvent, GUEST_F_NO_IRQ, GUEST_F_NO_KICK, GUEST_F_REAPED, GUEST_F_SYSCALL,
+    },
+    model::ChannelStats,
+    model::{Hist, Op},
+};
+
+/// A host request whose window was split, with the signal that ended it.
+#[derive(Clone, Copy, Debug)]
+pub struct HostIo {
+    pub ev: VmIoEvent,
+    pub signal_ns: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StitchKey {
+    pub vm: u32,
+    pub vdisk: u32,
+    pub op: Op,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct JoinKey {
+    vm: u32,
+    vdisk: u32,
+    op: u8,
+    pos: u64,
+    bytes: u32,
+}
+
+/// The four segments of the joined requests of one (VM, virtual disk, op).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stitched {
+    pub guest: Hist,
+    pub hypervisor: Hist,
+    pub engine: Hist,
+    pub device: Hist,
+    /// Guest-observed: the application's call → the call that reaped it.
+    pub total: Hist,
+    pub bytes: u64,
+}
+
+impl Stitched {
+    fn record(&mut self, sp: &IoSpan) {
+        self.bytes += u64::from(sp.bytes);
+        self.guest.record(sp.guest_ns);
+        self.hypervisor.record(sp.hypervisor_ns);
+        self.engine.record(sp.engine_ns);
+        self.device.record(sp.device_ns);
+        self.total.record(sp.total_ns);
+    }
+}
+
+impl Default for Stitched {
+    fn default() -> Self {
+        Self {
+            guest: Hist::fine(),
+            hypervisor: Hist::fine(),
+            engine: Hist::fine(),
+            device: Hist::fine(),
+            total: Hist::fine(),
+            bytes: 0,
+        }
+    }
+}
+
+/// What could not be joined, counted.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StitchCounters {
+    /// Guest requests no host request matched within the hold time.
+    pub unmatched_guest: u64,
+    /// Host requests (of disks with a guest agent) no guest request matched.
+    pub unmatched_host: u64,
+    /// Joined, but the guest saw less time than the host spent (a wrong
+    /// match or clocks running at different rates): not recorded.
+    pub inconsistent: u64,
+    /// Guest requests of disks not matched to a virtual disk.
+    pub unknown_disk: u64,
+    /// Joined requests whose guest kick or completion was not seen (the
+    /// guest kernel lacks the probes, or the driver skipped the kick): their
+    /// guest segment runs to the block layer's issue and completion.
+    pub guest_ends_from_block_layer: u64,
+    /// Joined requests without the system call that submitted them or the
+    /// one that reaped them (the guest kernel's own I/O, io_uring workers, a
+    /// completion queue polled from user space): the guest-observed latency
+    /// starts or ends at the block layer's stamp instead.
+    #[serde(default)]
+    pub app_ends_from_block_layer: u64,
+}
+
+/// The offset of one VM's guest clock, from the bounds its requests give.
+///
+/// A bound can be wrong: a host kick taken from an earlier notification
+/// gives an upper bound below the truth, a completion the guest reaped
+/// before its interrupt was raised a lower bound above it. Per window the
+/// offset is where the fewest bounds are violated; those few are counted
+/// as contradicting, and the interval where that minimum holds is the
+/// uncertainty.
+#[derive(Clone, Debug, Default)]
+pub struct Clock {
+    /// (window start on the host clock, lower bounds, upper bounds) per second.
+    windows: VecDeque<(u64, Vec<i64>, Vec<i64>)>,
+    pub pairs: u64,
+    /// The latest window's estimate, refreshed every few pairs (matching
+    /// asks for it per request).
+    cached: Option<i64>,
+}
+
+/// What is known of a guest clock: host = guest + offset_ns (+ drift).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClockEstimate {
+    pub offset_ns: i64,
+    /// Half the width of the latest window's interval: the offset lies
+    /// within ± this.
+    pub uncertainty_ns: i64,
+    /// Rate of the offset's change across windows, in parts per million.
+    pub drift_ppm: f64,
+    pub pairs: u64,
+    /// Bounds set aside as contradicting the others, over all windows.
+    pub contradicting_bounds: u64,
+}
+
+const WINDOW_NS: u64 = 1_000_000_000;
+const MAX_WINDOWS: usize = 120;
+/// Bounds kept per window and side.
+const MAX_BOUNDS: usize = 2048;
+
+/// The interval of offsets violating the fewest bounds: (low, high, violations).
+fn best_interval(lower: &[i64], upper: &[i64]) -> Option<(i64, i64, u64)> {
+    let mut lo = lower.to_vec();
+    let mut hi = upper.to_vec();
+    lo.sort_unstable();
+    hi.sort_unstable();
+    // Candidate offsets: every bound. violations(θ) = #lower > θ + #upper < θ.
+    let mut cands: Vec<i64> = lo.iter().chain(hi.iter()).copied().collect();
+    cands.sort_unstable();
+    cands.dedup();
+    let viol =
+        |t: i64| (lo.len() - lo.partition_point(|&l| l <= t)) + hi.partition_point(|&u| u < t);
+    let best = cands.iter().map(|&t| viol(t)).min()?;
+    let at: Vec<i64> = cands.iter().copied().filter(|&t| viol(t) == best).collect();
+    Some((*at.first()?, *at.last()?, best as u64))
+}
+
+impl Clock {
+    fn add(&mut self, host_ns: u64, lo: Option<i64>, hi: Option<i64>) {
+        self.pairs += 1;
+        let start = host_ns - host_ns % WINDOW_NS;
+        if self.windows.back().is_none_or(|w| w.0 != start) {
+            self.windows.push_back((start, Vec::new(), Vec::new()));
+            if self.windows.len() > MAX_WINDOWS {
+                self.windows.pop_front();
+            }
+        }
+        if let Some(w) = self.windows.back_mut() {
+            if let Some(lo) = lo.filter(|_| w.1.len() < MAX_BOUNDS) {
+                w.1.push(lo);
+            }
+            if let Some(hi) = hi.filter(|_| w.2.len() < MAX_BOUNDS) {
+                w.2.push(hi);
+            }
+        }
+        if self.pairs % 64 == 1 {
+            self.cached = self
+                .windows
+                .back()
+                .and_then(|w| best_interval(&w.1, &w.2))
+                .map(|(a, b, _)| a / 2 + b / 2);
+        }
+    }
+
+    pub fn estimate(&self) -> Option<ClockEstimate> {
+        let fits: Vec<(u64, i64, i64, u64)> = self
+            .windows
+            .iter()
+            .filter(|w| !w.1.is_empty() && !w.2.is_empty())
+            .filter_map(|w| best_interval(&w.1, &w.2).map(|(a, b, v)| (w.0, a, b, v)))
+            .collect();
+        let last = fits.last()?;
+        let pts: Vec<(f64, f64)> = fits
+            .iter()
+            .map(|f| (f.0 as f64, (f.1 as f64 + f.2 as f64) / 2.0))
+            .collect();
+        // Least squares through the windows' midpoints: the drift.
+        let n = pts.len() as f64;
+        let (mx, my) = pts
+            .iter()
+            .fold((0.0, 0.0), |a, c| (a.0 + c.0 / n, a.1 + c.1 / n));
+        let (sxy, sxx) = pts.iter().fold((0.0, 0.0), |a, c| {
+            (a.0 + (c.0 - mx) * (c.1 - my), a.1 + (c.0 - mx).powi(2))
+        });
+        Some(ClockEstimate {
+            offset_ns: last.1 / 2 + last.2 / 2,
+            uncertainty_ns: (last.2 - last.1) / 2,
+            drift_ppm: if sxx > 0.0 { sxy / sxx * 1e6 } else { 0.0 },
+            pairs: self.pairs,
+            contradicting_bounds: fits.iter().map(|f| f.3).sum(),
+        })
+    }
+
+    /// The current offset for matching, if known.
+    fn offset(&self) -> Option<i64> {
+        self.cached
+    }
+}
+
+#[derive(Default)]
+pub struct Stitcher {
+    hold_ns: u64,
+    /// guest disk (VM slot, guest dev) -> virtual disk slot.
+    disks: HashMap<(u32, u32), u32>,
+    /// VMs with a guest channel: their host requests wait for a partner.
+    expected: std::collections::HashSet<u32>,
+    host: HashMap<JoinKey, VecDeque<HostIo>>,
+    guest: HashMap<JoinKey, VecDeque<(u64, GuestIoEvent)>>,
+    /// Arrival order, for eviction: (host stream time, key, is_guest).
+    order: VecDeque<(u64, JoinKey, bool)>,
+    latest_ns: u64,
+    pub clocks: HashMap<u32, Clock>,
+    pub stitched: BTreeMap<StitchKey, Stitched>,
+    /// The same, per guest queue (the guest block layer's hardware
+    /// context, which is the virtqueue or NVMe queue pair it submits to).
+    pub queues: BTreeMap<(StitchKey, u32), Stitched>,
+    pub counters: StitchCounters,
+    /// Each VM's guest channel (VM slot -> what came through it).
+    pub channels: BTreeMap<u32, ChannelStats>,
+    /// Joined requests not yet taken by a per-I/O output (kept only when
+    /// one asked for them: `keep_spans`).
+    spans: Option<Vec<IoSpan>>,
+    /// Every request's segments, for a benchmark run's tails (`keep_tails`).
+    pub tails: Option<crate::pipeline::tails::Tails>,
+}
+
+impl Stitcher {
+    pub fn new(hold_ns: u64) -> Self {
+        Self {
+            hold_ns,
+            ..Default::default()
+        }
+    }
+
+    /// Keep each joined request for `take_spans` (a per-I/O output runs).
+    pub fn keep_spans(&mut self) {
+        self.spans.get_or_insert_with(Vec::new);
+    }
+
+    /// Whether per-I/O records are being kept.
+    pub fn keeping_spans(&self) -> bool {
+        self.spans.is_some()
+    }
+
+    /// Keep every request's segments (a labelled benchmark run).
+    pub fn keep_tails(&mut self) {
+        self.tails.get_or_insert_with(Default::default);
+    }
+
+    /// A request's segments, for the tails (a host window without a guest
+    /// side; joined requests are taken at the join).
+    pub fn tail(&mut self, span: &IoSpan) {
+        if let Some(t) = self.tails.as_mut() {
+            t.record(span);
+        }
+    }
+
+    /// Keeps a record made elsewhere (a host window without a guest side).
+    pub fn keep(&mut self, span: IoSpan) {
+        if let Some(spans) = self.spans.as_mut() {
+            spans.push(span);
+        }
+    }
+
+    /// The requests joined since the last call.
+    pub fn take_spans(&mut self) -> Vec<IoSpan> {
+        self.spans.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Which of the VM's virtual disks a guest disk is.
+    pub fn map_disk(&mut self, vm: u32, guest_dev: u32, vdisk: u32) {
+        self.disks.insert((vm, guest_dev), vdisk);
+    }
+
+    /// The VM has a guest channel: its host requests are kept for joining
+    /// (and counted unmatched if no guest record comes).
+    pub fn expect_guest(&mut self, vm: u32) {
+        self.expected.insert(vm);
+    }
+
+    pub fn has_guest(&self, vm: u32) -> bool {
+        self.expected.contains(&vm)
+    }
+
+    pub fn on_host(&mut self, io: HostIo) {
+        self.latest_ns = self.latest_ns.max(io.ev.done_ns);
+        let key = JoinKey {
+            vm: io.ev.vm,
+            vdisk: io.ev.vdisk,
+            op: io.ev.op,
+            pos: io.ev.pos,
+            bytes: io.ev.bytes,
+        };
+        if let Some(g) = self.take_guest(key, &io) {
+            self.join(&io, &g);
+        } else {
+            self.host.entry(key).or_default().push_back(io);
+            self.order.push_back((self.latest_ns, key, false));
+        }
+        self.evict(false);
+    }
+
+    pub fn on_guest(&mut self, vm: u32, g: GuestIoEvent) {
+        let Some(&vdisk) = self.disks.get(&(vm, g.dev)) else {
+            self.counters.unknown_disk += 1;
+            return;
+        };
+        let key = JoinKey {
+            vm,
+            vdisk,
+            op: g.op,
+            pos: g.sector * 512,
+            bytes: g.bytes,
+        };
+        let offset = self.clocks.get(&vm).and_then(Clock::offset);
+        let found = self.host.get_mut(&key).and_then(|q| {
+            let i = best(q.iter().map(|h| h.ev.kick_ns), g.kick_ns, offset)?;
+            q.remove(i)
+        });
+        if self.host.get(&key).is_some_and(VecDeque::is_empty) {
+            self.host.remove(&key);
+        }
+        match found {
+            Some(h) => self.join(&h, &g),
+            None => {
+                self.guest
+                    .entry(key)
+                    .or_default()
+                    .push_back((self.latest_ns, g));
+                self.order.push_back((self.latest_ns, key, true));
+            }
+        }
+        self.evict(false);
+    }
+
+    fn take_guest(&mut self, key: JoinKey, h: &HostIo) -> Option<GuestIoEvent> {
+        let offset = self.clocks.get(&key.vm).and_then(Clock::offset);
+        let q = self.guest.get_mut(&key)?;
+        // Guest kicks against the host's kick moved to the guest's clock.
+        let i = best(
+            q.iter().map(|(_, g)| g.kick_ns),
+            h.ev.kick_ns,
+            offset.map(|o| -o),
+        )?;
+        let g = q.remove(i).map(|(_, g)| g);
+        if q.is_empty() {
+            self.guest.remove(&key);
+        }
+        g
+    }
+    fn join(&mut self, h: &HostIo, g: &GuestIoEvent) {
+        let ev = &h.ev;
+        let begin = if g.flags & GUEST_F_SYSCALL != 0 && g.sys_ns != 0 {
+            g.sys_ns.min(g.start_ns)
+        } else {
+            g.start_ns
+        };
+        let end = if g.flags & GUEST_F_REAPED != 0 {
+            g.reap_ns.max(g.done_ns)
+        } else {
+            g.done_ns
+        };
+        let total = end.saturating_sub(begin);
+        let from_block = g.flags & (GUEST_F_NO_KICK | GUEST_F_NO_IRQ) != 0;
+        let kick = if g.flags & GUEST_F_NO_KICK != 0 {
+            g.issue_ns
+        } else {
+            g.kick_ns
+        };
+        let irq = if g.flags & GUEST_F_NO_IRQ != 0 {
+            g.done_ns
+        } else {
+            g.irq_ns
+        };
+        let guest = kick.saturating_sub(begin) + end.saturating_sub(irq);
+        // The host's side as measured on the host alone.
+        let host = IoSpan::host_only(ev, h.signal_ns);
+        let Some(hypervisor) = total.checked_sub(guest + host.engine_ns + host.device_ns) else {
+            self.counters.inconsistent += 1;
+            return;
+        };
+        if from_block {
+            self.counters.guest_ends_from_block_layer += 1;
+        }
+        let app_from_block = g.flags & GUEST_F_SYSCALL == 0 || g.flags & GUEST_F_REAPED == 0;
+        if app_from_block {
+            self.counters.app_ends_from_block_layer += 1;
+        }
+        let clock = self.clocks.entry(ev.vm).or_default();
+        let offset = clock.offset();
+        clock.add(
+            ev.kick_ns,
+            (g.flags & GUEST_F_NO_IRQ == 0).then(|| h.signal_ns as i64 - g.irq_ns as i64),
+            (g.flags & GUEST_F_NO_KICK == 0).then(|| ev.kick_ns as i64 - g.kick_ns as i64),
+        );
+        let key = StitchKey {
+            vm: ev.vm,
+            vdisk: ev.vdisk,
+            op: host.op,
+        };
+        let at = |ns: u64| offset.map_or(ns, |o| ns.saturating_add_signed(o));
+        let span = IoSpan {
+            begin_ns: at(begin),
+            guest_kick_ns: at(kick),
+            guest_irq_ns: at(irq),
+            end_ns: at(end),
+            clock_offset_ns: offset,
+            guest_ns: guest,
+            hypervisor_ns: hypervisor,
+            total_ns: total,
+            app_ends_from_block_layer: app_from_block,
+            has_guest: true,
+            queue: Some(g.queue),
+            ..host
+        };
+        self.stitched.entry(key).or_default().record(&span);
+        self.queues.entry((key, g.queue)).or_default().record(&span);
+        if let Some(t) = self.tails.as_mut() {
+            t.record(&span);
+        }
+        if let Some(spans) = self.spans.as_mut() {
+            spans.push(span);
+        }
+    }
+
+    /// Drops what waited longer than the hold (all of it when `all`).
+    /// Only the keys it touches are looked at: constant work per record.
+    fn evict(&mut self, all: bool) {
+        while let Some(&(t, key, is_guest)) = self.order.front() {
+            if !all && t + self.hold_ns > self.latest_ns {
+                break;
+            }
+            self.order.pop_front();
+            // The entry may have been joined since; only a still-waiting
+            // one of that arrival time is unmatched.
+            if is_guest {
+                if let Some(q) = self.guest.get_mut(&key) {
+                    if let Some(i) = q.iter().position(|(at, _)| *at == t) {
+                        q.remove(i);
+                        self.counters.unmatched_guest += 1;
+                    }
+                    if q.is_empty() {
+                        self.guest.remove(&key);
+                    }
+                }
+            } else if let Some(q) = self.host.get_mut(&key) {
+                if let Some(i) = q.iter().position(|h| h.ev.done_ns <= t) {
+                    q.remove(i);
+                    self.counters.unmatched_host += 1;
+                }
+                if q.is_empty() {
+                    self.host.remove(&key);
+                }
+            }
+        }
+    }
+
+    /// The end of a run: whatever still waits is unmatched.
+    pub fn finish(&mut self) {
+        self.evict(true);
+    }
+}
+
+/// The candidate kick nearest to `reference + shift` (a kick moved to the
+/// candidates' clock); without a shift (or a reference), the oldest.
+fn best(mut kicks: impl Iterator<Item = u64>, reference: u64, shift: Option<i64>) -> Option<usize> {
+    let Some(shift) = shift.filter(|_| reference != 0) else {
+        return kicks.next().map(|_| 0);
+    };
+    let want = reference as i64 + shift;
+    kicks
+        .enumerate()
+        .min_by_key(|&(_, k)| (k as i64 - want).unsigned_abs())
+        .map(|(i, _)| i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi::{EVENT_GUEST_IO, EVENT_VM_IO};
+
+    const THETA: u64 = 5_000_000_000; // host = guest + 5 s
+
+    /// A guest request at guest time `t` and its host record, consistent:
+    /// guest start t, kick t+10, host kick +2 (θ applied), pickup +5, start
+    /// +20, done +60, signal +70, guest irq +75, guest done +80 (µs).
+    fn pair(pos: u64, t: u64) -> (GuestIoEvent, HostIo) {
+        let us = 1000;
+        let g = GuestIoEvent {
+            kind: EVENT_GUEST_IO,
+            dev: 7,
+            sector: pos / 512,
+            bytes: 4096,
+            start_ns: t,
+            issue_ns: t + 5 * us,
+            kick_ns: t + 10 * us,
+            irq_ns: t + 75 * us,
+            done_ns: t + 80 * us,
+            ..Default::default()
+        };
+        let h = t + THETA;
+        let ev = VmIoEvent {
+            kind: EVENT_VM_IO,
+            vm: 1,
+            vdisk: 3,
+            pos,
+            bytes: 4096,
+            kick_ns: h + 12 * us,
+            pick_ns: h + 15 * us,
+            start_ns: h + 20 * us,
+            done_ns: h + 60 * us,
+            ..Default::default()
+        };
+        (
+            g,
+            HostIo {
+                ev,
+                signal_ns: h + 70 * us,
+            },
+        )
+    }
+
+    fn stitcher() -> Stitcher {
+        let mut s = Stitcher::new(2_000_000_000);
+        s.expect_guest(1);
+        s.map_disk(1, 7, 3);
+        s
+    }
+
+    #[test]
+    fn the_applications_system_calls_bound_the_guest_observed_latency() {
+        let mut s = stitcher();
+        let (mut g, h) = pair(4096, 1_000_000);
+        // Submitted by a call entered 30 µs before the block layer's start,
+        // reaped by one returning 25 µs after its completion.
+        g.flags |= GUEST_F_SYSCALL | GUEST_F_REAPED;
+        g.sys_ns = g.start_ns - 30_000;
+        g.reap_ns = g.done_ns + 25_000;
+        s.on_guest(1, g);
+        s.on_host(h);
+        let st = &s.stitched[&StitchKey {
+            vm: 1,
+            vdisk: 3,
+            op: Op::Read,
+        }];
+        let mean = |h: &Hist| h.summary().mean_us;
+        assert!((mean(&st.total) - 135.0).abs() < 0.5, "{}", mean(&st.total));
+        assert!((mean(&st.guest) - 70.0).abs() < 0.5, "{}", mean(&st.guest));
+        assert!((mean(&st.hypervisor) - 10.0).abs() < 0.5);
+        assert_eq!(s.counters.app_ends_from_block_layer, 0);
+        // Without its reaping call: the block layer's completion ends it.
+        let (mut g, h) = pair(8192, 2_000_000);
+        g.flags |= GUEST_F_SYSCALL;
+        g.sys_ns = g.start_ns - 30_000;
+        s.on_guest(1, g);
+        s.on_host(h);
+        assert_eq!(s.counters.app_ends_from_block_layer, 1);
+    }
+
+    #[test]
+    fn segments_tile_the_guest_observed_latency_whatever_the_clocks() {
+        let mut s = stitcher();
+        let (g, h) = pair(4096, 1_000_000);
+        s.on_guest(1, g);
+        s.on_host(h);
+        let st = &s.stitched[&StitchKey {
+            vm: 1,
+            vdisk: 3,
+            op: Op::Read,
+        }];
+        let mean = |h: &Hist| h.summary().mean_us;
+        // guest 10 + 5, device 40, engine 5 + 10, hypervisor 80 - 70 = 10.
+        assert_eq!(st.total.summary().count, 1);
+        assert!((mean(&st.guest) - 15.0).abs() < 0.5, "{}", mean(&st.guest));
+        assert!((mean(&st.device) - 40.0).abs() < 0.5);
+        assert!((mean(&st.engine) - 15.0).abs() < 0.5);
+        assert!((mean(&st.hypervisor) - 10.0).abs() < 0.5);
+        assert!((mean(&st.total) - 80.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn the_clock_offset_is_bracketed_by_kicks_and_completions() {
+        let mut s = stitcher();
+        for i in 0..200 {
+            let (g, h) = pair(i * 4096, 1_000_000 + i * 200_000);
+            if i % 2 == 0 {
+                s.on_guest(1, g);
+                s.on_host(h);
+            } else {
+                s.on_host(h);
+                s.on_guest(1, g);
+            }
+        }
+        let est = s.clocks[&1].estimate().unwrap();
+        // θ ∈ [signal − irq, host kick − guest kick] = [θ − 5 µs, θ + 2 µs].
+        assert!((est.offset_ns - THETA as i64).abs() <= 5_000, "{est:?}");
+        assert_eq!(
+            (est.uncertainty_ns, est.contradicting_bounds),
+            (3_500, 0),
+            "{est:?}"
+        );
+        assert_eq!(est.pairs, 200);
+    }
+
+    #[test]
+    fn bounds_from_earlier_notifications_are_set_aside() {
+        let mut s = stitcher();
+        for i in 0..100u64 {
+            let (g, mut h) = pair(i * 4096, 1_000_000 + i * 200_000);
+            if i % 10 == 0 {
+                // The host took an older kick for this one.
+                h.ev.kick_ns -= 150_000;
+            }
+            s.on_guest(1, g);
+            s.on_host(h);
+        }
+        let est = s.clocks[&1].estimate().unwrap();
+        assert!((est.offset_ns - THETA as i64).abs() <= 5_000, "{est:?}");
+        assert_eq!(est.contradicting_bounds, 10, "{est:?}");
+    }
+
+    #[test]
+    fn repeated_offsets_are_told_apart_by_time_and_strays_are_counted() {
+        let mut s = stitcher();
+        // Establish the clock, then two requests for the same offset whose
+        // guest records arrive after both host records.
+        let (g, h) = pair(0, 1_000_000);
+        s.on_guest(1, g);
+        s.on_host(h);
+        let (g1, h1) = pair(8192, 2_000_000);
+        let (g2, h2) = pair(8192, 3_000_000);
+        s.on_host(h1);
+        s.on_host(h2);
+        s.on_guest(1, g2);
+        s.on_guest(1, g1);
+        assert_eq!(
+            s.stitched
+                .values()
+                .map(|v| v.total.summary().count)
+                .sum::<u64>(),
+            3
+        );
+        assert_eq!(s.counters.inconsistent, 0);
+        // A guest request of an unknown disk, and one with no host partner.
+        s.on_guest(1, GuestIoEvent { dev: 99, ..g1 });
+        s.on_guest(1, GuestIoEvent { sector: 777, ..g1 });
+        s.finish();
+        assert_eq!(
+            (
+                s.counters.unknown_disk,
+                s.counters.unmatched_guest,
+                s.counters.unmatched_host
+            ),
+            (1, 1, 0)
+        );
+    }
+
+    #[test]
+    fn a_wrong_join_is_refused_not_recorded() {
+        let mut s = stitcher();
+        let (mut g, h) = pair(0, 1_000_000);
+        // The guest claims less time than the host's window took.
+        g.irq_ns = g.kick_ns + 1000;
+        g.done_ns = g.irq_ns + 1000;
+        s.on_guest(1, g);
+        s.on_host(h);
+        assert_eq!(s.counters.inconsistent, 1);
+        assert!(s.stitched.is_empty());
+    }
+}

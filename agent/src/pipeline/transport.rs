@@ -1,0 +1,484 @@
+//! The guest channel: frames from `iospan agent --guest` to the host agent,
+//! over a virtio-serial port (no guest networking needed) or TCP.
+//!
+//! ```text
+//!  magic "IOSP" | version u16 | kind u16 | sender u32 | seq u64 | len u32 | payload (len bytes)
+//! ```
+//!
+//! All integers little-endian. `sender` is chosen at random when the guest
+//! agent starts (a new one: the agent restarted or the guest rebooted);
+//! `seq` counts its frames from 0, so a receiver counts frames lost in
+//! between. The other way, the host agent sends 16-byte control messages
+//! (`magic "IOSC" | kind u32 | seq u64`): `RESEND` when it connects (send
+//! again every frame not yet acknowledged: a host agent that stopped, or a
+//! connection that broke, took some without confirming them) and `ACK`
+//! once frames are handled (every frame below `seq`: the sender forgets
+//! them). A frame is dropped by the sender only for room, and counted; a
+//! resent frame a receiver already has is skipped. Kinds: `HELLO` (JSON: who the guest is and
+//! its disks, sent at start and every few seconds so a receiver joining
+//! late learns them), `RECORDS` (whole `GuestIoEvent`s back to back),
+//! `STATS` (JSON: the sender's own losses).
+
+use serde::{Deserialize, Serialize};
+
+use crate::abi::GuestIoEvent;
+use crate::model::SenderStats;
+
+pub const MAGIC: [u8; 4] = *b"IOSP";
+pub const VERSION: u16 = 3;
+pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 4;
+
+/// Host → guest control messages.
+pub const CONTROL_MAGIC: [u8; 4] = *b"IOSC";
+pub const CONTROL_LEN: usize = 4 + 4 + 4 + 8 + 8;
+pub const CONTROL_ACK: u32 = 1;
+pub const CONTROL_RESEND: u32 = 2;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Control {
+    /// Of `sender`'s frames, the receiver has every one in `first..next`
+    /// (frames below `first` it never had: written while nobody listened).
+    Ack { sender: u32, first: u64, next: u64 },
+    /// A receiver that has nothing: send every unacknowledged frame again.
+    Resend,
+}
+
+pub fn encode_control(c: Control) -> [u8; CONTROL_LEN] {
+    let (kind, sender, first, next) = match c {
+        Control::Ack {
+            sender,
+            first,
+            next,
+        } => (CONTROL_ACK, sender, first, next),
+        Control::Resend => (CONTROL_RESEND, 0, 0, 0),
+    };
+    let mut out = [0u8; CONTROL_LEN];
+    out[..4].copy_from_slice(&CONTROL_MAGIC);
+    out[4..8].copy_from_slice(&kind.to_le_bytes());
+    out[8..12].copy_from_slice(&sender.to_le_bytes());
+    out[12..20].copy_from_slice(&first.to_le_bytes());
+    out[20..28].copy_from_slice(&next.to_le_bytes());
+    out
+}
+
+/// Control messages out of a byte stream (skipping anything else).
+#[derive(Default)]
+pub struct ControlReader {
+    buf: Vec<u8>,
+}
+
+impl ControlReader {
+    pub fn push(&mut self, bytes: &[u8]) -> Vec<Control> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        loop {
+            let Some(at) = find(&self.buf, &CONTROL_MAGIC) else {
+                // Keep a possible start of a magic.
+                let keep = self.buf.len().min(CONTROL_MAGIC.len() - 1);
+                self.buf.drain(..self.buf.len() - keep);
+                return out;
+            };
+            self.buf.drain(..at);
+            if self.buf.len() < CONTROL_LEN {
+                return out;
+            }
+            let u32_at =
+                |i: usize| u32::from_le_bytes(self.buf[i..i + 4].try_into().unwrap_or_default());
+            let u64_at =
+                |i: usize| u64::from_le_bytes(self.buf[i..i + 8].try_into().unwrap_or_default());
+            match u32_at(4) {
+                CONTROL_ACK => out.push(Control::Ack {
+                    sender: u32_at(8),
+                    first: u64_at(12),
+                    next: u64_at(20),
+                }),
+                CONTROL_RESEND => out.push(Control::Resend),
+                _ => {}
+            }
+            self.buf.drain(..CONTROL_LEN);
+        }
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+/// Frames above this are refused: a corrupt length must not make the
+/// receiver allocate without bound.
+pub const MAX_PAYLOAD: usize = 1 << 20;
+
+pub const HELLO: u16 = 1;
+pub const RECORDS: u16 = 2;
+pub const STATS: u16 = 3;
+
+pub use crate::abi::PORT_NAME;
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The guest kernel's boot id: a new one means the guest rebooted.
+    pub boot_id: String,
+    pub kernel: String,
+    pub disks: Vec<GuestDisk>,
+    /// What the guest kernel let the agent see: "kick and completion
+    /// probes" or why not.
+    pub probes: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GuestDisk {
+    /// major << 20 | minor, as in the records.
+    pub dev: u32,
+    pub name: String,
+    /// The device's serial (virtio-blk `serial=`, NVMe serial), to match it
+    /// to the host's virtual disk.
+    pub serial: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Frame {
+    Hello(Hello),
+    Records(Vec<GuestIoEvent>),
+    Stats(SenderStats),
+}
+
+pub fn encode(sender: u32, seq: u64, frame: &Frame) -> Vec<u8> {
+    let (kind, payload) = match frame {
+        Frame::Hello(h) => (HELLO, serde_json::to_vec(h).unwrap_or_default()),
+        Frame::Records(r) => (RECORDS, r.iter().flat_map(|e| e.to_bytes()).collect()),
+        Frame::Stats(s) => (STATS, serde_json::to_vec(s).unwrap_or_default()),
+    };
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&kind.to_le_bytes());
+    out.extend_from_slice(&sender.to_le_bytes());
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&payload);
+    out
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum DecodeError {
+    #[error("bad magic: not an iospan guest channel")]
+    Magic,
+    #[error("frame version {0}, this agent speaks {VERSION}: upgrade the older side")]
+    Version(u16),
+    #[error("frame of {0} bytes, above the {MAX_PAYLOAD}-byte limit")]
+    TooLong(usize),
+    #[error("malformed {what} frame: {why}")]
+    Payload { what: &'static str, why: String },
+}
+
+/// Reassembles frames from a byte stream read in arbitrary pieces, and
+/// follows the sender's sequence across connections: gaps counted as lost,
+/// frames seen before (resent) skipped, a new sender counted as a restart.
+#[derive(Default)]
+pub struct FrameReader {
+    buf: Vec<u8>,
+    /// (sender, the lowest frame had, the next expected): every frame in
+    /// between was had or counted lost.
+    next: Option<(u32, u64, u64)>,
+    /// Frames older than the lowest, resent (in order) after later ones
+    /// arrived: `lo..hi`, merged into the range above once it reaches it.
+    backfill: Option<(u64, u64)>,
+    pub lost_frames: u64,
+    pub restarts: u64,
+    /// Resent frames this receiver already had.
+    pub duplicates: u64,
+}
+
+impl FrameReader {
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// A new connection: whatever is buffered of the old one is dropped,
+    /// the sequence is kept.
+    pub fn new_stream(&mut self) {
+        self.buf.clear();
+    }
+
+    /// What to acknowledge: the sender's frames handled (or counted lost).
+    pub fn ack(&self) -> Option<Control> {
+        self.next.map(|(sender, first, next)| Control::Ack {
+            sender,
+            first,
+            next,
+        })
+    }
+
+    /// Skips past a bad header to the next magic.
+    fn resync(&mut self) {
+        let at = find(&self.buf[1..], &MAGIC).map_or_else(
+            || self.buf.len().saturating_sub(MAGIC.len() - 1).max(1),
+            |i| i + 1,
+        );
+        self.buf.drain(..at.min(self.buf.len()));
+    }
+
+    /// The next whole frame, if buffered. An error names what was wrong;
+    /// the reader has already skipped to the next frame's start.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, DecodeError> {
+        loop {
+            if self.buf.len() < HEADER_LEN {
+                return Ok(None);
+            }
+            if self.buf[..4] != MAGIC {
+                self.resync();
+                return Err(DecodeError::Magic);
+            }
+            let u16_at = |i: usize| u16::from_le_bytes([self.buf[i], self.buf[i + 1]]);
+            let version = u16_at(4);
+            if version != VERSION {
+                self.resync();
+                return Err(DecodeError::Version(version));
+            }
+            let kind = u16_at(6);
+            let sender = u32::from_le_bytes(self.buf[8..12].try_into().unwrap_or_default());
+            let seq = u64::from_le_bytes(self.buf[12..20].try_into().unwrap_or_default());
+            let len = u32::from_le_bytes(self.buf[20..24].try_into().unwrap_or_default()) as usize;
+            if len > MAX_PAYLOAD {
+                self.resync();
+                return Err(DecodeError::TooLong(len));
+            }
+            if self.buf.len() < HEADER_LEN + len {
+                return Ok(None);
+            }
+            let payload: Vec<u8> = self
+                .buf
+                .drain(..HEADER_LEN + len)
+                .skip(HEADER_LEN)
+                .collect();
+            self.next = match self.next {
+                // Written before this receiver heard the sender (resent to
+                // it now): new here, and the gap down to it was not a loss.
+                Some((s, first, n)) if s == sender && seq < first => {
+                    match self.backfill {
+                        Some((lo, hi)) if (lo..hi).contains(&seq) => {
+                            self.duplicates += 1;
+                            continue;
+                        }
+                        Some((lo, hi)) if seq == hi => self.backfill = Some((lo, hi + 1)),
+                        _ => self.backfill = Some((seq, seq + 1)),
+                    }
+                    match self.backfill {
+                        Some((lo, hi)) if hi == first => {
+                            self.backfill = None;
+                            Some((s, lo, n))
+                        }
+                        _ => Some((s, first, n)),
+                    }
+                }
+                Some((s, _, n)) if s == sender && seq < n => {
+                    self.duplicates += 1;
+                    continue;
+                }
+                Some((s, first, n)) if s == sender => {
+                    self.lost_frames += seq - n;
+                    Some((s, first, seq + 1))
+                }
+                Some(_) => {
+                    self.restarts += 1;
+                    self.backfill = None;
+                    Some((sender, seq, seq + 1))
+                }
+                None => Some((sender, seq, seq + 1)),
+            };
+            return self.decode(kind, payload);
+        }
+    }
+
+    fn decode(&mut self, kind: u16, payload: Vec<u8>) -> Result<Option<Frame>, DecodeError> {
+        let bad = |what, why: String| DecodeError::Payload { what, why };
+        let frame = match kind {
+            HELLO => Frame::Hello(
+                serde_json::from_slice(&payload).map_err(|e| bad("hello", e.to_string()))?,
+            ),
+            STATS => Frame::Stats(
+                serde_json::from_slice(&payload).map_err(|e| bad("stats", e.to_string()))?,
+            ),
+            RECORDS => {
+                if !payload.len().is_multiple_of(GuestIoEvent::SIZE) {
+                    return Err(bad(
+                        "records",
+                        format!("{} bytes is not whole records", payload.len()),
+                    ));
+                }
+                Frame::Records(
+                    payload
+                        .chunks_exact(GuestIoEvent::SIZE)
+                        // SAFETY: exact size; every bit pattern is a valid record.
+                        .map(|c| unsafe {
+                            std::ptr::read_unaligned(c.as_ptr().cast::<GuestIoEvent>())
+                        })
+                        .collect(),
+                )
+            }
+            // A newer sender's frame kind: skipped, the stream stays in step.
+            _ => return self.next_frame(),
+        };
+        Ok(Some(frame))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(sector: u64) -> GuestIoEvent {
+        GuestIoEvent {
+            kind: crate::abi::EVENT_GUEST_IO,
+            sector,
+            bytes: 4096,
+            done_ns: 7,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn frames_survive_any_split_of_the_stream() {
+        let hello = Frame::Hello(Hello {
+            boot_id: "b".into(),
+            kernel: "k".into(),
+            disks: vec![],
+            probes: "p".into(),
+        });
+        let recs = Frame::Records(vec![rec(8), rec(16)]);
+        let stats = Frame::Stats(SenderStats {
+            dropped_records: 3,
+            ..Default::default()
+        });
+        let bytes: Vec<u8> = [
+            encode(7, 0, &hello),
+            encode(7, 1, &recs),
+            encode(7, 2, &stats),
+        ]
+        .concat();
+        for step in [1, 7, 20, bytes.len()] {
+            let mut r = FrameReader::default();
+            let mut got = Vec::new();
+            for piece in bytes.chunks(step) {
+                r.push(piece);
+                while let Some(f) = r.next_frame().unwrap() {
+                    got.push(f);
+                }
+            }
+            assert_eq!(
+                got,
+                vec![hello.clone(), recs.clone(), stats.clone()],
+                "pieces of {step}"
+            );
+            assert_eq!((r.lost_frames, r.restarts), (0, 0));
+        }
+    }
+
+    #[test]
+    fn gaps_restarts_and_resent_frames_are_counted() {
+        let mut r = FrameReader::default();
+        // Sender 1: a gap of three; its frames 5 and 6 resent after a
+        // reconnection (skipped); then sender 2 (a restarted agent) from 0.
+        for (sender, seq, new) in [
+            (1, 0, true),
+            (1, 1, true),
+            (1, 5, true),
+            (1, 6, true),
+            (1, 5, false),
+            (1, 6, false),
+            (1, 7, true),
+            (2, 0, true),
+            (2, 1, true),
+        ] {
+            r.new_stream();
+            r.push(&encode(sender, seq, &Frame::Records(vec![rec(seq)])));
+            assert_eq!(r.next_frame().unwrap().is_some(), new, "{sender}/{seq}");
+        }
+        assert_eq!((r.lost_frames, r.restarts, r.duplicates), (3, 1, 2));
+        assert_eq!(
+            r.ack(),
+            Some(Control::Ack {
+                sender: 2,
+                first: 0,
+                next: 2
+            })
+        );
+    }
+
+    /// Frames written before anyone listened, resent after later ones
+    /// arrived: new to the receiver, and its acknowledgement covers them.
+    #[test]
+    fn frames_older_than_the_first_heard_are_taken() {
+        let mut r = FrameReader::default();
+        for seq in [2, 3, 0, 1, 0] {
+            r.push(&encode(9, seq, &Frame::Records(vec![rec(seq)])));
+            let new = r.next_frame().unwrap().is_some();
+            assert_eq!(new, !(seq == 0 && r.duplicates == 1), "seq {seq}");
+        }
+        assert_eq!((r.lost_frames, r.duplicates), (0, 1));
+        assert_eq!(
+            r.ack(),
+            Some(Control::Ack {
+                sender: 9,
+                first: 0,
+                next: 4
+            })
+        );
+    }
+
+    #[test]
+    fn the_tail_of_a_broken_frame_is_skipped_to_the_next() {
+        let whole = encode(3, 0, &Frame::Records(vec![rec(8)]));
+        let next = encode(3, 1, &Frame::Records(vec![rec(16)]));
+        let mut r = FrameReader::default();
+        r.push(&whole[10..]);
+        r.push(&next);
+        assert_eq!(r.next_frame(), Err(DecodeError::Magic));
+        assert_eq!(r.next_frame().unwrap(), Some(Frame::Records(vec![rec(16)])));
+        assert_eq!(r.next_frame().unwrap(), None);
+    }
+
+    #[test]
+    fn control_messages_survive_any_split_and_noise() {
+        let mut bytes = b"xx".to_vec();
+        bytes.extend(encode_control(Control::Resend));
+        bytes.extend(b"IOS");
+        let ack = Control::Ack {
+            sender: 5,
+            first: 3,
+            next: 42,
+        };
+        bytes.extend(encode_control(ack));
+        for step in [1, 5, 16, bytes.len()] {
+            let mut c = ControlReader::default();
+            let got: Vec<Control> = bytes.chunks(step).flat_map(|p| c.push(p)).collect();
+            assert_eq!(got, vec![Control::Resend, ack], "pieces of {step}");
+        }
+    }
+
+    #[test]
+    fn garbage_and_oversize_frames_are_refused() {
+        let mut r = FrameReader::default();
+        r.push(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert_eq!(r.next_frame(), Err(DecodeError::Magic));
+        let mut f = encode(0, 0, &Frame::Records(vec![rec(1)]));
+        f[20..24].copy_from_slice(&(u32::MAX).to_le_bytes());
+        let mut r = FrameReader::default();
+        r.push(&f);
+        assert!(matches!(r.next_frame(), Err(DecodeError::TooLong(_))));
+        let mut f = encode(0, 0, &Frame::Records(vec![rec(1)]));
+        f[4] = 9;
+        let mut r = FrameReader::default();
+        r.push(&f);
+        assert_eq!(r.next_frame(), Err(DecodeError::Version(9)));
+    }
+
+    #[test]
+    fn unknown_kinds_are_skipped_in_step() {
+        let mut unknown = encode(0, 0, &Frame::Stats(SenderStats::default()));
+        unknown[6..8].copy_from_slice(&99u16.to_le_bytes());
+        let mut r = FrameReader::default();
+        r.push(&unknown);
+        r.push(&encode(0, 1, &Frame::Records(vec![rec(3)])));
+        assert_eq!(r.next_frame().unwrap(), Some(Frame::Records(vec![rec(3)])));
+    }
+}
