@@ -251,12 +251,12 @@ impl Doctor {
                 let site = vm
                     .exe
                     .as_deref()
-                    .and_then(|e| crate::discover::vms::uprobe_site(e, symbol));
+                    .and_then(|e| crate::probes::uprobe::uprobe_site(e, symbol));
                 let how = match site {
-                    Some((_, crate::discover::vms::Prologue::Push)) => {
+                    Some((_, crate::probes::uprobe::Prologue::Push)) => {
                         "entered with a push: emulated, the cheap kind".to_string()
                     }
-                    Some((_, crate::discover::vms::Prologue::SingleStepped)) => {
+                    Some((_, crate::probes::uprobe::Prologue::SingleStepped)) => {
                         "single-stepped: the expensive kind".to_string()
                     }
                     None if hot => {

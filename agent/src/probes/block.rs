@@ -697,14 +697,14 @@ impl BlockProbes {
         for &(symbol, hot) in symbols {
             let site = format!("{}:{symbol}", exe.display());
             let (offset, prologue) =
-                crate::discover::vms::uprobe_site(exe, symbol).ok_or_else(|| {
+                crate::probes::uprobe::uprobe_site(exe, symbol).ok_or_else(|| {
                     LoadError::Attach {
                         tracepoint: format!("uprobe {site}"),
                         flavour: "uprobe",
                         reason: format!("{symbol} is not exported by {}", exe.display()),
                     }
                 })?;
-            if hot && prologue != crate::discover::vms::Prologue::Push {
+            if hot && prologue != crate::probes::uprobe::Prologue::Push {
                 log::warn!("{site} is not entered with a push: each hit is single-stepped (see iospan doctor)");
             }
             let prog = self

@@ -6,6 +6,7 @@ pub mod features;
 pub mod guest;
 pub mod preflight;
 pub mod progstats;
+pub mod uprobe;
 
 use std::os::fd::AsFd;
 

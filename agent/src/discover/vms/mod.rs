@@ -1,0 +1,239 @@
+//! VM identity from QEMU's command line: the VM's name (`-name guest=NAME`
+//! as libvirt passes it), its virtual disks (id, model, backing file) and
+//! the host disk each backing file lives on. Shown everywhere instead of
+//! pids.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::discover::disks::Dev;
+
+mod cmdline;
+mod engines;
+mod registry;
+mod scan;
+mod stack;
+mod symbols;
+
+pub use cmdline::{from_args, is_qemu_comm};
+pub use engines::{
+    configfs_root, exports_from_args, lio_luns, socket_engine, storage_daemons, Export,
+    STORAGE_DAEMON_COMM,
+};
+pub use registry::{NotVm, Registry, VmMaps};
+pub use scan::{alive, channel_socket, engine_alive, identify, scan};
+pub use stack::{file_key, host_disk_of, host_stack_of, host_stack_of_dev, HostStack};
+
+/// The command-name prefix of a QEMU system emulator (its comm, and the
+/// file name it was executed as). Mirrors VM_COMM_PREFIX in agent_abi.h.
+pub const QEMU_PREFIX: &str = "qemu-system-";
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vm {
+    pub pid: u32,
+    pub name: String,
+    /// The VM's UUID (`-uuid`, libvirt's domain UUID).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    pub disks: Vec<VDisk>,
+    /// The QEMU binary it runs (for uprobes).
+    #[serde(default)]
+    pub exe: Option<PathBuf>,
+    /// Where the host window's kicks come from for this VM.
+    #[serde(default)]
+    pub kicks: KickSource,
+    /// QEMU names its threads (`-name …,debug-threads=on`, as libvirt
+    /// runs it): vCPU threads, and so the guest's kicks, can be told apart.
+    #[serde(default)]
+    pub named_threads: bool,
+    /// The chardev behind a virtserialport named `org.iospan.0`, as the
+    /// command line gives it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub channel: Option<SocketSource>,
+    /// The host end of the guest agent's channel: the listening unix socket
+    /// the VM's process holds for that chardev (`channel_socket`).
+    #[serde(default)]
+    pub guest_channel: Option<PathBuf>,
+    /// Device serials (`serial=`) by virtual disk id, to match the guest's
+    /// disks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub serials: Vec<(String, String)>,
+    /// Why this QEMU process is not a VM (it runs no guest: a capability
+    /// probe), or None for a VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_vm: Option<String>,
+    /// The libvirt domain it runs, when libvirt started it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub libvirt: Option<crate::discover::libvirt::Domain>,
+}
+
+/// Which vCPU eventfd writes count as the guest's kicks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KickSource {
+    /// The VM's virtqueue notifiers, seen created by its vCPUs when the
+    /// guest started its devices (the VM started while iospan ran).
+    QueueNotifiers,
+    /// The VM was running before iospan: any eventfd its vCPUs write counts,
+    /// including the main loop's own notifier, which a vCPU writes when the
+    /// guest reprograms a timer. A request held in the engine (a throttle, a
+    /// busy loop) may then be given a later notification than its own,
+    /// shortening its window.
+    #[default]
+    AnyVcpuEventfd,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VDisk {
+    /// The virtual disk's id: the device's `id=`, else its drive's id.
+    pub id: String,
+    /// virtio-blk-pci, nvme, scsi-hd, vhost-user-blk-pci, … (None: a bare -drive).
+    pub model: Option<String>,
+    pub file: Option<PathBuf>,
+    /// The whole host disk under the backing file, when it is on one.
+    #[serde(skip)]
+    pub host_dev: Option<Dev>,
+    /// The host disks under a device-mapper backing device (its slaves,
+    /// down to the physical disks), where the device segment is timed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_stack: Vec<String>,
+    /// The name the guest's user knows the disk by (libvirt's target
+    /// dev: `vda`, `sdb`), when libvirt started the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_dev: Option<String>,
+    /// The iothread serving it (`iothread=`), when not the main loop.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iothread: Option<String>,
+    /// QEMU's I/O engine for the drive (`aio=`: threads, native, io_uring).
+    #[serde(default)]
+    pub aio: Option<String>,
+    /// The device takes its doorbells through eventfds (`ioeventfd=on`,
+    /// NVMe; virtio-blk always does).
+    #[serde(default)]
+    pub ioeventfd: bool,
+    /// A vhost-user disk's socket (its chardev's path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub socket: Option<PathBuf>,
+    /// The process that serves the disk from outside QEMU (vhost-user),
+    /// found by the socket it exports on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineRef>,
+    /// Its engine also serves another VM (see `Registry::add`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub engine_shared: bool,
+    /// A kernel vhost-scsi disk's target: its WWPN, and the LUN once found
+    /// in LIO's configfs (`naa.…/lun_0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+}
+
+/// An engine process serving a virtual disk: the one that pops its
+/// virtqueue and submits its requests to the host.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineRef {
+    pub pid: u32,
+    /// Its program (`qemu-storage-daemon`).
+    pub program: String,
+    /// The export serving the disk (its `id=`), or the socket it listens
+    /// on for an engine other than qemu-storage-daemon.
+    pub export: String,
+    #[serde(skip)]
+    pub exe: Option<PathBuf>,
+    /// Its thread-group leader's name, to tell it still runs as itself.
+    #[serde(skip)]
+    pub comm: String,
+}
+
+impl VDisk {
+    /// Whether iospan can split this disk's host windows: a device whose
+    /// doorbell is an eventfd (virtio-blk; NVMe with `ioeventfd=on`) served
+    /// by QEMU's own event loop or an iothread, submitting from the thread
+    /// that picked the kick up or (aio=threads) a worker it woke.
+    /// NVMe's default doorbell is handled inside the vCPU's exit, leaving no
+    /// trace the host kernel sees under TCG; vhost devices are not followed
+    /// yet. Their requests are counted as not followed.
+    pub fn split_supported(&self) -> bool {
+        self.split_support().is_ok()
+    }
+
+    /// Whether the kernel's vhost workers serve it (vhost-scsi): they pick
+    /// its kicks up, submit its requests and raise its interrupts, inside
+    /// the kernel.
+    pub fn kernel_vhost(&self) -> bool {
+        self.model
+            .as_deref()
+            .is_some_and(|m| m.starts_with("vhost-scsi"))
+    }
+
+    /// Whether its requests are submitted by QEMU's worker threads.
+    pub fn worker_submitted(&self) -> bool {
+        self.aio.as_deref() == Some("threads")
+    }
+
+    /// As `split_supported`, with the reason when not.
+    pub fn split_support(&self) -> Result<(), &'static str> {
+        match self.model.as_deref() {
+            Some(m) if m.starts_with("virtio-blk") => {}
+            Some(m) if m.starts_with("vhost-user-blk") && self.engine_shared => {
+                return Err("its qemu-storage-daemon also serves another VM: its requests are counted as the host's")
+            }
+            Some(m)
+                if m.starts_with("vhost-user-blk")
+                    && self.engine.as_ref().is_some_and(|e| !e.followed()) =>
+            {
+                return Err("its engine is not qemu-storage-daemon (SPDK, …): its requests are the VM's, their kicks, pickups and used-ring pushes are not followed")
+            }
+            Some(m) if m.starts_with("vhost-user-blk") && self.engine.is_some() => {}
+            Some(m) if m.starts_with("vhost-user-blk") => {
+                return Err("no process listens on its socket (is its vhost-user server running?)")
+            }
+            Some("nvme") if self.ioeventfd => {}
+            Some("nvme") => {
+                return Err(
+                    "NVMe doorbells without ioeventfd=on are handled inside the vCPU's exit",
+                )
+            }
+            Some(m) if m.starts_with("vhost-scsi") && self.host_dev.is_some() => {}
+            Some(m) if m.starts_with("vhost-scsi") => {
+                return Err("no LUN of its target found in LIO's configfs (target/vhost/WWPN under IOSPAN_CONFIGFS, default /sys/kernel/config) on a host disk")
+            }
+            Some(m) if m.starts_with("vhost") => {
+                return Err("vhost devices other than vhost-user-blk and vhost-scsi are not followed yet")
+            }
+            _ => return Err("device model not followed"),
+        }
+        Ok(())
+    }
+}
+
+/// Where a chardev's unix socket comes from: a path QEMU binds, or a
+/// socket libvirt bound and passed in (`fd=N`), found through the process's
+/// own file table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SocketSource {
+    Path(PathBuf),
+    Fd(i32),
+}
+
+impl Vm {
+    /// What libvirt knows of the domain: its UUID, and each disk's target
+    /// dev by the alias QEMU has as the device's id.
+    pub fn apply_domain(&mut self, dom: crate::discover::libvirt::Domain) {
+        if self.uuid.is_none() {
+            self.uuid = dom.uuid.clone();
+        }
+        for d in &mut self.disks {
+            d.target_dev = dom
+                .disks
+                .iter()
+                .find(|x| x.alias == d.id)
+                .map(|x| x.target_dev.clone());
+        }
+        self.libvirt = Some(dom);
+    }
+}
+
+#[cfg(test)]
+mod tests;

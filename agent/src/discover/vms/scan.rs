@@ -1,0 +1,105 @@
+//! Finding VMs on the host: /proc scanned for QEMU processes, each
+//! identified from its command line and libvirt's status file, its guest
+//! channel found through its own file table.
+
+use std::{fs, path::PathBuf};
+
+use super::{cmdline::looks_like_qemu, *};
+
+/// A running process's identity, if it is a QEMU process: a VM, or (with
+/// `not_vm` set) a QEMU that runs no guest.
+pub fn identify(pid: u32) -> Option<Vm> {
+    let comm = fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    if !is_qemu_comm(&comm) {
+        return None;
+    }
+    let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    // An exited process awaiting its parent (a zombie) has no command
+    // line left to tell what it was.
+    if raw.is_empty() {
+        return None;
+    }
+    let args: Vec<String> = raw
+        .split(|&b| b == 0)
+        .skip(1)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let mut vm = from_args(pid, &args);
+    if !looks_like_qemu(&comm, &vm) {
+        return None;
+    }
+    vm.exe = fs::read_link(format!("/proc/{pid}/exe"))
+        .ok()
+        .filter(|p| p.exists());
+    if vm.not_vm.is_some() {
+        return Some(vm);
+    }
+    if let Some(dom) = crate::discover::libvirt::domain_of(pid) {
+        vm.apply_domain(dom);
+    }
+    vm.guest_channel = vm.channel.as_ref().and_then(|c| channel_socket(pid, c));
+    if vm.disks.iter().any(|d| d.socket.is_some()) {
+        let cwd = fs::read_link(format!("/proc/{pid}/cwd")).unwrap_or_default();
+        vm.find_engines(&storage_daemons(), &cwd);
+        for d in vm.disks.iter_mut().filter(|d| d.engine.is_none()) {
+            d.engine = d.socket.as_ref().and_then(|s| socket_engine(&cwd.join(s)));
+        }
+    }
+    if vm.disks.iter().any(VDisk::kernel_vhost) {
+        vm.find_luns(&configfs_root());
+    }
+    Some(vm)
+}
+
+/// The guest channel's host socket: a listening unix socket the VM's own
+/// process holds for the chardev (passed in by libvirt as `fd=N`, or bound
+/// by QEMU at `path=`). A path on the command line that the process does
+/// not itself listen on is never connected to.
+pub fn channel_socket(pid: u32, src: &SocketSource) -> Option<PathBuf> {
+    match src {
+        SocketSource::Fd(fd) => crate::discover::procfs::held_listener(pid, Some(*fd), None),
+        SocketSource::Path(p) => {
+            let abs = if p.is_absolute() {
+                p.clone()
+            } else {
+                fs::read_link(format!("/proc/{pid}/cwd")).ok()?.join(p)
+            };
+            crate::discover::procfs::held_listener(pid, None, Some(&abs))
+        }
+    }
+}
+
+/// Whether the VM's process still runs: not gone, not a zombie awaiting its
+/// parent, and its pid not handed to another program.
+pub fn alive(vm: &Vm) -> bool {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{}/stat", vm.pid)) else {
+        return false;
+    };
+    // "pid (comm) state ...": comm may hold spaces and parentheses.
+    let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+        return false;
+    };
+    let comm = &stat[open + 1..close];
+    let state = stat[close + 1..].trim_start().chars().next();
+    is_qemu_comm(comm) && !matches!(state, Some('Z' | 'X' | 'x'))
+}
+
+/// Whether an engine process still runs (as the same program).
+pub fn engine_alive(e: &EngineRef) -> bool {
+    fs::read_to_string(format!("/proc/{}/comm", e.pid)).is_ok_and(|c| c.trim_end() == e.comm)
+}
+
+/// Every QEMU VM running now.
+pub fn scan() -> Vec<Vm> {
+    let mut v: Vec<Vm> = fs::read_dir("/proc")
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter_map(identify)
+                .filter(|vm| vm.not_vm.is_none())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort_by_key(|vm| vm.pid);
+    v
+}
