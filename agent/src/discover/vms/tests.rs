@@ -1,9 +1,6 @@
 use std::{fs, os::unix::fs::MetadataExt, path::Path};
 
-use super::{
-    cmdline::looks_like_qemu,
-    *,
-};
+use super::{cmdline::looks_like_qemu, *};
 
 fn args(s: &[&str]) -> Vec<String> {
     s.iter().map(|a| a.to_string()).collect()
