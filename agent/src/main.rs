@@ -1,9 +1,13 @@
 use std::{path::PathBuf, process::ExitCode, time::Duration};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
-use iospan::{abi::DEFAULT_MAX_DISKS, cmd::demo, cmd::doctor, cmd::run};
+use iospan::{
+    abi::DEFAULT_MAX_DISKS,
+    cmd::{bench, demo, doctor, run},
+    output::export::{Policy, TraceOpts},
+};
 
 /// Where each guest I/O's latency goes: eBPF latency attribution for KVM hosts.
 #[derive(Parser)]
@@ -286,17 +290,9 @@ impl std::str::FromStr for SlowerThan {
     }
 }
 
-/// `iospan agent` on a host.
 #[cfg(feature = "serve")]
 fn host_agent(config: Option<PathBuf>, check: bool) -> Result<ExitCode> {
-    let opts = iospan::cmd::service::ServiceOptions { config };
-    if check {
-        println!("{}", iospan::cmd::service::check(&opts)?);
-        return Ok(ExitCode::SUCCESS);
-    }
-    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    rt.block_on(iospan::cmd::service::serve(opts))?;
-    Ok(ExitCode::SUCCESS)
+    iospan::cmd::service::main(iospan::cmd::service::ServiceOptions { config }, check)
 }
 
 #[cfg(not(feature = "serve"))]
@@ -327,104 +323,18 @@ fn main() -> ExitCode {
     }
 }
 
+/// Arguments to each command's options; the commands are `iospan::cmd`'s.
 fn real_main(cli: Cli) -> Result<ExitCode> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
     match cli.command {
-        Cmd::Doctor { json } => {
-            let d = doctor::examine()?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&d)?);
-            } else {
-                print!("{}", d.render());
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        Cmd::Doctor { json } => doctor::main(json),
         Cmd::Run(a) => {
             let a = *a;
-            if !a.checks.is_empty() && a.label.is_none() {
-                anyhow::bail!("--check needs a labelled run: add --label LABEL");
-            }
-            let labelled = a.label.clone().map(|label| iospan::cmd::bench::Labelled {
+            let labelled = a.label.clone().map(|label| bench::Labelled {
                 label,
                 runs_dir: a.runs_dir.clone(),
             });
             let checks = a.checks.clone();
-            let opts = run::RunOptions {
-                duration: a.duration,
-                disks: a.disks,
-                json_out: a.json_out,
-                events_out: a.events_out,
-                sample_every: a.sample,
-                slower_than: a.slower_than,
-                max_disks: a.max_disks,
-                bpf_stats: a.bpf_stats,
-                start_stamps: a.start_stamps,
-                vms: !a.no_vms,
-                quiet: a.quiet,
-                command: a.command,
-                traces: iospan::output::export::TraceOpts {
-                    endpoint: a.otlp_endpoint,
-                    protocol: a.otlp_protocol,
-                    policy: iospan::output::export::Policy {
-                        slowest: a.trace_slowest,
-                        slower_than_ns: a
-                            .trace_slower_than
-                            .iter()
-                            .find_map(|t| match t {
-                                SlowerThan::All(d) => Some(d.as_nanos() as u64),
-                                SlowerThan::Disk(_) => None,
-                            })
-                            .unwrap_or(0),
-                        per_disk: a
-                            .trace_slower_than
-                            .iter()
-                            .filter_map(|t| match t {
-                                SlowerThan::Disk(d) => Some(d.clone()),
-                                SlowerThan::All(_) => None,
-                            })
-                            .collect(),
-                        one_in: a.trace_one_in,
-                        queue: a.trace_queue as usize,
-                        ..Default::default()
-                    },
-                    run_label: a.run_label,
-                },
-                metrics_listen: a.metrics_listen,
-                api: None,
-                live: None,
-                stop: None,
-                tails: false,
-            };
-            let (outcome, checked) = match &labelled {
-                Some(l) => {
-                    let (outcome, stored, path) =
-                        rt.block_on(iospan::cmd::bench::run_labelled(opts, l))?;
-                    print!("{}", stored.summary());
-                    eprintln!("run {:?} stored in {}", l.label, path.display());
-                    let mut verdicts = Vec::new();
-                    for c in &checks {
-                        verdicts.extend(c.evaluate(&stored.report)?);
-                    }
-                    let (text, pass) = iospan::output::store::verdict_text(&verdicts);
-                    print!("{text}");
-                    (outcome, pass)
-                }
-                None => {
-                    let outcome = rt.block_on(run::run(opts))?;
-                    print!("{}", outcome.report.table());
-                    (outcome, true)
-                }
-            };
-            // A traced command's failure is the run's failure, for scripts;
-            // then a failed check.
-            Ok(match outcome.child_status.and_then(|s| s.code()) {
-                Some(0) | None if checked => ExitCode::SUCCESS,
-                Some(0) | None => ExitCode::from(1),
-                Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
-            })
+            bench::run_command(a.into_options(), labelled, &checks)
         }
         #[cfg(feature = "otlp")]
         Cmd::Replay {
@@ -435,54 +345,24 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             speed,
             label,
             quiet,
-        } => {
-            let opts = iospan::cmd::replay::ReplayOpts {
-                events,
-                trace: iospan::output::export::TraceOpts {
-                    endpoint: otlp_endpoint,
-                    protocol: otlp_protocol,
-                    policy: iospan::output::export::Policy::default(),
-                    run_label: label,
-                },
-                repeat,
-                speed,
-                quiet,
-            };
-            let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            let s = rt.block_on(iospan::cmd::replay::replay(&opts))?;
-            println!("{}", serde_json::to_string_pretty(&s)?);
-            let lost = s.export.failed_traces + s.export.dropped_queue_full;
-            if lost > 0 {
-                eprintln!("iospan replay: {lost} traces not taken by the collector");
-                return Ok(ExitCode::from(1));
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        } => iospan::cmd::replay::main(&iospan::cmd::replay::ReplayOpts {
+            events,
+            trace: TraceOpts {
+                endpoint: otlp_endpoint,
+                protocol: otlp_protocol,
+                policy: Policy::default(),
+                run_label: label,
+            },
+            repeat,
+            speed,
+            quiet,
+        }),
         Cmd::Report {
             run,
             html,
             checks,
             runs_dir,
-        } => {
-            let stored = iospan::output::store::StoredRun::load(&runs_dir, &run)?;
-            print!("{}", stored.summary());
-            if let Some(p) = &html {
-                std::fs::write(p, iospan::output::html::render(&stored))
-                    .with_context(|| format!("writing --html {}", p.display()))?;
-                eprintln!("HTML report: {}", p.display());
-            }
-            let mut verdicts = Vec::new();
-            for c in &checks {
-                verdicts.extend(c.evaluate(&stored.report)?);
-            }
-            let (text, pass) = iospan::output::store::verdict_text(&verdicts);
-            print!("{text}");
-            Ok(if pass {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            })
-        }
+        } => bench::report(&run, &runs_dir, html.as_deref(), &checks),
         Cmd::Sweep {
             qd,
             jobs,
@@ -490,35 +370,8 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             disks,
             runs_dir,
             command,
-        } => {
-            let (over, values) = if qd.is_empty() {
-                ("jobs", jobs)
-            } else {
-                ("qd", qd)
-            };
-            let make = |cmd: Vec<String>| run::RunOptions {
-                disks: disks.clone(),
-                max_disks: DEFAULT_MAX_DISKS,
-                vms: true,
-                quiet: true,
-                command: cmd,
-                ..Default::default()
-            };
-            let (result, path) = rt.block_on(iospan::cmd::bench::sweep(
-                make, &command, over, &values, &label, &runs_dir,
-            ))?;
-            print!("{}", result.text());
-            eprintln!("sweep stored in {}", path.display());
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Compare { runs, runs_dir } => {
-            let stored = runs
-                .iter()
-                .map(|r| iospan::output::store::StoredRun::load(&runs_dir, r))
-                .collect::<Result<Vec<_>>>()?;
-            print!("{}", iospan::output::store::compare_text(&stored)?);
-            Ok(ExitCode::SUCCESS)
-        }
+        } => bench::sweep_command(qd, jobs, &label, disks, &runs_dir, &command),
+        Cmd::Compare { runs, runs_dir } => bench::compare(&runs, &runs_dir),
         Cmd::Agent {
             guest,
             config,
@@ -548,24 +401,68 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             token,
             ca_cert,
         } => {
-            if interval < Duration::from_millis(100) {
-                anyhow::bail!("--interval {interval:?}: use 100ms or more");
-            }
-            let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            rt.block_on(iospan::cmd::top::top(iospan::cmd::top::TopOptions {
+            iospan::cmd::top::main(iospan::cmd::top::TopOptions {
                 disks,
                 interval,
                 max_disks,
                 connect,
                 token,
                 ca_cert,
-            }))?;
+            })?;
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Demo { json_out } => {
-            let outcome = rt.block_on(demo::demo(json_out))?;
-            print!("{}", outcome.report.table());
-            Ok(ExitCode::SUCCESS)
+        Cmd::Demo { json_out } => demo::main(json_out),
+    }
+}
+
+impl RunArgs {
+    fn into_options(self) -> run::RunOptions {
+        let a = self;
+        run::RunOptions {
+            duration: a.duration,
+            disks: a.disks,
+            json_out: a.json_out,
+            events_out: a.events_out,
+            sample_every: a.sample,
+            slower_than: a.slower_than,
+            max_disks: a.max_disks,
+            bpf_stats: a.bpf_stats,
+            start_stamps: a.start_stamps,
+            vms: !a.no_vms,
+            quiet: a.quiet,
+            command: a.command,
+            traces: TraceOpts {
+                endpoint: a.otlp_endpoint,
+                protocol: a.otlp_protocol,
+                policy: Policy {
+                    slowest: a.trace_slowest,
+                    slower_than_ns: a
+                        .trace_slower_than
+                        .iter()
+                        .find_map(|t| match t {
+                            SlowerThan::All(d) => Some(d.as_nanos() as u64),
+                            SlowerThan::Disk(_) => None,
+                        })
+                        .unwrap_or(0),
+                    per_disk: a
+                        .trace_slower_than
+                        .iter()
+                        .filter_map(|t| match t {
+                            SlowerThan::Disk(d) => Some(d.clone()),
+                            SlowerThan::All(_) => None,
+                        })
+                        .collect(),
+                    one_in: a.trace_one_in,
+                    queue: a.trace_queue as usize,
+                    ..Default::default()
+                },
+                run_label: a.run_label,
+            },
+            metrics_listen: a.metrics_listen,
+            api: None,
+            live: None,
+            stop: None,
+            tails: false,
         }
     }
 }

@@ -3,11 +3,15 @@
 
 use std::path::{Path, PathBuf};
 
+use std::process::ExitCode;
+
 use anyhow::{bail, Context, Result};
 
+use crate::abi::DEFAULT_MAX_DISKS;
+use crate::cmd::run::{self, RunOptions};
 use crate::output::store::{
-    check_label, curves, fio::fio_json_output, new_run_dir, parse_fio, series::SeriesBuilder,
-    HostInfo, StoredRun, SweepResult, SCHEMA,
+    check_label, compare_text, curves, fio::fio_json_output, new_run_dir, parse_fio,
+    series::SeriesBuilder, verdict_text, Check, HostInfo, StoredRun, SweepResult, SCHEMA,
 };
 
 /// What `iospan run --label` adds to a run.
@@ -156,4 +160,114 @@ pub async fn sweep(
     std::fs::write(&path, serde_json::to_vec_pretty(&result)?)
         .with_context(|| format!("writing {}", path.display()))?;
     Ok((result, path))
+}
+
+/// `iospan run`: a plain run's table, or a labelled run stored and held to
+/// its checks. The traced command's failure is the run's (for scripts),
+/// then a failed check.
+pub fn run_command(
+    opts: RunOptions,
+    labelled: Option<Labelled>,
+    checks: &[Check],
+) -> Result<ExitCode> {
+    if !checks.is_empty() && labelled.is_none() {
+        bail!("--check needs a labelled run: add --label LABEL");
+    }
+    let rt = runtime()?;
+    let (outcome, checked) = match &labelled {
+        Some(l) => {
+            let (outcome, stored, path) = rt.block_on(run_labelled(opts, l))?;
+            print!("{}", stored.summary());
+            eprintln!("run {:?} stored in {}", l.label, path.display());
+            (outcome, held_to(&stored, checks)?)
+        }
+        None => {
+            let outcome = rt.block_on(run::run(opts))?;
+            print!("{}", outcome.report.table());
+            (outcome, true)
+        }
+    };
+    Ok(match outcome.child_status.and_then(|s| s.code()) {
+        Some(0) | None if checked => ExitCode::SUCCESS,
+        Some(0) | None => ExitCode::from(1),
+        Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
+    })
+}
+
+/// `iospan report`: a stored run's summary (and HTML page), held to checks.
+pub fn report(
+    run: &str,
+    runs_dir: &Path,
+    html: Option<&Path>,
+    checks: &[Check],
+) -> Result<ExitCode> {
+    let stored = StoredRun::load(runs_dir, run)?;
+    print!("{}", stored.summary());
+    if let Some(p) = html {
+        std::fs::write(p, crate::output::html::render(&stored))
+            .with_context(|| format!("writing --html {}", p.display()))?;
+        eprintln!("HTML report: {}", p.display());
+    }
+    Ok(if held_to(&stored, checks)? {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// `iospan compare`.
+pub fn compare(runs: &[String], runs_dir: &Path) -> Result<ExitCode> {
+    let stored = runs
+        .iter()
+        .map(|r| StoredRun::load(runs_dir, r))
+        .collect::<Result<Vec<_>>>()?;
+    print!("{}", compare_text(&stored)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `iospan sweep`: over queue depths, or job counts when none are given.
+pub fn sweep_command(
+    qd: Vec<u32>,
+    jobs: Vec<u32>,
+    label: &str,
+    disks: Vec<String>,
+    runs_dir: &Path,
+    command: &[String],
+) -> Result<ExitCode> {
+    let (over, values) = if qd.is_empty() {
+        ("jobs", jobs)
+    } else {
+        ("qd", qd)
+    };
+    let make = |cmd: Vec<String>| RunOptions {
+        disks: disks.clone(),
+        max_disks: DEFAULT_MAX_DISKS,
+        vms: true,
+        quiet: true,
+        command: cmd,
+        ..Default::default()
+    };
+    let (result, path) =
+        runtime()?.block_on(sweep(make, command, over, &values, label, runs_dir))?;
+    print!("{}", result.text());
+    eprintln!("sweep stored in {}", path.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints each check's verdict; whether all passed.
+fn held_to(stored: &StoredRun, checks: &[Check]) -> Result<bool> {
+    let mut verdicts = Vec::new();
+    for c in checks {
+        verdicts.extend(c.evaluate(&stored.report)?);
+    }
+    let (text, pass) = verdict_text(&verdicts);
+    print!("{text}");
+    Ok(pass)
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")
 }

@@ -49,3 +49,14 @@ pub async fn demo(json_out: Option<std::path::PathBuf>) -> Result<run::RunOutcom
     .await?;
     Ok(outcome)
 }
+
+/// `iospan demo`.
+pub fn main(json_out: Option<std::path::PathBuf>) -> Result<std::process::ExitCode> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    let outcome = rt.block_on(demo(json_out))?;
+    print!("{}", outcome.report.table());
+    Ok(std::process::ExitCode::SUCCESS)
+}

@@ -341,3 +341,14 @@ impl Doctor {
         out
     }
 }
+
+/// `iospan doctor`.
+pub fn main(json: bool) -> Result<std::process::ExitCode> {
+    let d = examine()?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&d)?);
+    } else {
+        print!("{}", d.render());
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}

@@ -242,3 +242,17 @@ pub async fn replay(o: &ReplayOpts) -> Result<ReplaySummary> {
         },
     })
 }
+
+/// `iospan replay`: what the collector took, as JSON; exits 1 if it did not
+/// take everything.
+pub fn main(opts: &ReplayOpts) -> Result<std::process::ExitCode> {
+    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let s = rt.block_on(replay(opts))?;
+    println!("{}", serde_json::to_string_pretty(&s)?);
+    let lost = s.export.failed_traces + s.export.dropped_queue_full;
+    if lost > 0 {
+        eprintln!("iospan replay: {lost} traces not taken by the collector");
+        return Ok(std::process::ExitCode::from(1));
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}

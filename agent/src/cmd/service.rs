@@ -136,3 +136,14 @@ pub fn check(opts: &ServiceOptions) -> Result<String> {
         }
     ))
 }
+
+/// `iospan agent` on a host: check the configuration, or serve.
+pub fn main(opts: ServiceOptions, check_only: bool) -> Result<std::process::ExitCode> {
+    if check_only {
+        println!("{}", check(&opts)?);
+        return Ok(std::process::ExitCode::SUCCESS);
+    }
+    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    rt.block_on(serve(opts))?;
+    Ok(std::process::ExitCode::SUCCESS)
+}

@@ -207,6 +207,14 @@ impl Hist {
     }
 }
 
+/// Bucket upper bounds, ns: 2^10 (≈1 µs) to 2^34 (≈17 s), four per octave.
+pub fn bounds_ns() -> Vec<u64> {
+    (10..34)
+        .flat_map(|e| (0..4).map(move |q| (1u64 << e) + q * (1u64 << (e - 2))))
+        .chain(std::iter::once(1u64 << 34))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,12 +300,4 @@ mod tests {
     fn empty_histogram_summarises_to_zero() {
         assert_eq!(Hist::default().summary(), Summary::default());
     }
-}
-
-/// Bucket upper bounds, ns: 2^10 (≈1 µs) to 2^34 (≈17 s), four per octave.
-pub fn bounds_ns() -> Vec<u64> {
-    (10..34)
-        .flat_map(|e| (0..4).map(move |q| (1u64 << e) + q * (1u64 << (e - 2))))
-        .chain(std::iter::once(1u64 << 34))
-        .collect()
 }

@@ -39,6 +39,15 @@ pub struct TopOptions {
 /// (by the address given), or one ("") for the probes loaded here.
 pub type Fleet = BTreeMap<String, Arc<Frame>>;
 
+/// `iospan top`, from the command line.
+pub fn main(opts: TopOptions) -> Result<()> {
+    if opts.interval < Duration::from_millis(100) {
+        anyhow::bail!("--interval {:?}: use 100ms or more", opts.interval);
+    }
+    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    rt.block_on(top(opts))
+}
+
 /// Runs the probes and the view until q (or until the probes fail: the
 /// view ends when its feed does).
 pub async fn top(opts: TopOptions) -> Result<()> {

@@ -1,0 +1,196 @@
+//! The run's event stream (`--events-out`): each host request and each
+//! joined guest I/O as one JSON line, drained from the kernel's ring.
+
+use std::{
+    io::Write,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use anyhow::Result;
+use tokio::{io::unix::AsyncFd, sync::watch};
+
+use crate::{
+    abi::{BlkIoEvent, Record, RQ_F_NO_ISSUE, RQ_F_NO_START},
+    discover::disks::{self, Dev},
+    discover::vms::Registry,
+    model::IoSpan,
+    model::Op,
+    output::export::{ExportCounters, Names, Tracer},
+    pipeline::correlate::Correlator,
+};
+
+/// Drains the ring buffer into JSON lines until told to stop, then each
+/// joined guest I/O (those at least `slower_than_ns` long). The kernel
+/// side wakes us only past a backlog threshold, so a timer drains too.
+pub(super) async fn drain_events<W: Write>(
+    ring: aya::maps::RingBuf<aya::maps::MapData>,
+    mut out: Option<W>,
+    known: Arc<Mutex<Registry>>,
+    correlator: Arc<Mutex<Correlator>>,
+    mut stop: watch::Receiver<bool>,
+    slower_than_ns: u64,
+    mut tracer: Option<Tracer>,
+) -> Result<(u64, Option<ExportCounters>)> {
+    // SAFETY: the ring buffer owns its fd and outlives the registration
+    // (AsyncFd owns the ring buffer).
+    let mut fd = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
+        .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
+    let mut timer = tokio::time::interval(Duration::from_millis(100));
+    let mut written = 0u64;
+    let mut malformed = 0u64;
+    let mut disk_names = disks::Names::default();
+    loop {
+        let stopping = tokio::select! {
+            r = fd.readable_mut() => { if let Ok(mut g) = r { g.clear_ready(); } false }
+            _ = timer.tick() => false,
+            _ = stop.changed() => true,
+        };
+        let ring = fd.get_mut();
+        let mut corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some(item) = ring.next() {
+            match Record::from_bytes(&item) {
+                Some(Record::BlkIo(ev)) => {
+                    if let Some(out) = out.as_mut() {
+                        let json = event_json(
+                            &ev,
+                            &known.lock().unwrap_or_else(|p| p.into_inner()),
+                            &mut disk_names,
+                        );
+                        serde_json::to_writer(&mut *out, &json)?;
+                        out.write_all(b"\n")?;
+                        written += 1;
+                    }
+                }
+                Some(Record::VmIo(ev)) => {
+                    let followed = known
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .split
+                        .contains(&ev.vdisk);
+                    corr.on_io(ev, followed)
+                }
+                Some(Record::VmSignal(ev)) => corr.on_signal(ev.vm, ev.ts_ns),
+                // Guest records travel the guest channel, never this ring.
+                Some(Record::GuestIo(_) | Record::GuestReap(_)) | None => malformed += 1,
+            }
+        }
+        if stopping {
+            corr.finish();
+        }
+        let spans = corr.stitch.take_spans();
+        drop(corr);
+        {
+            let known = known.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(out) = out.as_mut() {
+                for sp in spans.iter().filter(|s| s.total_ns >= slower_than_ns) {
+                    serde_json::to_writer(&mut *out, &span_json(sp, &known, &mut disk_names))?;
+                    out.write_all(b"\n")?;
+                    written += 1;
+                }
+            }
+            if let Some(t) = tracer.as_mut() {
+                for sp in spans {
+                    t.offer(sp, |sp| names_of(sp, &known));
+                }
+                t.tick(|sp| names_of(sp, &known));
+            }
+        }
+        if stopping {
+            break;
+        }
+    }
+    if let Some(out) = out.as_mut() {
+        out.flush()?;
+    }
+    if malformed > 0 {
+        log::warn!("{malformed} ring-buffer records of unexpected size or kind were dropped");
+    }
+    let export = match tracer {
+        Some(t) => {
+            let names =
+                |sp: &IoSpan| names_of(sp, &known.lock().unwrap_or_else(|p| p.into_inner()));
+            Some(t.finish(names, Duration::from_secs(10)).await)
+        }
+        None => None,
+    };
+    Ok((written, export))
+}
+
+/// What an I/O's VM, virtual disk and host disk are called.
+pub(super) fn names_of(sp: &IoSpan, known: &Registry) -> Names {
+    Names {
+        vm: known.name(sp.vm),
+        vm_uuid: known.vms.get(&sp.vm).and_then(|v| v.uuid.clone()),
+        vdisk: known.vdisk(sp.vdisk).unwrap_or_default().to_string(),
+        host_disk: disks::name_of(Dev(sp.dev)),
+        nvme: known
+            .vdisk_model(sp.vdisk)
+            .is_some_and(|m| m.starts_with("nvme")),
+    }
+}
+
+pub(super) fn event_json(
+    ev: &BlkIoEvent,
+    known: &Registry,
+    disk_names: &mut disks::Names,
+) -> serde_json::Value {
+    let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1000.0;
+    let start = (ev.flags & RQ_F_NO_START == 0).then_some(ev.start_ns);
+    let issue = (ev.flags & RQ_F_NO_ISSUE == 0).then_some(ev.issue_ns);
+    serde_json::json!({
+        "kind": "host",
+        "disk": disk_names.of(Dev(ev.dev)),
+        "vm": (ev.vm != 0).then(|| known.name(ev.vm)),
+        "vdisk": known.vdisk(ev.vdisk),
+        "op": Op::from_index(ev.op as usize).unwrap_or(Op::Other),
+        "sector": ev.sector,
+        "bytes": ev.bytes,
+        "start_ns": start,
+        "issue_ns": issue,
+        "done_ns": ev.done_ns,
+        "total_us": start.or(issue).map(|s| us(s, ev.done_ns)),
+        "queue_us": start.zip(issue).map(|(s, i)| us(s, i)),
+        "service_us": issue.map(|i| us(i, ev.done_ns)),
+        "requeues": ev.requeues,
+        "flags": ev.flags,
+    })
+}
+
+/// One joined guest I/O: its stamps (host clock) and four segments.
+pub(super) fn span_json(
+    sp: &IoSpan,
+    known: &Registry,
+    disk_names: &mut disks::Names,
+) -> serde_json::Value {
+    let us = |ns: u64| ns as f64 / 1000.0;
+    serde_json::json!({
+        // A host window alone where the VM has no guest agent.
+        "kind": if sp.has_guest { "guest_io" } else { "vm_io" },
+        "vm": known.name(sp.vm),
+        "vdisk": known.vdisk(sp.vdisk),
+        "nvme": known.vdisk_model(sp.vdisk).is_some_and(|m| m.starts_with("nvme")),
+        "host_disk": disk_names.of(Dev(sp.dev)),
+        "queue": sp.queue,
+        "op": sp.op,
+        "pos": sp.pos,
+        "bytes": sp.bytes,
+        "begin_ns": sp.begin_ns,
+        "guest_kick_ns": sp.guest_kick_ns,
+        "kick_ns": sp.kick_ns,
+        "pick_ns": sp.pick_ns,
+        "start_ns": sp.start_ns,
+        "issue_ns": sp.issue_ns,
+        "done_ns": sp.done_ns,
+        "signal_ns": sp.signal_ns,
+        "guest_irq_ns": sp.guest_irq_ns,
+        "end_ns": sp.end_ns,
+        "clock_offset_ns": sp.clock_offset_ns,
+        "total_us": us(sp.total_ns),
+        "guest_us": us(sp.guest_ns),
+        "hypervisor_us": us(sp.hypervisor_ns),
+        "engine_us": us(sp.engine_ns),
+        "device_us": us(sp.device_ns),
+        "app_ends_from_block_layer": sp.app_ends_from_block_layer,
+    })
+}

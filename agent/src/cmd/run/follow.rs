@@ -1,0 +1,209 @@
+//! The VMs a run follows: named as they appear, their probes attached and
+//! engines found, let go when they exit.
+
+use std::sync::Mutex;
+
+use crate::{
+    discover::vms::{self, Registry},
+    probes::block::BlockProbes,
+};
+
+/// Names VM slots the kernel side handed out since the last look, and
+/// tells it their backing files. A QEMU process that runs no guest (a
+/// capability probe), or is gone before it could be named, is let go: its
+/// requests are the host's, and it is counted, not shown.
+/// Returns the guest channels of the VMs it named.
+pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) -> Vec<GuestChannel> {
+    let mut channels = Vec::new();
+    let Ok(pids) = probes.vm_pids() else {
+        return channels;
+    };
+    let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
+    for (tgid, slot) in pids {
+        if known.vms.contains_key(&slot) || known.not_vms.contains_key(&slot) {
+            continue;
+        }
+        let mut vm = match vms::identify(tgid) {
+            Some(vm) if vm.not_vm.is_none() => vm,
+            other => {
+                let why = other
+                    .and_then(|v| v.not_vm)
+                    .unwrap_or_else(|| "gone before it could be named".to_string());
+                log::debug!("QEMU pid {tgid} is not a VM: {why}");
+                if let Err(e) = probes.forget_vm(tgid, slot) {
+                    log::warn!("QEMU pid {tgid}: {}", crate::probes::error_chain(&e));
+                }
+                known.not_vms.insert(slot, vms::NotVm { pid: tgid, why });
+                continue;
+            }
+        };
+        // A VM's requests need their submitter taken at their start, and
+        // its notifications followed.
+        if let Err(e) = probes.ensure_vm_probes() {
+            log::warn!("VM attribution off: {}", crate::probes::error_chain(&e));
+        }
+        {
+            // Exec'd while the probes ran: its notifiers were seen created.
+            vm.kicks = vms::KickSource::QueueNotifiers;
+            if !vm.named_threads {
+                // No vCPU to see start the guest: its requests are the
+                // guest's from here (QEMU's own start-up reads included).
+                if let Err(e) = probes.mark_started(tgid) {
+                    log::warn!("VM pid {tgid}: {}", crate::probes::error_chain(&e));
+                }
+            }
+            log::info!(
+                "VM {} (pid {tgid}) with disks {:?}",
+                vm.name,
+                vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>()
+            );
+            attach_vm_probes(probes, &vm);
+            if let Some(src) = &vm.channel {
+                channels.push((slot, vm.pid, src.clone()));
+            }
+            let maps = known.add(slot, vm);
+            if let Err(e) = probes.add_vm_maps(&maps) {
+                log::warn!("VM pid {tgid}: {}", crate::probes::error_chain(&e));
+            }
+            if let Some(vm) = known.vms.get(&slot) {
+                add_engines(probes, slot, vm);
+            }
+        }
+    }
+    channels
+}
+
+/// Lets go of VMs whose process has exited: their probes are detached and
+/// their pid no longer names them. They stay in the registry: the report
+/// still names their requests.
+pub(super) fn forget_exited_vms(
+    probes: &mut BlockProbes,
+    known: &Mutex<Registry>,
+    exited: &mut std::collections::BTreeSet<u32>,
+) {
+    let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
+    let known = &mut *known;
+    for (slot, vm) in known.vms.iter() {
+        if exited.contains(slot) {
+            continue;
+        }
+        let vm_alive = vms::alive(vm);
+        // An engine goes with its VM, or alone when it exits first (its
+        // pid must not name the VM for whoever is given it next).
+        for e in vm.engines() {
+            if known.engines.get(&e.pid) != Some(slot) || (vm_alive && vms::engine_alive(e)) {
+                continue;
+            }
+            known.engines.remove(&e.pid);
+            match probes.forget_vm(e.pid, *slot) {
+                Ok(()) => log::info!(
+                    "{} (pid {}) no longer serves VM {}: its probes detached",
+                    e.program,
+                    e.pid,
+                    vm.name
+                ),
+                Err(err) => log::warn!(
+                    "{} (pid {}): {}",
+                    e.program,
+                    e.pid,
+                    crate::probes::error_chain(&err)
+                ),
+            }
+        }
+        if vm_alive {
+            continue;
+        }
+        exited.insert(*slot);
+        known.exited.insert(*slot);
+        match probes.forget_vm(vm.pid, *slot) {
+            Ok(()) => log::info!(
+                "VM {} (pid {}) exited: its probes detached",
+                vm.name,
+                vm.pid
+            ),
+            Err(e) => log::warn!("VM {} exited: {}", vm.name, crate::probes::error_chain(&e)),
+        }
+    }
+}
+
+/// Registers the engine processes serving a VM's disks from outside QEMU
+/// under its slot (those not also serving another VM: `Registry::add`).
+pub(super) fn add_engines(probes: &mut BlockProbes, slot: u32, vm: &vms::Vm) {
+    for d in vm.disks.iter().filter(|d| d.engine_shared) {
+        log::warn!(
+            "VM {} disk {}: {}",
+            vm.name,
+            d.id,
+            d.split_support().err().unwrap_or_default()
+        );
+    }
+    for e in vm.engines() {
+        match probes.add_engine(e, slot) {
+            Ok(()) => log::info!(
+                "VM {}: disks served by {} (pid {}, export {})",
+                vm.name,
+                e.program,
+                e.pid,
+                e.export
+            ),
+            Err(err) => log::warn!(
+                "VM {}: {} (pid {}) not followed: {}",
+                vm.name,
+                e.program,
+                e.pid,
+                crate::probes::error_chain(&err)
+            ),
+        }
+    }
+}
+
+/// A VM's guest channel: its slot, its process, the chardev's socket.
+pub(super) type GuestChannel = (u32, u32, vms::SocketSource);
+
+/// The guest channels of the VMs known now.
+pub(super) fn guest_channels(known: &Registry) -> Vec<GuestChannel> {
+    known
+        .vms
+        .iter()
+        .filter_map(|(slot, vm)| Some((*slot, vm.pid, vm.channel.clone()?)))
+        .collect()
+}
+
+/// The per-VM probes: the worker hand-off for aio=threads disks, the
+/// worker switch-in and MSI for kernel vhost disks, and the
+/// probes that end its host windows. A failure costs the VM its split,
+/// not the run.
+pub(super) fn attach_vm_probes(probes: &mut BlockProbes, vm: &vms::Vm) {
+    if !vm.disks.iter().any(|d| d.split_supported()) {
+        if let Err(e) = probes.exempt_from_stop(vm.pid) {
+            log::warn!("VM {}: {}", vm.name, crate::probes::error_chain(&e));
+        }
+    }
+    // Probes some disks need, shared by every VM that has such a disk.
+    let needs =
+        |kind: fn(&vms::VDisk) -> bool| vm.disks.iter().any(|d| d.split_supported() && kind(d));
+    let unsplit = |what: &str, e: crate::probes::LoadError| {
+        log::warn!(
+            "VM {}: {what} disks not split: {}",
+            vm.name,
+            crate::probes::error_chain(&e)
+        )
+    };
+    if needs(vms::VDisk::worker_submitted) {
+        if let Err(e) = probes.ensure_handoff_probe() {
+            unsplit("aio=threads", e);
+        }
+    }
+    if needs(vms::VDisk::kernel_vhost) {
+        if let Err(e) = probes.ensure_vhost_probes() {
+            unsplit("kernel vhost", e);
+        }
+    }
+    if let Err(e) = probes.attach_vm_uprobes(vm) {
+        log::warn!(
+            "VM {}: no host-window split or merge count: {}",
+            vm.name,
+            crate::probes::error_chain(&e)
+        );
+    }
+}

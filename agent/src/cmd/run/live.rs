@@ -1,0 +1,81 @@
+//! What a run shows while it runs: frames for live views, /metrics.
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::Result;
+
+use crate::{
+    discover::vms::Registry, pipeline::correlate::Correlator, probes::block::BlockProbes,
+    probes::preflight,
+};
+
+use super::*;
+
+#[cfg(feature = "serve")]
+pub(super) async fn serve_metrics(
+    addr: std::net::SocketAddr,
+) -> Result<Arc<crate::cmd::api::Shared>> {
+    use anyhow::Context as _;
+    let shared = crate::cmd::api::Shared::new(None);
+    crate::cmd::api::serve(addr, None, shared.clone())
+        .await
+        .with_context(|| format!("--metrics-listen {addr}"))?;
+    Ok(shared)
+}
+
+#[cfg(not(feature = "serve"))]
+pub(super) async fn serve_metrics(
+    addr: std::net::SocketAddr,
+) -> Result<Arc<crate::cmd::api::Shared>> {
+    bail!("--metrics-listen {addr}: this iospan was built without the HTTP server (the `serve` feature)")
+}
+
+/// The figures so far, to a live view.
+pub(super) fn send_frame(
+    feed: &LiveFeed,
+    at_s: f64,
+    probes: &BlockProbes,
+    correlator: &Mutex<Correlator>,
+    known: &Mutex<Registry>,
+) {
+    let Ok(mut snap) = probes.snapshot() else {
+        return;
+    };
+    let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
+    snap.counters.host_split = corr.counters.clone();
+    let known = known.lock().unwrap_or_else(|p| p.into_inner());
+    let frame = crate::output::live::frame(at_s, &snap, &corr.splits, &corr.stitch, &known);
+    let _ = feed.tx.send(Some(Arc::new(frame)));
+}
+
+pub(super) fn refresh_metrics(
+    m: &crate::cmd::api::Shared,
+    probes: &BlockProbes,
+    correlator: &Mutex<Correlator>,
+    known: &Mutex<Registry>,
+    export: Option<&crate::output::export::ExportShared>,
+) {
+    use crate::output::metrics::Format;
+    let Ok(mut snap) = probes.snapshot() else {
+        return;
+    };
+    let maps = probes.map_fill();
+    let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
+    snap.counters.host_split = corr.counters.clone();
+    let known = known.lock().unwrap_or_else(|p| p.into_inner());
+    let exemplars = export.map(|e| e.exemplars.lock().unwrap_or_else(|p| p.into_inner()));
+    let view = crate::output::metrics::View {
+        snap: &snap,
+        splits: &corr.splits,
+        stitched: &corr.stitch.stitched,
+        known: &known,
+        export: export.map(|e| e.stats.snapshot()),
+        exemplars: exemplars.as_deref(),
+        maps: &maps,
+        cpu_s: preflight::self_cpu(),
+    };
+    let prometheus = crate::output::metrics::render(&view, Format::Prometheus);
+    let openmetrics = crate::output::metrics::render(&view, Format::OpenMetrics);
+    *m.prometheus.lock().unwrap_or_else(|p| p.into_inner()) = prometheus;
+    *m.openmetrics.lock().unwrap_or_else(|p| p.into_inner()) = openmetrics;
+}

@@ -1,0 +1,72 @@
+//! The run's clock and its command: progress on the terminal, the
+//! deadline, the traced command stopped on the way out.
+
+use std::{
+    io::IsTerminal,
+    time::{Duration, Instant},
+};
+
+pub(super) async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// SIGTERM, then SIGKILL if it has not gone after a grace period.
+pub(super) async fn terminate(child: &mut tokio::process::Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: plain kill(2) on our own child.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    }
+    if tokio::time::timeout(Duration::from_secs(5), child.wait())
+        .await
+        .is_err()
+    {
+        let _ = child.kill().await;
+    }
+}
+
+pub(super) struct Progress {
+    tty: bool,
+    quiet: bool,
+    last_line: std::cell::Cell<Option<Instant>>,
+}
+
+impl Progress {
+    pub(super) fn new(quiet: bool) -> Self {
+        Self {
+            tty: std::io::stderr().is_terminal(),
+            quiet,
+            last_line: std::cell::Cell::new(None),
+        }
+    }
+
+    pub(super) fn show(&self, elapsed: Duration, ios: u64) {
+        if self.quiet {
+            return;
+        }
+        let secs = elapsed.as_secs_f64();
+        let line = format!(
+            "iospan: {secs:6.1} s  {ios:>12} I/Os  {:>10.0} IOPS",
+            ios as f64 / secs.max(1e-9)
+        );
+        if self.tty {
+            eprint!("\r{line}");
+        } else if self
+            .last_line
+            .get()
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(10))
+        {
+            // Logs and CI get a line every ten seconds, not a carriage-return stream.
+            eprintln!("{line}");
+            self.last_line.set(Some(Instant::now()));
+        }
+    }
+
+    pub(super) fn done(&self) {
+        if self.tty && !self.quiet {
+            eprintln!();
+        }
+    }
+}
