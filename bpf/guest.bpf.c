@@ -17,6 +17,8 @@
 #include "blk_op.bpf.h"
 #include "maps.bpf.h"
 
+counters_map_t counters SEC(".maps");
+
 /* Where an I/O came from: the system call that submitted it. */
 struct origin {
 	__u64 sys_ns;

@@ -5,13 +5,16 @@
 #include <bpf/bpf_helpers.h>
 #include "agent_abi.h"
 
-/* Lost and degraded events, per CPU; see enum counter. */
-struct {
+/* Lost and degraded events, per CPU; see enum counter. Defined once per
+ * object (`counters_map_t counters SEC(".maps");`): an object linked from
+ * several files shares it. */
+typedef struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, NR_COUNTERS);
 	__type(key, __u32);
 	__type(value, __u64);
-} counters SEC(".maps");
+} counters_map_t;
+extern counters_map_t counters SEC(".maps");
 
 /* Programs of different contexts (task, softirq, hardirq) share a CPU's
  * counters, hence the atomic add even on per-CPU values. */

@@ -10,6 +10,9 @@ use crate::sh;
 const BUILD: &[(Need, &str)] = &[
     (Need::Tool("clang"), "clang"),
     (Need::Tool("llvm-strip"), "llvm"),
+    // The host object is linked from one program file per concern.
+    (Need::Tool("llvm-link"), "llvm"),
+    (Need::Tool("llc"), "llvm"),
     (Need::File("/usr/include/bpf/bpf_helpers.h"), "libbpf-dev"),
     (Need::File("/usr/include/linux/types.h"), "linux-libc-dev"),
     (Need::Tool("bpftool"), "bpftool"),

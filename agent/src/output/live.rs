@@ -13,7 +13,7 @@ use crate::{
     model::{BlkSegment, Hist, Op},
     pipeline::correlate::{HostSplit, SplitKey},
     pipeline::stitch::{StitchKey, Stitched, Stitcher},
-    probes::block::BlockSnapshot,
+    probes::host::BlockSnapshot,
 };
 
 /// The segment columns of a live view, in order.

@@ -16,7 +16,7 @@ use crate::{
     output::export::{Exemplars, ExportCounters, SeriesKey},
     pipeline::correlate::{HostSplit, SplitKey},
     pipeline::stitch::{StitchKey, Stitched},
-    probes::block::{BlockSnapshot, Counters},
+    probes::host::{BlockSnapshot, Counters},
 };
 
 pub use crate::model::hist::bounds_ns;

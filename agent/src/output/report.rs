@@ -14,7 +14,7 @@ use crate::{
     pipeline::correlate::{HostSplit, SplitKey},
     pipeline::stitch::{ClockEstimate, StitchCounters, StitchKey, Stitched, Stitcher},
     probes::{
-        block::{Counters, VmFinished, VmStatKey},
+        host::{Counters, VmFinished, VmStatKey},
         progstats::ProgStats,
         Attachment,
     },

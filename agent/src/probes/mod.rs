@@ -1,9 +1,9 @@
 //! The only module that talks to aya: loading, attaching, reading maps.
 //! Everything above it sees `model` types.
 
-pub mod block;
 pub mod features;
 pub mod guest;
+pub mod host;
 pub mod preflight;
 pub mod progstats;
 pub mod uprobe;

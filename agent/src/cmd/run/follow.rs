@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 use crate::{
     discover::vms::{self, Registry},
-    probes::block::BlockProbes,
+    probes::host::BlockProbes,
 };
 
 /// Names VM slots the kernel side handed out since the last look, and

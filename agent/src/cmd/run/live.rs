@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::Result;
 
 use crate::{
-    discover::vms::Registry, pipeline::correlate::Correlator, probes::block::BlockProbes,
+    discover::vms::Registry, pipeline::correlate::Correlator, probes::host::BlockProbes,
     probes::preflight,
 };
 

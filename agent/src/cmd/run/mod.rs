@@ -23,7 +23,7 @@ use crate::{
     output::report::{self, AgentCost, RunReport, SCHEMA},
     pipeline::channel,
     pipeline::correlate::Correlator,
-    probes::block::{BlockConfig, BlockProbes},
+    probes::host::{BlockConfig, BlockProbes},
     probes::preflight,
 };
 

@@ -1,13 +1,13 @@
-//! Host block-layer probes (`bpf/block.bpf.c`).
+//! The host's probes, one object (`host.bpf.o`) linked from one program
+//! file per concern, mirrored here: `block` (block accounting), `vm` (VM
+//! attribution and the host window), `vhost` (the kernel's vhost workers).
+//! This module loads the object and reads what all of them share.
 
 use std::{collections::BTreeMap, os::fd::AsFd};
 
 use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
-    programs::{
-        uprobe::{UProbeLinkId, UProbeScope},
-        TracePoint, UProbe,
-    },
+    programs::{uprobe::UProbeLinkId, TracePoint},
     Btf, Ebpf, EbpfLoader,
 };
 use serde::{Deserialize, Serialize};
@@ -15,13 +15,20 @@ use serde::{Deserialize, Serialize};
 use super::{attach, map_mut_of, map_of, Attachment, Flavour, LoadError};
 use crate::{
     abi::{
-        counter, BlkStats, DiskSlot, RqSlot, VmCounts, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS,
-        MAX_STREAM_DEVS, NR_DIO_END_IO, RQ_F_DONE, RQ_F_REQUEUE_PENDING,
+        counter, BlkStats, DiskSlot, VmCounts, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS,
+        MAX_STREAM_DEVS,
     },
     discover::disks::Dev,
     discover::vms::VmMaps,
     model::{DiskOpStats, Op},
 };
+
+mod block;
+mod vhost;
+mod vm;
+
+pub use block::disks_without_start_time;
+use vm::{add_vm_maps, dio_end_io_addresses, kvm_tracepoints, mount_tracefs};
 
 /// The hash tables whose fill /metrics shows.
 const FILL_MAPS: &[&str] = &[
@@ -43,7 +50,7 @@ const FILL_MAPS: &[&str] = &[
     "vm_open_notifiers",
 ];
 
-static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/block.bpf.o"));
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/host.bpf.o"));
 
 #[derive(Clone, Debug)]
 pub struct BlockConfig {
@@ -203,27 +210,6 @@ impl BlockSnapshot {
     }
 }
 
-/// Request-based (blk-mq) disks whose requests get no start_time_ns from
-/// the kernel: it is kept when iostats is on or an I/O scheduler (or
-/// blk-stat) is in use (blk_mq_need_time_stamp), so these have iostats off
-/// and no scheduler. Bio-based disks (zram, dm-linear) have no requests.
-pub fn disks_without_start_time() -> Vec<String> {
-    let read = |d: &str, f: &str| {
-        std::fs::read_to_string(format!("/sys/block/{d}/queue/{f}")).unwrap_or_default()
-    };
-    crate::discover::disks::whole_disks()
-        .into_iter()
-        .filter(|d| {
-            if !std::path::Path::new(&format!("/sys/block/{d}/mq")).exists() {
-                return false;
-            }
-            let sched = read(d, "scheduler");
-            read(d, "iostats").trim() == "0"
-                && (sched.trim().is_empty() || sched.contains("[none]"))
-        })
-        .collect()
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct VmStatKey {
     /// VM slot (see `BlockProbes::vm_pids`).
@@ -232,72 +218,6 @@ pub struct VmStatKey {
     pub op: Op,
     /// Virtual disk slot; 0 for the VM process's other I/O.
     pub vdisk: u32,
-}
-
-/// Kernel addresses of the direct-I/O completion functions whose bios lead
-/// to their file (0 where a symbol is absent: those requests stay
-/// unresolved, never misattributed).
-fn dio_end_io_addresses() -> [u64; NR_DIO_END_IO] {
-    const NAMES: [&str; NR_DIO_END_IO] = crate::abi::DIO_END_IO;
-    let mut out = [0u64; NR_DIO_END_IO];
-    if let Ok(text) = std::fs::read_to_string("/proc/kallsyms") {
-        for line in text.lines() {
-            let mut f = line.split_whitespace();
-            let (Some(addr), Some(_), Some(name)) = (f.next(), f.next(), f.next()) else {
-                continue;
-            };
-            if let Some(i) = NAMES.iter().position(|n| *n == name) {
-                out[i] = u64::from_str_radix(addr, 16).unwrap_or(0);
-            }
-        }
-    }
-    out
-}
-
-/// Syscall tracepoints are attached through tracefs; a host that has not
-/// mounted it gets it mounted (as perf and bpftrace do).
-/// Whether the kvm tracepoints exist (the kvm module is loaded).
-fn kvm_tracepoints() -> bool {
-    mount_tracefs();
-    [
-        "/sys/kernel/tracing/events/kvm/kvm_mmio",
-        "/sys/kernel/debug/tracing/events/kvm/kvm_mmio",
-    ]
-    .iter()
-    .any(|p| std::path::Path::new(p).exists())
-}
-
-fn mount_tracefs() {
-    if std::path::Path::new("/sys/kernel/tracing/events").exists()
-        || std::path::Path::new("/sys/kernel/debug/tracing/events").exists()
-    {
-        return;
-    }
-    let ok = std::process::Command::new("mount")
-        .args(["-t", "tracefs", "nodev", "/sys/kernel/tracing"])
-        .status()
-        .is_ok_and(|s| s.success());
-    log::info!(
-        "mounting tracefs at /sys/kernel/tracing: {}",
-        if ok { "done" } else { "failed" }
-    );
-}
-
-fn insert_all<K: aya::Pod>(
-    ebpf: &mut Ebpf,
-    name: &'static str,
-    items: &[(K, u32)],
-) -> Result<(), LoadError> {
-    let mut map: HashMap<_, K, u32> = map_mut_of(ebpf, name)?;
-    for (k, v) in items {
-        map.insert(k, v, 0).map_err(LoadError::map_op(name))?;
-    }
-    Ok(())
-}
-
-fn add_vm_maps(ebpf: &mut Ebpf, maps: &VmMaps) -> Result<(), LoadError> {
-    insert_all(ebpf, "vdisk_files", &maps.files)?;
-    insert_all(ebpf, "vm_disks", &maps.disks)
 }
 
 pub struct BlockProbes {
@@ -327,7 +247,7 @@ impl BlockProbes {
             Err(e) => {
                 log::info!(
                     "tp_btf block probes unavailable ({}); using raw_tp",
-                    super::error_chain(&e)
+                    crate::probes::error_chain(&e)
                 );
                 Self::load_flavour(cfg, btf.as_ref(), Flavour::RawTp)
             }
@@ -371,7 +291,7 @@ impl BlockProbes {
             .map_max_entries("disk_queues", max_disks)
             .load(OBJECT)
             .map_err(|source| LoadError::Object {
-                object: "block.bpf.o",
+                object: "host.bpf.o",
                 source,
             })?;
 
@@ -445,35 +365,6 @@ impl BlockProbes {
         Ok(probes)
     }
 
-    /// VMs' requests still open in the request table whose VM has exited
-    /// (`exited(slot)`): a process does not exit with direct I/O in
-    /// flight, so the kernel completed them, and their completion never
-    /// reached us — those whose tag was not used again, which is how the
-    /// rest are found. Per (VM, host disk, op, virtual disk); read-only, so
-    /// call once, at the end of a run.
-    pub fn open_requests_of_exited(
-        &self,
-        exited: impl Fn(u32) -> bool,
-    ) -> Result<BTreeMap<VmStatKey, u64>, LoadError> {
-        let slots: Array<_, RqSlot> = map_of(&self.ebpf, "inflight")?;
-        let mut out = BTreeMap::new();
-        for item in slots.iter() {
-            let s = item.map_err(LoadError::map_op("inflight"))?;
-            let open =
-                s.rq != 0 && s.issue_ns != 0 && s.flags & (RQ_F_DONE | RQ_F_REQUEUE_PENDING) == 0;
-            if open && s.vm != 0 && exited(s.vm) {
-                let k = VmStatKey {
-                    vm: s.vm,
-                    dev: Dev(s.dev),
-                    op: Op::from_index(s.op as usize).unwrap_or(Op::Other),
-                    vdisk: s.vdisk,
-                };
-                *out.entry(k).or_default() += 1;
-            }
-        }
-        Ok(out)
-    }
-
     /// The ring buffer of per-request records, for one consumer.
     pub fn take_events(&mut self) -> Result<RingBuf<MapData>, LoadError> {
         let map = self.ebpf.take_map("events").ok_or(LoadError::Map {
@@ -541,78 +432,6 @@ impl BlockProbes {
         Ok(snap)
     }
 
-    /// Attaches the per-request start probe if it is not yet: stamps where
-    /// the kernel keeps no start time, and the submitter for VM attribution.
-    /// block_io_start appeared in v6.5 (5a80bd075f3b); before it the insert
-    /// is the closest point.
-    pub fn ensure_start_probe(&mut self) -> Result<(), LoadError> {
-        if self.start_probe {
-            return Ok(());
-        }
-        if let Err(e) = self.attach_raw("block_io_start") {
-            log::info!(
-                "{}; using block_rq_insert for start stamps",
-                super::error_chain(&e)
-            );
-            self.attach_raw("block_rq_insert")?;
-        }
-        self.start_probe = true;
-        Ok(())
-    }
-
-    /// What a VM needs: the start probe (its requests' submitter) and, for
-    /// the host-window split, the eventfd read/write tracepoints. Attached
-    /// when the first VM appears; without VMs no request pays for them.
-    pub fn ensure_vm_probes(&mut self) -> Result<(), LoadError> {
-        self.ensure_start_probe()?;
-        if self.vm_probes {
-            return Ok(());
-        }
-        // Bios merged into a VM's requests: guest requests with no host
-        // request of their own.
-        for name in ["block_bio_backmerge", "block_bio_frontmerge"] {
-            self.attach_tracepoint("block", name)?;
-        }
-        // Whole requests merged into others before issue.
-        self.attach_raw("block_rq_merge")?;
-        if self.vm_segments {
-            for name in ["sys_enter_write", "sys_enter_read"] {
-                self.attach_syscall(name)?;
-            }
-        }
-        self.vm_probes = true;
-        Ok(())
-    }
-
-    /// The hand-off of kicks from the engine thread to the worker threads
-    /// it wakes (aio=threads). Costs a program run per wake-up on the whole
-    /// host, so attached only once a VM needs it.
-    pub fn ensure_handoff_probe(&mut self) -> Result<(), LoadError> {
-        if !self.vm_segments || self.handoff_probe {
-            return Ok(());
-        }
-        for tp in ["sched_waking", "sched_wakeup_new"] {
-            self.attach_raw(tp)?;
-        }
-        self.handoff_probe = true;
-        Ok(())
-    }
-
-    /// What a kernel vhost worker's disks need: the worker's switch-in
-    /// after a kick (its pickup) and the MSI it raises through the irqfd
-    /// (the end of its host windows). The switch costs a program run per
-    /// context switch on the whole host, so attached only once a VM needs
-    /// it.
-    pub fn ensure_vhost_probes(&mut self) -> Result<(), LoadError> {
-        if !self.vm_segments || self.vhost_probes {
-            return Ok(());
-        }
-        self.attach_raw("sched_switch")?;
-        self.attach_tracepoint("kvm", "kvm_msi_set_irq")?;
-        self.vhost_probes = true;
-        Ok(())
-    }
-
     /// A raw tracepoint's program, in the probes' flavour (tp_btf or
     /// raw_tp), kept among the attachments.
     fn attach_raw(&mut self, tracepoint: &str) -> Result<(), LoadError> {
@@ -638,9 +457,9 @@ impl BlockProbes {
             })?;
         let result = (|| -> Result<(), String> {
             let p: &mut TracePoint = prog.try_into().map_err(|e| format!("{e:#}"))?;
-            p.load().map_err(|e| super::error_chain(&e))?;
+            p.load().map_err(|e| crate::probes::error_chain(&e))?;
             p.attach(category, name)
-                .map_err(|e| super::error_chain(&e))?;
+                .map_err(|e| crate::probes::error_chain(&e))?;
             Ok(())
         })();
         let tracepoint = format!("{category}:{name}");
@@ -656,146 +475,6 @@ impl BlockProbes {
             program: name.into(),
         });
         Ok(())
-    }
-
-    /// A VM's probes in QEMU (see `Vm::uprobe_symbols`), on its process
-    /// only: other processes of the binary pay nothing. Kept per VM, to be
-    /// detached when it exits (`forget_vm`).
-    pub fn attach_vm_uprobes(&mut self, vm: &crate::discover::vms::Vm) -> Result<(), LoadError> {
-        let symbols = vm.uprobe_symbols(self.vm_segments);
-        self.attach_uprobes(vm.exe.as_deref(), vm.pid, &symbols)
-    }
-
-    /// An engine process serving VM `slot`'s disks from outside QEMU: its
-    /// requests, kick pickups and used-ring pushes are the VM's from now
-    /// on (it runs only to serve them). Undone by `forget_vm(pid, slot)`.
-    pub fn add_engine(
-        &mut self,
-        e: &crate::discover::vms::EngineRef,
-        slot: u32,
-    ) -> Result<(), LoadError> {
-        let mut pids: HashMap<_, u32, u32> = map_mut_of(&mut self.ebpf, "vm_pids")?;
-        pids.insert(e.pid, slot, 0)
-            .map_err(LoadError::map_op("vm_pids"))?;
-        self.flag_vm("vm_started", e.pid)?;
-        let symbols = e.uprobe_symbols(self.vm_segments);
-        self.attach_uprobes(e.exe.as_deref(), e.pid, &symbols)
-    }
-
-    fn attach_uprobes(
-        &mut self,
-        exe: Option<&std::path::Path>,
-        pid: u32,
-        symbols: &[(&'static str, bool)],
-    ) -> Result<(), LoadError> {
-        let Some(exe) = exe else {
-            return Ok(());
-        };
-        let Some(nz) = std::num::NonZeroU32::new(pid) else {
-            return Ok(());
-        };
-        for &(symbol, hot) in symbols {
-            let site = format!("{}:{symbol}", exe.display());
-            let (offset, prologue) =
-                crate::probes::uprobe::uprobe_site(exe, symbol).ok_or_else(|| {
-                    LoadError::Attach {
-                        tracepoint: format!("uprobe {site}"),
-                        flavour: "uprobe",
-                        reason: format!("{symbol} is not exported by {}", exe.display()),
-                    }
-                })?;
-            if hot && prologue != crate::probes::uprobe::Prologue::Push {
-                log::warn!("{site} is not entered with a push: each hit is single-stepped (see iospan doctor)");
-            }
-            let prog = self
-                .ebpf
-                .program_mut(symbol)
-                .ok_or_else(|| LoadError::MissingProgram {
-                    program: symbol.into(),
-                })?;
-            let result = (|| -> Result<UProbeLinkId, String> {
-                let p: &mut UProbe = prog.try_into().map_err(|e| format!("{e:#}"))?;
-                if p.fd().is_err() {
-                    p.load().map_err(|e| super::error_chain(&e))?;
-                }
-                p.attach(
-                    aya::programs::uprobe::UProbeAttachLocation::SymbolOffset(symbol, offset),
-                    exe,
-                    UProbeScope::OneProcess(nz),
-                )
-                .map_err(|e| super::error_chain(&e))
-            })();
-            let link = result.map_err(|reason| LoadError::Attach {
-                tracepoint: format!("uprobe {site}"),
-                flavour: "uprobe",
-                reason,
-            })?;
-            self.vm_links.entry(pid).or_default().push((symbol, link));
-            log::info!("attached uprobe {site}+{offset} for pid {pid}");
-            if !self.attachments.iter().any(|a| a.tracepoint == site) {
-                self.attachments.push(Attachment {
-                    tracepoint: site,
-                    flavour: Flavour::Uprobe,
-                    program: symbol.into(),
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// A VM process has exited: its uprobes go (the kernel would keep them
-    /// on the binary's inode for as long as we hold them), and its pid no
-    /// longer names a VM (a new process may be given it).
-    pub fn forget_vm(&mut self, pid: u32, slot: u32) -> Result<(), LoadError> {
-        for (symbol, link) in self.vm_links.remove(&pid).unwrap_or_default() {
-            if let Some(prog) = self.ebpf.program_mut(symbol) {
-                let p: &mut UProbe = prog.try_into().map_err(|_| LoadError::MissingProgram {
-                    program: symbol.into(),
-                })?;
-                p.detach(link).map_err(|e| LoadError::Attach {
-                    tracepoint: format!("uprobe {symbol} of pid {pid}"),
-                    flavour: "uprobe",
-                    reason: super::error_chain(&e),
-                })?;
-            }
-        }
-        // Absent keys are fine: not every VM has every flag. A pid already
-        // taken by a new VM (exec'd since) is that VM's.
-        let mut pids: HashMap<_, u32, u32> = map_mut_of(&mut self.ebpf, "vm_pids")?;
-        if pids.get(&pid, 0).ok() != Some(slot) {
-            return Ok(());
-        }
-        let _ = pids.remove(&pid);
-        for map in ["vm_started", "vm_notifiers_known", "vm_no_stop"] {
-            let mut m: HashMap<_, u32, u8> = map_mut_of(&mut self.ebpf, map)?;
-            let _ = m.remove(&pid);
-        }
-        let mut open: HashMap<_, u32, i64> = map_mut_of(&mut self.ebpf, "vm_open_notifiers")?;
-        let _ = open.remove(&pid);
-        Ok(())
-    }
-
-    /// Tells the kernel side about a new VM's virtual disks.
-    pub fn add_vm_maps(&mut self, maps: &VmMaps) -> Result<(), LoadError> {
-        add_vm_maps(&mut self.ebpf, maps)
-    }
-
-    /// Takes the VM's requests as its guest's from now on, for a VM whose
-    /// vCPU threads cannot be told apart (no `debug-threads=on`).
-    pub fn mark_started(&mut self, pid: u32) -> Result<(), LoadError> {
-        self.flag_vm("vm_started", pid)
-    }
-
-    /// The VM stays running through its notifiers all closing (none of its
-    /// disks is notified through one; see vm_no_stop).
-    pub fn exempt_from_stop(&mut self, pid: u32) -> Result<(), LoadError> {
-        self.flag_vm("vm_no_stop", pid)
-    }
-
-    /// Sets `pid` -> 1 in one of the per-VM flag maps.
-    fn flag_vm(&mut self, map: &'static str, pid: u32) -> Result<(), LoadError> {
-        let mut m: HashMap<_, u32, u8> = map_mut_of(&mut self.ebpf, map)?;
-        m.insert(pid, 1, 0).map_err(LoadError::map_op(map))
     }
 
     /// Fill of the kernel side's hash tables: (map, entries, capacity).
@@ -818,19 +497,11 @@ impl BlockProbes {
             let Some(&known) = FILL_MAPS.iter().find(|m| **m == name) else {
                 continue;
             };
-            let n = super::count_keys(data.fd().as_fd(), info.key_size());
+            let n = crate::probes::count_keys(data.fd().as_fd(), info.key_size());
             out.push((known, n, info.max_entries()));
         }
         out.sort_unstable();
         out
-    }
-
-    /// (tgid, VM slot) of every process known as a VM so far.
-    pub fn vm_pids(&self) -> Result<Vec<(u32, u32)>, LoadError> {
-        let map: HashMap<_, u32, u32> = map_of(&self.ebpf, "vm_pids")?;
-        map.iter()
-            .map(|r| r.map_err(LoadError::map_op("vm_pids")))
-            .collect()
     }
 
     fn counters(&self) -> Result<Counters, LoadError> {
@@ -863,7 +534,7 @@ impl BlockProbes {
         })
     }
 
-    pub fn program_stats(&self) -> Vec<super::progstats::ProgStats> {
-        super::program_stats(&self.ebpf)
+    pub fn program_stats(&self) -> Vec<crate::probes::progstats::ProgStats> {
+        crate::probes::program_stats(&self.ebpf)
     }
 }

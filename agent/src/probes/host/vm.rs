@@ -1,0 +1,305 @@
+//! VM attribution and the host window (`bpf/vm.bpf.c`): the VM tables the
+//! agent fills, the notification probes, QEMU's and engines' uprobes.
+
+use std::collections::BTreeMap;
+
+use aya::{
+    maps::{Array, HashMap},
+    programs::{
+        uprobe::{UProbeLinkId, UProbeScope},
+        UProbe,
+    },
+    Ebpf,
+};
+
+use super::*;
+use crate::probes::{map_mut_of, map_of, Attachment, Flavour, LoadError};
+use crate::{
+    abi::{RqSlot, NR_DIO_END_IO, RQ_F_DONE, RQ_F_REQUEUE_PENDING},
+    discover::disks::Dev,
+    discover::vms::VmMaps,
+    model::Op,
+};
+
+/// Kernel addresses of the direct-I/O completion functions whose bios lead
+/// to their file (0 where a symbol is absent: those requests stay
+/// unresolved, never misattributed).
+pub(super) fn dio_end_io_addresses() -> [u64; NR_DIO_END_IO] {
+    const NAMES: [&str; NR_DIO_END_IO] = crate::abi::DIO_END_IO;
+    let mut out = [0u64; NR_DIO_END_IO];
+    if let Ok(text) = std::fs::read_to_string("/proc/kallsyms") {
+        for line in text.lines() {
+            let mut f = line.split_whitespace();
+            let (Some(addr), Some(_), Some(name)) = (f.next(), f.next(), f.next()) else {
+                continue;
+            };
+            if let Some(i) = NAMES.iter().position(|n| *n == name) {
+                out[i] = u64::from_str_radix(addr, 16).unwrap_or(0);
+            }
+        }
+    }
+    out
+}
+
+/// Syscall tracepoints are attached through tracefs; a host that has not
+/// mounted it gets it mounted (as perf and bpftrace do).
+/// Whether the kvm tracepoints exist (the kvm module is loaded).
+pub(super) fn kvm_tracepoints() -> bool {
+    mount_tracefs();
+    [
+        "/sys/kernel/tracing/events/kvm/kvm_mmio",
+        "/sys/kernel/debug/tracing/events/kvm/kvm_mmio",
+    ]
+    .iter()
+    .any(|p| std::path::Path::new(p).exists())
+}
+
+pub(super) fn mount_tracefs() {
+    if std::path::Path::new("/sys/kernel/tracing/events").exists()
+        || std::path::Path::new("/sys/kernel/debug/tracing/events").exists()
+    {
+        return;
+    }
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tracefs", "nodev", "/sys/kernel/tracing"])
+        .status()
+        .is_ok_and(|s| s.success());
+    log::info!(
+        "mounting tracefs at /sys/kernel/tracing: {}",
+        if ok { "done" } else { "failed" }
+    );
+}
+
+pub(super) fn insert_all<K: aya::Pod>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    items: &[(K, u32)],
+) -> Result<(), LoadError> {
+    let mut map: HashMap<_, K, u32> = map_mut_of(ebpf, name)?;
+    for (k, v) in items {
+        map.insert(k, v, 0).map_err(LoadError::map_op(name))?;
+    }
+    Ok(())
+}
+
+pub(super) fn add_vm_maps(ebpf: &mut Ebpf, maps: &VmMaps) -> Result<(), LoadError> {
+    insert_all(ebpf, "vdisk_files", &maps.files)?;
+    insert_all(ebpf, "vm_disks", &maps.disks)
+}
+
+impl BlockProbes {
+    /// VMs' requests still open in the request table whose VM has exited
+    /// (`exited(slot)`): a process does not exit with direct I/O in
+    /// flight, so the kernel completed them, and their completion never
+    /// reached us — those whose tag was not used again, which is how the
+    /// rest are found. Per (VM, host disk, op, virtual disk); read-only, so
+    /// call once, at the end of a run.
+    pub fn open_requests_of_exited(
+        &self,
+        exited: impl Fn(u32) -> bool,
+    ) -> Result<BTreeMap<VmStatKey, u64>, LoadError> {
+        let slots: Array<_, RqSlot> = map_of(&self.ebpf, "inflight")?;
+        let mut out = BTreeMap::new();
+        for item in slots.iter() {
+            let s = item.map_err(LoadError::map_op("inflight"))?;
+            let open =
+                s.rq != 0 && s.issue_ns != 0 && s.flags & (RQ_F_DONE | RQ_F_REQUEUE_PENDING) == 0;
+            if open && s.vm != 0 && exited(s.vm) {
+                let k = VmStatKey {
+                    vm: s.vm,
+                    dev: Dev(s.dev),
+                    op: Op::from_index(s.op as usize).unwrap_or(Op::Other),
+                    vdisk: s.vdisk,
+                };
+                *out.entry(k).or_default() += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    /// What a VM needs: the start probe (its requests' submitter) and, for
+    /// the host-window split, the eventfd read/write tracepoints. Attached
+    /// when the first VM appears; without VMs no request pays for them.
+    pub fn ensure_vm_probes(&mut self) -> Result<(), LoadError> {
+        self.ensure_start_probe()?;
+        if self.vm_probes {
+            return Ok(());
+        }
+        // Bios merged into a VM's requests: guest requests with no host
+        // request of their own.
+        for name in ["block_bio_backmerge", "block_bio_frontmerge"] {
+            self.attach_tracepoint("block", name)?;
+        }
+        // Whole requests merged into others before issue.
+        self.attach_raw("block_rq_merge")?;
+        if self.vm_segments {
+            for name in ["sys_enter_write", "sys_enter_read"] {
+                self.attach_syscall(name)?;
+            }
+        }
+        self.vm_probes = true;
+        Ok(())
+    }
+
+    /// The hand-off of kicks from the engine thread to the worker threads
+    /// it wakes (aio=threads). Costs a program run per wake-up on the whole
+    /// host, so attached only once a VM needs it.
+    pub fn ensure_handoff_probe(&mut self) -> Result<(), LoadError> {
+        if !self.vm_segments || self.handoff_probe {
+            return Ok(());
+        }
+        for tp in ["sched_waking", "sched_wakeup_new"] {
+            self.attach_raw(tp)?;
+        }
+        self.handoff_probe = true;
+        Ok(())
+    }
+
+    /// A VM's probes in QEMU (see `Vm::uprobe_symbols`), on its process
+    /// only: other processes of the binary pay nothing. Kept per VM, to be
+    /// detached when it exits (`forget_vm`).
+    pub fn attach_vm_uprobes(&mut self, vm: &crate::discover::vms::Vm) -> Result<(), LoadError> {
+        let symbols = vm.uprobe_symbols(self.vm_segments);
+        self.attach_uprobes(vm.exe.as_deref(), vm.pid, &symbols)
+    }
+
+    /// An engine process serving VM `slot`'s disks from outside QEMU: its
+    /// requests, kick pickups and used-ring pushes are the VM's from now
+    /// on (it runs only to serve them). Undone by `forget_vm(pid, slot)`.
+    pub fn add_engine(
+        &mut self,
+        e: &crate::discover::vms::EngineRef,
+        slot: u32,
+    ) -> Result<(), LoadError> {
+        let mut pids: HashMap<_, u32, u32> = map_mut_of(&mut self.ebpf, "vm_pids")?;
+        pids.insert(e.pid, slot, 0)
+            .map_err(LoadError::map_op("vm_pids"))?;
+        self.flag_vm("vm_started", e.pid)?;
+        let symbols = e.uprobe_symbols(self.vm_segments);
+        self.attach_uprobes(e.exe.as_deref(), e.pid, &symbols)
+    }
+
+    pub(super) fn attach_uprobes(
+        &mut self,
+        exe: Option<&std::path::Path>,
+        pid: u32,
+        symbols: &[(&'static str, bool)],
+    ) -> Result<(), LoadError> {
+        let Some(exe) = exe else {
+            return Ok(());
+        };
+        let Some(nz) = std::num::NonZeroU32::new(pid) else {
+            return Ok(());
+        };
+        for &(symbol, hot) in symbols {
+            let site = format!("{}:{symbol}", exe.display());
+            let (offset, prologue) =
+                crate::probes::uprobe::uprobe_site(exe, symbol).ok_or_else(|| {
+                    LoadError::Attach {
+                        tracepoint: format!("uprobe {site}"),
+                        flavour: "uprobe",
+                        reason: format!("{symbol} is not exported by {}", exe.display()),
+                    }
+                })?;
+            if hot && prologue != crate::probes::uprobe::Prologue::Push {
+                log::warn!("{site} is not entered with a push: each hit is single-stepped (see iospan doctor)");
+            }
+            let prog = self
+                .ebpf
+                .program_mut(symbol)
+                .ok_or_else(|| LoadError::MissingProgram {
+                    program: symbol.into(),
+                })?;
+            let result = (|| -> Result<UProbeLinkId, String> {
+                let p: &mut UProbe = prog.try_into().map_err(|e| format!("{e:#}"))?;
+                if p.fd().is_err() {
+                    p.load().map_err(|e| crate::probes::error_chain(&e))?;
+                }
+                p.attach(
+                    aya::programs::uprobe::UProbeAttachLocation::SymbolOffset(symbol, offset),
+                    exe,
+                    UProbeScope::OneProcess(nz),
+                )
+                .map_err(|e| crate::probes::error_chain(&e))
+            })();
+            let link = result.map_err(|reason| LoadError::Attach {
+                tracepoint: format!("uprobe {site}"),
+                flavour: "uprobe",
+                reason,
+            })?;
+            self.vm_links.entry(pid).or_default().push((symbol, link));
+            log::info!("attached uprobe {site}+{offset} for pid {pid}");
+            if !self.attachments.iter().any(|a| a.tracepoint == site) {
+                self.attachments.push(Attachment {
+                    tracepoint: site,
+                    flavour: Flavour::Uprobe,
+                    program: symbol.into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// A VM process has exited: its uprobes go (the kernel would keep them
+    /// on the binary's inode for as long as we hold them), and its pid no
+    /// longer names a VM (a new process may be given it).
+    pub fn forget_vm(&mut self, pid: u32, slot: u32) -> Result<(), LoadError> {
+        for (symbol, link) in self.vm_links.remove(&pid).unwrap_or_default() {
+            if let Some(prog) = self.ebpf.program_mut(symbol) {
+                let p: &mut UProbe = prog.try_into().map_err(|_| LoadError::MissingProgram {
+                    program: symbol.into(),
+                })?;
+                p.detach(link).map_err(|e| LoadError::Attach {
+                    tracepoint: format!("uprobe {symbol} of pid {pid}"),
+                    flavour: "uprobe",
+                    reason: crate::probes::error_chain(&e),
+                })?;
+            }
+        }
+        // Absent keys are fine: not every VM has every flag. A pid already
+        // taken by a new VM (exec'd since) is that VM's.
+        let mut pids: HashMap<_, u32, u32> = map_mut_of(&mut self.ebpf, "vm_pids")?;
+        if pids.get(&pid, 0).ok() != Some(slot) {
+            return Ok(());
+        }
+        let _ = pids.remove(&pid);
+        for map in ["vm_started", "vm_notifiers_known", "vm_no_stop"] {
+            let mut m: HashMap<_, u32, u8> = map_mut_of(&mut self.ebpf, map)?;
+            let _ = m.remove(&pid);
+        }
+        let mut open: HashMap<_, u32, i64> = map_mut_of(&mut self.ebpf, "vm_open_notifiers")?;
+        let _ = open.remove(&pid);
+        Ok(())
+    }
+
+    /// Tells the kernel side about a new VM's virtual disks.
+    pub fn add_vm_maps(&mut self, maps: &VmMaps) -> Result<(), LoadError> {
+        add_vm_maps(&mut self.ebpf, maps)
+    }
+
+    /// Takes the VM's requests as its guest's from now on, for a VM whose
+    /// vCPU threads cannot be told apart (no `debug-threads=on`).
+    pub fn mark_started(&mut self, pid: u32) -> Result<(), LoadError> {
+        self.flag_vm("vm_started", pid)
+    }
+
+    /// The VM stays running through its notifiers all closing (none of its
+    /// disks is notified through one; see vm_no_stop).
+    pub fn exempt_from_stop(&mut self, pid: u32) -> Result<(), LoadError> {
+        self.flag_vm("vm_no_stop", pid)
+    }
+
+    /// Sets `pid` -> 1 in one of the per-VM flag maps.
+    pub(super) fn flag_vm(&mut self, map: &'static str, pid: u32) -> Result<(), LoadError> {
+        let mut m: HashMap<_, u32, u8> = map_mut_of(&mut self.ebpf, map)?;
+        m.insert(pid, 1, 0).map_err(LoadError::map_op(map))
+    }
+
+    /// (tgid, VM slot) of every process known as a VM so far.
+    pub fn vm_pids(&self) -> Result<Vec<(u32, u32)>, LoadError> {
+        let map: HashMap<_, u32, u32> = map_of(&self.ebpf, "vm_pids")?;
+        map.iter()
+            .map(|r| r.map_err(LoadError::map_op("vm_pids")))
+            .collect()
+    }
+}

@@ -1,0 +1,279 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * What the host programs share: block.bpf.c (block accounting), vm.bpf.c
+ * (VM attribution and the host window) and vhost.bpf.c (the kernel's vhost
+ * workers) are linked into one object, host.bpf.o, whose maps and
+ * settings are one set. Each map and setting is defined in the file of its
+ * concern and declared here for the others.
+ */
+#ifndef IOSPAN_HOST_BPF_H
+#define IOSPAN_HOST_BPF_H
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
+#include "agent_abi.h"
+#include "maps.bpf.h"
+
+/* Settings the agent fills in before loading (defined in block.bpf.c and
+ * vm.bpf.c). */
+extern const volatile __u64 targ_wakeup_bytes;
+/* Attribute requests to VMs (processes in vm_pids) and keep vm_latency. */
+extern const volatile __u32 targ_track_vms;
+/* Follow VMs' notifications (eventfd kicks, pickups, signals) to split the
+ * host window of their requests; needs targ_track_vms. */
+extern const volatile __u32 targ_vm_segments;
+/* Addresses of the direct-I/O completion functions, in enum dio_kind's
+ * order (from kallsyms; 0 when absent). */
+extern const volatile __u64 targ_dio_end_io[NR_DIO_END_IO];
+
+/* Per-request records to the agent (defined in block.bpf.c). */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 4 << 20);
+} events_map_t;
+extern events_map_t events SEC(".maps");
+
+/* VMs whose guest runs: tgid -> VM_RUNNING, set at the first eventfd write
+ * of a vCPU thread, a KVM notify, or a queue notifier made (and by the
+ * agent for VMs running when it starts). Before that the process only
+ * opens its images and realizes its devices (format, alignment and
+ * geometry probes); after QEMU closes its queue notifiers (the VM stopped
+ * or shut down, or the guest reset the device) it may probe or close its
+ * images: such requests are QEMU's own, not any virtual disk's. */
+#define VM_RUNNING 1
+#define VM_STOPPED 2
+
+/* The last kick each engine thread picked up: tid -> {kick, pickup}. The
+ * requests that thread submits next belong to that notification. */
+struct pick {
+	__u64 kick_ns;
+	__u64 pick_ns;
+	__u64 flags; /* PICK_* */
+};
+
+#define PICK_HANDED (1 << 0) /* handed to a worker it woke (aio=threads) */
+#define PICK_USED (1 << 1)   /* a worker submitted with it */
+
+/* Processes that are VMs: tgid -> VM slot. The agent adds the ones
+ * running when it starts; exec of a new one adds itself (below). The agent
+ * also adds, under the VM's slot, an engine process that serves the VM's
+ * disks from outside QEMU (vhost-user): its requests are the VM's. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32);
+} vm_pids_map_t;
+extern vm_pids_map_t vm_pids SEC(".maps");
+
+/* VM slot -> what happened to its requests besides completing: the guest
+ * requests that never became host requests of their own because they were
+ * merged, by QEMU or by the host block layer, and how many it started.
+ * (Those whose completion never reached us are in vm_undelivered.) */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, struct vm_counts);
+} vm_counts_map_t;
+extern vm_counts_map_t vm_counts SEC(".maps");
+
+/* Backing files of VMs' virtual disks -> virtual disk slot. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct file_key);
+	__type(value, __u32);
+} vdisk_files_map_t;
+extern vdisk_files_map_t vdisk_files SEC(".maps");
+
+/* Requests VMs submitted, per (VM, host disk, op, virtual disk). Per-CPU
+ * entries under the same busy flag as blk_latency; nested updates go,
+ * atomically, to the shared vm_latency_nested. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 128);
+	__type(key, struct vm_key);
+	__type(value, struct blk_stats);
+} vm_latency_map_t;
+extern vm_latency_map_t vm_latency SEC(".maps");
+
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 128);
+	__type(key, struct vm_key);
+	__type(value, struct blk_stats);
+} vm_latency_nested_map_t;
+extern vm_latency_nested_map_t vm_latency_nested SEC(".maps");
+
+/* A VM's requests whose completion never reached us, per (VM, host disk,
+ * op, virtual disk): the requests its entry counts beside the timed ones.
+ * The agent adds those still open when their VM has exited. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 128);
+	__type(key, struct vm_key);
+	__type(value, __u64);
+} vm_undelivered_map_t;
+extern vm_undelivered_map_t vm_undelivered SEC(".maps");
+
+/* (VM, host disk) -> the VM's virtual disk there, or VDISK_SEVERAL. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct vm_dev_key);
+	__type(value, __u32);
+} vm_disks_map_t;
+extern vm_disks_map_t vm_disks SEC(".maps");
+
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u8);
+} vm_started_map_t;
+extern vm_started_map_t vm_started SEC(".maps");
+
+/* Each VM's latest pickup: a worker that goes on to its next request
+ * without sleeping (no hand-off) takes this one. It may be later than the
+ * notification that queued the request (the queueing then shows as
+ * hypervisor time); the worker's previous one would be earlier than the
+ * request's kick, making its window outgrow what the guest saw. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, struct pick);
+} vm_last_pick_map_t;
+extern vm_last_pick_map_t vm_last_pick SEC(".maps");
+
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, struct pick);
+} thread_picks_map_t;
+extern thread_picks_map_t thread_picks SEC(".maps");
+
+/* The eventfds QEMU hands the kernel's vhost as a queue's kick
+ * (VHOST_SET_VRING_KICK): open file -> 1. A kick on one reaches the worker
+ * inside the kernel (eventfd wake-up -> vhost_task), with no read. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, __u8);
+} vhost_kick_files_map_t;
+extern vhost_kick_files_map_t vhost_kick_files SEC(".maps");
+
+/* VMs with a vhost kick not yet picked up: tgid -> time of the first. The
+ * pickup is the VM's vhost worker being switched in. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u64);
+} vhost_kicks_map_t;
+extern vhost_kicks_map_t vhost_kicks SEC(".maps");
+
+/* Source of a zeroed blk_stats for new vm_latency entries (too big for the
+ * stack; defined in block.bpf.c). */
+extern const struct blk_stats zero_stats;
+
+/* No wakeup per record: the reader drains on a timer, and is woken only
+ * when the backlog grows past targ_wakeup_bytes. */
+static __always_inline __u64 wakeup_flags(void)
+{
+	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= targ_wakeup_bytes)
+		return BPF_RB_FORCE_WAKEUP;
+	return BPF_RB_NO_WAKEUP;
+}
+
+/* One record into the ring buffer; no room is counted, never silent. */
+static __always_inline int emit(void *rec, __u64 size)
+{
+	if (bpf_ringbuf_output(&events, rec, size, wakeup_flags())) {
+		count(CNT_RINGBUF_DROPS);
+		return -1;
+	}
+	return 0;
+}
+
+/* vCPU threads are named "CPU <n>/KVM" or "CPU <n>/TCG" (debug-threads=on,
+ * as libvirt runs QEMU). */
+static __always_inline int in_vcpu(void)
+{
+	char c[16];
+
+	bpf_get_current_comm(c, sizeof(c));
+	return c[0] == 'C' && c[1] == 'P' && c[2] == 'U' && c[3] == ' ';
+}
+
+/* The kernel's vhost workers are named "vhost-<owner pid>"; since v6.4
+ * (vhost_task) they are threads of the owner, QEMU, so its requests and
+ * signals reach the VM's slot through its tgid. */
+static __always_inline int vhost_comm(const char *c)
+{
+	return c[0] == 'v' && c[1] == 'h' && c[2] == 'o' && c[3] == 's' && c[4] == 't' && c[5] == '-';
+}
+
+static __always_inline int in_vhost_worker(void)
+{
+	char c[16];
+
+	bpf_get_current_comm(c, sizeof(c));
+	return vhost_comm(c);
+}
+
+
+/* The VM's vhost worker taking its pending kick, if there is one: when it
+ * is switched in, or, when the kick came while it ran (no wake-up needed),
+ * at its next submission (the worker's queueing then counts as the
+ * hypervisor's). */
+static __always_inline void claim_vhost_kick(__u32 tgid, __u32 tid)
+{
+	struct pick p = {};
+	__u64 *kick = bpf_map_lookup_elem(&vhost_kicks, &tgid);
+
+	if (!kick)
+		return;
+	p.kick_ns = *kick;
+	p.pick_ns = bpf_ktime_get_ns();
+	bpf_map_delete_elem(&vhost_kicks, &tgid);
+	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
+	bpf_map_update_elem(&vm_last_pick, &tgid, &p, BPF_ANY);
+}
+
+/* The engine making a completion visible to the guest, one record per hit:
+ * virtio's used-ring push (virtqueue_flush, once per request: the guest may
+ * reap it by polling the ring, without an interrupt, when QEMU suppresses
+ * it under EVENT_IDX) or, for NVMe, QEMU raising the interrupt after
+ * posting the completion (msix_notify). Attached per VM process, on a push
+ * instruction (emulated, not single-stepped). */
+static __always_inline int on_signal(void)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	__u32 *vm;
+	struct vm_signal_event ev = { .kind = EVENT_VM_SIGNAL };
+
+	if (!targ_vm_segments)
+		return 0;
+	vm = bpf_map_lookup_elem(&vm_pids, &tgid);
+	if (!vm)
+		return 0;
+	ev.vm = *vm;
+	ev.ts_ns = bpf_ktime_get_ns();
+	emit(&ev, sizeof(ev));
+	return 0;
+}
+
+static __always_inline struct vm_counts *vm_counts_of(__u32 vm)
+{
+	static const struct vm_counts zero;
+
+	return lookup_or_init(&vm_counts, &vm, &zero);
+}
+
+#endif /* IOSPAN_HOST_BPF_H */

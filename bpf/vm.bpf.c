@@ -1,0 +1,604 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * VM attribution and the host window: which processes are VMs (exec), and
+ * each VM's notifications — the guest's kick (a vCPU's eventfd write, or
+ * KVM's MMIO exit on a notify address), the engine's pickup (its eventfd
+ * read, or a hand-off to the worker it wakes), the engine's signal back
+ * (the used-ring push, the interrupt) — and QEMU's merges. block.bpf.c
+ * puts a VM's requests between the pickup and the signal.
+ */
+#include "host.bpf.h"
+
+/* Attribute requests to VMs (processes in vm_pids) and keep vm_latency. */
+const volatile __u32 targ_track_vms = 0;
+/* Follow VMs' notifications (eventfd kicks, pickups, signals) to split the
+ * host window of their requests; needs targ_track_vms. */
+const volatile __u32 targ_vm_segments = 0;
+/* Next VM slot to hand out; the agent starts it past the VMs it found. */
+__u32 next_vm = 0;
+/* Addresses of the direct-I/O completion functions, in enum dio_kind's
+ * order (from kallsyms; 0 when absent). */
+const volatile __u64 targ_dio_end_io[NR_DIO_END_IO] = {};
+
+vm_pids_map_t vm_pids SEC(".maps");
+vm_counts_map_t vm_counts SEC(".maps");
+vdisk_files_map_t vdisk_files SEC(".maps");
+vm_latency_map_t vm_latency SEC(".maps");
+vm_latency_nested_map_t vm_latency_nested SEC(".maps");
+vm_undelivered_map_t vm_undelivered SEC(".maps");
+vm_disks_map_t vm_disks SEC(".maps");
+vm_started_map_t vm_started SEC(".maps");
+vm_last_pick_map_t vm_last_pick SEC(".maps");
+thread_picks_map_t thread_picks SEC(".maps");
+
+struct fd_key {
+	__u32 tgid;
+	__u32 fd;
+};
+
+/* A VM's eventfds with a kick written by a vCPU thread and not yet read:
+ * the eventfd's open file -> time of the first such write. Keyed by the
+ * file, not (process, fd): the engine reading the kick may be another
+ * process holding the same eventfd (qemu-storage-daemon, an SPDK target,
+ * served over vhost-user). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, __u64);
+} pending_kicks SEC(".maps");
+
+/* The open file behind the current process's `fd` (0 if none). */
+static __always_inline __u64 fd_file(__u32 fd)
+{
+	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+	struct fdtable *fdt = BPF_CORE_READ(t, files, fdt);
+	struct file **fds;
+	struct file *f = NULL;
+
+	if (!fdt || fd >= BPF_CORE_READ(fdt, max_fds))
+		return 0;
+	fds = BPF_CORE_READ(fdt, fd);
+	if (bpf_probe_read_kernel(&f, sizeof(f), &fds[fd]))
+		return 0;
+	return (__u64)f;
+}
+
+/* The queue notifiers of VMs started while iospan runs: (tgid, fd) of each
+ * eventfd a vCPU thread created or any thread created once the guest ran.
+ * QEMU makes its loop notifiers (main loop, iothreads) before the guest
+ * runs; a queue's host notifier when the guest driver starts the device
+ * (virtio-blk, in the vCPU thread) or sets up doorbell buffers (NVMe with
+ * ioeventfd=on, in the engine). A vCPU also writes the
+ * loop notifiers (timer changes wake the main loop): counted as kicks,
+ * they would hand a request held in the engine a later notification. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct fd_key);
+	__type(value, __u8);
+} vq_notifiers SEC(".maps");
+
+/* Open queue notifiers per VM (tgid -> count): the VM has stopped when the
+ * last one closes, not at any one (QEMU re-creates some while running).
+ * Only notifiers a guest has kicked count: QEMU also makes and closes
+ * eventfds of its own while the guest runs (event notifiers of new
+ * contexts), which must not make a running VM look stopped. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __s64);
+} vm_open_notifiers SEC(".maps");
+
+/* VMs whose notifiers are known (exec'd while iospan ran): tgid -> 1. A VM
+ * found already running has kicks taken from any eventfd its vCPUs write. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u8);
+} vm_notifiers_known SEC(".maps");
+
+/* A kick on `file`: pending for the engine reading it, or, on a vhost
+ * kick eventfd, for the VM's vhost worker. */
+static __always_inline void note_kick(__u32 tgid, __u64 file)
+{
+	__u64 now = bpf_ktime_get_ns();
+
+	if (bpf_map_lookup_elem(&vhost_kick_files, &file))
+		bpf_map_update_elem(&vhost_kicks, &tgid, &now, BPF_NOEXIST);
+	else
+		bpf_map_update_elem(&pending_kicks, &file, &now, BPF_NOEXIST);
+}
+
+/* Whether a program name is a QEMU system emulator's as distributions
+ * install it: qemu-system-* (upstream, Debian, SUSE), qemu-kvm (RHEL,
+ * Fedora), kvm (Proxmox). Mirrors vms::is_qemu_comm; the agent drops a
+ * process that turns out to run no guest. */
+static __always_inline int vm_comm(const char *comm)
+{
+	const char prefix[] = VM_COMM_PREFIX;
+	int i, qemu = 1;
+
+	for (i = 0; i < sizeof(prefix) - 1; i++)
+		if (comm[i] != prefix[i])
+			qemu = 0;
+	if (qemu)
+		return 1;
+	if (comm[0] == 'q' && comm[1] == 'e' && comm[2] == 'm' && comm[3] == 'u' && comm[4] == '-' &&
+	    comm[5] == 'k' && comm[6] == 'v' && comm[7] == 'm' && comm[8] == 0)
+		return 1;
+	return comm[0] == 'k' && comm[1] == 'v' && comm[2] == 'm' && comm[3] == 0;
+}
+
+/* A new process whose command is a VM: give it a slot before its first
+ * request, so no request of it is ever attributed to the host. */
+static __always_inline void on_exec(void)
+{
+	char comm[16];
+	__u32 tgid, slot;
+
+	if (!targ_track_vms)
+		return;
+	bpf_get_current_comm(comm, sizeof(comm));
+	if (!vm_comm(comm))
+		return;
+	tgid = bpf_get_current_pid_tgid() >> 32;
+	slot = __sync_fetch_and_add(&next_vm, 1) + 1;
+	bpf_map_update_elem(&vm_pids, &tgid, &slot, BPF_NOEXIST);
+	if (targ_vm_segments) {
+		__u8 one = 1;
+
+		bpf_map_update_elem(&vm_notifiers_known, &tgid, &one, BPF_ANY);
+	}
+}
+
+SEC("tp_btf/sched_process_exec")
+int BPF_PROG(sched_process_exec_btf)
+{
+	on_exec();
+	return 0;
+}
+
+SEC("raw_tp/sched_process_exec")
+int BPF_PROG(sched_process_exec)
+{
+	on_exec();
+	return 0;
+}
+
+/* The VM a read or write belongs to. An eventfd write moves exactly 8
+ * bytes; reads are made with larger buffers (QEMU drains an eventfd with a
+ * 512-byte read), so only writes are filtered on size. */
+static __always_inline __u32 vm_of_eventfd_io(const struct trace_event_raw_sys_enter *ctx, int write)
+{
+	__u32 tgid, *vm;
+
+	if (!targ_vm_segments || (write && ctx->args[2] != 8) || ctx->args[2] < 8)
+		return 0;
+	tgid = bpf_get_current_pid_tgid() >> 32;
+	vm = bpf_map_lookup_elem(&vm_pids, &tgid);
+	return vm ? *vm : 0;
+}
+
+/* A queue notifier's first kick: from now on it counts as open. */
+static __always_inline void note_kicked(const struct fd_key *k, __u8 *kicked)
+{
+	__s64 *open, first = 1;
+
+	if (*kicked)
+		return;
+	*kicked = 1;
+	open = bpf_map_lookup_elem(&vm_open_notifiers, &k->tgid);
+	if (open)
+		__sync_fetch_and_add(open, 1);
+	else
+		bpf_map_update_elem(&vm_open_notifiers, &k->tgid, &first, BPF_ANY);
+}
+
+/* A vCPU's eventfd write is the guest's kick; the first one not yet
+ * picked up counts. */
+SEC("tracepoint/syscalls/sys_enter_write")
+int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
+{
+	struct fd_key k;
+	__u64 file;
+
+	if (!vm_of_eventfd_io(ctx, 1) || !in_vcpu())
+		return 0;
+	k.tgid = bpf_get_current_pid_tgid() >> 32;
+	k.fd = (__u32)ctx->args[0];
+	if (!bpf_map_lookup_elem(&vm_started, &k.tgid)) {
+		__u8 one = 1;
+
+		bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
+	}
+	if (bpf_map_lookup_elem(&vm_notifiers_known, &k.tgid)) {
+		__u8 *kicked = bpf_map_lookup_elem(&vq_notifiers, &k);
+
+		if (!kicked)
+			return 0;
+		note_kicked(&k, kicked);
+	}
+	file = fd_file(k.fd);
+	if (file)
+		note_kick(k.tgid, file);
+	return 0;
+}
+
+/* An eventfd made by a vCPU, or once the guest ran: a queue notifier
+ * (see vq_notifiers). Rare, so attached whenever VMs are tracked. */
+static __always_inline void on_eventfd_created(long fd)
+{
+	struct fd_key k;
+	__u8 one = 1, zero = 0;
+
+	if (!targ_vm_segments || fd < 0)
+		return;
+	k.tgid = bpf_get_current_pid_tgid() >> 32;
+	if (!bpf_map_lookup_elem(&vm_pids, &k.tgid) || (!in_vcpu() && !bpf_map_lookup_elem(&vm_started, &k.tgid)))
+		return;
+	k.fd = (__u32)fd;
+	/* Not kicked yet (0); an fd number reused for a new eventfd starts
+	 * over, its predecessor having been closed. */
+	bpf_map_update_elem(&vq_notifiers, &k, &zero, BPF_ANY);
+	bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
+}
+
+/* QEMU closing its last queue notifier: the VM stopped or shut down (or
+ * the guest reset its every notified device); until a notifier is made
+ * again, its requests are QEMU's own. A VM none of whose disks is notified
+ * through an eventfd (NVMe's default doorbells) is exempt (vm_no_stop):
+ * its only notifiers may be another device's (a console's), reset while
+ * its disks are busy. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u8);
+} vm_no_stop SEC(".maps");
+
+SEC("tracepoint/syscalls/sys_enter_close")
+int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
+{
+	struct fd_key k;
+	__u8 stopped = VM_STOPPED, *kicked, was_kicked;
+	__s64 *open;
+	__u64 file;
+
+	if (!targ_vm_segments)
+		return 0;
+	k.tgid = bpf_get_current_pid_tgid() >> 32;
+	k.fd = (__u32)ctx->args[0];
+	kicked = bpf_map_lookup_elem(&vq_notifiers, &k);
+	if (!kicked)
+		return 0;
+	was_kicked = *kicked;
+	bpf_map_delete_elem(&vq_notifiers, &k);
+	/* Its file may outlive this fd (another process holds it too); a kick
+	 * left pending on it would be a stale one. */
+	file = fd_file(k.fd);
+	if (file) {
+		bpf_map_delete_elem(&pending_kicks, &file);
+		bpf_map_delete_elem(&vhost_kick_files, &file);
+	}
+	if (!was_kicked)
+		return 0;
+	open = bpf_map_lookup_elem(&vm_open_notifiers, &k.tgid);
+	if (open && __sync_fetch_and_add(open, -1) <= 1 && !bpf_map_lookup_elem(&vm_no_stop, &k.tgid))
+		bpf_map_update_elem(&vm_started, &k.tgid, &stopped, BPF_ANY);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_exit_eventfd2")
+int sys_exit_eventfd2(struct trace_event_raw_sys_exit *ctx)
+{
+	on_eventfd_created(ctx->ret);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_exit_eventfd")
+int sys_exit_eventfd(struct trace_event_raw_sys_exit *ctx)
+{
+	on_eventfd_created(ctx->ret);
+	return 0;
+}
+
+/* Under KVM a kick is the guest's MMIO write to a queue's notify address,
+ * signalled to the eventfd inside the kernel (no write syscall): the
+ * address comes from QEMU registering the eventfd (KVM_IOEVENTFD), the
+ * write from kvm:kvm_mmio (or kvm:kvm_fast_mmio where the CPU takes the
+ * fast path). (tgid, guest physical address) -> eventfd. */
+struct gpa_key {
+	__u32 tgid;
+	__u32 _pad;
+	__u64 gpa;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct gpa_key);
+	__type(value, __u32);
+} kvm_notify_addrs SEC(".maps");
+
+/* struct kvm_ioeventfd, the ioctl's argument (UAPI: fixed layout). */
+struct ioeventfd_arg {
+	__u64 datamatch;
+	__u64 addr;
+	__u32 len;
+	__s32 fd;
+	__u32 flags;
+};
+
+#define KVM_IOEVENTFD_CMD 0x4040ae79 /* _IOW(KVMIO, 0x79, struct kvm_ioeventfd) */
+#define VHOST_SET_VRING_KICK_CMD 0x4008af20 /* _IOW(VHOST_VIRTIO, 0x20, struct vhost_vring_file) */
+
+/* struct vhost_vring_file (UAPI). */
+struct vring_file_arg {
+	__u32 index;
+	__s32 fd;
+};
+#define KVM_IOEVENTFD_DEASSIGN (1 << 2)
+#define KVM_TRACE_MMIO_WRITE 2
+
+SEC("tracepoint/syscalls/sys_enter_ioctl")
+int sys_enter_ioctl(struct trace_event_raw_sys_enter *ctx)
+{
+	struct ioeventfd_arg io;
+	struct gpa_key k = {};
+	struct fd_key f;
+	__u8 zero = 0;
+
+	if (((__u32)ctx->args[1] != KVM_IOEVENTFD_CMD && (__u32)ctx->args[1] != VHOST_SET_VRING_KICK_CMD) ||
+	    !targ_vm_segments)
+		return 0;
+	k.tgid = bpf_get_current_pid_tgid() >> 32;
+	if (!bpf_map_lookup_elem(&vm_pids, &k.tgid))
+		return 0;
+	if ((__u32)ctx->args[1] == VHOST_SET_VRING_KICK_CMD) {
+		struct vring_file_arg vf;
+		__u64 file;
+		__u8 one = 1;
+
+		if (bpf_probe_read_user(&vf, sizeof(vf), (void *)ctx->args[2]) || vf.fd < 0)
+			return 0;
+		file = fd_file(vf.fd);
+		if (file)
+			bpf_map_update_elem(&vhost_kick_files, &file, &one, BPF_ANY);
+		return 0;
+	}
+	if (bpf_probe_read_user(&io, sizeof(io), (void *)ctx->args[2]))
+		return 0;
+	k.gpa = io.addr;
+	if (io.flags & KVM_IOEVENTFD_DEASSIGN) {
+		bpf_map_delete_elem(&kvm_notify_addrs, &k);
+		return 0;
+	}
+	f.tgid = k.tgid;
+	f.fd = (__u32)io.fd;
+	bpf_map_update_elem(&kvm_notify_addrs, &k, &f.fd, BPF_ANY);
+	/* Not kicked yet; a second address on the same eventfd keeps its state. */
+	bpf_map_update_elem(&vq_notifiers, &f, &zero, BPF_NOEXIST);
+	return 0;
+}
+
+/* The kvm tracepoints' records, as their format files give them (the
+ * module's types may be absent from vmlinux BTF: no CO-RE here). */
+struct kvm_mmio_record {
+	__u64 common;
+	__u32 type;
+	__u32 len;
+	__u64 gpa;
+	__u64 val;
+};
+
+struct kvm_fast_mmio_record {
+	__u64 common;
+	__u64 gpa;
+};
+
+static __always_inline void on_kvm_notify(__u64 gpa)
+{
+	struct gpa_key k = { .gpa = gpa };
+	struct fd_key f;
+	__u32 *fd;
+	__u64 file;
+	__u8 one = 1, *kicked;
+
+	k.tgid = bpf_get_current_pid_tgid() >> 32;
+	fd = bpf_map_lookup_elem(&kvm_notify_addrs, &k);
+	if (!fd)
+		return;
+	if (!bpf_map_lookup_elem(&vm_started, &k.tgid))
+		bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
+	f.tgid = k.tgid;
+	f.fd = *fd;
+	kicked = bpf_map_lookup_elem(&vq_notifiers, &f);
+	if (kicked)
+		note_kicked(&f, kicked);
+	/* In the vCPU's exit: the current process is the VM's. */
+	file = fd_file(f.fd);
+	if (file)
+		note_kick(k.tgid, file);
+}
+
+SEC("tracepoint/kvm/kvm_mmio")
+int kvm_mmio(struct kvm_mmio_record *ctx)
+{
+	if (targ_vm_segments && ctx->type == KVM_TRACE_MMIO_WRITE)
+		on_kvm_notify(ctx->gpa);
+	return 0;
+}
+
+SEC("tracepoint/kvm/kvm_fast_mmio")
+int kvm_fast_mmio(struct kvm_fast_mmio_record *ctx)
+{
+	if (targ_vm_segments)
+		on_kvm_notify(ctx->gpa);
+	return 0;
+}
+
+/* A VM thread waking another of the same VM hands it the kick it last
+ * picked up: with aio=threads the engine thread picks the kick up and
+ * queues the request to a worker, which wakes and submits it. Picks only
+ * move forward (a worker waking the engine back leaves its newer pick). A
+ * worker that takes its next request without sleeping has used its handed
+ * pick: it takes the VM's latest (vm_last_pick). Attached only while a VM
+ * with such a disk runs. */
+static __always_inline void on_waking(__u32 wakee_tgid, __u32 wakee_tid)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct pick *mine, *theirs, handed;
+
+	if (!targ_vm_segments || wakee_tgid != tgid || wakee_tid == tid || !bpf_map_lookup_elem(&vm_pids, &tgid))
+		return;
+	mine = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (!mine)
+		return;
+	theirs = bpf_map_lookup_elem(&thread_picks, &wakee_tid);
+	if (theirs && theirs->pick_ns >= mine->pick_ns)
+		return;
+	handed = *mine;
+	handed.flags = PICK_HANDED;
+	bpf_map_update_elem(&thread_picks, &wakee_tid, &handed, BPF_ANY);
+}
+
+SEC("tp_btf/sched_waking")
+int BPF_PROG(sched_waking_btf, struct task_struct *p)
+{
+	on_waking(p->tgid, p->pid);
+	return 0;
+}
+
+SEC("raw_tp/sched_waking")
+int BPF_PROG(sched_waking, struct task_struct *p)
+{
+	on_waking(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid));
+	return 0;
+}
+
+/* A worker the engine thread starts for the request it just queued. */
+SEC("tp_btf/sched_wakeup_new")
+int BPF_PROG(sched_wakeup_new_btf, struct task_struct *p)
+{
+	on_waking(p->tgid, p->pid);
+	return 0;
+}
+
+SEC("raw_tp/sched_wakeup_new")
+int BPF_PROG(sched_wakeup_new, struct task_struct *p)
+{
+	on_waking(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid));
+	return 0;
+}
+
+SEC("uprobe")
+int virtqueue_flush(void *ctx)
+{
+	return on_signal();
+}
+
+SEC("uprobe")
+int msix_notify(void *ctx)
+{
+	return on_signal();
+}
+
+/* libvhost-user's used-ring push (fill, then flush), in an engine serving
+ * the VM's disk over vhost-user (qemu-storage-daemon): once per request,
+ * as virtqueue_flush in QEMU, and entered with a push where the flush is
+ * not. The engine process is registered under the VM's slot. */
+SEC("uprobe")
+int vu_queue_push(void *ctx)
+{
+	return on_signal();
+}
+
+/* Guest requests that never become host requests of their own: merged
+ * into a neighbour's by QEMU (virtio-blk merges adjacent requests of one
+ * batch and accounts them with block_acct_merge_done(stats, type, n), a
+ * call made only when it merges) or, bio into request, by the host block
+ * layer in the VM's submitting thread. Both are rare under random I/O and
+ * the rule under sequential I/O: without them a VM's request count would
+ * fall short of its guest's. */
+static __always_inline void note_merges(__u64 n, int engine)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	struct vm_counts *c;
+	__u32 *vm;
+	__u8 *state;
+
+	if (!targ_track_vms)
+		return;
+	vm = bpf_map_lookup_elem(&vm_pids, &tgid);
+	if (!vm)
+		return;
+	/* QEMU's own requests (before the guest runs, after it stops) are no
+	 * guest's. */
+	state = bpf_map_lookup_elem(&vm_started, &tgid);
+	if (!state || *state != VM_RUNNING)
+		return;
+	c = vm_counts_of(*vm);
+	if (!c)
+		return;
+	if (engine)
+		__sync_fetch_and_add(&c->engine_merges, n);
+	else
+		__sync_fetch_and_add(&c->bio_merges, n);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(block_acct_merge_done, void *stats, int type, int num_merged)
+{
+	if (num_merged > 0)
+		note_merges(num_merged, 1);
+	return 0;
+}
+
+SEC("tracepoint/block/block_bio_backmerge")
+int block_bio_backmerge(void *ctx)
+{
+	note_merges(1, 0);
+	return 0;
+}
+
+SEC("tracepoint/block/block_bio_frontmerge")
+int block_bio_frontmerge(void *ctx)
+{
+	note_merges(1, 0);
+	return 0;
+}
+
+/* An engine thread reading an eventfd a vCPU kicked picks the kick up: a
+ * thread of the VM's own QEMU, or of an engine process registered under
+ * the VM's slot. */
+SEC("tracepoint/syscalls/sys_enter_read")
+int sys_enter_read(struct trace_event_raw_sys_enter *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	struct fd_key k = { .tgid = pid_tgid >> 32, .fd = (__u32)ctx->args[0] };
+	struct pick p;
+	__u64 *kick, file;
+	__u32 tid = (__u32)pid_tgid;
+
+	if (!vm_of_eventfd_io(ctx, 0) || in_vcpu())
+		return 0;
+	file = fd_file(k.fd);
+	if (!file)
+		return 0;
+	kick = bpf_map_lookup_elem(&pending_kicks, &file);
+	if (!kick)
+		return 0;
+	p.kick_ns = *kick;
+	p.pick_ns = bpf_ktime_get_ns();
+	p.flags = 0;
+	bpf_map_delete_elem(&pending_kicks, &file);
+	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
+	bpf_map_update_elem(&vm_last_pick, &k.tgid, &p, BPF_ANY);
+	return 0;
+}
+
+/* Linked into host.bpf.o with block.bpf.c, whose license section it shares. */

@@ -1,0 +1,247 @@
+//! The guest channel across guest agent restarts, host agent restarts and
+//! guest reboots.
+
+use std::process::Command;
+
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
+use serde_json::Value;
+use xtask::guest::{self, RunArgs};
+
+use super::*;
+
+/// The guest agent stopped and started again mid-run (as an upgrade or a
+/// crash would): the host counts the sender starting over, loses no frame,
+/// and joins the requests of both runs; those the guest saw with no agent
+/// are counted as unmatched, not dropped.
+#[test]
+fn the_host_follows_a_guest_agent_restart() {
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let a = RunArgs {
+        ios: 12000,
+        agent_restart_s: Some(1),
+        name: "restarted".into(),
+        ..Default::default()
+    };
+    let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
+    let t = std::time::Instant::now();
+    let (console, rep) = traced_run(&qemu, &host, "agent-restart");
+    assert!(
+        console.iter().any(|l| l.contains("IOSPAN-AGENT-RESTART")),
+        "{}",
+        console.join("\n")
+    );
+    let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64()).unwrap();
+    let ch = guest_channel(&rep, "restarted");
+    assert!(ch["sender_restarts"].as_u64().unwrap() >= 1, "{ch}");
+    assert_eq!(ch["lost_frames"].as_u64(), Some(0), "{ch}");
+    assert_eq!(ch["decode_errors"].as_u64(), Some(0), "{ch}");
+    let vm = vd0_reads(&rep, "restarted");
+    let joined = vm["stitched"]["count"].as_u64().unwrap_or(0);
+    let stitch = &rep["stitch"];
+    let unmatched = stitch["unmatched_host"].as_u64().unwrap();
+    let refused = stitch["inconsistent"].as_u64().unwrap();
+    let unseen = rep["lost"]["unseen"].as_u64().unwrap();
+    // A good part of the run had an agent (how much depends on how long
+    // the new one takes to load: 1-3 s under TCG); every workload read is
+    // joined or counted: no guest record (the agent was down), a join
+    // refused, or a host completion never delivered.
+    assert!(
+        joined * 4 >= r.workload_reads,
+        "joined {joined} of {}: {stitch} {ch}",
+        r.workload_reads
+    );
+    assert!(
+        joined + unmatched + refused + unseen >= r.workload_reads,
+        "joined {joined} + unmatched {unmatched} + refused {refused} + unseen {unseen} of {}: {stitch}",
+        r.workload_reads
+    );
+}
+
+/// The host agent stopped and another started while the guest runs: each
+/// hears the guest agent; what the guest wrote between them waits in its
+/// queue and reaches the second, so nothing is dropped.
+#[test]
+fn the_guest_channel_survives_a_host_agent_restart() {
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let a = RunArgs {
+        // 6-9 s of workload: the first host agent hears its first seconds,
+        // the second the rest and the guest agent's exit.
+        ios: 20000,
+        name: "hostrestart".into(),
+        ..Default::default()
+    };
+    let (mut qemu, dev) = guest::qemu_command(&rig, &a, &image);
+    let t = std::time::Instant::now();
+    let mut child = qemu
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("qemu");
+    // The console, read as it comes: the first host agent starts once the
+    // guest agent runs (before, there is nothing to hear).
+    let stdout = child.stdout.take().expect("qemu stdout");
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .inspect(|l| {
+                let _ = tx.send(l.clone());
+            })
+            .collect::<Vec<String>>()
+    });
+    let started = std::time::Instant::now();
+    loop {
+        let line = rx
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .unwrap_or_else(|e| {
+                panic!(
+                    "no guest agent on the console after {:?}: {e}",
+                    started.elapsed()
+                )
+            });
+        if line.contains("iospan: guest agent:") {
+            break;
+        }
+    }
+    let report = |i: u32| {
+        std::env::temp_dir().join(format!(
+            "iospan-host-restart-{}-{i}.json",
+            std::process::id()
+        ))
+    };
+    let host_run = |i: u32| {
+        let mut c = Command::new(iospan_bin());
+        c.args([
+            "run",
+            "--quiet",
+            "--disk",
+            &host,
+            "-d",
+            if i == 1 { "2s" } else { "5m" },
+            "--json-out",
+        ])
+        .arg(report(i));
+        c
+    };
+    let load = |i: u32, out: std::process::Output| -> Value {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&std::fs::read(report(i)).unwrap()).unwrap()
+    };
+    let first = load(1, run(&mut host_run(1)));
+    // The second until the VM is gone, then stopped as an operator would.
+    let second = host_run(2)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("iospan");
+    let _ = child.wait();
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    // SAFETY: signalling a child we spawned and have not reaped.
+    unsafe { libc::kill(second.id() as i32, libc::SIGINT) };
+    let second = load(2, second.wait_with_output().expect("iospan"));
+    let console = reader.join().expect("console reader");
+    let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64())
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(
+        first["vms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["name"] == "hostrestart"),
+        "the first host agent did not find the VM: {}",
+        first["vms"]
+    );
+    let (c1, c2) = (
+        guest_channel(&first, "hostrestart"),
+        guest_channel(&second, "hostrestart"),
+    );
+    for c in [&c1, &c2] {
+        assert!(c["records"].as_u64().unwrap() > 0, "{c}");
+        assert_eq!(c["lost_frames"].as_u64(), Some(0), "{c}");
+    }
+    // The first host agent's stream ends where it stopped reading; the
+    // second may start on the tail of a frame the guest agent was writing
+    // then (skipped to the next frame, counted as one decode error).
+    assert_eq!(c1["decode_errors"].as_u64(), Some(0), "{c1}");
+    assert!(c2["decode_errors"].as_u64().unwrap() <= 1, "{c2}");
+    // Nothing lost at the handover: what the first host agent did not
+    // acknowledge, the guest agent sent again to the second (which may
+    // thus also hear a few the first handled). Every workload read reached
+    // one of them; the guest agent dropped nothing and had nothing left
+    // undelivered when it exited.
+    let records = c1["records"].as_u64().unwrap() + c2["records"].as_u64().unwrap();
+    assert!(
+        records >= r.workload_reads,
+        "{c1} {c2} vs {} workload reads",
+        r.workload_reads
+    );
+    let last = console
+        .iter()
+        .find(|l| l.contains("iospan: guest agent:") && l.contains("undelivered"))
+        .unwrap_or_else(|| panic!("the guest agent's closing line: {}", console.join("\n")));
+    assert!(
+        last.contains(" 0 dropped, 0 unconfirmed, 0 undelivered"),
+        "{last}"
+    );
+    let joined = vd0_reads(&second, "hostrestart")["stitched"]["count"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        joined > 0,
+        "the second host agent joined nothing: {}",
+        second["stitch"]
+    );
+}
+
+/// The guest reboots mid-run: its new agent starts over on the same
+/// channel, the host counts the restart and joins the second boot's
+/// requests too.
+#[test]
+fn the_host_follows_a_guest_reboot() {
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let a = RunArgs {
+        ios: 1000,
+        reboot: true,
+        name: "rebooted".into(),
+        ..Default::default()
+    };
+    let (qemu, _) = guest::qemu_command(&rig, &a, &image);
+    let (console, rep) = traced_run(&qemu, &host, "reboot");
+    let console = console.join("\n");
+    assert!(console.contains("IOSPAN-REBOOTING"), "{console}");
+    let runs: Vec<Value> = console
+        .lines()
+        .filter_map(|l| l.split_once("IOSPAN-WORKLOAD ").map(|(_, j)| j))
+        .map(|j| serde_json::from_str(j).unwrap())
+        .collect();
+    assert_eq!(runs.len(), 2, "one workload per boot: {console}");
+    for w in &runs {
+        assert_eq!(
+            (w["ios"].as_u64(), w["errors"].as_u64()),
+            (Some(a.ios), Some(0)),
+            "{w}"
+        );
+    }
+    let ch = guest_channel(&rep, "rebooted");
+    assert!(ch["sender_restarts"].as_u64().unwrap() >= 1, "{ch}");
+    assert_eq!(ch["lost_frames"].as_u64(), Some(0), "{ch}");
+    assert_eq!(ch["decode_errors"].as_u64(), Some(0), "{ch}");
+    assert!(ch["records"].as_u64().unwrap() >= 2 * a.ios, "{ch}");
+    let vm = vd0_reads(&rep, "rebooted");
+    let joined = vm["stitched"]["count"].as_u64().unwrap_or(0);
+    let stitch = &rep["stitch"];
+    // Both boots' requests are the virtual disk's and are joined.
+    assert!(
+        joined * 100 >= 2 * a.ios * 95,
+        "joined {joined} of {} over two boots: {stitch} {ch}",
+        2 * a.ios
+    );
+}
