@@ -1,4 +1,7 @@
-//! Mirrors of `bpf/include/agent_abi.h`. The agent-integration test
+//! The records and map layouts shared with the eBPF programs, mirroring
+//! `bpf/include/agent_abi.h` one definition for one.
+//!
+//! The agent-integration test
 //! `abi_layout` compiles the header natively and compares every size and
 //! offset below with the C compiler's; the const asserts catch the rest at
 //! build time.

@@ -1,5 +1,7 @@
-//! The agent's HTTP API (axum), shared by `iospan run --metrics-listen` and
-//! the `iospan agent` service: `/metrics` (Prometheus text or OpenMetrics),
+//! The agent's HTTP API (axum), for `iospan run --metrics-listen` and the
+//! `iospan agent` service.
+//!
+//! `/metrics` (Prometheus text or OpenMetrics),
 //! `/healthz`, `/api/v1/snapshot` (the current frame, JSON),
 //! `/api/v1/stream` (frames as server-sent events, for `top --connect`),
 //! `/api/v1/runs` (labelled benchmark runs: start, stop, report).

@@ -1,5 +1,7 @@
 //! The host agent's configuration file (TOML, default
-//! `/etc/iospan/iospan.toml`). Every key is optional; unknown keys and bad
+//! `/etc/iospan/iospan.toml`), parsed and checked.
+//!
+//! Every key is optional; unknown keys and bad
 //! values are refused with the key's name. `packaging/iospan.toml` is the
 //! documented default.
 

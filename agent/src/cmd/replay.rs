@@ -1,5 +1,7 @@
-//! `iospan replay`: a recorded run's I/Os (`run --events-out`) exported
-//! again over OTLP, as the agent exports them — to show a past run in a
+//! `iospan replay`: a recorded run's I/Os (`run --events-out`) exported again
+//! over OTLP, as the agent exports them.
+//!
+//! To show a past run in a
 //! tracing backend, or to size a collector tier with real traffic
 //! (`--repeat`, `--speed 0`: as fast as the collector takes it).
 

@@ -1,5 +1,7 @@
-//! `iospan agent`: the host agent as a service. Measures continuously what
-//! `iospan run` measures, serves the HTTP API (`api`), exports over OTLP
+//! `iospan agent`: the host agent as a systemd service, measuring
+//! continuously, serving the API and exporting.
+//!
+//! It measures continuously what `iospan run` measures, serves the HTTP API (`api`), exports over OTLP
 //! when configured, tells systemd when it is ready and that it is alive
 //! (`Type=notify`, watchdog), reloads its configuration on SIGHUP and
 //! flushes its exports on SIGTERM.

@@ -1,5 +1,8 @@
-//! The kernel's own per-disk accounting (/sys/block/*/stat): exact request
-//! counts and busy time per operation group, independent of our probes.
+//! The kernel's own per-disk accounting (/sys/block/*/stat), the count a
+//! run's traced requests are checked against.
+//!
+//! Exact request counts and busy time per operation group, independent of
+//! our probes.
 //! A run compares its traced counts with these, so requests that completed
 //! without our tracepoints seeing them are counted, not silently missing.
 

@@ -1,6 +1,8 @@
-//! libvirt's own account of the VMs it runs: the live status XML libvirtd
-//! keeps for each running domain (`/run/libvirt/qemu/NAME.xml`), matched
-//! to a QEMU process by the pid it records, never by a name from a command
+//! libvirt's own account of the VMs it runs (its live status XML), matched
+//! to a QEMU process by the pid it records.
+//!
+//! The status XML is libvirtd's for each running domain
+//! (`/run/libvirt/qemu/NAME.xml`), never matched by a name from a command
 //! line. It gives the names libvirt's users know — the domain, its UUID,
 //! each disk's target dev (`vda`) beside its alias (`virtio-disk0`) — and
 //! the guest channel's socket. Read only; libvirt's monitor is never used.

@@ -1,5 +1,7 @@
 //! What a process holds, read through /proc: its open unix sockets and the
-//! paths they are bound to. iospan acts for a process only with objects
+//! paths they are bound to; files read capped and without following links.
+//!
+//! iospan acts for a process only with objects
 //! that process holds, never with paths its command line names, and reads
 //! files it did not make with a cap and without following links.
 

@@ -1,4 +1,7 @@
-//! Log-linear latency histograms. The kernel's layout (`bpf/include/hist.h`,
+//! Log-linear latency histograms: the kernel's layout, and a finer one for
+//! what is recorded in user space.
+//!
+//! The kernel's layout (`bpf/include/hist.h`,
 //! pinned by the agent-integration test `hist_buckets`) has eight
 //! sub-buckets per power of two; distributions recorded here in user space
 //! (the joined segments of guest I/O) take a finer one, 64 sub-buckets,

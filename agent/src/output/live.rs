@@ -1,5 +1,7 @@
 //! What a running agent has measured so far, as one frame: cumulative
-//! figures per VM virtual disk and op, and per host disk and op. A live
+//! figures per VM virtual disk, queue, host disk and op.
+//!
+//! A live
 //! view (`top`) differences two frames into the last interval's rates and
 //! latencies; the same frame goes over the HTTP API to a remote view.
 

@@ -1,5 +1,7 @@
 //! Prometheus text exposition of what a run has measured so far: latency
-//! histograms per disk and per VM/virtual disk/op/segment (classic buckets,
+//! histograms, counters, losses and the agent's own cost.
+//!
+//! Latency histograms per disk and per VM/virtual disk/op/segment (classic buckets,
 //! four per power of two from 1 µs to 16 s, boundaries of the histograms'
 //! own layouts, so the counts are exact), I/O and byte counters, requests
 //! in flight, losses, trace export and the agent's own cost (CPU, map

@@ -1,7 +1,8 @@
 //! Inside the guest: each request's completion paired with the system call
-//! that handed it back to the application, so the guest-observed latency
-//! runs from the submitting call's entry to the reaping call's return —
-//! what a benchmark inside the guest times.
+//! that handed it back to the application.
+//!
+//! The guest-observed latency then runs from the submitting call's entry to
+//! the reaping call's return — what a benchmark inside the guest times.
 //!
 //! The kernel side marks a thread (synchronous reads and writes) or a
 //! process (io_getevents, io_uring_enter) as waiting once one of its

@@ -1,6 +1,7 @@
-//! Joins each guest request (from the guest agent, guest clock) with the
-//! host's record of the same request (host clock) into one record with all
-//! four segments:
+//! Joins each guest request (guest agent, guest clock) with the host's
+//! record of it (host clock) into one `IoSpan` with all four segments.
+//!
+//! The segments:
 //!
 //! ```text
 //!  guest:   begin ──guest── kick ·············· irq ──guest── end       (guest clock)

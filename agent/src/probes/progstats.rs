@@ -1,6 +1,8 @@
-//! Per-program kernel statistics (`struct bpf_prog_info`): run time and run
-//! count (kept while BPF stats are enabled) and recursion misses (always
-//! kept: an invocation the kernel skipped because the program was already
+//! Per-program kernel statistics (`struct bpf_prog_info`): run time, run
+//! count and recursion misses.
+//!
+//! Run time and count are kept while BPF stats are enabled; recursion misses
+//! always (each an invocation the kernel skipped because the program was already
 //! running on that CPU — a lost event).
 
 use std::{

@@ -1,7 +1,8 @@
-//! `iospan top`: a live view of where each VM's I/O latency goes, per VM
-//! and virtual disk (and host disk), refreshed every interval — esxtop's
-//! GAVG/KAVG/DAVG for KVM. Figures are the last interval's, differenced
-//! from two cumulative frames (`live`).
+//! `iospan top`: a live view of where each VM's I/O latency goes, per VM,
+//! virtual disk and host disk — esxtop's GAVG/KAVG/DAVG for KVM.
+//!
+//! Figures are the last interval's, differenced from two cumulative frames
+//! (`live`), refreshed every interval.
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 

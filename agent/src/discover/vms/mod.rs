@@ -1,7 +1,5 @@
-//! VM identity from QEMU's command line: the VM's name (`-name guest=NAME`
-//! as libvirt passes it), its virtual disks (id, model, backing file) and
-//! the host disk each backing file lives on. Shown everywhere instead of
-//! pids.
+//! The VMs on the host and their virtual disks, as every output names them:
+//! parsed by `cmdline`, found by `scan`, kept by `registry`.
 
 use std::path::PathBuf;
 

@@ -1,6 +1,7 @@
-//! Per-I/O traces: which I/Os are exported (a tail sampler: the agent knows
-//! each I/O's latency before it decides) and what was done with them. How
-//! one becomes a trace and goes out over OTLP is `otlp`; the span model is
+//! Per-I/O traces: which I/Os are exported (a tail sampler) and what became
+//! of them; `otlp` sends them.
+//!
+//! The agent knows each I/O's latency before it decides. How one becomes a trace and goes out over OTLP is `otlp`; the span model is
 //! docs/spans.md.
 
 use std::{

@@ -1,6 +1,8 @@
-//! Segment latency over OTLP: base-2 exponential histograms per VM, virtual
-//! disk, op and segment, recorded from the same per-I/O records the traces
-//! come from (every one, not only the exported), pushed every
+//! Segment latency over OTLP: exponential histograms per VM, virtual disk,
+//! op and segment, from every per-I/O record.
+//!
+//! Recorded from the same per-I/O records the traces come from (every one,
+//! not only the exported), pushed every
 //! OTEL_METRIC_EXPORT_INTERVAL (default 60 s) and once more at the end.
 
 use std::{collections::HashMap, time::Duration};

@@ -1,8 +1,8 @@
-//! Benchmark runs: what a labelled run keeps beyond its report — where its
-//! slowest I/Os spend their time (the tail's composition, per segment), a
-//! time series per interval, fio's own figures — stored under a runs
-//! directory, then rendered (`report`), put side by side (`compare`) and
-//! held to thresholds (`Check`).
+//! The run store: labelled benchmark runs kept under a runs directory (report,
+//! tails, time series, fio's figures), loaded and summarized.
+//!
+//! Rendered by `iospan report`, put side by side (`compare`), held to
+//! thresholds (`check`); sweeps are stored here too (`sweep`).
 
 use std::{
     fmt::Write as _,
