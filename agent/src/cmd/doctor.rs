@@ -248,15 +248,12 @@ impl Doctor {
                 let _ = writeln!(out, "    uuid {u}");
             }
             for (symbol, hot) in vm.uprobe_symbols(true) {
-                let site = vm
-                    .exe
-                    .as_deref()
-                    .and_then(|e| crate::probes::uprobe::uprobe_site(e, symbol));
+                let site = crate::probes::uprobe::uprobe_site(vm.pid, symbol).map(|s| s.prologue);
                 let how = match site {
-                    Some((_, crate::probes::uprobe::Prologue::Push)) => {
+                    Some(crate::probes::uprobe::Prologue::Push) => {
                         "entered with a push: emulated, the cheap kind".to_string()
                     }
-                    Some((_, crate::probes::uprobe::Prologue::SingleStepped)) => {
+                    Some(crate::probes::uprobe::Prologue::SingleStepped) => {
                         "single-stepped: the expensive kind".to_string()
                     }
                     None if hot => {

@@ -100,10 +100,21 @@ pub fn held_listener(pid: u32, fd: Option<i32>, path: Option<&Path>) -> Option<P
 /// symlink, never blocking (a FIFO is refused, not waited on), a regular
 /// file only, at most `cap` bytes (more is an error, not a truncation).
 pub fn read_regular(path: &Path, cap: u64) -> std::io::Result<Vec<u8>> {
+    read_file(path, cap, libc::O_NOFOLLOW)
+}
+
+/// The executable process `pid` runs, through the kernel's own link to it
+/// (/proc/PID/exe: the file it mapped, even deleted), with the checks of
+/// `read_regular`.
+pub fn read_executable(pid: u32, cap: u64) -> std::io::Result<Vec<u8>> {
+    read_file(Path::new(&format!("/proc/{pid}/exe")), cap, 0)
+}
+
+fn read_file(path: &Path, cap: u64, flags: i32) -> std::io::Result<Vec<u8>> {
     use std::io::{Error, ErrorKind};
     let f = fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .custom_flags(flags | libc::O_NONBLOCK | libc::O_CLOEXEC)
         .open(path)?;
     let meta = f.metadata()?;
     if !meta.file_type().is_file() {

@@ -193,14 +193,16 @@ impl BlockProbes {
         };
         for &(symbol, hot) in symbols {
             let site = format!("{}:{symbol}", exe.display());
-            let (offset, prologue) =
-                crate::probes::uprobe::uprobe_site(exe, symbol).ok_or_else(|| {
-                    LoadError::Attach {
-                        tracepoint: format!("uprobe {site}"),
-                        flavour: "uprobe",
-                        reason: format!("{symbol} is not exported by {}", exe.display()),
-                    }
-                })?;
+            // Read and attached through /proc/PID/exe: the file the process
+            // runs, never what sits at its path now.
+            let found = crate::probes::uprobe::uprobe_site(pid, symbol).ok_or_else(|| {
+                LoadError::Attach {
+                    tracepoint: format!("uprobe {site}"),
+                    flavour: "uprobe",
+                    reason: format!("{symbol} is not exported by {}", exe.display()),
+                }
+            })?;
+            let (offset, prologue) = (found.file_offset, found.prologue);
             if hot && prologue != crate::probes::uprobe::Prologue::Push {
                 log::warn!("{site} is not entered with a push: each hit is single-stepped (see iospan doctor)");
             }
@@ -216,8 +218,8 @@ impl BlockProbes {
                     p.load().map_err(|e| crate::probes::error_chain(&e))?;
                 }
                 p.attach(
-                    aya::programs::uprobe::UProbeAttachLocation::SymbolOffset(symbol, offset),
-                    exe,
+                    aya::programs::uprobe::UProbeAttachLocation::AbsoluteOffset(offset),
+                    crate::probes::uprobe::exe_path(pid),
                     UProbeScope::OneProcess(nz),
                 )
                 .map_err(|e| crate::probes::error_chain(&e))
@@ -228,7 +230,7 @@ impl BlockProbes {
                 reason,
             })?;
             self.vm_links.entry(pid).or_default().push((symbol, link));
-            log::info!("attached uprobe {site}+{offset} for pid {pid}");
+            log::info!("attached uprobe {site} (file offset {offset:#x}) for pid {pid}");
             if !self.attachments.iter().any(|a| a.tracepoint == site) {
                 self.attachments.push(Attachment {
                     tracepoint: site,
