@@ -343,21 +343,32 @@ struct vring_file_arg {
 #define KVM_IOEVENTFD_DEASSIGN (1 << 2)
 #define KVM_TRACE_MMIO_WRITE 2
 
+/* A KVM_IOEVENTFD a VM made, held from the call's entry to its exit: only
+ * a registration the kernel accepted is recorded (a refused one, with
+ * made-up arguments, leaves nothing in kvm_notify_addrs or vq_notifiers).
+ * Thread id -> the call's argument. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, struct ioeventfd_arg);
+} ioeventfd_calls SEC(".maps");
+
 SEC("tracepoint/syscalls/sys_enter_ioctl")
 int sys_enter_ioctl(struct trace_event_raw_sys_enter *ctx)
 {
-	struct ioeventfd_arg io;
-	struct gpa_key k = {};
-	struct fd_key f;
-	__u8 zero = 0;
+	__u32 cmd = (__u32)ctx->args[1];
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
 
-	if (((__u32)ctx->args[1] != KVM_IOEVENTFD_CMD && (__u32)ctx->args[1] != VHOST_SET_VRING_KICK_CMD) ||
-	    !targ_vm_segments)
+	if ((cmd != KVM_IOEVENTFD_CMD && cmd != VHOST_SET_VRING_KICK_CMD) || !targ_vm_segments)
 		return 0;
-	k.tgid = bpf_get_current_pid_tgid() >> 32;
-	if (!bpf_map_lookup_elem(&vm_pids, &k.tgid))
+	if (!bpf_map_lookup_elem(&vm_pids, &tgid))
 		return 0;
-	if ((__u32)ctx->args[1] == VHOST_SET_VRING_KICK_CMD) {
+	if (cmd == VHOST_SET_VRING_KICK_CMD) {
+		/* Recorded at once: the entry is keyed by an eventfd the VM's
+		 * process holds (its open file), concerns only that VM's kicks
+		 * and ages out of an LRU table. */
 		struct vring_file_arg vf;
 		__u64 file;
 		__u8 one = 1;
@@ -369,18 +380,42 @@ int sys_enter_ioctl(struct trace_event_raw_sys_enter *ctx)
 			bpf_map_update_elem(&vhost_kick_files, &file, &one, BPF_ANY);
 		return 0;
 	}
-	if (bpf_probe_read_user(&io, sizeof(io), (void *)ctx->args[2]))
+	{
+		struct ioeventfd_arg io;
+
+		if (!bpf_probe_read_user(&io, sizeof(io), (void *)ctx->args[2]))
+			bpf_map_update_elem(&ioeventfd_calls, &tid, &io, BPF_ANY);
+	}
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_exit_ioctl")
+int sys_exit_ioctl(struct trace_event_raw_sys_exit *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tid = (__u32)id;
+	struct ioeventfd_arg *io = bpf_map_lookup_elem(&ioeventfd_calls, &tid);
+	struct gpa_key k = {};
+	struct fd_key f;
+	__u8 zero = 0;
+
+	if (!io)
 		return 0;
-	k.gpa = io.addr;
-	if (io.flags & KVM_IOEVENTFD_DEASSIGN) {
+	if (ctx->ret != 0)
+		goto out;
+	k.tgid = id >> 32;
+	k.gpa = io->addr;
+	if (io->flags & KVM_IOEVENTFD_DEASSIGN) {
 		bpf_map_delete_elem(&kvm_notify_addrs, &k);
-		return 0;
+		goto out;
 	}
 	f.tgid = k.tgid;
-	f.fd = (__u32)io.fd;
+	f.fd = (__u32)io->fd;
 	bpf_map_update_elem(&kvm_notify_addrs, &k, &f.fd, BPF_ANY);
 	/* Not kicked yet; a second address on the same eventfd keeps its state. */
 	bpf_map_update_elem(&vq_notifiers, &f, &zero, BPF_NOEXIST);
+out:
+	bpf_map_delete_elem(&ioeventfd_calls, &tid);
 	return 0;
 }
 

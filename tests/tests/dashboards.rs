@@ -35,7 +35,8 @@ fn the_dashboards_pass_the_schema_and_promql_checks() {
     assert!(exprs.len() >= 12, "{exprs:?}");
     assert!(exprs.iter().any(|(_, e)| e.contains("histogram_quantile")));
     // Every metric a dashboard asks for is one the agent serves.
-    let served = std::fs::read_to_string(xtask::sh::root().join("agent/src/metrics.rs")).unwrap();
+    let served =
+        std::fs::read_to_string(xtask::sh::root().join("agent/src/output/metrics.rs")).unwrap();
     for (where_, e) in &exprs {
         for (i, _) in e.match_indices("iospan_") {
             let name: String = e[i..]

@@ -225,3 +225,60 @@ fn a_kernel_vhost_worker_is_the_engine_of_its_disk() {
         "{e}"
     );
 }
+
+/// VMs coming and going: 200 started and stopped in turn under one run.
+/// Each exited VM is taken out of the kernel's per-VM tables (128 entries
+/// each), so the last is traced as fully as the first, and every one's
+/// figures stay in the report.
+#[test]
+fn the_two_hundredth_vm_of_a_run_is_traced() {
+    let (vms, n) = (200u32, 8u64);
+    let exe = kvm_vm();
+    let dir = exe.parent().unwrap();
+    let image = image(dir);
+    let report = dir.join("churn.json");
+    let script = format!(
+        "for i in $(seq 1 {vms}); do \
+         {exe} -name guest=churn-$i,debug-threads=on \
+         -drive file={img},if=none,id=kd0,format=raw,cache=none,aio=native \
+         -device virtio-blk-pci,drive=kd0 >/dev/null || exit 1; done",
+        exe = exe.display(),
+        img = image.display()
+    );
+    let out = run(Command::new(iospan_bin())
+        .args(["run", "--quiet", "--json-out"])
+        .arg(&report)
+        .args(["--", "sh", "-c", &script])
+        .env("IOSPAN_KVM_IOS", n.to_string()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let reads = |vm: &str| {
+        rep["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["vm"] == vm && e["op"] == "read" && e["disk"] != "-")
+            .map(|e| e["ios"].as_u64().unwrap_or(0))
+            .sum::<u64>()
+    };
+    for i in [1, 128, 129, vms] {
+        assert_eq!(reads(&format!("churn-{i}")), n, "churn-{i}'s reads");
+    }
+    let named = rep["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["name"].as_str().is_some_and(|s| s.starts_with("churn-")))
+        .count();
+    assert_eq!(named, vms as usize);
+    assert_eq!(
+        rep["lost"]["vm_table_full"].as_u64().unwrap_or(0),
+        0,
+        "{}",
+        rep["lost"]
+    );
+}

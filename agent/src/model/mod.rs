@@ -88,6 +88,19 @@ pub struct DiskOpStats {
 }
 
 impl DiskOpStats {
+    /// Adds another window's figures (a retired table entry's).
+    pub fn merge(&mut self, o: &DiskOpStats) {
+        self.ios += o.ios;
+        self.bytes += o.bytes;
+        self.errors += o.errors;
+        self.requeued += o.requeued;
+        self.partial += o.partial;
+        self.undelivered += o.undelivered;
+        for (h, oh) in self.segments.iter_mut().zip(o.segments.iter()) {
+            h.merge(oh);
+        }
+    }
+
     /// Adds one share of the kernel's statistics (a CPU's, or the nested updates').
     pub fn add_cpu(&mut self, s: &BlkStats) {
         self.ios += s.ios;

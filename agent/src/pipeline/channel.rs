@@ -36,6 +36,7 @@ pub async fn follow(
     let mut buf = vec![0u8; 1 << 16];
     // One sequence across reconnections: resent frames are not counted twice.
     let mut reader = FrameReader::default();
+    let mut warned = RateLimited::new();
     correlator
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -98,8 +99,20 @@ pub async fn follow(
                     Ok(Some(frame)) => handle(vm, frame, &known, &correlator),
                     Ok(None) => break,
                     Err(e) => {
-                        // The reader skipped to the next frame's start.
-                        log::warn!("VM slot {vm}: guest channel {}: {e}", path.display());
+                        // The reader skipped to the next frame's start. The
+                        // guest decides how many: logged at most once per
+                        // interval, with how many were not.
+                        if let Some(quiet) = warned.due() {
+                            log::warn!(
+                                "VM slot {vm}: guest channel {}: {e}{}",
+                                path.display(),
+                                if quiet > 0 {
+                                    format!(" ({quiet} more malformed frames not logged)")
+                                } else {
+                                    String::new()
+                                }
+                            );
+                        }
                         with_stats(&correlator, vm, |s| s.decode_errors += 1);
                     }
                 }
@@ -131,6 +144,40 @@ pub async fn follow(
     }
 }
 
+/// A log line a guest can provoke: the first at once, then at most one per
+/// `LOG_EVERY`, each saying how many were held back.
+#[derive(Default)]
+pub struct RateLimited {
+    last: Option<std::time::Instant>,
+    held: u64,
+}
+
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+impl RateLimited {
+    pub const fn new() -> Self {
+        Self {
+            last: None,
+            held: 0,
+        }
+    }
+
+    /// Some(lines held back since the last one) when a line is due now.
+    pub fn due(&mut self) -> Option<u64> {
+        let now = std::time::Instant::now();
+        match self.last {
+            Some(t) if now.duration_since(t) < LOG_EVERY => {
+                self.held += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.held))
+            }
+        }
+    }
+}
+
 /// Sends a control message if the socket takes it now (an acknowledgement
 /// not taken is carried by the next one).
 fn send_control(wr: &tokio::net::unix::OwnedWriteHalf, c: Control) -> bool {
@@ -146,10 +193,18 @@ fn with_stats(correlator: &Mutex<Correlator>, vm: u32, f: impl FnOnce(&mut Chann
 fn handle(vm: u32, frame: Frame, known: &Mutex<Registry>, correlator: &Mutex<Correlator>) {
     match frame {
         Frame::Hello(h) => {
-            let map = disk_map(vm, &h, &known.lock().unwrap_or_else(|p| p.into_inner()));
+            let (map, queues): (Vec<_>, Vec<_>) = {
+                let known = known.lock().unwrap_or_else(|p| p.into_inner());
+                let map = disk_map(vm, &h, &known);
+                let queues = map.iter().map(|&(_, v)| known.vdisk_queues(v)).collect();
+                (map, queues)
+            };
             let mut c = correlator.lock().unwrap_or_else(|p| p.into_inner());
-            for (dev, vdisk) in map {
+            for ((dev, vdisk), queues) in map.into_iter().zip(queues) {
                 c.stitch.map_disk(vm, dev, vdisk);
+                if let Some(n) = queues {
+                    c.stitch.set_queues(vm, vdisk, n);
+                }
             }
             let s = c.stitch.channels.entry(vm).or_default();
             s.guest_probes = Some(h.probes);
@@ -201,4 +256,25 @@ fn disk_map(vm: u32, hello: &Hello, known: &Registry) -> Vec<(u32, u32)> {
         out.push((real[0].dev, slots[0].0));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_guests_malformed_frames_are_logged_once_per_interval_with_a_count() {
+        let mut w = RateLimited::new();
+        assert_eq!(w.due(), Some(0), "the first at once");
+        for _ in 0..16_378 {
+            assert_eq!(w.due(), None);
+        }
+        w.last = w.last.map(|t| t - LOG_EVERY);
+        assert_eq!(
+            w.due(),
+            Some(16_378),
+            "then one line with what was held back"
+        );
+        assert_eq!(w.due(), None);
+    }
 }

@@ -123,6 +123,14 @@ pub struct StitchCounters {
     /// starts or ends at the block layer's stamp instead.
     #[serde(default)]
     pub app_ends_from_block_layer: u64,
+    /// Joined requests whose guest queue index was not one the host gave
+    /// the disk: joined, but in no per-queue row.
+    #[serde(default)]
+    pub queue_out_of_range: u64,
+    /// Guest records refused because the VM already had `MAX_WAITING_GUEST`
+    /// waiting for their host partner.
+    #[serde(default)]
+    pub guest_over_cap: u64,
 }
 
 /// The offset of one VM's guest clock, from the bounds its requests give.
@@ -241,17 +249,35 @@ impl Clock {
     }
 }
 
+/// Guest records a VM may have waiting for their host partner: a guest
+/// that reports I/O that never happened fills no more than this.
+pub const MAX_WAITING_GUEST: usize = 1 << 16;
+
+/// How long a guest record waits, on the wall clock, for its host partner
+/// when no host I/O moves the stream clock.
+const WAIT_WALL: std::time::Duration = std::time::Duration::from_secs(4);
+
+/// The queue count assumed for a disk the host said nothing of.
+const DEFAULT_QUEUES: u32 = 1;
+
 #[derive(Default)]
 pub struct Stitcher {
     hold_ns: u64,
+    /// `WAIT_WALL`, unless a test shortens it.
+    wait_wall: Option<std::time::Duration>,
+    /// (VM, virtual disk) -> its queue count, as the host configured it.
+    queue_limits: HashMap<(u32, u32), u32>,
+    /// Guest records waiting, per VM.
+    waiting_guest: HashMap<u32, usize>,
     /// guest disk (VM slot, guest dev) -> virtual disk slot.
     disks: HashMap<(u32, u32), u32>,
     /// VMs with a guest channel: their host requests wait for a partner.
     expected: std::collections::HashSet<u32>,
     host: HashMap<JoinKey, VecDeque<HostIo>>,
     guest: HashMap<JoinKey, VecDeque<(u64, GuestIoEvent)>>,
-    /// Arrival order, for eviction: (host stream time, key, is_guest).
-    order: VecDeque<(u64, JoinKey, bool)>,
+    /// Arrival order, for eviction: (host stream time, key, is_guest, wall
+    /// time of arrival).
+    order: VecDeque<(u64, JoinKey, bool, std::time::Instant)>,
     latest_ns: u64,
     pub clocks: HashMap<u32, Clock>,
     pub stitched: BTreeMap<StitchKey, Stitched>,
@@ -316,6 +342,12 @@ impl Stitcher {
         self.disks.insert((vm, guest_dev), vdisk);
     }
 
+    /// How many request queues the host gave a VM's virtual disk: a
+    /// guest's queue index is believed only below it.
+    pub fn set_queues(&mut self, vm: u32, vdisk: u32, n: u32) {
+        self.queue_limits.insert((vm, vdisk), n.max(1));
+    }
+
     /// The VM has a guest channel: its host requests are kept for joining
     /// (and counted unmatched if no guest record comes).
     pub fn expect_guest(&mut self, vm: u32) {
@@ -339,7 +371,8 @@ impl Stitcher {
             self.join(&io, &g);
         } else {
             self.host.entry(key).or_default().push_back(io);
-            self.order.push_back((self.latest_ns, key, false));
+            self.order
+                .push_back((self.latest_ns, key, false, std::time::Instant::now()));
         }
         self.evict(false);
     }
@@ -349,11 +382,17 @@ impl Stitcher {
             self.counters.unknown_disk += 1;
             return;
         };
+        // The guest's sector is the guest's to say: one past any file
+        // offset joins nothing.
+        let Some(pos) = g.sector.checked_mul(512) else {
+            self.counters.unmatched_guest += 1;
+            return;
+        };
         let key = JoinKey {
             vm,
             vdisk,
             op: g.op,
-            pos: g.sector * 512,
+            pos,
             bytes: g.bytes,
         };
         let offset = self.clocks.get(&vm).and_then(Clock::offset);
@@ -367,11 +406,19 @@ impl Stitcher {
         match found {
             Some(h) => self.join(&h, &g),
             None => {
+                self.evict(false);
+                let waiting = self.waiting_guest.entry(vm).or_default();
+                if *waiting >= MAX_WAITING_GUEST {
+                    self.counters.guest_over_cap += 1;
+                    return;
+                }
+                *waiting += 1;
                 self.guest
                     .entry(key)
                     .or_default()
                     .push_back((self.latest_ns, g));
-                self.order.push_back((self.latest_ns, key, true));
+                self.order
+                    .push_back((self.latest_ns, key, true, std::time::Instant::now()));
             }
         }
         self.evict(false);
@@ -389,6 +436,9 @@ impl Stitcher {
         let g = q.remove(i).map(|(_, g)| g);
         if q.is_empty() {
             self.guest.remove(&key);
+        }
+        if g.is_some() {
+            self.unwait(key.vm);
         }
         g
     }
@@ -454,11 +504,13 @@ impl Stitcher {
             total_ns: total,
             app_ends_from_block_layer: app_from_block,
             has_guest: true,
-            queue: Some(g.queue),
+            queue: self.queue_ok(ev.vm, ev.vdisk, g.queue),
             ..host
         };
         self.stitched.entry(key).or_default().record(&span);
-        self.queues.entry((key, g.queue)).or_default().record(&span);
+        if let Some(q) = span.queue {
+            self.queues.entry((key, q)).or_default().record(&span);
+        }
         if let Some(t) = self.tails.as_mut() {
             t.record(&span);
         }
@@ -469,9 +521,15 @@ impl Stitcher {
 
     /// Drops what waited longer than the hold (all of it when `all`).
     /// Only the keys it touches are looked at: constant work per record.
+    /// A record also goes once it waited `WAIT_WALL` on the wall clock: a
+    /// guest's records wait no longer when no host I/O moves the stream.
     fn evict(&mut self, all: bool) {
-        while let Some(&(t, key, is_guest)) = self.order.front() {
-            if !all && t + self.hold_ns > self.latest_ns {
+        let now = std::time::Instant::now();
+        while let Some(&(t, key, is_guest, arrived)) = self.order.front() {
+            let stream_due = t.saturating_add(self.hold_ns) <= self.latest_ns;
+            let wall_due =
+                now.saturating_duration_since(arrived) >= self.wait_wall.unwrap_or(WAIT_WALL);
+            if !all && !stream_due && !wall_due {
                 break;
             }
             self.order.pop_front();
@@ -482,6 +540,9 @@ impl Stitcher {
                     if let Some(i) = q.iter().position(|(at, _)| *at == t) {
                         q.remove(i);
                         self.counters.unmatched_guest += 1;
+                        if let Some(w) = self.waiting_guest.get_mut(&key.vm) {
+                            *w = w.saturating_sub(1);
+                        }
                     }
                     if q.is_empty() {
                         self.guest.remove(&key);
@@ -496,6 +557,27 @@ impl Stitcher {
                     self.host.remove(&key);
                 }
             }
+        }
+    }
+
+    fn unwait(&mut self, vm: u32) {
+        if let Some(w) = self.waiting_guest.get_mut(&vm) {
+            *w = w.saturating_sub(1);
+        }
+    }
+
+    /// The guest's queue index, if the host gave the disk that many queues.
+    fn queue_ok(&mut self, vm: u32, vdisk: u32, queue: u32) -> Option<u32> {
+        let limit = self
+            .queue_limits
+            .get(&(vm, vdisk))
+            .copied()
+            .unwrap_or(DEFAULT_QUEUES);
+        if queue < limit {
+            Some(queue)
+        } else {
+            self.counters.queue_out_of_range += 1;
+            None
         }
     }
 
@@ -710,5 +792,64 @@ mod tests {
         s.on_host(h);
         assert_eq!(s.counters.inconsistent, 1);
         assert!(s.stitched.is_empty());
+    }
+
+    /// A hostile guest: real I/Os each reported with a new queue index,
+    /// then records that match nothing with no host I/O at all. Per-queue
+    /// rows stay within the host's queue count, waiting records within the
+    /// cap and the wall-clock wait; every refusal is counted.
+    #[test]
+    fn a_guest_cannot_grow_the_stitcher_past_the_hosts_facts() {
+        let mut s = stitcher();
+        s.set_queues(1, 3, 4);
+        for i in 0..1000u64 {
+            let (mut g, h) = pair(4096 * (i + 1), 1_000_000 + i * 1_000_000);
+            g.queue = (i * 7919) as u32; // 0, 7919, …: a new index each time
+            s.on_guest(1, g);
+            s.on_host(h);
+        }
+        let joined = s.stitched.values().map(|st| st.total.count).sum::<u64>();
+        assert_eq!(joined, 1000, "every real I/O is still joined");
+        assert!(
+            s.queues.keys().all(|(_, q)| *q < 4),
+            "{:?}",
+            s.queues.keys()
+        );
+        assert_eq!(
+            s.queues.len(),
+            1,
+            "only queue 0 of the indexes sent is below 4"
+        );
+        assert_eq!(s.counters.queue_out_of_range, 999);
+
+        // 200k records no host request will ever match, no host I/O.
+        let flood = 200_000u64;
+        for i in 0..flood {
+            let (mut g, _) = pair(1 << 40 | (i * 4096), 9_000_000_000 + i);
+            g.queue = 0;
+            s.on_guest(1, g);
+        }
+        let waiting: usize = s.guest.values().map(VecDeque::len).sum();
+        assert!(waiting <= MAX_WAITING_GUEST, "{waiting} waiting");
+        assert_eq!(s.counters.guest_over_cap, flood - MAX_WAITING_GUEST as u64);
+        // A sector whose byte offset does not fit: refused, counted.
+        let (mut g, _) = pair(0, 1);
+        g.sector = u64::MAX;
+        let before = s.counters.unmatched_guest;
+        s.on_guest(1, g);
+        assert_eq!(s.counters.unmatched_guest, before + 1);
+
+        // On the wall clock the waiting ones go, counted unmatched.
+        s.wait_wall = Some(std::time::Duration::from_millis(50));
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        let (g, _) = pair(1 << 41, 1);
+        s.on_guest(1, g);
+        let waiting: usize = s.guest.values().map(VecDeque::len).sum();
+        assert_eq!(waiting, 1, "only the newest waits");
+        assert_eq!(
+            s.counters.unmatched_guest,
+            before + 1 + MAX_WAITING_GUEST as u64
+        );
+        assert_eq!(s.waiting_guest[&1], 1);
     }
 }

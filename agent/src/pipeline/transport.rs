@@ -176,6 +176,10 @@ pub enum DecodeError {
 #[derive(Default)]
 pub struct FrameReader {
     buf: Vec<u8>,
+    /// Where the unread bytes of `buf` start: frames are taken by moving
+    /// it, and the buffer compacted only when more arrives, so a stream of
+    /// many small frames costs linear time, not a move of the rest per frame.
+    at: usize,
     /// (sender, the lowest frame had, the next expected): every frame in
     /// between was had or counted lost.
     next: Option<(u32, u64, u64)>,
@@ -190,6 +194,10 @@ pub struct FrameReader {
 
 impl FrameReader {
     pub fn push(&mut self, bytes: &[u8]) {
+        if self.at > 0 {
+            self.buf.drain(..self.at);
+            self.at = 0;
+        }
         self.buf.extend_from_slice(bytes);
     }
 
@@ -197,6 +205,19 @@ impl FrameReader {
     /// the sequence is kept.
     pub fn new_stream(&mut self) {
         self.buf.clear();
+        self.at = 0;
+    }
+
+    fn unread(&self) -> &[u8] {
+        &self.buf[self.at..]
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.at = (self.at + n).min(self.buf.len());
+        if self.at == self.buf.len() {
+            self.buf.clear();
+            self.at = 0;
+        }
     }
 
     /// What to acknowledge: the sender's frames handled (or counted lost).
@@ -210,46 +231,45 @@ impl FrameReader {
 
     /// Skips past a bad header to the next magic.
     fn resync(&mut self) {
-        let at = find(&self.buf[1..], &MAGIC).map_or_else(
-            || self.buf.len().saturating_sub(MAGIC.len() - 1).max(1),
+        let buf = self.unread();
+        let skip = find(&buf[1..], &MAGIC).map_or_else(
+            || buf.len().saturating_sub(MAGIC.len() - 1).max(1),
             |i| i + 1,
         );
-        self.buf.drain(..at.min(self.buf.len()));
+        self.consume(skip);
     }
 
     /// The next whole frame, if buffered. An error names what was wrong;
     /// the reader has already skipped to the next frame's start.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, DecodeError> {
         loop {
-            if self.buf.len() < HEADER_LEN {
+            let buf = self.unread();
+            if buf.len() < HEADER_LEN {
                 return Ok(None);
             }
-            if self.buf[..4] != MAGIC {
+            if buf[..4] != MAGIC {
                 self.resync();
                 return Err(DecodeError::Magic);
             }
-            let u16_at = |i: usize| u16::from_le_bytes([self.buf[i], self.buf[i + 1]]);
+            let u16_at = |i: usize| u16::from_le_bytes([buf[i], buf[i + 1]]);
             let version = u16_at(4);
             if version != VERSION {
                 self.resync();
                 return Err(DecodeError::Version(version));
             }
             let kind = u16_at(6);
-            let sender = u32::from_le_bytes(self.buf[8..12].try_into().unwrap_or_default());
-            let seq = u64::from_le_bytes(self.buf[12..20].try_into().unwrap_or_default());
-            let len = u32::from_le_bytes(self.buf[20..24].try_into().unwrap_or_default()) as usize;
+            let sender = u32::from_le_bytes(buf[8..12].try_into().unwrap_or_default());
+            let seq = u64::from_le_bytes(buf[12..20].try_into().unwrap_or_default());
+            let len = u32::from_le_bytes(buf[20..24].try_into().unwrap_or_default()) as usize;
             if len > MAX_PAYLOAD {
                 self.resync();
                 return Err(DecodeError::TooLong(len));
             }
-            if self.buf.len() < HEADER_LEN + len {
+            if buf.len() < HEADER_LEN + len {
                 return Ok(None);
             }
-            let payload: Vec<u8> = self
-                .buf
-                .drain(..HEADER_LEN + len)
-                .skip(HEADER_LEN)
-                .collect();
+            let payload = buf[HEADER_LEN..HEADER_LEN + len].to_vec();
+            self.consume(HEADER_LEN + len);
             self.next = match self.next {
                 // Written before this receiver heard the sender (resent to
                 // it now): new here, and the gap down to it was not a loss.
@@ -285,11 +305,17 @@ impl FrameReader {
                 }
                 None => Some((sender, seq, seq + 1)),
             };
-            return self.decode(kind, payload);
+            // A kind this receiver does not know is skipped in step, in the
+            // loop: any number of them costs no stack.
+            match Self::decode(kind, payload)? {
+                Some(frame) => return Ok(Some(frame)),
+                None => continue,
+            }
         }
     }
 
-    fn decode(&mut self, kind: u16, payload: Vec<u8>) -> Result<Option<Frame>, DecodeError> {
+    /// A frame's payload; None for a kind this receiver does not know.
+    fn decode(kind: u16, payload: Vec<u8>) -> Result<Option<Frame>, DecodeError> {
         let bad = |what, why: String| DecodeError::Payload { what, why };
         let frame = match kind {
             HELLO => Frame::Hello(
@@ -316,7 +342,7 @@ impl FrameReader {
                 )
             }
             // A newer sender's frame kind: skipped, the stream stays in step.
-            _ => return self.next_frame(),
+            _ => return Ok(None),
         };
         Ok(Some(frame))
     }
@@ -480,5 +506,31 @@ mod tests {
         r.push(&unknown);
         r.push(&encode(0, 1, &Frame::Records(vec![rec(3)])));
         assert_eq!(r.next_frame().unwrap(), Some(Frame::Records(vec![rec(3)])));
+    }
+
+    /// A guest sending a million frames of kinds this receiver does not
+    /// know before a real one: skipped in a loop, not one call deeper each.
+    #[test]
+    fn any_number_of_unknown_kinds_costs_no_stack() {
+        let mut unknown = encode(0, 0, &Frame::Records(Vec::new()));
+        unknown[6..8].copy_from_slice(&99u16.to_le_bytes());
+        let mut stream = Vec::with_capacity(unknown.len() * 1_000_001);
+        for seq in 0..1_000_000u64 {
+            unknown[12..20].copy_from_slice(&seq.to_le_bytes());
+            stream.extend_from_slice(&unknown);
+        }
+        stream.extend(encode(0, 1_000_000, &Frame::Records(vec![rec(5)])));
+        // A small stack: recursion per frame would overflow it.
+        let got = std::thread::Builder::new()
+            .stack_size(64 << 10)
+            .spawn(move || {
+                let mut r = FrameReader::default();
+                r.push(&stream);
+                r.next_frame()
+            })
+            .unwrap()
+            .join()
+            .expect("no stack overflow");
+        assert_eq!(got.unwrap(), Some(Frame::Records(vec![rec(5)])));
     }
 }

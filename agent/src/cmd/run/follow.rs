@@ -23,14 +23,17 @@ pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) ->
         if known.vms.contains_key(&slot) || known.not_vms.contains_key(&slot) {
             continue;
         }
-        let mut vm = match vms::identify(tgid) {
+        let mut vm = match vms::identify_within(tgid, vms::IDENTIFY_LIMIT) {
             Some(vm) if vm.not_vm.is_none() => vm,
             other => {
                 let why = other
                     .and_then(|v| v.not_vm)
                     .unwrap_or_else(|| "gone before it could be named".to_string());
                 log::debug!("QEMU pid {tgid} is not a VM: {why}");
-                if let Err(e) = probes.forget_vm(tgid, slot) {
+                if let Err(e) = probes
+                    .forget_vm(tgid, slot)
+                    .and_then(|()| probes.retire_vm(slot, &[], false))
+                {
                     log::warn!("QEMU pid {tgid}: {}", crate::probes::error_chain(&e));
                 }
                 known.not_vms.insert(slot, vms::NotVm { pid: tgid, why });
@@ -115,7 +118,16 @@ pub(super) fn forget_exited_vms(
         }
         exited.insert(*slot);
         known.exited.insert(*slot);
-        match probes.forget_vm(vm.pid, *slot) {
+        let vdisks: Vec<u32> = known
+            .vdisks
+            .iter()
+            .filter(|(_, (owner, _))| owner == slot)
+            .map(|(v, _)| *v)
+            .collect();
+        match probes
+            .forget_vm(vm.pid, *slot)
+            .and_then(|()| probes.retire_vm(*slot, &vdisks, true))
+        {
             Ok(()) => log::info!(
                 "VM {} (pid {}) exited: its probes detached",
                 vm.name,

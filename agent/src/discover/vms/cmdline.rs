@@ -93,7 +93,8 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
     let mut files: Vec<(String, Option<PathBuf>, Option<String>)> = Vec::new(); // (id, file, child node)
     let mut aio: Vec<(String, String)> = Vec::new(); // (drive/node id, aio mode)
     let mut devices: Vec<Device> = Vec::new();
-    let mut vhost: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, chardev)
+    let mut cpus: Option<u32> = None;
+    let mut vhost: Vec<(String, Option<String>, String, Option<u32>)> = Vec::new(); // (model, id, chardev, queues)
     let mut vscsi: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, wwpn)
     let on = |v: Option<&str>| v.is_some_and(|v| matches!(v, "on" | "true" | "yes"));
     let mut i = 0;
@@ -121,6 +122,7 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                 named_threads = on(get(&o, "debug-threads"));
             }
             "uuid" => uuid = Some(v.to_string()),
+            "smp" => cpus = smp_cpus(v),
             "machine" | "M" => {
                 let o = options(v);
                 machine = get(&o, "type").or_else(|| get(&o, "")).map(str::to_string);
@@ -169,11 +171,12 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                         drive: drive.to_string(),
                         ioeventfd: on(get(&o, "ioeventfd")),
                         iothread: get(&o, "iothread").map(str::to_string),
+                        queues: queues_of(&o),
                     });
                 }
                 match (get(&o, "chardev"), get(&o, "wwpn")) {
                     (Some(chardev), _) if model.starts_with("vhost-user-blk") => {
-                        vhost.push((model.to_string(), id, chardev.to_string()));
+                        vhost.push((model.to_string(), id, chardev.to_string(), queues_of(&o)));
                     }
                     (_, Some(wwpn)) if model.starts_with("vhost-scsi") => {
                         vscsi.push((model.to_string(), id, wwpn.to_string()));
@@ -223,15 +226,17 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
             aio: aio_of(&d.drive),
             ioeventfd: d.ioeventfd,
             iothread: d.iothread.clone(),
+            queues: d.queues,
             ..Default::default()
         })
         .collect();
     // vhost-user disks: served by whoever exports on the chardev's socket.
-    for (model, id, chardev) in &vhost {
+    for (model, id, chardev, queues) in &vhost {
         disks.push(VDisk {
             id: id.clone().unwrap_or_else(|| chardev.clone()),
             model: Some(model.clone()),
             ioeventfd: true,
+            queues: *queues,
             socket: match socket_of(chardev) {
                 Some(SocketSource::Path(p)) => Some(p),
                 _ => None,
@@ -263,6 +268,10 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         }
     }
     for d in &mut disks {
+        // QEMU's defaults: a virtio disk gets a queue per vCPU (-smp, 1
+        // without it), an NVMe controller 64 I/O queue pairs.
+        let nvme = d.model.as_deref().is_some_and(|m| m.starts_with("nvme"));
+        d.queues = d.queues.or(Some(if nvme { 64 } else { cpus.unwrap_or(1) }));
         d.resolve_host();
         // A device naming an iothread no -object made is QEMU's error;
         // keep only what exists.
@@ -298,6 +307,27 @@ struct Device {
     drive: String,
     ioeventfd: bool,
     iothread: Option<String>,
+    queues: Option<u32>,
+}
+
+/// The most queues QEMU gives one device (VIRTIO_QUEUE_MAX).
+pub const MAX_QUEUES: u32 = 1024;
+
+/// A device's queue count as its options set it.
+fn queues_of(o: &[(String, String)]) -> Option<u32> {
+    ["num-queues", "num_queues", "max_ioqpairs"]
+        .iter()
+        .find_map(|k| get(o, k)?.parse::<u32>().ok())
+        .map(|n| n.clamp(1, MAX_QUEUES))
+}
+
+/// `-smp N` or `-smp cpus=N,…`: the vCPUs at start.
+fn smp_cpus(v: &str) -> Option<u32> {
+    let o = options(v);
+    get(&o, "cpus")
+        .or_else(|| get(&o, ""))
+        .and_then(|n| n.parse::<u32>().ok())
+        .map(|n| n.clamp(1, MAX_QUEUES))
 }
 
 /// A `-blockdev` (JSON or key=value): node name, file name, child node

@@ -132,8 +132,18 @@ pub fn configfs_root() -> PathBuf {
 /// or block device). Each LUN directory links to its backstore, whose
 /// `udev_path` names the backing (set by targetcli), else its `info`
 /// ("File: …" for a file backstore, "UDEV PATH: …" for a block one).
+///
+/// `wwpn` comes from a command line anyone can write: it is a name, never a
+/// path (`/`, `..` and `.` refused), and a backstore counts only inside
+/// configfs's own `target/core`.
 pub fn lio_luns(configfs: &Path, wwpn: &str) -> Vec<(String, PathBuf)> {
     let mut out = Vec::new();
+    if !is_plain_name(wwpn) {
+        return out;
+    }
+    let Ok(core) = fs::canonicalize(configfs.join("target/core")) else {
+        return out;
+    };
     let target = configfs.join("target/vhost").join(wwpn);
     let Ok(tpgs) = fs::read_dir(&target) else {
         return out;
@@ -153,7 +163,10 @@ pub fn lio_luns(configfs: &Path, wwpn: &str) -> Vec<(String, PathBuf)> {
             let backing = links
                 .flatten()
                 .filter(|l| l.file_type().is_ok_and(|t| t.is_symlink()))
-                .find_map(|l| backstore_path(&fs::canonicalize(l.path()).ok()?));
+                .find_map(|l| {
+                    let dir = fs::canonicalize(l.path()).ok()?;
+                    backstore_path(dir.strip_prefix(&core).ok().map(|_| dir.as_path())?)
+                });
             if let Some(b) = backing {
                 out.push((name, b));
             }
@@ -167,12 +180,25 @@ pub fn lio_luns(configfs: &Path, wwpn: &str) -> Vec<(String, PathBuf)> {
     out
 }
 
+/// A single path component: not empty, no `/`, not `.` or `..`.
+pub fn is_plain_name(s: &str) -> bool {
+    !s.is_empty() && s != "." && s != ".." && !s.contains('/') && !s.contains('\0')
+}
+
+/// A backstore's attributes are a few hundred bytes.
+const ATTR_CAP: u64 = 64 << 10;
+
 fn backstore_path(dir: &Path) -> Option<PathBuf> {
-    let udev = fs::read_to_string(dir.join("udev_path")).unwrap_or_default();
+    let read = |name: &str| {
+        crate::discover::procfs::read_regular(&dir.join(name), ATTR_CAP)
+            .ok()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+    };
+    let udev = read("udev_path").unwrap_or_default();
     if !udev.trim().is_empty() {
         return Some(PathBuf::from(udev.trim()));
     }
-    let info = fs::read_to_string(dir.join("info")).ok()?;
+    let info = read("info")?;
     ["File: ", "UDEV PATH: "].iter().find_map(|key| {
         let rest = &info[info.find(key)? + key.len()..];
         let path = rest.split_whitespace().next()?;

@@ -16,11 +16,13 @@ mod symbols;
 
 pub use cmdline::{from_args, is_qemu_comm};
 pub use engines::{
-    configfs_root, exports_from_args, lio_luns, socket_engine, storage_daemons, Export,
-    STORAGE_DAEMON_COMM,
+    configfs_root, exports_from_args, is_plain_name, lio_luns, socket_engine, storage_daemons,
+    Export, STORAGE_DAEMON_COMM,
 };
 pub use registry::{NotVm, Registry, VmMaps};
-pub use scan::{alive, channel_socket, engine_alive, identify, scan};
+pub use scan::{
+    alive, channel_socket, engine_alive, identify, identify_within, scan, IDENTIFY_LIMIT,
+};
 pub use stack::{file_key, host_disk_of, host_stack_of, host_stack_of_dev, HostStack};
 
 /// The command-name prefix of a QEMU system emulator (its comm, and the
@@ -124,6 +126,12 @@ pub struct VDisk {
     /// in LIO's configfs (`naa.…/lun_0`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
+    /// Its request queues, as the host configured them: `num-queues`
+    /// (virtio-blk, vhost-user-blk), `max_ioqpairs` (NVMe), else QEMU's
+    /// default (a virtio disk: one per vCPU; NVMe: 64). A guest's queue
+    /// index at or past it is not believed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queues: Option<u32>,
 }
 
 /// An engine process serving a virtual disk: the one that pops its

@@ -125,6 +125,11 @@ impl Registry {
         self.vdisk_def(vdisk)?.target_dev.as_deref()
     }
 
+    /// How many request queues the host gave a virtual disk.
+    pub fn vdisk_queues(&self, vdisk: u32) -> Option<u32> {
+        self.vdisk_def(vdisk)?.queues
+    }
+
     /// The QEMU device model of a virtual disk (virtio-blk-pci, nvme, …).
     pub fn vdisk_model(&self, vdisk: u32) -> Option<&str> {
         self.vdisk_def(vdisk)?.model.as_deref()

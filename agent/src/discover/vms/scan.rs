@@ -6,6 +6,35 @@ use std::{fs, path::PathBuf};
 
 use super::{cmdline::looks_like_qemu, *};
 
+/// How long identifying one process may take before it is given up.
+pub const IDENTIFY_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `identify`, off the caller's thread and within `limit`: whatever a
+/// process's command line names, the caller never waits longer. One that
+/// takes longer is a QEMU process that is not followed (`not_vm` says why).
+pub fn identify_within(pid: u32, limit: std::time::Duration) -> Option<Vm> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let spawned = std::thread::Builder::new()
+        .name(format!("identify-{pid}"))
+        .spawn(move || {
+            let _ = tx.send(identify(pid));
+        });
+    if spawned.is_err() {
+        return identify(pid);
+    }
+    match rx.recv_timeout(limit) {
+        Ok(found) => found,
+        Err(_) => Some(Vm {
+            pid,
+            name: format!("qemu-{pid}"),
+            not_vm: Some(format!(
+                "not identified within {limit:?} (its command line names something that does not answer)"
+            )),
+            ..Default::default()
+        }),
+    }
+}
+
 /// A running process's identity, if it is a QEMU process: a VM, or (with
 /// `not_vm` set) a QEMU that runs no guest.
 pub fn identify(pid: u32) -> Option<Vm> {
@@ -95,7 +124,7 @@ pub fn scan() -> Vec<Vm> {
         .map(|rd| {
             rd.flatten()
                 .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-                .filter_map(identify)
+                .filter_map(|pid| identify_within(pid, IDENTIFY_LIMIT))
                 .filter(|vm| vm.not_vm.is_none())
                 .collect()
         })

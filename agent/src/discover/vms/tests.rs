@@ -587,3 +587,77 @@ fn file_key_uses_the_kernels_dev_encoding() {
     assert_eq!(k.dev & 0xfffff, libc::minor(m.dev()));
     assert!(file_key(Path::new("/nonexistent/file")).is_none());
 }
+
+/// A vhost-scsi `wwpn` from a command line anyone can write: never a path
+/// (absolute, `..`), and a LUN whose link leads out of configfs's
+/// `target/core`, or to a FIFO or a device, gives nothing and never blocks.
+#[test]
+fn a_hostile_wwpn_or_backstore_is_refused_without_blocking() {
+    let base = std::env::temp_dir().join(format!("iospan-lio-hostile-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&base);
+    let root = base.join("configfs");
+    let img = base.join("vm.img");
+    fs::create_dir_all(&base).unwrap();
+    fs::write(&img, [0u8; 4096]).unwrap();
+    // A tree the attacker made outside configfs, reachable by `..` or an
+    // absolute wwpn: its LUN's backstore has a FIFO for udev_path.
+    let evil = base.join("evil");
+    let store = base.join("store");
+    fs::create_dir_all(evil.join("tpgt_1/lun/lun_0")).unwrap();
+    fs::create_dir_all(&store).unwrap();
+    let fifo = store.join("udev_path");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    std::os::unix::fs::symlink(&store, evil.join("tpgt_1/lun/lun_0/x")).unwrap();
+    // Inside configfs: a real target whose LUN links out of target/core,
+    // one whose udev_path is a link to /dev/zero, one good.
+    lio_tree(
+        &root,
+        "naa.good",
+        &[("lun_0", "fileio_0/good", &img.display().to_string(), "")],
+    );
+    fs::create_dir_all(root.join("target/vhost/naa.out/tpgt_1/lun/lun_0")).unwrap();
+    std::os::unix::fs::symlink(&store, root.join("target/vhost/naa.out/tpgt_1/lun/lun_0/x"))
+        .unwrap();
+    let zero = root.join("target/core/fileio_1/zero");
+    fs::create_dir_all(&zero).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", zero.join("udev_path")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", zero.join("info")).unwrap();
+    fs::create_dir_all(root.join("target/vhost/naa.zero/tpgt_1/lun/lun_0")).unwrap();
+    std::os::unix::fs::symlink(&zero, root.join("target/vhost/naa.zero/tpgt_1/lun/lun_0/x"))
+        .unwrap();
+
+    let started = std::time::Instant::now();
+    let rel = format!("../../../{}", evil.strip_prefix(&base).unwrap().display());
+    for wwpn in [
+        evil.to_str().unwrap(),
+        rel.as_str(),
+        "..",
+        ".",
+        "",
+        "a/b",
+        "naa.out",
+        "naa.zero",
+    ] {
+        assert_eq!(lio_luns(&root, wwpn), Vec::new(), "wwpn {wwpn:?}");
+    }
+    assert_eq!(
+        lio_luns(&root, "naa.good"),
+        vec![("lun_0".to_string(), img.clone())]
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(2),
+        "nothing blocked"
+    );
+    for (name, plain) in [
+        ("naa.5001", true),
+        ("..", false),
+        (".", false),
+        ("", false),
+        ("/x", false),
+        ("a/..", false),
+    ] {
+        assert_eq!(is_plain_name(name), plain, "{name:?}");
+    }
+    let _ = fs::remove_dir_all(&base);
+}

@@ -33,6 +33,7 @@ use vm::{add_vm_maps, dio_end_io_addresses, kvm_tracepoints, mount_tracefs};
 /// The hash tables whose fill /metrics shows.
 const FILL_MAPS: &[&str] = &[
     "vm_pids",
+    "ioeventfd_calls",
     "vm_counts",
     "vm_undelivered",
     "vdisk_files",
@@ -233,6 +234,16 @@ pub struct BlockProbes {
     vhost_probes: bool,
     /// Each VM process's uprobe links: (program, link).
     vm_links: std::collections::HashMap<u32, Vec<(&'static str, UProbeLinkId)>>,
+    /// Exited VMs' figures, taken out of the kernel's tables so that VMs
+    /// coming and going never fill them (`retire_vm`).
+    retired: Retired,
+}
+
+/// What exited VMs left in the kernel's per-VM tables.
+#[derive(Default)]
+struct Retired {
+    vm_stats: BTreeMap<VmStatKey, DiskOpStats>,
+    vm_counts: BTreeMap<u32, VmCounts>,
 }
 
 impl BlockProbes {
@@ -329,6 +340,7 @@ impl BlockProbes {
             handoff_probe: false,
             vhost_probes: false,
             vm_links: Default::default(),
+            retired: Retired::default(),
         };
         // The start probe takes each request's submitter, in the submitting
         // task (completions run under unrelated tasks), and stamps starts
@@ -346,6 +358,7 @@ impl BlockProbes {
                 "sys_exit_eventfd2",
                 "sys_exit_eventfd",
                 "sys_enter_ioctl",
+                "sys_exit_ioctl",
                 "sys_enter_close",
             ] {
                 probes.attach_syscall(name)?;
@@ -427,6 +440,15 @@ impl BlockProbes {
         for item in counts.iter() {
             let (vm, c) = item.map_err(map_err("vm_counts"))?;
             snap.vm_counts.insert(vm, c);
+        }
+        for (k, st) in &self.retired.vm_stats {
+            snap.vm_stats.entry(*k).or_default().merge(st);
+        }
+        for (vm, c) in &self.retired.vm_counts {
+            let e = snap.vm_counts.entry(*vm).or_default();
+            e.submitted += c.submitted;
+            e.bio_merges += c.bio_merges;
+            e.engine_merges += c.engine_merges;
         }
         snap.counters = self.counters()?;
         Ok(snap)

@@ -15,7 +15,10 @@ use aya::{
 use super::*;
 use crate::probes::{map_mut_of, map_of, Attachment, Flavour, LoadError};
 use crate::{
-    abi::{RqSlot, NR_DIO_END_IO, RQ_F_DONE, RQ_F_REQUEUE_PENDING},
+    abi::{
+        BlkStats, FileKey, RqSlot, VmCounts, VmDevKey, VmKey, NR_DIO_END_IO, RQ_F_DONE,
+        RQ_F_REQUEUE_PENDING,
+    },
     discover::disks::Dev,
     discover::vms::VmMaps,
     model::Op,
@@ -271,6 +274,114 @@ impl BlockProbes {
         }
         let mut open: HashMap<_, u32, i64> = map_mut_of(&mut self.ebpf, "vm_open_notifiers")?;
         let _ = open.remove(&pid);
+        Ok(())
+    }
+
+    /// Takes an exited VM (or a process found to run no guest) out of the
+    /// kernel's per-VM tables, so VMs coming and going never fill them: its
+    /// figures move to the agent (`keep`; a not-VM's are the host's and
+    /// go), its virtual disks' entries are deleted. A completion that
+    /// arrives later makes a new entry, read as usual.
+    pub fn retire_vm(&mut self, slot: u32, vdisks: &[u32], keep: bool) -> Result<(), LoadError> {
+        let key = |k: &VmKey| VmStatKey {
+            vm: k.vm,
+            dev: Dev(k.dev),
+            op: Op::from_index(k.op as usize).unwrap_or(Op::Other),
+            vdisk: k.vdisk,
+        };
+        let map_err = LoadError::map_op;
+        {
+            let mut lat: PerCpuHashMap<_, VmKey, BlkStats> =
+                map_mut_of(&mut self.ebpf, "vm_latency")?;
+            let keys: Vec<VmKey> = lat
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|k| k.vm == slot)
+                .collect();
+            for k in keys {
+                if let Ok(per_cpu) = lat.get(&k, 0) {
+                    let st = self.retired.vm_stats.entry(key(&k)).or_default();
+                    for cpu in per_cpu.iter() {
+                        st.add_cpu(cpu);
+                    }
+                }
+                lat.remove(&k).map_err(map_err("vm_latency"))?;
+            }
+        }
+        {
+            let mut nested: HashMap<_, VmKey, BlkStats> =
+                map_mut_of(&mut self.ebpf, "vm_latency_nested")?;
+            let keys: Vec<VmKey> = nested
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|k| k.vm == slot)
+                .collect();
+            for k in keys {
+                if let Ok(v) = nested.get(&k, 0) {
+                    self.retired
+                        .vm_stats
+                        .entry(key(&k))
+                        .or_default()
+                        .add_cpu(&v);
+                }
+                nested.remove(&k).map_err(map_err("vm_latency_nested"))?;
+            }
+        }
+        {
+            let mut und: HashMap<_, VmKey, u64> = map_mut_of(&mut self.ebpf, "vm_undelivered")?;
+            let keys: Vec<VmKey> = und
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|k| k.vm == slot)
+                .collect();
+            for k in keys {
+                if let Ok(n) = und.get(&k, 0) {
+                    self.retired
+                        .vm_stats
+                        .entry(key(&k))
+                        .or_default()
+                        .undelivered += n;
+                }
+                und.remove(&k).map_err(map_err("vm_undelivered"))?;
+            }
+        }
+        {
+            let mut counts: HashMap<_, u32, VmCounts> = map_mut_of(&mut self.ebpf, "vm_counts")?;
+            if let Ok(c) = counts.get(&slot, 0) {
+                let e = self.retired.vm_counts.entry(slot).or_default();
+                e.submitted += c.submitted;
+                e.bio_merges += c.bio_merges;
+                e.engine_merges += c.engine_merges;
+                counts.remove(&slot).map_err(map_err("vm_counts"))?;
+            }
+        }
+        if !keep {
+            self.retired.vm_stats.retain(|k, _| k.vm != slot);
+            self.retired.vm_counts.remove(&slot);
+        }
+        {
+            let mut disks: HashMap<_, VmDevKey, u32> = map_mut_of(&mut self.ebpf, "vm_disks")?;
+            let keys: Vec<VmDevKey> = disks
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|k| k.vm == slot)
+                .collect();
+            for k in keys {
+                disks.remove(&k).map_err(map_err("vm_disks"))?;
+            }
+        }
+        {
+            let mut files: HashMap<_, FileKey, u32> = map_mut_of(&mut self.ebpf, "vdisk_files")?;
+            let keys: Vec<FileKey> = files
+                .iter()
+                .filter_map(Result::ok)
+                .filter(|(_, v)| vdisks.contains(v))
+                .map(|(k, _)| k)
+                .collect();
+            for k in keys {
+                files.remove(&k).map_err(map_err("vdisk_files"))?;
+            }
+        }
         Ok(())
     }
 

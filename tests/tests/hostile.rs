@@ -1,0 +1,228 @@
+//! A local user's fake VMs: anyone can start a process named like QEMU with
+//! any command line. Started as `nobody`, with a vhost-scsi target named by
+//! an absolute path and by `..` (into a tree whose backstore is a FIFO, or a
+//! link to /dev/zero), an executable deleted with a FIFO at its
+//! `PATH (deleted)`, and a guest channel naming a root-only socket: the
+//! root agent finishes on time, stays small, and never connects (root).
+
+use std::{
+    io::ErrorKind,
+    os::unix::{fs::PermissionsExt, net::UnixListener},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use agent_integration::{iospan_bin, run};
+
+fn mkfifo(p: &Path) {
+    let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+    assert_eq!(
+        unsafe { libc::mkfifo(c.as_ptr(), 0o666) },
+        0,
+        "mkfifo {}",
+        p.display()
+    );
+}
+
+fn open_dir(p: &Path) {
+    std::fs::create_dir_all(p).unwrap();
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// The fake QEMU, built under QEMU's name in `dir`.
+fn fake_qemu(dir: &Path) -> PathBuf {
+    open_dir(dir);
+    let exe = dir.join("qemu-system-x86_64");
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/native/fake_qemu.c");
+    let out = run(Command::new("cc").args(["-O1", "-o"]).arg(&exe).arg(src));
+    assert!(
+        out.status.success(),
+        "building {src}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+/// `exe` with `args`, as nobody.
+fn as_nobody(exe: &Path, args: &[String]) -> Child {
+    Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(exe)
+        .args(args)
+        .env("FAKE_QEMU_SECONDS", "40")
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("setpriv (util-linux)")
+}
+
+/// A LUN tree as LIO lays it out, made by the attacker outside configfs:
+/// `root/tpgt_1/lun/lun_0/x` links to `store`.
+fn evil_target(root: &Path, store: &Path) {
+    open_dir(&root.join("tpgt_1/lun/lun_0"));
+    std::os::unix::fs::symlink(store, root.join("tpgt_1/lun/lun_0/x")).unwrap();
+}
+
+/// Peak RSS (KiB) of the waited child `pid`.
+fn wait_rss(pid: u32, limit: Duration) -> Option<(i32, i64)> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let mut status = 0;
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        let r = unsafe { libc::wait4(pid as i32, &mut status, libc::WNOHANG, &mut ru) };
+        if r == pid as i32 {
+            return Some((status, ru.ru_maxrss));
+        }
+        if Instant::now() > deadline {
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn fake_vms_of_a_local_user_neither_stall_nor_steer_the_agent() {
+    let base = std::env::temp_dir().join(format!("iospan-hostile-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    open_dir(&base);
+
+    // A socket only root can reach, counting who connects.
+    let private = base.join("root-only");
+    std::fs::create_dir_all(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let sock = private.join("ctl.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    listener.set_nonblocking(true).unwrap();
+
+    // Backstores: a FIFO for udev_path, and links to /dev/zero.
+    let fifo_store = base.join("fifo-store");
+    open_dir(&fifo_store);
+    mkfifo(&fifo_store.join("udev_path"));
+    let zero_store = base.join("zero-store");
+    open_dir(&zero_store);
+    std::os::unix::fs::symlink("/dev/zero", zero_store.join("udev_path")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", zero_store.join("info")).unwrap();
+    let abs_target = base.join("abs-target");
+    evil_target(&abs_target, &fifo_store);
+    let zero_target = base.join("zero-target");
+    evil_target(&zero_target, &zero_store);
+    let up = "../../../../../../../..";
+    let disk = base.join("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    std::fs::set_permissions(&disk, std::fs::Permissions::from_mode(0o644)).unwrap();
+
+    let exe = fake_qemu(&base.join("bin"));
+    let chan = |id: &str| {
+        vec![
+            "-chardev".to_string(),
+            format!("socket,id={id},path={}", sock.display()),
+            "-device".into(),
+            format!("virtserialport,chardev={id},name=org.iospan.0"),
+        ]
+    };
+    let drive = vec![
+        "-drive".to_string(),
+        format!(
+            "file={},if=none,id=d0,format=raw,aio=io_uring,cache=none",
+            disk.display()
+        ),
+        "-device".into(),
+        "virtio-blk-pci,drive=d0,id=vd0".into(),
+    ];
+    let vhost = |wwpn: String| {
+        vec![
+            "-device".to_string(),
+            format!("vhost-scsi-pci,wwpn={wwpn},id=vs0"),
+        ]
+    };
+    let cases: Vec<Vec<String>> = vec![
+        [
+            vec!["-name".into(), "guest=abs-fifo".into()],
+            vhost(abs_target.display().to_string()),
+            chan("c0"),
+        ]
+        .concat(),
+        [
+            vec!["-name".into(), "guest=dotdot-zero".into()],
+            vhost(format!("{up}{}", zero_target.display())),
+            chan("c1"),
+        ]
+        .concat(),
+        [
+            vec!["-name".into(), "guest=channel-only".into()],
+            drive.clone(),
+            chan("c2"),
+        ]
+        .concat(),
+    ];
+    // Two found by the start-up scan, the rest at their exec while it runs.
+    let mut fakes: Vec<Child> = cases[..2].iter().map(|a| as_nobody(&exe, a)).collect();
+    // One whose executable is gone, with a FIFO where its path says it was.
+    let del_dir = base.join("del");
+    let del_exe = fake_qemu(&del_dir);
+    let deleted_args = [
+        vec!["-name".into(), "guest=deleted-exe".into()],
+        drive.clone(),
+        chan("c3"),
+    ]
+    .concat();
+    fakes.push(as_nobody(&del_exe, &deleted_args));
+    std::thread::sleep(Duration::from_millis(300));
+    std::fs::remove_file(&del_exe).unwrap();
+    mkfifo(&del_dir.join("qemu-system-x86_64 (deleted)"));
+
+    let json = base.join("report.json");
+    let started = Instant::now();
+    // Waited with wait4 below, for its peak RSS.
+    #[allow(clippy::zombie_processes)]
+    let agent = Command::new(iospan_bin())
+        .args(["run", "--quiet", "--duration", "4s", "--json-out"])
+        .arg(&json)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    fakes.push(as_nobody(&exe, &cases[2]));
+    fakes.push(as_nobody(&exe, &cases[0]));
+    let waited = wait_rss(agent.id(), Duration::from_secs(30));
+    let took = started.elapsed();
+    let mut connections = 0;
+    loop {
+        match listener.accept() {
+            Ok(_) => connections += 1,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+            Err(e) => panic!("accept: {e}"),
+        }
+    }
+    for f in &mut fakes {
+        let _ = f.kill();
+        let _ = f.wait();
+    }
+    let (status, rss_kib) =
+        waited.unwrap_or_else(|| panic!("iospan run -d 4s still running after {took:?}: stalled"));
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "iospan run: wait status {status:#x}"
+    );
+    assert!(took < Duration::from_secs(20), "a 4 s run took {took:?}");
+    assert!(rss_kib < 256 << 10, "peak RSS {rss_kib} KiB");
+    assert_eq!(
+        connections, 0,
+        "the agent connected to a socket only the fake VMs' command lines named"
+    );
+    let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    // Each fake was identified at once (nothing it named was waited on,
+    // so none ran out its identification time and was dropped).
+    let names: Vec<&str> = rep["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    for n in ["abs-fifo", "dotdot-zero", "channel-only", "deleted-exe"] {
+        assert!(names.contains(&n), "{n} not among the VMs: {names:?}");
+    }
+    assert_eq!(rep["not_vms"].as_u64(), Some(0), "{:#}", rep["vms"]);
+    let _ = std::fs::remove_dir_all(&base);
+}
