@@ -34,6 +34,53 @@ pub struct Shared {
     /// Clients must send `Authorization: Bearer TOKEN` when set.
     #[cfg_attr(not(feature = "serve"), allow(dead_code))]
     token: Option<String>,
+    /// What the API turned away, by reason (shown in /metrics).
+    pub refused: Refused,
+}
+
+/// Requests and connections the API turned away, counted.
+#[derive(Debug, Default)]
+pub struct Refused {
+    /// Connections closed at once: `MAX_CONNECTIONS` were open.
+    pub connections: std::sync::atomic::AtomicU64,
+    /// Runs not started: `MAX_RUNS` were stored and all still running.
+    pub runs: std::sync::atomic::AtomicU64,
+    /// Stopped runs let go, oldest first, to keep `MAX_RUNS`.
+    pub runs_evicted: std::sync::atomic::AtomicU64,
+    /// Requests with a bad label, or a Host header naming another site.
+    pub bad_requests: std::sync::atomic::AtomicU64,
+}
+
+/// Connections the API keeps open at once; more are closed at once.
+pub const MAX_CONNECTIONS: usize = 4096;
+/// A connection's request headers must arrive within this.
+pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Labelled runs kept: past it the oldest stopped one goes.
+pub const MAX_RUNS: usize = 1024;
+/// A run label's length, at most.
+pub const MAX_LABEL: usize = 128;
+
+impl Refused {
+    /// Prometheus/OpenMetrics lines for these counters.
+    pub fn exposition(&self) -> String {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut out = String::from(
+            "# HELP iospan_api_refused Requests and connections the API turned away, by reason.\n\
+             # TYPE iospan_api_refused counter\n",
+        );
+        for (reason, n) in [
+            ("connections", &self.connections),
+            ("runs", &self.runs),
+            ("runs_evicted", &self.runs_evicted),
+            ("bad_request", &self.bad_requests),
+        ] {
+            out.push_str(&format!(
+                "iospan_api_refused_total{{reason=\"{reason}\"}} {}\n",
+                n.load(Relaxed)
+            ));
+        }
+        out
+    }
 }
 
 impl Shared {
@@ -45,6 +92,7 @@ impl Shared {
             frames: watch::channel(None).0,
             runs: Mutex::new(Vec::new()),
             token,
+            refused: Refused::default(),
         })
     }
 }
@@ -143,7 +191,9 @@ mod server {
     };
     use futures_util::stream::{self, Stream};
 
-    use super::{bench_report, BenchRun, Shared};
+    use super::{
+        bench_report, BenchRun, Shared, HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_LABEL, MAX_RUNS,
+    };
     use crate::{output::live::Frame, output::metrics::Format};
 
     /// Binds `addr` and serves in the background, over TLS when `tls`
@@ -153,6 +203,7 @@ mod server {
         tls: Option<&crate::cmd::config::Tls>,
         shared: Arc<Shared>,
     ) -> Result<()> {
+        raise_open_files();
         // Bound here, not in the background: a taken port fails the start.
         let listener = std::net::TcpListener::bind(addr)
             .with_context(|| format!("binding the HTTP API to {addr}"))?;
@@ -167,7 +218,13 @@ mod server {
             .layer(middleware::from_fn_with_state(shared.clone(), authorize))
             // Health answers everyone: supervisors carry no token.
             .route("/healthz", get(healthz))
-            .with_state(shared);
+            // On loopback, a page in a browser may reach us through a name
+            // that resolves here (DNS rebinding): only our own names count.
+            .layer(middleware::from_fn_with_state(
+                (shared.clone(), addr),
+                host_is_ours,
+            ))
+            .with_state(shared.clone());
         match tls {
             Some(t) => {
                 crate::cmd::tls::install_provider();
@@ -181,8 +238,13 @@ mod server {
                             t.key.display()
                         )
                     })?;
-                let server =
+                let mut server =
                     axum_server::from_tcp_rustls(listener, cfg).context("the API's socket")?;
+                server
+                    .http_builder()
+                    .http1()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(HEADER_TIMEOUT);
                 tokio::spawn(async move {
                     if let Err(e) = server.serve(app.into_make_service()).await {
                         log::warn!("HTTP API stopped: {e}");
@@ -192,14 +254,99 @@ mod server {
             None => {
                 let listener =
                     tokio::net::TcpListener::from_std(listener).context("the API's socket")?;
-                tokio::spawn(async move {
-                    if let Err(e) = axum::serve(listener, app).await {
-                        log::warn!("HTTP API stopped: {e}");
-                    }
-                });
+                tokio::spawn(accept_loop(listener, app, shared));
             }
         }
         Ok(())
+    }
+
+    /// Lets the process open as many files as its hard limit allows (the
+    /// unit's LimitNOFILE): `MAX_CONNECTIONS` sockets beside the probes'.
+    fn raise_open_files() {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: plain syscalls on a local struct.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+                lim.rlim_cur = lim.rlim_max;
+                libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            }
+        }
+    }
+
+    /// Serves each connection with a deadline for its request headers and
+    /// at most `MAX_CONNECTIONS` at once: half-open connections neither
+    /// stay nor keep real requests out.
+    async fn accept_loop(listener: tokio::net::TcpListener, app: Router, shared: Arc<Shared>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        let mut http = hyper::server::conn::http1::Builder::new();
+        http.timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HEADER_TIMEOUT);
+        loop {
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of descriptors, most likely: back off, do not spin.
+                    log::debug!("HTTP API: accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let Ok(permit) = open.clone().try_acquire_owned() else {
+                shared.refused.connections.fetch_add(1, Relaxed);
+                drop(stream);
+                continue;
+            };
+            let service = hyper_util::service::TowerToHyperService::new(app.clone());
+            let conn = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            tokio::spawn(async move {
+                let _ = conn.await;
+                drop(permit);
+            });
+        }
+    }
+
+    /// `localhost`, or a loopback address, with or without a port.
+    pub(super) fn host_is_loopback(host: &str) -> bool {
+        let name = match host.strip_prefix('[') {
+            Some(rest) => rest.split(']').next().unwrap_or(""),
+            None => host.split(':').next().unwrap_or(""),
+        };
+        name.eq_ignore_ascii_case("localhost")
+            || name
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    }
+
+    /// On a loopback address, the Host header must name it (`127.0.0.1`,
+    /// `localhost`, `[::1]`, with or without the port).
+    async fn host_is_ours(
+        State((s, addr)): State<(Arc<Shared>, SocketAddr)>,
+        headers: HeaderMap,
+        req: axum::extract::Request,
+        next: Next,
+    ) -> Response {
+        if !addr.ip().is_loopback() {
+            return next.run(req).await;
+        }
+        let host = headers
+            .get(header::HOST)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        if host.is_empty() || host_is_loopback(host) {
+            return next.run(req).await;
+        }
+        s.refused
+            .bad_requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        (
+            StatusCode::FORBIDDEN,
+            format!("Host {host:?} is not this agent's loopback address\n"),
+        )
+            .into_response()
     }
 
     async fn authorize(
@@ -240,7 +387,13 @@ mod server {
             Format::Prometheus => &s.prometheus,
             Format::OpenMetrics => &s.openmetrics,
         };
-        let body = text.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut body = text.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let ours = s.refused.exposition();
+        // OpenMetrics ends with `# EOF`: the API's own lines go before it.
+        match body.strip_suffix("# EOF\n") {
+            Some(head) => body = format!("{head}{ours}# EOF\n"),
+            None => body.push_str(&ours),
+        }
         ([(header::CONTENT_TYPE, f.content_type())], body).into_response()
     }
 
@@ -302,6 +455,16 @@ mod server {
     }
 
     async fn start_run(State(s): State<Arc<Shared>>, Query(q): Query<StartQuery>) -> Response {
+        use std::sync::atomic::Ordering::Relaxed;
+        let label = q.label.unwrap_or_default();
+        if label.len() > MAX_LABEL || label.chars().any(|c| c.is_control()) {
+            s.refused.bad_requests.fetch_add(1, Relaxed);
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("label: at most {MAX_LABEL} bytes, no control characters\n"),
+            )
+                .into_response();
+        }
         let Some(start) = fresh(&s).await else {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -310,9 +473,25 @@ mod server {
                 .into_response();
         };
         let mut runs = s.runs.lock().unwrap_or_else(|p| p.into_inner());
+        if runs.len() >= MAX_RUNS {
+            match runs.iter().position(|r| r.stopped_s.is_some()) {
+                Some(i) => {
+                    runs.remove(i);
+                    s.refused.runs_evicted.fetch_add(1, Relaxed);
+                }
+                None => {
+                    s.refused.runs.fetch_add(1, Relaxed);
+                    return (
+                        StatusCode::TOO_MANY_REQUESTS,
+                        format!("{MAX_RUNS} runs are running: stop one first\n"),
+                    )
+                        .into_response();
+                }
+            }
+        }
         let run = BenchRun {
-            id: runs.len() as u64 + 1,
-            label: q.label.unwrap_or_default(),
+            id: runs.last().map_or(1, |r| r.id + 1),
+            label,
             started_s: start.at_s,
             stopped_s: None,
             start,
@@ -351,6 +530,33 @@ mod server {
         match runs.iter().find(|r| r.id == id) {
             Some(r) => Json(r.clone()).into_response(),
             None => (StatusCode::NOT_FOUND, format!("no run {id}\n")).into_response(),
+        }
+    }
+}
+
+#[cfg(all(test, feature = "serve"))]
+mod tests {
+    #[test]
+    fn only_loopback_names_pass_the_host_check() {
+        for ok in [
+            "127.0.0.1",
+            "127.0.0.1:9464",
+            "localhost:9464",
+            "LOCALHOST",
+            "[::1]:9464",
+            "[::1]",
+            "127.1.2.3:80",
+        ] {
+            assert!(super::server::host_is_loopback(ok), "{ok}");
+        }
+        for bad in [
+            "evil.example:9464",
+            "127.0.0.1.evil.example",
+            "10.0.0.1:9464",
+            "[::2]:9464",
+            "localhost.evil:1",
+        ] {
+            assert!(!super::server::host_is_loopback(bad), "{bad}");
         }
     }
 }

@@ -45,7 +45,8 @@ pub(super) fn send_frame(
     snap.counters.host_split = corr.counters.clone();
     let known = known.lock().unwrap_or_else(|p| p.into_inner());
     let frame = crate::output::live::frame(at_s, &snap, &corr.splits, &corr.stitch, &known);
-    let _ = feed.tx.send(Some(Arc::new(frame)));
+    // Stored even when no one watches yet (the API reads it on request).
+    feed.tx.send_replace(Some(Arc::new(frame)));
 }
 
 pub(super) fn refresh_metrics(

@@ -1,0 +1,209 @@
+//! The API under abuse from whoever reaches its port: thousands of
+//! half-sent requests, ten thousand runs started, oversized labels, and a
+//! Host naming another site (DNS rebinding). Real requests keep answering,
+//! memory stays bounded, every refusal is counted (root: the probes load).
+
+use std::{
+    io::{ErrorKind, Read, Write},
+    net::TcpStream,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use agent_integration::iospan_bin;
+
+/// A free loopback port.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One request on a new connection: (status, body).
+fn request(port: u16, method: &str, path: &str, host: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    (status, body)
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn refused(metrics: &str, reason: &str) -> u64 {
+    let key = format!("iospan_api_refused_total{{reason=\"{reason}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in /metrics"))
+}
+
+struct Agent(Child);
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
+    // This test holds thousands of sockets itself.
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    assert!(
+        lim.rlim_max >= 4096,
+        "this test needs 4096 open files (ulimit -Hn: {})",
+        lim.rlim_max
+    );
+    lim.rlim_cur = lim.rlim_max;
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+    let port = free_port();
+    let agent = Agent(
+        Command::new(iospan_bin())
+            .args(["run", "--quiet", "--duration", "120s", "--metrics-listen"])
+            .arg(format!("127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while TcpStream::connect(("127.0.0.1", port)).is_err()
+        || request(port, "GET", "/healthz", "127.0.0.1").0 != 200
+    {
+        assert!(Instant::now() < deadline, "the API never answered");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // 2,000 requests whose headers never finish.
+    let mut half: Vec<TcpStream> = (0..2000)
+        .map(|_| {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+                .unwrap();
+            s
+        })
+        .collect();
+    let t = Instant::now();
+    let (status, _) = request(port, "GET", "/healthz", "127.0.0.1");
+    let took = t.elapsed();
+    assert_eq!(status, 200);
+    assert!(
+        took < Duration::from_secs(1),
+        "a real request took {took:?} beside 2000 half-open ones"
+    );
+    // Their headers are due within 5 s: then the agent has closed them.
+    std::thread::sleep(Duration::from_secs(7));
+    let mut closed = 0;
+    for s in &mut half {
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let mut b = [0u8; 256];
+        match s.read(&mut b) {
+            Ok(_) => closed += 1, // EOF, or a timeout response then EOF
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => closed += 1,
+            Err(_) => {}
+        }
+    }
+    assert_eq!(
+        closed,
+        half.len(),
+        "half-open connections left open past the header deadline"
+    );
+    drop(half);
+
+    // A label too long, or with a control character; a Host from elsewhere.
+    let long = "x".repeat(200);
+    assert_eq!(
+        request(
+            port,
+            "POST",
+            &format!("/api/v1/runs?label={long}"),
+            "127.0.0.1"
+        )
+        .0,
+        400
+    );
+    // Past the HTTP server's own bound on a request line: refused before us.
+    let huge = "x".repeat(64 << 10);
+    let (status, _) = request(
+        port,
+        "POST",
+        &format!("/api/v1/runs?label={huge}"),
+        "127.0.0.1",
+    );
+    assert!((400..500).contains(&status), "a 64 KiB label: {status}");
+    assert_eq!(
+        request(port, "POST", "/api/v1/runs?label=a%0Ab", "127.0.0.1").0,
+        400
+    );
+    assert_eq!(request(port, "GET", "/metrics", "rebind.example:80").0, 403);
+
+    // 10,000 runs started (none stopped), a thousand at a time.
+    let before = rss_kib(agent.0.id());
+    let mut created = 0;
+    let mut too_many = 0;
+    for batch in 0..10 {
+        let mut socks: Vec<TcpStream> = (0..1000)
+            .map(|i| {
+                let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                write!(
+                    s,
+                    "POST /api/v1/runs?label=flood-{batch}-{i} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+                )
+                .unwrap();
+                s
+            })
+            .collect();
+        for s in &mut socks {
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let mut out = String::new();
+            let _ = s.read_to_string(&mut out);
+            match out.split(' ').nth(1) {
+                Some("201") => created += 1,
+                Some("429") => too_many += 1,
+                other => panic!("start run answered {other:?}: {out}"),
+            }
+        }
+    }
+    assert_eq!(created + too_many, 10_000);
+    assert_eq!(created, 1024, "runs kept: the bound");
+    let (_, list) = request(port, "GET", "/api/v1/runs", "127.0.0.1");
+    let runs: serde_json::Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(runs.as_array().map(Vec::len), Some(1024));
+    let grew = rss_kib(agent.0.id()).saturating_sub(before);
+    assert!(
+        grew < 64 << 10,
+        "10,000 run requests grew the agent by {grew} KiB"
+    );
+    let (_, metrics) = request(port, "GET", "/metrics", "127.0.0.1");
+    assert_eq!(refused(&metrics, "runs"), too_many);
+    assert!(refused(&metrics, "bad_request") >= 3);
+}
