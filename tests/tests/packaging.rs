@@ -230,6 +230,13 @@ fn the_deb_installs_the_agent_its_unit_configuration_and_dashboards() {
     ] {
         assert!(root.join(f).is_file(), "{f} not installed");
     }
+    // The configuration holds the API token: root's alone.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(root.join("etc/iospan/iospan.toml"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "/etc/iospan/iospan.toml mode {mode:o}");
     // The installed configuration is a conffile, and checks out.
     let ctl = root.join("DEBIAN");
     assert!(run(Command::new("dpkg-deb").arg("-e").arg(&deb).arg(&ctl))

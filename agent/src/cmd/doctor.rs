@@ -269,6 +269,14 @@ impl Doctor {
                 };
                 let _ = writeln!(out, "    {role}: {symbol}, {how}");
             }
+            if vm.vdisks_over_cap > 0 {
+                let _ = writeln!(
+                    out,
+                    "    {} more virtual disks on its command line not followed (at most {} per VM)",
+                    vm.vdisks_over_cap,
+                    crate::discover::vms::MAX_VDISKS
+                );
+            }
             let _ = writeln!(
                 out,
                 "    kicks: {}",

@@ -28,9 +28,23 @@ impl ScratchLoop {
         ));
         let chunk = vec![0x5au8; 1 << 20];
         {
-            use std::io::Write;
-            let mut f =
-                fs::File::create(&file).with_context(|| format!("creating {}", file.display()))?;
+            use std::{io::Write, os::unix::fs::OpenOptionsExt};
+            // A name anyone could guess, in a directory anyone may write
+            // (/dev/shm): made new, never followed through a planted link
+            // or an existing file, readable by root only.
+            let mut f = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&file)
+                .with_context(|| {
+                    format!(
+                        "creating {} (it must not exist yet: a file or link of that name is \
+                         someone else's)",
+                        file.display()
+                    )
+                })?;
             for _ in 0..size_mib {
                 f.write_all(&chunk)
                     .with_context(|| format!("writing {}", file.display()))?;

@@ -267,6 +267,8 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
             });
         }
     }
+    let vdisks_over_cap = disks.len().saturating_sub(MAX_VDISKS);
+    disks.truncate(MAX_VDISKS);
     for d in &mut disks {
         // QEMU's defaults: a virtio disk gets a queue per vCPU (-smp, 1
         // without it), an NVMe controller 64 I/O queue pairs.
@@ -297,6 +299,7 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         serials,
         not_vm,
         libvirt: None,
+        vdisks_over_cap,
     }
 }
 

@@ -25,6 +25,14 @@ pub use scan::{
 };
 pub use stack::{file_key, host_disk_of, host_stack_of, host_stack_of_dev, HostStack};
 
+/// Virtual disks followed per VM: a command line anyone may write cannot
+/// fill the kernel's disk tables (4096 entries) alone.
+pub const MAX_VDISKS: usize = 256;
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
 /// The command-name prefix of a QEMU system emulator (its comm, and the
 /// file name it was executed as). Mirrors VM_COMM_PREFIX in agent_abi.h.
 pub const QEMU_PREFIX: &str = "qemu-system-";
@@ -59,6 +67,10 @@ pub struct Vm {
     /// disks.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub serials: Vec<(String, String)>,
+    /// Virtual disks past `MAX_VDISKS` on its command line: not followed
+    /// (their requests are the VM's, on no virtual disk).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub vdisks_over_cap: usize,
     /// Why this QEMU process is not a VM (it runs no guest: a capability
     /// probe), or None for a VM.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -661,3 +661,66 @@ fn a_hostile_wwpn_or_backstore_is_refused_without_blocking() {
     }
     let _ = fs::remove_dir_all(&base);
 }
+
+/// A command line anyone may write, with thousands of disks: the VM keeps
+/// `MAX_VDISKS`, says how many more it had, and parsing stays quick.
+#[test]
+fn thousands_of_disks_on_one_command_line_are_capped() {
+    let mut a = vec!["-name".to_string(), "guest=many".to_string()];
+    for i in 0..3000 {
+        a.push("-drive".into());
+        a.push(format!(
+            "file=/nonexistent/d{i}.img,if=none,id=d{i},format=raw"
+        ));
+        a.push("-device".into());
+        a.push(format!(
+            "virtio-blk-pci,drive=d{i},id=vd{i},num-queues=99999"
+        ));
+    }
+    let t = std::time::Instant::now();
+    let vm = from_args(9, &a);
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(vm.disks.len(), MAX_VDISKS);
+    assert_eq!(vm.vdisks_over_cap, 3000 - MAX_VDISKS);
+    // A queue count past QEMU's own maximum is not believed either.
+    assert_eq!(vm.disks[0].queues, Some(1024));
+}
+
+#[test]
+fn queue_counts_come_from_the_device_else_the_vcpus() {
+    let vm = from_args(
+        9,
+        &args(&[
+            "-smp",
+            "cpus=4,sockets=1",
+            "-drive",
+            "file=/x/a.img,if=none,id=a",
+            "-device",
+            "virtio-blk-pci,drive=a,id=va",
+            "-drive",
+            "file=/x/b.img,if=none,id=b",
+            "-device",
+            "virtio-blk-pci,drive=b,id=vb,num-queues=2",
+            "-drive",
+            "file=/x/c.img,if=none,id=c",
+            "-device",
+            "nvme,drive=c,id=nc,serial=1",
+        ]),
+    );
+    let q: Vec<_> = vm.disks.iter().map(|d| (d.id.as_str(), d.queues)).collect();
+    assert_eq!(q, [("va", Some(4)), ("vb", Some(2)), ("nc", Some(64))]);
+    let one = from_args(
+        9,
+        &args(&[
+            "-drive",
+            "file=/x/a.img,if=none,id=a",
+            "-device",
+            "virtio-blk-pci,drive=a",
+        ]),
+    );
+    assert_eq!(one.disks[0].queues, Some(1), "no -smp: one vCPU");
+}

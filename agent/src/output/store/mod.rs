@@ -144,6 +144,10 @@ pub fn new_run_dir(runs: &Path, label: &str) -> Result<PathBuf> {
         );
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    // A run names the host's VMs and disks: root's to read.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("making {} private", dir.display()))?;
     Ok(dir)
 }
 
