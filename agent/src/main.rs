@@ -79,8 +79,13 @@ enum Cmd {
         /// of them all, each agent's rows under its address (HOST:PORT/VM).
         #[arg(long, value_name = "HOST:PORT[,…]")]
         connect: Option<String>,
-        /// The agent's api.token (or IOSPAN_TOKEN).
-        #[arg(long, env = "IOSPAN_TOKEN", value_name = "TOKEN", requires = "connect")]
+        /// A file holding the agent's api.token (or set IOSPAN_TOKEN). Never the token itself on
+        /// the command line: every user can read a process's arguments.
+        #[arg(long, value_name = "FILE", requires = "connect")]
+        token_file: Option<PathBuf>,
+        /// Refused: the token would show in every user's process list. Use IOSPAN_TOKEN or
+        /// --token-file.
+        #[arg(long, value_name = "TOKEN", hide = true)]
         token: Option<String>,
         /// PEM certificate(s) to trust for an https agent (its own, or the CA that signed it);
         /// the system's web roots otherwise.
@@ -103,6 +108,10 @@ enum Cmd {
         /// grpc or http/protobuf. Default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else http/protobuf.
         #[arg(long, value_name = "P")]
         otlp_protocol: Option<String>,
+        /// PEM CA certificate(s) to trust for an https:// collector, instead of the system's
+        /// roots. Default: OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE.
+        #[arg(long, value_name = "FILE")]
+        otlp_ca_cert: Option<PathBuf>,
         /// Times through the file (each time new trace ids).
         #[arg(long, default_value_t = 1, value_name = "N")]
         repeat: u64,
@@ -222,6 +231,11 @@ struct RunArgs {
     /// grpc or http/protobuf. Default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else http/protobuf.
     #[arg(long, value_name = "P", help_heading = "Traces (OTLP)")]
     otlp_protocol: Option<String>,
+    /// PEM CA certificate(s) to trust for an https:// collector, instead of the system's roots.
+    /// Default: OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE. Credentials for the collector go in
+    /// OTEL_EXPORTER_OTLP_HEADERS (e.g. "authorization=Bearer …"), never on the command line.
+    #[arg(long, value_name = "FILE", help_heading = "Traces (OTLP)")]
+    otlp_ca_cert: Option<PathBuf>,
     /// Export the slowest K I/Os of each virtual disk per second.
     #[arg(
         long,
@@ -341,6 +355,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             events,
             otlp_endpoint,
             otlp_protocol,
+            otlp_ca_cert,
             repeat,
             speed,
             label,
@@ -350,6 +365,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             trace: TraceOpts {
                 endpoint: otlp_endpoint,
                 protocol: otlp_protocol,
+                ca_cert: otlp_ca_cert,
                 policy: Policy::default(),
                 run_label: label,
             },
@@ -398,9 +414,24 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             interval,
             max_disks,
             connect,
+            token_file,
             token,
             ca_cert,
         } => {
+            if token.is_some() {
+                anyhow::bail!(
+                    "--token: a token on the command line shows in every user's process list \
+                     (ps, /proc/PID/cmdline); set IOSPAN_TOKEN, or --token-file FILE (mode 0600)"
+                );
+            }
+            let token = match (token_file, std::env::var("IOSPAN_TOKEN")) {
+                (Some(f), _) => Some(
+                    iospan::cmd::token::read(&f)
+                        .map_err(|e| e.context(format!("--token-file {}", f.display())))?,
+                ),
+                (None, Ok(t)) if !t.trim().is_empty() => Some(t.trim().to_string()),
+                _ => None,
+            };
             iospan::cmd::top::main(iospan::cmd::top::TopOptions {
                 disks,
                 interval,
@@ -434,6 +465,7 @@ impl RunArgs {
             traces: TraceOpts {
                 endpoint: a.otlp_endpoint,
                 protocol: a.otlp_protocol,
+                ca_cert: a.otlp_ca_cert,
                 policy: Policy {
                     slowest: a.trace_slowest,
                     slower_than_ns: a

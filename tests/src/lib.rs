@@ -300,6 +300,15 @@ pub fn fio_numbers(json: &serde_json::Value, dir: &str) -> (u64, f64, f64, f64) 
     (ios, mean, p50, p99)
 }
 
+/// One percentile (fio's key, e.g. "90.000000") of fio's completion
+/// latency for `dir`, µs.
+pub fn fio_clat_percentile(json: &serde_json::Value, dir: &str, p: &str) -> f64 {
+    json["jobs"][0][dir]["clat_ns"]["percentile"][p]
+        .as_f64()
+        .unwrap_or_else(|| panic!("fio clat percentile {p}: {json}"))
+        / 1000.0
+}
+
 /// fio's total latency for `dir` (submission and completion, `lat_ns`;
 /// percentiles with `--lat_percentiles=1`): (mean, p50, p99) µs. A
 /// request's block-layer life starts inside the submission call, so only
@@ -434,4 +443,80 @@ impl Drop for Tmux {
             .args(["kill-session", "-t", &self.0])
             .status();
     }
+}
+
+/// A CA and a server certificate it signed for 127.0.0.1 (P-256, two
+/// days), made by openssl in `dir`: (ca.crt, NAME.crt, NAME.key).
+pub fn test_ca(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
+    std::fs::create_dir_all(dir).unwrap();
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n",
+    )
+    .unwrap();
+    let (crt, key, csr) = (
+        format!("{name}.crt"),
+        format!("{name}.key"),
+        format!("{name}.csr"),
+    );
+    for cmd in [
+        vec![
+            "req",
+            "-x509",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=iospan-test-ca",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+        ],
+        vec![
+            "req",
+            "-subj",
+            "/CN=iospan-test",
+            "-keyout",
+            &key,
+            "-out",
+            &csr,
+        ],
+        vec![
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+            "-out",
+            &crt,
+        ],
+    ] {
+        let mut c = std::process::Command::new("openssl");
+        c.current_dir(dir).arg(cmd[0]);
+        if cmd[0] == "req" {
+            c.args(ec);
+        }
+        let made = run(c.args(&cmd[1..]));
+        assert!(
+            made.status.success(),
+            "openssl {cmd:?}: {}",
+            String::from_utf8_lossy(&made.stderr)
+        );
+    }
+    (dir.join("ca.crt"), dir.join(crt), dir.join(key))
 }

@@ -21,13 +21,21 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// The Authorization header line: starting runs needs the agent's token
+/// (`iospan run` made it in the default file when it started).
+fn bearer() -> String {
+    let t = std::fs::read_to_string("/var/lib/iospan/api-token").unwrap_or_default();
+    format!("Authorization: Bearer {}\r\n", t.trim())
+}
+
 /// One request on a new connection: (status, body).
 fn request(port: u16, method: &str, path: &str, host: &str) -> (u16, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n{}Content-Length: 0\r\n\r\n",
+        bearer()
     )
     .unwrap();
     let mut out = String::new();
@@ -165,18 +173,29 @@ fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
         400
     );
     assert_eq!(request(port, "GET", "/metrics", "rebind.example:80").0, 403);
+    // Without the token, no run starts (and the refusal is counted).
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "POST /api/v1/runs?label=anon HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    assert!(out.starts_with("HTTP/1.1 401"), "{out}");
 
     // 10,000 runs started (none stopped), a thousand at a time.
     let before = rss_kib(agent.0.id());
     let mut created = 0;
     let mut too_many = 0;
+    let auth = bearer();
     for batch in 0..10 {
         let mut socks: Vec<TcpStream> = (0..1000)
             .map(|i| {
                 let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
                 write!(
                     s,
-                    "POST /api/v1/runs?label=flood-{batch}-{i} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+                    "POST /api/v1/runs?label=flood-{batch}-{i} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n{auth}Content-Length: 0\r\n\r\n"
                 )
                 .unwrap();
                 s
@@ -206,4 +225,5 @@ fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
     let (_, metrics) = request(port, "GET", "/metrics", "127.0.0.1");
     assert_eq!(refused(&metrics, "runs"), too_many);
     assert!(refused(&metrics, "bad_request") >= 3);
+    assert_eq!(refused(&metrics, "unauthorized"), 1);
 }

@@ -16,6 +16,8 @@ struct Case {
     fio: (u64, f64, f64, f64),
     /// fio's total latency: (mean, p50, p99) µs.
     fio_lat: (f64, f64, f64),
+    /// fio's completion latency p90, µs.
+    fio_p90: f64,
 }
 
 fn traced_fio(rw: &str, qd: u32) -> Case {
@@ -63,6 +65,7 @@ fn traced_fio(rw: &str, qd: u32) -> Case {
     Case {
         fio: fio_numbers(&fio, op),
         fio_lat: fio_total_latency(&fio, op),
+        fio_p90: agent_integration::fio_clat_percentile(&fio, op, "90.000000"),
         report,
         entry,
     }
@@ -88,8 +91,9 @@ fn check(rw: &str, qd: u32) {
         entry,
         fio,
         fio_lat: (lat_mean, lat_p50, lat_p99),
+        fio_p90,
     } = traced_fio(rw, qd);
-    let (fio_ios, fio_mean, fio_p50, fio_p99) = fio;
+    let (fio_ios, fio_mean, fio_p50, _) = fio;
     let ios = entry["ios"].as_u64().unwrap();
     let ctx = format!("{rw} QD{qd}: {entry:#}");
 
@@ -202,13 +206,17 @@ fn check(rw: &str, qd: u32) {
         p99 <= lat_p99 * 1.25,
         "{ctx}\np99 {p99} above fio's total latency p99 {lat_p99}"
     );
-    // At depth fio's tail is its own reap queue on this two-CPU machine
-    // (once, a QD16 block-layer p99 of 181 µs against fio's 1188): a floor
-    // only at QD1.
+    // A floor on the tail only at QD1 (at depth fio's tail is its own reap
+    // queue on this two-CPU machine: once, a QD16 block-layer p99 of 181 µs
+    // against fio's 1188), and at p90: fio's p99 also holds its wakeups
+    // after completion, which wait for a CPU whenever the machine is busy
+    // (a CI run beside a compile: fio's clat p99 1433.6 µs against a
+    // block-layer p99 of 203 and p90 of 28.7, all of the gap fio's).
     if qd == 1 {
+        let p90 = f(&total["p90_us"]);
         assert!(
-            p99 >= 0.3 * fio_p99,
-            "{ctx}\np99 {p99} implausibly below fio's {fio_p99}"
+            p90 >= 0.3 * fio_p90,
+            "{ctx}\np90 {p90} implausibly below fio's clat p90 {fio_p90}"
         );
     }
 }

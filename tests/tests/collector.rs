@@ -16,22 +16,43 @@ fn every_shipped_collector_config_validates() {
         .map(|e| e.path())
         .filter(|p| {
             p.extension().is_some_and(|x| x == "yaml")
-                && p.file_name() != Some("builder.yaml".as_ref())
+                && !["builder.yaml", "tls.yaml"]
+                    .iter()
+                    .any(|n| p.file_name() == Some(n.as_ref()))
         })
         .collect();
     configs.sort();
     assert!(configs.len() >= 2, "{configs:?}");
+    // Each tier alone (loopback, plain), and each with the TLS overlay.
+    let tls = dir.join("tls.yaml");
     for c in &configs {
-        let out = run(Command::new(&bin)
-            .arg("validate")
-            .arg(format!("--config={}", c.display())));
-        assert!(
-            out.status.success(),
-            "{}: {}{}",
-            c.display(),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        for overlay in [None, Some(&tls)] {
+            let mut cmd = Command::new(&bin);
+            cmd.arg("validate")
+                .arg(format!("--config={}", c.display()))
+                .env("IOSPAN_TLS_CERT", "/etc/iospan/collector.crt")
+                .env("IOSPAN_TLS_KEY", "/etc/iospan/collector.key")
+                .env("IOSPAN_TOKEN_FILE", "/etc/iospan/collector-token");
+            if let Some(o) = overlay {
+                cmd.arg(format!("--config={}", o.display()));
+            }
+            let out = run(&mut cmd);
+            assert!(
+                out.status.success(),
+                "{} {overlay:?}: {}{}",
+                c.display(),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        // Plain OTLP listens on loopback only.
+        let text = std::fs::read_to_string(c).unwrap();
+        for l in text
+            .lines()
+            .filter(|l| l.contains("OTLP_") && l.contains("ENDPOINT"))
+        {
+            assert!(l.contains(":-127.0.0.1:"), "{}: {l}", c.display());
+        }
     }
     // And a broken one is refused, naming what is wrong.
     let bad =
@@ -228,23 +249,9 @@ fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
 #[test]
 fn a_replayed_run_reaches_the_backend_as_recorded() {
     let jaeger = backends::Jaeger::start().unwrap_or_else(|e| panic!("{e:#}"));
-    let (rig, image) = agent_integration::rig_and_image();
-    let host = agent_integration::host_disk_of(&image);
-    let a = xtask::guest::RunArgs {
-        ios: 200,
-        name: "replayed-vm".into(),
-        ..Default::default()
-    };
-    let (qemu, _) = xtask::guest::qemu_command(&rig, &a, &image);
     let dir = std::env::temp_dir().join(format!("iospan-replay-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let ev = dir.join("events.jsonl");
-    agent_integration::run_around(
-        Command::new(agent_integration::iospan_bin())
-            .args(["run", "--quiet", "--disk", &host, "--events-out"])
-            .arg(&ev),
-        &qemu,
-    );
+    let ev = record_events("replayed-vm", &dir);
     let mut recorded: Vec<f64> = std::fs::read_to_string(&ev)
         .unwrap()
         .lines()
@@ -309,6 +316,128 @@ fn a_replayed_run_reaches_the_backend_as_recorded() {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Agents on other hosts reach the gateway only over TLS with its token
+/// (tls.yaml): a replayed run's traces, over http/protobuf and gRPC, are
+/// all taken with the token and the CA, and all refused (and counted)
+/// without the token or without TLS.
+#[test]
+fn spans_reach_the_gateway_over_tls_with_a_token_and_not_without() {
+    let dir = std::env::temp_dir().join(format!("iospan-otlp-tls-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (ca, cert, key) = agent_integration::test_ca(&dir, "collector");
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, "c0llect0r-t0ken\n").unwrap();
+    let gw = backends::Collector::start_with(
+        &["gateway", "tls"],
+        &[
+            ("IOSPAN_TLS_CERT", cert.to_str().unwrap()),
+            ("IOSPAN_TLS_KEY", key.to_str().unwrap()),
+            ("IOSPAN_TOKEN_FILE", token_file.to_str().unwrap()),
+            ("IOSPAN_BASELINE_PERCENT", "0"),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
+
+    // A short recorded run to send.
+    let ev = record_events("tls-vm", &dir);
+    let n = std::fs::read_to_string(&ev)
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("\"guest_io\""))
+        .count() as u64;
+    assert!(n > 150, "{n} recorded");
+
+    let replay =
+        |protocol: &str, endpoint: &str, token: Option<&str>, ca: Option<&std::path::Path>| {
+            let mut c = Command::new(agent_integration::iospan_bin());
+            c.arg("replay")
+                .arg(&ev)
+                .args(["--quiet", "--speed", "0", "--otlp-protocol", protocol])
+                .args(["--otlp-endpoint", endpoint])
+                .env_remove("OTEL_EXPORTER_OTLP_HEADERS");
+            if let Some(ca) = ca {
+                c.arg("--otlp-ca-cert").arg(ca);
+            }
+            if let Some(t) = token {
+                c.env(
+                    "OTEL_EXPORTER_OTLP_HEADERS",
+                    format!("authorization=Bearer {t}"),
+                );
+            }
+            let out = run(&mut c);
+            let err = String::from_utf8_lossy(&out.stderr).to_string();
+            let s: serde_json::Value = serde_json::from_slice(&out.stdout)
+                .unwrap_or_else(|e| panic!("{protocol} {endpoint}: {e}: {err}"));
+            (s, err)
+        };
+    for (protocol, addr) in [("http/protobuf", &gw.otlp_http), ("grpc", &gw.otlp_grpc)] {
+        let https = format!("https://{addr}");
+        let (s, err) = replay(protocol, &https, Some("c0llect0r-t0ken"), Some(&ca));
+        assert_eq!(s["exported_traces"], n, "{protocol}: {s} {err}");
+        assert_eq!(s["failed_traces"], 0, "{protocol}: {s} {err}");
+        // A wrong token, no token, no TLS: nothing taken, all counted.
+        for (what, endpoint, token) in [
+            ("a wrong token", https.as_str(), Some("guess")),
+            ("no token", https.as_str(), None),
+        ] {
+            let (s, err) = replay(protocol, endpoint, token, Some(&ca));
+            assert_eq!(s["exported_traces"], 0, "{protocol}, {what}: {s} {err}");
+            assert_eq!(s["failed_traces"], n, "{protocol}, {what}: {s} {err}");
+        }
+        let (s, err) = replay(
+            protocol,
+            &format!("http://{addr}"),
+            Some("c0llect0r-t0ken"),
+            None,
+        );
+        assert_eq!(s["exported_traces"], 0, "{protocol}, plain: {s} {err}");
+    }
+    // The gateway's span metrics count what it took: both protocols'.
+    let t0 = std::time::Instant::now();
+    loop {
+        let (_, body) = backends::http_get(&gw.prometheus, "/metrics", &[]).unwrap_or_default();
+        let calls: f64 = body
+            .lines()
+            .filter(|l| {
+                l.starts_with("traces_span_metrics_calls_total")
+                    && l.contains("virt_vm_name=\"tls-vm\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        if calls >= 2.0 * n as f64 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(30),
+            "span metrics show {calls} calls of tls-vm, want ≥ {}",
+            2 * n
+        );
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rig guest named `vm` doing 200 reads under `iospan run
+/// --events-out`: the events file, in `dir`.
+fn record_events(vm: &str, dir: &std::path::Path) -> std::path::PathBuf {
+    let (rig, image) = agent_integration::rig_and_image();
+    let host = agent_integration::host_disk_of(&image);
+    let a = xtask::guest::RunArgs {
+        ios: 200,
+        name: vm.into(),
+        ..Default::default()
+    };
+    let (qemu, _) = xtask::guest::qemu_command(&rig, &a, &image);
+    let ev = dir.join("events.jsonl");
+    agent_integration::run_around(
+        Command::new(agent_integration::iospan_bin())
+            .args(["run", "--quiet", "--disk", &host, "--events-out"])
+            .arg(&ev),
+        &qemu,
+    );
+    ev
 }
 
 /// What Jaeger holds of service iospan with the tag KEY=VALUE.

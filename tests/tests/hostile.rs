@@ -226,3 +226,155 @@ fn fake_vms_of_a_local_user_neither_stall_nor_steer_the_agent() {
     assert_eq!(rep["not_vms"].as_u64(), Some(0), "{:#}", rep["vms"]);
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// A guest writing its channel as fast as the agent reads: a HELLO whose
+/// strings carry terminal escapes, then records with a new queue number
+/// each that match no host request (the VM does no I/O), for 6 s of a
+/// 12 s run. The agent's peak RSS stays under 128 MiB, every record it
+/// took is counted as unmatched or refused, none is lost unsaid, and the
+/// escapes reach no output.
+#[test]
+fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record() {
+    use iospan::pipeline::transport::{encode, Frame, GuestDisk, Hello, MAX_PAYLOAD};
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+
+    let base = std::env::temp_dir().join(format!("iospan-flood-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    open_dir(&base);
+    let disk = base.join("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    // The channel's listening socket, held by the fake VM (an inherited
+    // descriptor, as libvirt passes it) and accepted on here.
+    let listener = UnixListener::bind(base.join("chan.sock")).unwrap();
+    let fd = listener.as_raw_fd();
+    // SAFETY: clears close-on-exec on a descriptor we own.
+    assert_eq!(unsafe { libc::fcntl(fd, libc::F_SETFD, 0) }, 0);
+    let exe = fake_qemu(&base.join("bin"));
+    let mut vm = Command::new(&exe)
+        .args(["-name", "guest=flood\u{1b}[2J"])
+        .arg("-drive")
+        .arg(format!(
+            "file={},if=none,id=d0,format=raw,aio=io_uring,cache=none",
+            disk.display()
+        ))
+        .args(["-device", "virtio-blk-pci,drive=d0,id=vd0"])
+        .arg("-chardev")
+        .arg(format!("socket,id=ch0,fd={fd},server=on,wait=off"))
+        .args(["-device", "virtserialport,chardev=ch0,name=org.iospan.0"])
+        .env("FAKE_QEMU_SECONDS", "40")
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+
+    let json = base.join("report.json");
+    #[allow(clippy::zombie_processes)]
+    let agent = Command::new(iospan_bin())
+        .args(["run", "--quiet", "--duration", "12s", "--json-out"])
+        .arg(&json)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    listener.set_nonblocking(false).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(listener.accept().map(|(s, _)| s));
+    });
+    let mut conn = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the agent never connected to the VM's own channel")
+        .unwrap();
+    let dev = (252 << 20) | 0;
+    let hello = Frame::Hello(Hello {
+        boot_id: "boot\u{1b}]0;owned\u{7}".into(),
+        kernel: "6.1\u{1b}[31m".into(),
+        disks: vec![GuestDisk {
+            dev,
+            name: "vda".into(),
+            serial: None,
+        }],
+        probes: "kick and completion probes".into(),
+    });
+    conn.write_all(&encode(1, 0, &hello)).unwrap();
+    let per_frame = MAX_PAYLOAD / iospan::abi::GuestIoEvent::SIZE - 1;
+    let mut sent = 0u64;
+    let mut seq = 1u64;
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(6) {
+        let recs: Vec<iospan::abi::GuestIoEvent> = (0..per_frame as u64)
+            .map(|i| {
+                let n = sent + i;
+                iospan::abi::GuestIoEvent {
+                    kind: iospan::abi::EVENT_GUEST_IO,
+                    dev,
+                    sector: n * 8,
+                    bytes: 4096,
+                    queue: n as u32,
+                    start_ns: 1_000 + n * 1_000,
+                    issue_ns: 1_100 + n * 1_000,
+                    done_ns: 1_500 + n * 1_000,
+                    ..Default::default()
+                }
+            })
+            .collect();
+        if conn
+            .write_all(&encode(1, seq, &Frame::Records(recs)))
+            .is_err()
+        {
+            break;
+        }
+        sent += per_frame as u64;
+        seq += 1;
+    }
+    let waited = wait_rss(agent.id(), Duration::from_secs(40));
+    drop(conn);
+    let _ = vm.kill();
+    let _ = vm.wait();
+    let (status, rss_kib) = waited.expect("iospan run -d 12s did not end");
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "iospan run: wait status {status:#x}"
+    );
+    assert!(sent >= 100_000, "only {sent} records sent in 6 s");
+    assert!(
+        rss_kib < 128 << 10,
+        "peak RSS {rss_kib} KiB after {sent} records"
+    );
+
+    let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let g = rep["guests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["vm"].as_str().is_some_and(|v| v.starts_with("flood")))
+        .unwrap_or_else(|| {
+            panic!(
+                "the flooding guest is not in the report: {:#}",
+                rep["guests"]
+            )
+        });
+    // The name its command line gave, shown, not obeyed.
+    assert_eq!(g["vm"], "flood\\u{1b}[2J");
+    let received = g["channel"]["records"].as_u64().unwrap();
+    assert_eq!(received, sent, "{:#}", g["channel"]);
+    assert_eq!(
+        g["channel"]["lost_frames"].as_u64(),
+        Some(0),
+        "{:#}",
+        g["channel"]
+    );
+    let s = &rep["stitch"];
+    let counted = ["unmatched_guest", "guest_over_cap", "unknown_disk"]
+        .iter()
+        .map(|k| s[k].as_u64().unwrap_or(0))
+        .sum::<u64>();
+    assert_eq!(counted, received, "records taken but not counted: {s:#}");
+    assert!(s["guest_over_cap"].as_u64().unwrap() > 0, "{s:#}");
+    assert_eq!(
+        s["unknown_disk"].as_u64(),
+        Some(0),
+        "the disk was not matched: {s:#}"
+    );
+    let _ = std::fs::remove_dir_all(&base);
+}

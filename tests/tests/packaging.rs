@@ -57,6 +57,30 @@ fn the_unit_verifies_and_asks_for_least_privilege() {
         assert!(text.contains(line), "{line} missing");
     }
     assert!(text.lines().any(|l| l.starts_with("ProtectHome=")));
+    for line in [
+        "MemoryMax=",
+        "TasksMax=",
+        "LimitNOFILE=",
+        "ProtectKernelTunables=yes",
+        "ProtectKernelLogs=yes",
+        "SystemCallFilter=",
+        "DevicePolicy=closed",
+    ] {
+        assert!(text.lines().any(|l| l.starts_with(line)), "{line} missing");
+    }
+    // systemd's own reckoning of the unit's exposure (10 is none at all;
+    // 5.1 before the unit was hardened).
+    let out = run(Command::new("systemd-analyze")
+        .args(["security", "--offline=true"])
+        .arg(sh::root().join("packaging/iospan.service")));
+    let report = String::from_utf8_lossy(&out.stdout);
+    let exposure: f64 = report
+        .lines()
+        .find_map(|l| l.split("iospan.service: ").nth(1))
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no exposure level: {report}"));
+    assert!(exposure <= 3.5, "exposure {exposure}: {report}");
     // No capability beyond eBPF's needs.
     let caps = bounding_set();
     for c in &caps {
@@ -92,6 +116,174 @@ fn bounding_set() -> Vec<String> {
         .collect()
 }
 
+/// An agent configuration in `dir` tracing `host`, its API on `addr`, its
+/// token file beside it: (configuration, token file).
+fn agent_config(dir: &Path, host: &str, addr: &str) -> (PathBuf, PathBuf) {
+    let conf = dir.join("iospan.toml");
+    let token_file = dir.join("api-token");
+    std::fs::write(
+        &conf,
+        format!(
+            "[agent]\ndisks = [\"{host}\"]\n[api]\nlisten = \"{addr}\"\ntoken_file = \"{}\"\n",
+            token_file.display()
+        ),
+    )
+    .unwrap();
+    (conf, token_file)
+}
+
+/// Every system call of the unit's SystemCallFilter, its groups expanded
+/// by systemd itself.
+fn allowed_syscalls() -> std::collections::BTreeSet<String> {
+    fn expand(item: &str, out: &mut std::collections::BTreeSet<String>) {
+        if !item.starts_with('@') {
+            out.insert(item.to_string());
+            return;
+        }
+        let o = run(Command::new("systemd-analyze").args(["syscall-filter", item]));
+        assert!(o.status.success(), "systemd-analyze syscall-filter {item}");
+        let text = String::from_utf8_lossy(&o.stdout).to_string();
+        let members: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("    "))
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .map(str::to_string)
+            .collect();
+        assert!(!members.is_empty(), "{item}: {text}");
+        for m in members {
+            expand(&m, out);
+        }
+    }
+    let mut out = std::collections::BTreeSet::new();
+    let filter = unit_text()
+        .lines()
+        .find_map(|l| l.strip_prefix("SystemCallFilter="))
+        .expect("the unit has a SystemCallFilter")
+        .to_string();
+    for item in filter.split_whitespace() {
+        expand(item, &mut out);
+    }
+    out
+}
+
+/// The agent as the service runs it, traced by strace through its life: a
+/// start, a guest (probes on its QEMU, its I/O), a labelled run, a reload,
+/// a stop. Every system call it made is one the unit's filter allows.
+#[test]
+fn the_units_system_call_filter_allows_every_call_the_agent_makes() {
+    let allowed = allowed_syscalls();
+    assert!(allowed.contains("bpf") && allowed.contains("read"));
+    assert!(!allowed.contains("mount") && !allowed.contains("kexec_load"));
+    let (rig, image) = rig_and_image();
+    let host = host_disk_of(&image);
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let tag = format!("iospan-scf-{}", std::process::id());
+    let dir = std::env::temp_dir().join(&tag);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (conf, token_file) = agent_config(&dir, &host, &addr);
+    let trace = dir.join("strace.out");
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut strace = Reap(
+        Command::new("strace")
+            .args(["-f", "-qq", "-o"])
+            .arg(&trace)
+            .arg(iospan_bin())
+            .args(["agent", "--config"])
+            .arg(&conf)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let status = |p: &str| http_get(&addr, p, &[]).map_or(0, |r| r.0);
+    let t = Instant::now();
+    while status("/healthz") != 200 {
+        assert!(strace.0.try_wait().unwrap().is_none(), "the agent exited");
+        assert!(t.elapsed() < Duration::from_secs(60), "never healthy");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let token = std::fs::read_to_string(&token_file).unwrap();
+    let post = |path: &str| -> String {
+        ureq::post(&format!("http://{addr}{path}"))
+            .header("Authorization", &format!("Bearer {}", token.trim()))
+            .send_empty()
+            .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    };
+    post("/api/v1/runs?label=scf");
+    let a = RunArgs {
+        qd: 2,
+        ios: 300,
+        name: "scf-rig".into(),
+        ..Default::default()
+    };
+    let (mut qemu, _) = guest::qemu_command(&rig, &a, &image);
+    let out = run(&mut qemu);
+    assert!(out.status.success(), "the guest failed");
+    let report = post("/api/v1/runs/1/stop");
+    assert!(
+        report.contains("scf-rig"),
+        "the guest was not seen: {report}"
+    );
+    // Reload, then stop: both paths traced too.
+    let pid = std::fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.split_whitespace().next()?.parse::<i32>().ok())
+        .expect("strace wrote nothing");
+    // SAFETY: kill(2) on the traced agent, our grandchild.
+    unsafe { libc::kill(pid, libc::SIGHUP) };
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(3) || status("/healthz") != 200 {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "not healthy after reload"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let st = agent_integration::wait_limited(&mut strace.0, Duration::from_secs(60))
+        .expect("the agent did not stop");
+    assert!(st.success(), "{st}");
+
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let mut used = std::collections::BTreeSet::new();
+    for line in text.lines() {
+        // "PID  name(args…) = ret", or "PID  <... name resumed>…".
+        let rest = line.split_once(' ').map_or("", |(_, r)| r).trim_start();
+        let name = match rest.strip_prefix("<... ") {
+            Some(r) => r.split(' ').next().unwrap_or(""),
+            None => rest.split('(').next().unwrap_or(""),
+        };
+        if !name.is_empty()
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        {
+            used.insert(name.to_string());
+        }
+    }
+    assert!(
+        used.contains("bpf") && used.contains("perf_event_open"),
+        "the trace missed the probes' calls: {used:?}"
+    );
+    let missing: Vec<_> = used.iter().filter(|c| !allowed.contains(*c)).collect();
+    assert!(
+        missing.is_empty(),
+        "the agent calls {missing:?}, which the unit's SystemCallFilter refuses"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The agent with only the unit's capabilities (as systemd would start
 /// it: root, bounding set cut down) measures a guest exactly.
 #[test]
@@ -99,12 +291,10 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let conf = std::env::temp_dir().join(format!("iospan-caps-{}.toml", std::process::id()));
-    std::fs::write(
-        &conf,
-        format!("[agent]\ndisks = [\"{host}\"]\n[api]\nlisten = \"{addr}\"\n"),
-    )
-    .unwrap();
+    let dir = std::env::temp_dir().join(format!("iospan-caps-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (conf, token_file) = agent_config(&dir, &host, &addr);
     let caps: Vec<String> = bounding_set()
         .iter()
         .map(|c| format!("+{}", c.trim_start_matches("CAP_").to_lowercase()))
@@ -160,8 +350,11 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
         );
     }
 
+    // The agent made its token at start, with only the unit's capabilities.
+    let token = std::fs::read_to_string(&token_file).unwrap();
     let post = |path: &str| -> serde_json::Value {
         let mut r = ureq::post(&format!("http://{addr}{path}"))
+            .header("Authorization", &format!("Bearer {}", token.trim()))
             .send_empty()
             .unwrap();
         serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap()
@@ -190,7 +383,12 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
         .find(|e| e["vm"] == "caps-rig" && e["disk"] == "vd0")
         .unwrap_or_else(|| panic!("{stopped:#}"))
         .clone();
-    assert_eq!(e["ios"].as_u64(), Some(r.guest_reads), "{e:#}");
+    assert_eq!(
+        e["ios"].as_u64(),
+        Some(r.guest_reads),
+        "{e:#}\nlost in the run: {}",
+        stopped["report"]["lost"]
+    );
     for seg in ["total", "hv", "engine", "device"] {
         assert!(
             e["segments"][seg]["count"].as_u64().unwrap_or(0) > 0,

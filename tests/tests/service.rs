@@ -125,15 +125,21 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
     assert_eq!(get(&addr, "/api/v1/snapshot", Some("wrong")).0, 401);
     assert_eq!(get(&addr, "/api/v1/snapshot", Some(token)).0, 200);
 
-    // SIGHUP with a broken file: refused, the service stays.
-    std::fs::write(&path, "[agent]\nmax_disk = 1\n").unwrap();
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
-    std::thread::sleep(Duration::from_millis(500));
-    assert!(
-        agent.0.try_wait().unwrap().is_none(),
-        "a bad reload stopped the agent"
-    );
+    // SIGHUP with a broken file: refused, the service stays. And one
+    // broken on the token's line: the log names the line, never the token.
+    for broken in [
+        "[agent]\nmax_disk = 1\n".to_string(),
+        format!("[api]\nlisten = \"{addr}\"\ntoken = \"{token}\n"),
+    ] {
+        std::fs::write(&path, broken).unwrap();
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(
+            agent.0.try_wait().unwrap().is_none(),
+            "a bad reload stopped the agent"
+        );
+    }
     // And with a good one: it restarts measuring on the new settings.
     std::fs::write(&path, conf(7)).unwrap();
     unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
@@ -149,7 +155,7 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
     // top --connect, in a terminal, watching the service.
     let tmux = Tmux::start(
         &format!(
-            "{} top --connect {addr} --token {token}",
+            "IOSPAN_TOKEN={token} {} top --connect {addr}",
             iospan_bin().display()
         ),
         200,
@@ -228,7 +234,177 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
     std::io::Read::read_to_string(agent.0.stderr.as_mut().unwrap(), &mut log).unwrap();
     assert!(status.success(), "{log}");
     assert!(log.contains("max_disk") && log.contains("stays"), "{log}");
+    assert!(log.contains("line 3, token"), "{log}");
+    assert!(!log.contains(token), "the token reached the log: {log}");
     assert!(log.contains("reloaded"), "{log}");
+}
+
+fn post_status(addr: &str, path: &str, token: Option<&str>) -> u16 {
+    let mut req = ureq::post(&format!("http://{addr}{path}"))
+        .config()
+        .http_status_as_error(false)
+        .build();
+    if let Some(t) = token {
+        req = req.header("Authorization", &format!("Bearer {t}"));
+    }
+    req.send_empty().unwrap().status().as_u16()
+}
+
+/// The default on loopback: reads open, starting and stopping runs only
+/// with the token the agent made at its first start in a 0600 file; no
+/// token on `top`'s command line; `iospan run`'s API the same.
+#[test]
+fn on_loopback_runs_start_only_with_the_agents_own_token() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("iospan-cred-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let token_file = dir.join("state/api-token");
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let conf = config_file(
+        "cred",
+        &format!(
+            "[agent]\nmax_disks = 4\n[api]\nlisten = \"{addr}\"\ntoken_file = \"{}\"\n",
+            token_file.display()
+        ),
+    );
+    let healthy = |addr: &str| {
+        let t = Instant::now();
+        while get(addr, "/healthz", None).0 != 200 {
+            assert!(t.elapsed() < Duration::from_secs(30), "never healthy");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let mut agent = Agent::start(&conf);
+    healthy(&addr);
+    let meta = std::fs::metadata(&token_file).expect("the agent made no token file");
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    let token = std::fs::read_to_string(&token_file)
+        .unwrap()
+        .trim()
+        .to_string();
+    assert_eq!(token.len(), 64, "{token}");
+
+    assert_eq!(get(&addr, "/api/v1/snapshot", None).0, 200);
+    assert_eq!(post_status(&addr, "/api/v1/runs?label=x", None), 401);
+    assert_eq!(
+        post_status(&addr, "/api/v1/runs?label=x", Some("wrong")),
+        401
+    );
+    assert_eq!(
+        post_status(&addr, "/api/v1/runs?label=x", Some(&token)),
+        201
+    );
+    assert_eq!(post_status(&addr, "/api/v1/runs/1/stop", None), 401);
+    assert_eq!(post_status(&addr, "/api/v1/runs/1/stop", Some(&token)), 200);
+    let (_, metrics) = get(&addr, "/metrics", None);
+    assert!(
+        metrics.contains("iospan_api_refused_total{reason=\"unauthorized\"} 3"),
+        "{metrics}"
+    );
+
+    // `top`: never the token in argv; a token file must be private.
+    let out = run(Command::new(iospan_bin()).args(["top", "--connect", &addr, "--token", &token]));
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("IOSPAN_TOKEN"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let open = dir.join("open-token");
+    std::fs::write(&open, &token).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = run(Command::new(iospan_bin())
+        .args(["top", "--connect", &addr, "--token-file"])
+        .arg(&open));
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("chmod 600"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The next start keeps the token.
+    let _ = agent.0.kill();
+    let _ = agent.0.wait();
+    let _agent = Agent::start(&conf);
+    healthy(&addr);
+    assert_eq!(std::fs::read_to_string(&token_file).unwrap().trim(), token);
+    assert_eq!(
+        post_status(&addr, "/api/v1/runs?label=y", Some(&token)),
+        201
+    );
+
+    // `iospan run --metrics-listen`: the same rule, with the token of the
+    // agent's default file.
+    let addr2 = format!("127.0.0.1:{}", free_port().unwrap());
+    let mut standalone = Command::new(iospan_bin())
+        .args([
+            "run",
+            "--quiet",
+            "--max-disks",
+            "4",
+            "--metrics-listen",
+            &addr2,
+            "--",
+            "sleep",
+            "30",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    healthy(&addr2);
+    assert_eq!(get(&addr2, "/api/v1/snapshot", None).0, 200);
+    let default = std::fs::read_to_string("/var/lib/iospan/api-token").unwrap();
+    assert_eq!(
+        std::fs::metadata("/var/lib/iospan/api-token")
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
+    assert_eq!(post_status(&addr2, "/api/v1/runs?label=z", None), 401);
+    assert_eq!(
+        post_status(&addr2, "/api/v1/runs?label=z", Some(default.trim())),
+        201
+    );
+    let _ = standalone.kill();
+    let _ = standalone.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// SIGTERM while a reload restarts the measuring run (the run's own
+/// handlers not made yet): the agent still stops, at once and cleanly.
+#[test]
+fn a_stop_during_a_reload_is_not_lost() {
+    let dir = std::env::temp_dir().join(format!("iospan-hupterm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let conf = config_file(
+        "hupterm",
+        &format!(
+            "[agent]\nmax_disks = 4\n[api]\nlisten = \"{addr}\"\ntoken_file = \"{}\"\n",
+            dir.join("api-token").display()
+        ),
+    );
+    for delay_ms in [0u64, 20, 200] {
+        let mut agent = Agent::start(&conf);
+        let t = Instant::now();
+        // Measuring: the first frame is out.
+        while !get(&addr, "/api/v1/snapshot", None).1.contains("\"at_s\"") {
+            assert!(t.elapsed() < Duration::from_secs(30), "never measuring");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        unsafe { libc::kill(agent.0.id() as i32, libc::SIGTERM) };
+        let status = agent_integration::wait_limited(&mut agent.0, Duration::from_secs(20))
+            .unwrap_or_else(|| panic!("SIGTERM {delay_ms} ms after SIGHUP was lost"));
+        assert!(status.success(), "{status}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `curl` over https trusting `ca`: (status, body); status 0 when the
@@ -252,73 +428,7 @@ fn off_the_host_the_api_is_https_with_a_token_and_top_connects_over_it() {
     let dir = std::env::temp_dir().join(format!("iospan-svc-tls-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     // A CA, and the agent's certificate signed by it (for 127.0.0.1).
-    let (ca, cert, key) = (dir.join("ca.crt"), dir.join("api.crt"), dir.join("api.key"));
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-    ];
-    let ext = dir.join("ext.cnf");
-    std::fs::write(
-        &ext,
-        "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n",
-    )
-    .unwrap();
-    for cmd in [
-        vec![
-            "req",
-            "-x509",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=iospan-test-ca",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-        ],
-        vec![
-            "req",
-            "-subj",
-            "/CN=iospan-agent",
-            "-keyout",
-            "api.key",
-            "-out",
-            "api.csr",
-        ],
-        vec![
-            "x509",
-            "-req",
-            "-in",
-            "api.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "ext.cnf",
-            "-out",
-            "api.crt",
-        ],
-    ] {
-        let mut c = Command::new("openssl");
-        c.current_dir(&dir).arg(cmd[0]);
-        if cmd[0] == "req" {
-            c.args(ec);
-        }
-        let made = run(c.args(&cmd[1..]));
-        assert!(
-            made.status.success(),
-            "{cmd:?}: {}",
-            String::from_utf8_lossy(&made.stderr)
-        );
-    }
-
+    let (ca, cert, key) = agent_integration::test_ca(&dir, "api");
     let port = free_port().unwrap();
     let token = "t0ken";
     let listen = format!("0.0.0.0:{port}");
@@ -365,7 +475,9 @@ fn off_the_host_the_api_is_https_with_a_token_and_top_connects_over_it() {
 
     // top: without trusting the agent's certificate it refuses, saying why;
     // trusting it, it shows the agent's frames.
-    let out = run(Command::new(iospan_bin()).args(["top", "--connect", &base, "--token", token]));
+    let out = run(Command::new(iospan_bin())
+        .args(["top", "--connect", &base])
+        .env("IOSPAN_TOKEN", token));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success(),
@@ -377,7 +489,7 @@ fn off_the_host_the_api_is_https_with_a_token_and_top_connects_over_it() {
     );
     let tmux = Tmux::start(
         &format!(
-            "{} top --connect {base} --token {token} --ca-cert {}",
+            "IOSPAN_TOKEN={token} {} top --connect {base} --ca-cert {}",
             iospan_bin().display(),
             ca.display()
         ),

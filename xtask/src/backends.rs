@@ -611,10 +611,15 @@ impl Collector {
     /// `config`: "gateway" or "lb"; `env`: IOSPAN_* settings beyond the
     /// endpoints this picks.
     pub fn start(config: &str, env: &[(&str, &str)]) -> Result<Self> {
+        Self::start_with(&[config], env)
+    }
+
+    /// Several of collector/'s files, merged in order (a tier, then
+    /// overlays such as "tls").
+    pub fn start_with(configs: &[&str], env: &[(&str, &str)]) -> Result<Self> {
         let dir = TempDir::new("otelcol")?;
         let (grpc, http, prom, health) =
             (local_addr()?, local_addr()?, local_addr()?, local_addr()?);
-        let path = sh::root().join(format!("collector/{config}.yaml"));
         let mut envs: Vec<(String, String)> = vec![
             ("IOSPAN_OTLP_GRPC_ENDPOINT".into(), grpc.clone()),
             ("IOSPAN_OTLP_HTTP_ENDPOINT".into(), http.clone()),
@@ -622,7 +627,13 @@ impl Collector {
             ("IOSPAN_HEALTH_ENDPOINT".into(), health.clone()),
         ];
         envs.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-        let args = [format!("--config={}", path.display())];
+        let args: Vec<String> = configs
+            .iter()
+            .map(|c| {
+                let path = sh::root().join(format!("collector/{c}.yaml"));
+                format!("--config={}", path.display())
+            })
+            .collect();
         let server = Server::start_env(
             Backend::Otelcol,
             dir,

@@ -6,6 +6,7 @@ pub mod backends;
 pub mod bench;
 pub mod dashboards;
 pub mod dist;
+pub mod fuzz;
 pub mod guest;
 pub mod layers;
 pub mod setup;

@@ -3,7 +3,7 @@
 //! xtask depends on nothing of the agent, so it builds on a machine that
 //! still lacks clang and libbpf: `setup` is what installs them.
 
-use xtask::{backends, bench, dist, guest, layers, setup, sh};
+use xtask::{backends, bench, dist, fuzz, guest, layers, setup, sh};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -60,6 +60,10 @@ enum Cmd {
     /// Build the .deb (binary, systemd unit, default configuration,
     /// dashboards) into target/debian/.
     Dist,
+    /// Fuzz what iospan takes from others (a guest's channel, QEMU command
+    /// lines, the configuration) with libFuzzer: each target for --seconds
+    /// over its corpus in tests/fuzz/corpus.
+    Fuzz(fuzz::FuzzArgs),
 }
 
 #[derive(Subcommand)]
@@ -98,6 +102,10 @@ fn main() -> Result<()> {
         Cmd::Backends { cmd } => backends::main(cmd),
         Cmd::Dashboards => xtask::dashboards::check(),
         Cmd::Layers => layers::main(),
+        Cmd::Fuzz(a) => {
+            setup::ensure(false)?;
+            fuzz::run(&a)
+        }
         Cmd::Dist => {
             setup::ensure(false)?;
             dist::build().map(|_| ())

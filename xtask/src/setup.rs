@@ -37,6 +37,8 @@ const TEST: &[(Need, &str)] = &[
     (Need::Tool("openssl"), "openssl"),
     (Need::Tool("curl"), "curl"),
     (Need::Tool("systemd-analyze"), "systemd"),
+    // Every system call the agent makes, against the unit's filter.
+    (Need::Tool("strace"), "strace"),
     (Need::Tool("qemu-storage-daemon"), "qemu-system-common"),
     // VMs as hypervisor hosts run them: started by libvirt.
     (Need::Tool("libvirtd"), "libvirt-daemon-system"),

@@ -31,9 +31,9 @@ pub struct Shared {
     pub frames: watch::Sender<Option<Arc<Frame>>>,
     #[cfg_attr(not(feature = "serve"), allow(dead_code))]
     runs: Mutex<Vec<BenchRun>>,
-    /// Clients must send `Authorization: Bearer TOKEN` when set.
+    /// Who may read and who may change what.
     #[cfg_attr(not(feature = "serve"), allow(dead_code))]
-    token: Option<String>,
+    access: Access,
     /// What the API turned away, by reason (shown in /metrics).
     pub refused: Refused,
 }
@@ -49,6 +49,23 @@ pub struct Refused {
     pub runs_evicted: std::sync::atomic::AtomicU64,
     /// Requests with a bad label, or a Host header naming another site.
     pub bad_requests: std::sync::atomic::AtomicU64,
+    /// Requests without the token they needed, or changes asked of a
+    /// read-only API.
+    pub unauthorized: std::sync::atomic::AtomicU64,
+}
+
+/// Who may use the API. `/healthz` answers everyone in every case:
+/// supervisors carry no token.
+#[derive(Clone, Debug)]
+pub enum Access {
+    /// Everyone reads and changes (`api.open` with no token).
+    Open,
+    /// Every request carries `Authorization: Bearer TOKEN` (`api.token`).
+    Token(String),
+    /// Reads are open, changes carry the token: the default on loopback
+    /// (`iospan agent`, `iospan run --metrics-listen`), with the token from
+    /// the agent's 0600 token file.
+    TokenToChange(String),
 }
 
 /// Connections the API keeps open at once; more are closed at once.
@@ -73,6 +90,7 @@ impl Refused {
             ("runs", &self.runs),
             ("runs_evicted", &self.runs_evicted),
             ("bad_request", &self.bad_requests),
+            ("unauthorized", &self.unauthorized),
         ] {
             out.push_str(&format!(
                 "iospan_api_refused_total{{reason=\"{reason}\"}} {}\n",
@@ -84,14 +102,14 @@ impl Refused {
 }
 
 impl Shared {
-    pub fn new(token: Option<String>) -> Arc<Self> {
+    pub fn new(access: Access) -> Arc<Self> {
         Arc::new(Self {
             prometheus: Mutex::new(String::new()),
             openmetrics: Mutex::new(String::new()),
             wanted: AtomicBool::new(true),
             frames: watch::channel(None).0,
             runs: Mutex::new(Vec::new()),
-            token,
+            access,
             refused: Refused::default(),
         })
     }
@@ -180,7 +198,7 @@ mod server {
     use anyhow::{Context, Result};
     use axum::{
         extract::{Path, Query, State},
-        http::{header, HeaderMap, StatusCode},
+        http::{header, HeaderMap, Method, StatusCode},
         middleware::{self, Next},
         response::{
             sse::{Event, KeepAlive, Sse},
@@ -355,17 +373,31 @@ mod server {
         req: axum::extract::Request,
         next: Next,
     ) -> Response {
-        if let Some(token) = &s.token {
+        use super::Access;
+        let changes = !matches!(*req.method(), Method::GET | Method::HEAD);
+        let needed = match &s.access {
+            Access::Open => None,
+            Access::Token(t) => Some(t),
+            Access::TokenToChange(t) => changes.then_some(t),
+        };
+        if let Some(token) = needed {
             let given = headers
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "));
             if !given.is_some_and(|g| same(g.as_bytes(), token.as_bytes())) {
-                return (
-                    StatusCode::UNAUTHORIZED,
-                    "send the agent's api.token as \"Authorization: Bearer TOKEN\"\n",
-                )
-                    .into_response();
+                s.refused
+                    .unauthorized
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let hint = match &s.access {
+                    Access::TokenToChange(_) => {
+                        "starting and stopping runs needs the agent's token: send \
+                         \"Authorization: Bearer TOKEN\" with the token from its api.token_file \
+                         (/var/lib/iospan/api-token by default, root's)\n"
+                    }
+                    _ => "send the agent's api.token as \"Authorization: Bearer TOKEN\"\n",
+                };
+                return (StatusCode::UNAUTHORIZED, hint).into_response();
             }
         }
         next.run(req).await

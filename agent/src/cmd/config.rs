@@ -51,6 +51,7 @@ impl Default for AgentSection {
 struct ApiSection {
     listen: String,
     token: Option<String>,
+    token_file: PathBuf,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     open: bool,
@@ -61,6 +62,7 @@ impl Default for ApiSection {
         Self {
             listen: "127.0.0.1:9464".into(),
             token: None,
+            token_file: PathBuf::from(crate::cmd::token::DEFAULT_FILE),
             tls_cert: None,
             tls_key: None,
             open: false,
@@ -73,6 +75,7 @@ impl Default for ApiSection {
 struct OtlpSection {
     endpoint: Option<String>,
     protocol: Option<String>,
+    ca_cert: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -109,6 +112,9 @@ pub struct Config {
     pub vms: bool,
     pub listen: SocketAddr,
     pub token: Option<String>,
+    /// Where the generated token lives when `api.token` is not set.
+    pub token_file: PathBuf,
+    pub open: bool,
     pub tls: Option<Tls>,
     pub traces: TraceOpts,
 }
@@ -133,8 +139,7 @@ impl Config {
     }
 
     pub fn parse(text: &str) -> Result<Self> {
-        // toml's message names the key and its line.
-        let f: File = toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let f: File = toml::from_str(text).map_err(|e| anyhow::anyhow!(describe(&e, text)))?;
         let listen: SocketAddr = f.api.listen.parse().map_err(|e| {
             anyhow::anyhow!(
                 "api.listen = {:?}: {e} (an IP address and port, e.g. 127.0.0.1:9464)",
@@ -206,10 +211,13 @@ impl Config {
             vms: f.agent.vms,
             listen,
             token,
+            token_file: f.api.token_file,
+            open: f.api.open,
             tls,
             traces: TraceOpts {
                 endpoint: f.otlp.endpoint.filter(|e| !e.is_empty()),
                 protocol: f.otlp.protocol,
+                ca_cert: f.otlp.ca_cert,
                 policy: Policy {
                     slowest: f.traces.slowest,
                     slower_than_ns,
@@ -221,6 +229,32 @@ impl Config {
                 run_label: f.traces.run_label,
             },
         })
+    }
+}
+
+/// A parse error said by line and key, never by the line's text: a
+/// configuration holds secrets, and errors reach the journal.
+fn describe(e: &toml::de::Error, text: &str) -> String {
+    let Some(span) = e.span() else {
+        return e.message().to_string();
+    };
+    let start = span.start.min(text.len());
+    let line_no = text[..start].matches('\n').count() + 1;
+    let line = text.lines().nth(line_no - 1).unwrap_or("");
+    let key = line
+        .split_once('=')
+        .map(|(k, _)| k.trim())
+        .filter(|k| !k.is_empty() && k.len() <= 64 && k.bytes().all(|b| b.is_ascii_graphic()));
+    // serde's messages quote the value; a secret's value is not repeated.
+    let secret = key.is_some_and(|k| k.contains("token")) || line.trim_start().starts_with("token");
+    let message = if secret {
+        "not a valid value (not repeated here: it is a secret)".to_string()
+    } else {
+        e.message().trim().to_string()
+    };
+    match key {
+        Some(k) => format!("line {line_no}, {k}: {message}"),
+        None => format!("line {line_no}: {message}"),
     }
 }
 
@@ -237,6 +271,25 @@ mod tests {
         assert_eq!(c.max_disks, d.max_disks);
         assert_eq!(c.traces.policy.slowest, d.traces.policy.slowest);
         assert_eq!(c.traces.policy.queue, d.traces.policy.queue);
+    }
+
+    #[test]
+    fn errors_name_the_line_and_key_but_never_quote_a_token() {
+        for text in [
+            "[api]\ntoken = \"s3cret\nlisten = \"127.0.0.1:1\"\n",
+            "[api]\ntoken = s3cret\n",
+            "[api]\ntoken = [\"s3cret\"]\n",
+            "[api]\ntoken = \"\"\"s3cret\n",
+        ] {
+            let e = format!("{:#}", Config::parse(text).unwrap_err());
+            assert!(!e.contains("s3cret"), "{text:?}: {e}");
+            assert!(e.contains("line "), "{text:?}: {e}");
+        }
+        let e = format!(
+            "{:#}",
+            Config::parse("[agent]\nvms = true\nmax_disks = \"many\"\n").unwrap_err()
+        );
+        assert!(e.contains("line 3, max_disks"), "{e}");
     }
 
     #[test]

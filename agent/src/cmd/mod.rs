@@ -14,5 +14,6 @@ pub mod scratch;
 pub mod service;
 #[cfg(any(feature = "serve", feature = "tui"))]
 pub mod tls;
+pub mod token;
 #[cfg(feature = "tui")]
 pub mod top;

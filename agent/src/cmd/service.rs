@@ -41,6 +41,20 @@ fn load(opts: &ServiceOptions) -> Result<(Config, Option<PathBuf>)> {
     }
 }
 
+/// Who may use the API: everyone with `api.token` set carries it; on
+/// loopback without one, changes carry the token of `api.token_file` (made
+/// at the first start); `api.open` alone serves everyone.
+fn access(cfg: &Config) -> Result<api::Access> {
+    Ok(match (&cfg.token, cfg.open) {
+        (Some(t), _) => api::Access::Token(t.clone()),
+        (None, true) => api::Access::Open,
+        (None, false) => api::Access::TokenToChange(
+            crate::cmd::token::load_or_create(&cfg.token_file)
+                .context("api.token_file (the token that starting and stopping runs needs)")?,
+        ),
+    })
+}
+
 /// systemd's notification socket, where there is one (no-op elsewhere).
 fn notify(state: &[NotifyState]) {
     if let Err(e) = sd_notify::notify(state) {
@@ -50,7 +64,7 @@ fn notify(state: &[NotifyState]) {
 
 pub async fn serve(opts: ServiceOptions) -> Result<()> {
     let (mut cfg, path) = load(&opts)?;
-    let shared = Shared::new(cfg.token.clone());
+    let shared = Shared::new(access(&cfg)?);
     api::serve(cfg.listen, cfg.tls.as_ref(), shared.clone())
         .await
         .context("api.listen")?;
@@ -60,6 +74,10 @@ pub async fn serve(opts: ServiceOptions) -> Result<()> {
         cfg.listen
     );
     let mut hup = signal(SignalKind::hangup()).context("handling SIGHUP")?;
+    // Held for the agent's whole life: a stop asked while a run starts
+    // (after a reload, its own handlers not yet made) is not lost.
+    let mut term = signal(SignalKind::terminate()).context("handling SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("handling SIGINT")?;
     let watchdog = sd_notify::watchdog_enabled();
     let mut ping = tokio::time::interval(watchdog.map_or(Duration::from_secs(3600), |d| d / 2));
     let mut ready = false;
@@ -84,6 +102,16 @@ pub async fn serve(opts: ServiceOptions) -> Result<()> {
                     notify(&[NotifyState::Stopping]);
                     return r.map(|_| ());
                 }
+                _ = term.recv() => {
+                    notify(&[NotifyState::Stopping]);
+                    let _ = stop_tx.send(true);
+                    return (&mut run).await.map(|_| ());
+                }
+                _ = int.recv() => {
+                    notify(&[NotifyState::Stopping]);
+                    let _ = stop_tx.send(true);
+                    return (&mut run).await.map(|_| ());
+                }
                 _ = frames.changed() => {
                     // Probes attached and measuring: ready (again).
                     if !ready {
@@ -105,14 +133,26 @@ pub async fn serve(opts: ServiceOptions) -> Result<()> {
                     };
                     match Config::load(p) {
                         Ok(new) => {
-                            if new.listen != cfg.listen || new.token != cfg.token || new.tls != cfg.tls {
-                                log::warn!("{}: api.listen, api.token and api.tls_* take effect at the next start", p.display());
+                            if new.listen != cfg.listen
+                                || new.token != cfg.token
+                                || new.token_file != cfg.token_file
+                                || new.open != cfg.open
+                                || new.tls != cfg.tls
+                            {
+                                log::warn!("{}: api.listen, api.token, api.token_file, api.open and api.tls_* take effect at the next start", p.display());
                             }
                             notify(&[NotifyState::Reloading]);
                             let _ = stop_tx.send(true);
                             let _ = (&mut run).await;
                             log::info!("{}: reloaded", p.display());
-                            cfg = Config { listen: cfg.listen, token: cfg.token.clone(), tls: cfg.tls.clone(), ..new };
+                            cfg = Config {
+                                listen: cfg.listen,
+                                token: cfg.token.clone(),
+                                token_file: cfg.token_file.clone(),
+                                open: cfg.open,
+                                tls: cfg.tls.clone(),
+                                ..new
+                            };
                             ready = false;
                             break;
                         }

@@ -5,6 +5,7 @@ pub mod hist;
 pub mod loss;
 pub mod span;
 pub mod tails;
+pub mod text;
 
 use std::fmt;
 

@@ -124,6 +124,29 @@ pub struct Hello {
     pub probes: String,
 }
 
+/// Disks of one HELLO kept: a VM has at most this many virtual disks.
+pub const MAX_HELLO_DISKS: usize = 256;
+
+impl Hello {
+    /// The guest's strings kept printable only and its disk list bounded:
+    /// the guest chose them, and the report, `doctor`, `top`, logs and
+    /// pages show them.
+    pub fn printable(mut self) -> Self {
+        use crate::model::text::make_printable;
+        make_printable(&mut self.boot_id);
+        make_printable(&mut self.kernel);
+        make_printable(&mut self.probes);
+        self.disks.truncate(MAX_HELLO_DISKS);
+        for d in &mut self.disks {
+            make_printable(&mut d.name);
+            if let Some(s) = d.serial.as_mut() {
+                make_printable(s);
+            }
+        }
+        self
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct GuestDisk {
     /// major << 20 | minor, as in the records.
@@ -319,7 +342,9 @@ impl FrameReader {
         let bad = |what, why: String| DecodeError::Payload { what, why };
         let frame = match kind {
             HELLO => Frame::Hello(
-                serde_json::from_slice(&payload).map_err(|e| bad("hello", e.to_string()))?,
+                serde_json::from_slice::<Hello>(&payload)
+                    .map_err(|e| bad("hello", e.to_string()))?
+                    .printable(),
             ),
             STATS => Frame::Stats(
                 serde_json::from_slice(&payload).map_err(|e| bad("stats", e.to_string()))?,
@@ -360,6 +385,35 @@ mod tests {
             done_ns: 7,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_hostile_hello_arrives_printable_and_bounded() {
+        let hostile = Frame::Hello(Hello {
+            boot_id: "b\u{1b}[2J".into(),
+            kernel: "6.1\u{1b}]0;owned\u{7}".into(),
+            disks: (0..1000)
+                .map(|i| GuestDisk {
+                    dev: i,
+                    name: format!("vd\u{202e}{i}"),
+                    serial: Some("s\r\n".into()),
+                })
+                .collect(),
+            probes: "x".repeat(100_000),
+        });
+        let mut r = FrameReader::default();
+        r.push(&encode(7, 0, &hostile));
+        let Some(Frame::Hello(h)) = r.next_frame().unwrap() else {
+            panic!("no hello");
+        };
+        assert_eq!(h.boot_id, "b\\u{1b}[2J");
+        assert!(!h.kernel.contains('\u{1b}') && !h.kernel.contains('\u{7}'));
+        assert_eq!(h.disks.len(), MAX_HELLO_DISKS);
+        assert!(h
+            .disks
+            .iter()
+            .all(|d| !d.name.contains('\u{202e}') && d.serial.as_deref() == Some("s\\u{d}\\u{a}")));
+        assert!(h.probes.chars().count() <= crate::model::text::MAX_NAME + 1);
     }
 
     #[test]

@@ -16,7 +16,11 @@ pub(super) async fn serve_metrics(
     addr: std::net::SocketAddr,
 ) -> Result<Arc<crate::cmd::api::Shared>> {
     use anyhow::Context as _;
-    let shared = crate::cmd::api::Shared::new(None);
+    // The agent's own token: labelled runs start and stop with it here too.
+    let path = std::path::Path::new(crate::cmd::token::DEFAULT_FILE);
+    let token = crate::cmd::token::load_or_create(path)
+        .with_context(|| format!("--metrics-listen {addr}: the API token"))?;
+    let shared = crate::cmd::api::Shared::new(crate::cmd::api::Access::TokenToChange(token));
     crate::cmd::api::serve(addr, None, shared.clone())
         .await
         .with_context(|| format!("--metrics-listen {addr}"))?;

@@ -86,7 +86,7 @@ impl Agent {
         let resp = req.call().map_err(|e| {
             let hint = match &e {
                 ureq::Error::StatusCode(401) => {
-                    "send the agent's api.token: --token or IOSPAN_TOKEN"
+                    "send the agent's api.token: IOSPAN_TOKEN or --token-file"
                 }
                 // TLS failures come wrapped in I/O errors.
                 e if e.to_string().contains("certificate") => {

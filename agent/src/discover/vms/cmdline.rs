@@ -1,6 +1,7 @@
 //! QEMU's command line, parsed: a pure function from argv to the VM's
 //! identity, virtual disks and channel. Keyval and JSON option forms alike.
 
+use crate::model::text::make_printable;
 use std::path::PathBuf;
 
 use super::*;
@@ -286,9 +287,20 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
     } else {
         None
     };
+    // Whoever started the process chose these: kept printable only.
+    let mut name = name.unwrap_or_else(|| format!("qemu-{pid}"));
+    make_printable(&mut name);
+    let mut uuid = uuid;
+    if let Some(u) = uuid.as_mut() {
+        make_printable(u);
+    }
+    let mut disks = disks;
+    for d in &mut disks {
+        make_printable(&mut d.id);
+    }
     Vm {
         pid,
-        name: name.unwrap_or_else(|| format!("qemu-{pid}")),
+        name,
         uuid,
         disks,
         exe: None,

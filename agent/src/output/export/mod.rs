@@ -22,6 +22,8 @@ use crate::model::IoSpan;
 pub mod otlp;
 #[cfg(feature = "otlp")]
 pub mod otlp_metrics;
+#[cfg(feature = "otlp")]
+pub mod tls;
 
 /// Where and how traces go (flags first, then the OTel environment).
 #[derive(Clone, Debug, Default)]
@@ -30,6 +32,9 @@ pub struct TraceOpts {
     pub endpoint: Option<String>,
     /// "grpc" or "http/protobuf"; `None`: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL.
     pub protocol: Option<String>,
+    /// PEM CA to trust for an https:// collector; `None`:
+    /// OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE, else the system's roots.
+    pub ca_cert: Option<std::path::PathBuf>,
     pub policy: Policy,
     /// A label for the run (e.g. the benchmark's name), on every span.
     pub run_label: Option<String>,

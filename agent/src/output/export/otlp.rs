@@ -511,17 +511,25 @@ pub fn transport(opts: &TraceOpts, signal: &str) -> Result<(Transport, Option<St
 pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::SpanExporter> {
+    use opentelemetry_otlp::{WithHttpConfig, WithTonicConfig};
     let builder = opentelemetry_otlp::SpanExporter::builder();
+    let sec = super::tls::secure(opts, "traces")?;
     let built = match transport(opts, "traces")? {
         (Transport::Grpc, endpoint) => {
-            let b = builder.with_tonic().with_timeout(EXPORT_TIMEOUT);
+            let mut b = builder.with_tonic().with_timeout(EXPORT_TIMEOUT);
+            if let Some(tls) = super::tls::grpc_tls(&sec)? {
+                b = b.with_tls_config(tls);
+            }
             match endpoint {
                 Some(e) => b.with_endpoint(e).build(),
                 None => b.build(),
             }
         }
         (Transport::Http, endpoint) => {
-            let b = builder.with_http().with_timeout(EXPORT_TIMEOUT);
+            let b = builder
+                .with_http()
+                .with_timeout(EXPORT_TIMEOUT)
+                .with_http_client(super::tls::http_client(&sec, EXPORT_TIMEOUT)?);
             match endpoint {
                 Some(e) => b.with_endpoint(e).build(),
                 None => b.build(),

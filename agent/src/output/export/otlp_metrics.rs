@@ -125,17 +125,25 @@ impl Meters {
 }
 
 fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::MetricExporter> {
+    use opentelemetry_otlp::{WithHttpConfig, WithTonicConfig};
     let builder = opentelemetry_otlp::MetricExporter::builder();
+    let sec = super::tls::secure(opts, "metrics")?;
     let built = match transport(opts, "metrics")? {
         (Transport::Grpc, endpoint) => {
-            let b = builder.with_tonic().with_timeout(EXPORT_TIMEOUT);
+            let mut b = builder.with_tonic().with_timeout(EXPORT_TIMEOUT);
+            if let Some(tls) = super::tls::grpc_tls(&sec)? {
+                b = b.with_tls_config(tls);
+            }
             match endpoint {
                 Some(e) => b.with_endpoint(e).build(),
                 None => b.build(),
             }
         }
         (Transport::Http, endpoint) => {
-            let b = builder.with_http().with_timeout(EXPORT_TIMEOUT);
+            let b = builder
+                .with_http()
+                .with_timeout(EXPORT_TIMEOUT)
+                .with_http_client(super::tls::http_client(&sec, EXPORT_TIMEOUT)?);
             match endpoint {
                 Some(e) => b.with_endpoint(e).build(),
                 None => b.build(),

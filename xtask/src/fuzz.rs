@@ -1,0 +1,86 @@
+//! `cargo xtask fuzz`: the fuzz targets of `tests/fuzz` (cargo-fuzz,
+//! libFuzzer, on the nightly toolchain), each for a while over its corpus
+//! in `tests/fuzz/corpus/TARGET`, which keeps what the runs found
+//! interesting. A finding is saved under `tests/fuzz/artifacts/TARGET` and
+//! fails the command.
+
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+use crate::sh;
+
+/// Every target in tests/fuzz/Cargo.toml.
+pub const TARGETS: [&str; 3] = ["guest_stream", "qemu_cmdline", "config"];
+
+#[derive(clap::Args, Debug)]
+pub struct FuzzArgs {
+    /// Seconds per target.
+    #[arg(long, default_value_t = 60)]
+    pub seconds: u64,
+    /// Only these targets (default: all).
+    #[arg(value_name = "TARGET")]
+    pub targets: Vec<String>,
+}
+
+/// Installs what fuzzing needs when missing: the nightly toolchain and
+/// cargo-fuzz.
+fn ensure_tools() -> Result<()> {
+    let nightly = Command::new("rustup")
+        .args(["run", "nightly", "rustc", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !nightly {
+        sh::run(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            "nightly",
+            "--profile",
+            "minimal",
+        ]))
+        .context("installing the nightly toolchain (cargo-fuzz needs it)")?;
+    }
+    let fuzz = Command::new("cargo")
+        .args(["fuzz", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !fuzz {
+        sh::run(Command::new("cargo").args(["install", "cargo-fuzz", "--locked"]))
+            .context("installing cargo-fuzz")?;
+    }
+    Ok(())
+}
+
+pub fn run(a: &FuzzArgs) -> Result<()> {
+    ensure_tools()?;
+    let targets: Vec<&str> = if a.targets.is_empty() {
+        TARGETS.to_vec()
+    } else {
+        for t in &a.targets {
+            if !TARGETS.contains(&t.as_str()) {
+                bail!("fuzz target {t:?}: use one of {}", TARGETS.join(", "));
+            }
+        }
+        a.targets.iter().map(String::as_str).collect()
+    };
+    let dir = sh::root().join("tests/fuzz");
+    for t in targets {
+        let corpus = dir.join("corpus").join(t);
+        std::fs::create_dir_all(&corpus)?;
+        eprintln!("xtask: fuzz: {t} for {} s", a.seconds);
+        sh::run(
+            Command::new("cargo")
+                .args(["+nightly", "fuzz", "run", "--fuzz-dir"])
+                .arg(&dir)
+                .args(["--release", "--debug-assertions", t])
+                .arg(&corpus)
+                .arg("--")
+                .arg(format!("-max_total_time={}", a.seconds))
+                // A leak is not a finding here; memory is: 2 GiB.
+                .args(["-rss_limit_mb=2048", "-timeout=10", "-detect_leaks=0"])
+                .current_dir(sh::root()),
+        )
+        .with_context(|| format!("fuzz target {t}: a finding is in tests/fuzz/artifacts/{t}"))?;
+    }
+    Ok(())
+}
