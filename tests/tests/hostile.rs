@@ -371,6 +371,10 @@ fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record()
         .sum::<u64>();
     assert_eq!(counted, received, "records taken but not counted: {s:#}");
     assert!(s["guest_over_cap"].as_u64().unwrap() > 0, "{s:#}");
+    eprintln!(
+        "flood: {sent} records sent and taken, peak RSS {rss_kib} KiB; over cap {}, unmatched {}",
+        s["guest_over_cap"], s["unmatched_guest"]
+    );
     assert_eq!(
         s["unknown_disk"].as_u64(),
         Some(0),

@@ -244,7 +244,13 @@ fn describe(e: &toml::de::Error, text: &str) -> String {
     let key = line
         .split_once('=')
         .map(|(k, _)| k.trim())
-        .filter(|k| !k.is_empty() && k.len() <= 64 && k.bytes().all(|b| b.is_ascii_graphic()));
+        // Only what can be a key: anything else is the line's text.
+        .filter(|k| {
+            !k.is_empty()
+                && k.len() <= 64
+                && k.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+        });
     // serde's messages quote the value; a secret's value is not repeated.
     let secret = key.is_some_and(|k| k.contains("token")) || line.trim_start().starts_with("token");
     let message = if secret {

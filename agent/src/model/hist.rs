@@ -102,7 +102,8 @@ impl Hist {
     pub fn record(&mut self, v: u64) {
         self.buckets[bucket_in(v, self.sub_bits)] += 1;
         self.count += 1;
-        self.sum_ns += v;
+        // Values can come from a guest: a sum that would wrap stays at the top.
+        self.sum_ns = self.sum_ns.saturating_add(v);
         self.max_ns = self.max_ns.max(v);
     }
 
@@ -116,7 +117,7 @@ impl Hist {
             *a += b;
         }
         self.count += other.count;
-        self.sum_ns += other.sum_ns;
+        self.sum_ns = self.sum_ns.saturating_add(other.sum_ns);
         self.max_ns = self.max_ns.max(other.max_ns);
     }
 
@@ -221,6 +222,19 @@ pub fn bounds_ns() -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Fuzzing found it: values a guest chose wrapped the sum.
+    #[test]
+    fn a_sum_at_its_end_stays_there() {
+        let mut h = Hist::fine();
+        h.record(u64::MAX);
+        h.record(u64::MAX);
+        assert_eq!((h.count, h.sum_ns, h.max_ns), (2, u64::MAX, u64::MAX));
+        let mut m = Hist::fine();
+        m.record(1);
+        m.merge(&h);
+        assert_eq!((m.count, m.sum_ns), (3, u64::MAX));
+    }
 
     #[test]
     fn buckets_are_contiguous_and_cover_their_values() {

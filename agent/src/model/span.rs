@@ -52,7 +52,12 @@ pub struct IoSpan {
 impl IoSpan {
     /// A VM request's host window alone, for VMs without a guest agent.
     pub fn host_only(ev: &VmIoEvent, signal_ns: u64) -> Self {
-        let engine = (ev.start_ns - ev.pick_ns) + (signal_ns - ev.done_ns);
+        // The kernel's stamps come in this order; a missing one (0) must
+        // give a short segment, never a wrapped one.
+        let engine = ev
+            .start_ns
+            .saturating_sub(ev.pick_ns)
+            .saturating_add(signal_ns.saturating_sub(ev.done_ns));
         Self {
             vm: ev.vm,
             vdisk: ev.vdisk,
@@ -72,13 +77,37 @@ impl IoSpan {
             signal_ns,
             clock_offset_ns: None,
             guest_ns: 0,
-            hypervisor_ns: ev.pick_ns - ev.kick_ns,
+            hypervisor_ns: ev.pick_ns.saturating_sub(ev.kick_ns),
             engine_ns: engine,
-            device_ns: ev.done_ns - ev.start_ns,
-            total_ns: signal_ns - ev.kick_ns,
+            device_ns: ev.done_ns.saturating_sub(ev.start_ns),
+            total_ns: signal_ns.saturating_sub(ev.kick_ns),
             app_ends_from_block_layer: false,
             has_guest: false,
             queue: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Fuzzing found it: a stamp missing (0) or out of order underflowed
+    /// the host window's segments.
+    #[test]
+    fn a_missing_stamp_gives_a_short_segment_not_a_wrapped_one() {
+        let ev = VmIoEvent {
+            kick_ns: 5_000,
+            pick_ns: 0,
+            start_ns: 6_000,
+            issue_ns: 6_100,
+            done_ns: 9_000,
+            ..Default::default()
+        };
+        let s = IoSpan::host_only(&ev, 0);
+        assert_eq!(s.hypervisor_ns, 0);
+        assert_eq!(s.total_ns, 0);
+        assert_eq!(s.engine_ns, 6_000);
+        assert_eq!(s.device_ns, 3_000);
     }
 }

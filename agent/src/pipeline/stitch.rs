@@ -251,6 +251,10 @@ impl Clock {
 
 /// Guest records a VM may have waiting for their host partner: a guest
 /// that reports I/O that never happened fills no more than this.
+/// A guest-observed latency above this is no measurement (the guest's
+/// stamps say so, not its disk): the join is counted inconsistent.
+pub const MAX_GUEST_TOTAL_NS: u64 = 3_600_000_000_000;
+
 pub const MAX_WAITING_GUEST: usize = 1 << 16;
 
 /// How long a guest record waits, on the wall clock, for its host partner
@@ -466,10 +470,19 @@ impl Stitcher {
         } else {
             g.irq_ns
         };
-        let guest = kick.saturating_sub(begin) + end.saturating_sub(irq);
+        // The guest's stamps are the guest's to say: no sum of them may wrap.
+        let guest = kick
+            .saturating_sub(begin)
+            .saturating_add(end.saturating_sub(irq));
         // The host's side as measured on the host alone.
         let host = IoSpan::host_only(ev, h.signal_ns);
-        let Some(hypervisor) = total.checked_sub(guest + host.engine_ns + host.device_ns) else {
+        let host_side = guest
+            .saturating_add(host.engine_ns)
+            .saturating_add(host.device_ns);
+        let Some(hypervisor) = total
+            .checked_sub(host_side)
+            .filter(|_| total <= MAX_GUEST_TOTAL_NS)
+        else {
             self.counters.inconsistent += 1;
             return;
         };
@@ -484,8 +497,12 @@ impl Stitcher {
         let offset = clock.offset();
         clock.add(
             ev.kick_ns,
-            (g.flags & GUEST_F_NO_IRQ == 0).then(|| h.signal_ns as i64 - g.irq_ns as i64),
-            (g.flags & GUEST_F_NO_KICK == 0).then(|| ev.kick_ns as i64 - g.kick_ns as i64),
+            (g.flags & GUEST_F_NO_IRQ == 0)
+                .then(|| bound(h.signal_ns, g.irq_ns))
+                .flatten(),
+            (g.flags & GUEST_F_NO_KICK == 0)
+                .then(|| bound(ev.kick_ns, g.kick_ns))
+                .flatten(),
         );
         let key = StitchKey {
             vm: ev.vm,
@@ -587,16 +604,22 @@ impl Stitcher {
     }
 }
 
+/// host − guest, where it fits the clock's offsets (a guest stamp no
+/// clock could give is no bound).
+fn bound(host_ns: u64, guest_ns: u64) -> Option<i64> {
+    i64::try_from(i128::from(host_ns) - i128::from(guest_ns)).ok()
+}
+
 /// The candidate kick nearest to `reference + shift` (a kick moved to the
 /// candidates' clock); without a shift (or a reference), the oldest.
 fn best(mut kicks: impl Iterator<Item = u64>, reference: u64, shift: Option<i64>) -> Option<usize> {
     let Some(shift) = shift.filter(|_| reference != 0) else {
         return kicks.next().map(|_| 0);
     };
-    let want = reference as i64 + shift;
+    let want = i128::from(reference) + i128::from(shift);
     kicks
         .enumerate()
-        .min_by_key(|&(_, k)| (k as i64 - want).unsigned_abs())
+        .min_by_key(|&(_, k)| (i128::from(k) - want).unsigned_abs())
         .map(|(i, _)| i)
 }
 
@@ -681,6 +704,46 @@ mod tests {
         s.on_guest(1, g);
         s.on_host(h);
         assert_eq!(s.counters.app_ends_from_block_layer, 1);
+    }
+
+    /// Fuzzing found these: guest stamps at the ends of u64 made the
+    /// guest segment's sum, the clock bounds and the nearest-kick search
+    /// overflow (a panic in debug, wrapped figures in release).
+    #[test]
+    fn guest_stamps_at_the_ends_of_the_clock_are_refused_not_wrapped() {
+        let mut s = stitcher();
+        for (i, (kick, irq, done)) in [
+            (u64::MAX, 0, u64::MAX),
+            (0, u64::MAX, 1),
+            (u64::MAX / 2, 0, u64::MAX),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (mut g, h) = pair(4096 * (i as u64 + 1), 1_000_000);
+            g.start_ns = 0;
+            g.kick_ns = kick;
+            g.irq_ns = irq;
+            g.done_ns = done;
+            g.flags |= GUEST_F_REAPED;
+            g.reap_ns = u64::MAX;
+            s.on_guest(1, g);
+            s.on_host(h);
+        }
+        // Each joined nothing it could not hold: refused and counted.
+        assert_eq!(s.counters.inconsistent, 3, "{:?}", s.counters);
+        assert!(s.stitched.is_empty());
+        // And a sane request after them still joins.
+        let (g, h) = pair(1 << 20, 2_000_000);
+        s.on_guest(1, g);
+        s.on_host(h);
+        assert_eq!(s.stitched.values().map(|st| st.total.count).sum::<u64>(), 1);
+        assert_eq!(bound(u64::MAX, 0), None);
+        assert_eq!(bound(5, 7), Some(-2));
+        assert_eq!(
+            best([u64::MAX, 3].into_iter(), u64::MAX, Some(i64::MAX)),
+            Some(0)
+        );
     }
 
     #[test]

@@ -302,8 +302,10 @@ impl FrameReader {
                             self.duplicates += 1;
                             continue;
                         }
-                        Some((lo, hi)) if seq == hi => self.backfill = Some((lo, hi + 1)),
-                        _ => self.backfill = Some((seq, seq + 1)),
+                        Some((lo, hi)) if seq == hi => {
+                            self.backfill = Some((lo, hi.saturating_add(1)))
+                        }
+                        _ => self.backfill = Some((seq, seq.saturating_add(1))),
                     }
                     match self.backfill {
                         Some((lo, hi)) if hi == first => {
@@ -318,15 +320,16 @@ impl FrameReader {
                     continue;
                 }
                 Some((s, first, n)) if s == sender => {
-                    self.lost_frames += seq - n;
-                    Some((s, first, seq + 1))
+                    // The sequence is the guest's to say: none of it may wrap.
+                    self.lost_frames = self.lost_frames.saturating_add(seq - n);
+                    Some((s, first, seq.saturating_add(1)))
                 }
                 Some(_) => {
                     self.restarts += 1;
                     self.backfill = None;
-                    Some((sender, seq, seq + 1))
+                    Some((sender, seq, seq.saturating_add(1)))
                 }
-                None => Some((sender, seq, seq + 1)),
+                None => Some((sender, seq, seq.saturating_add(1))),
             };
             // A kind this receiver does not know is skipped in step, in the
             // loop: any number of them costs no stack.
@@ -414,6 +417,20 @@ mod tests {
             .iter()
             .all(|d| !d.name.contains('\u{202e}') && d.serial.as_deref() == Some("s\\u{d}\\u{a}")));
         assert!(h.probes.chars().count() <= crate::model::text::MAX_NAME + 1);
+    }
+
+    /// Fuzzing found it: a sender's sequence at u64::MAX overflowed the
+    /// next expected one.
+    #[test]
+    fn a_sequence_at_its_end_does_not_wrap() {
+        let stats = Frame::Stats(SenderStats::default());
+        let mut r = FrameReader::default();
+        for seq in [u64::MAX - 1, u64::MAX, u64::MAX, 3] {
+            r.push(&encode(7, seq, &stats));
+            while r.next_frame().unwrap().is_some() {}
+        }
+        // Nothing wrapped into a gap counted as lost.
+        assert_eq!(r.lost_frames, 0);
     }
 
     #[test]

@@ -36,6 +36,9 @@ fuzz_target!(|data: &[u8]| {
                 Ok(Some(Frame::Records(recs))) => {
                     for g in recs {
                         records += 1;
+                        // The host's side is the kernel's: its stamps in
+                        // order on one clock. Only the guest's are arbitrary.
+                        let t = 1_000_000 * records;
                         let host = HostIo {
                             ev: VmIoEvent {
                                 op: g.op,
@@ -43,13 +46,14 @@ fuzz_target!(|data: &[u8]| {
                                 vdisk: 0,
                                 pos: g.sector.wrapping_mul(512),
                                 bytes: g.bytes,
-                                start_ns: g.issue_ns,
-                                issue_ns: g.issue_ns,
-                                done_ns: g.irq_ns,
-                                kick_ns: g.kick_ns,
+                                kick_ns: t,
+                                pick_ns: t + 1_000,
+                                start_ns: t + 2_000,
+                                issue_ns: t + 2_100,
+                                done_ns: t + 50_000,
                                 ..Default::default()
                             },
-                            signal_ns: g.irq_ns,
+                            signal_ns: t + 51_000,
                         };
                         st.on_guest(VM, g);
                         st.on_host(host);
