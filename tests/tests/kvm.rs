@@ -256,17 +256,31 @@ fn the_two_hundredth_vm_of_a_run_is_traced() {
         String::from_utf8_lossy(&out.stderr)
     );
     let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    let reads = |vm: &str| {
+    // Every read of the VM, on its disk or, where the agent had not yet
+    // read its command line when the read started (a loaded agent, 200
+    // VMs in a row), on its unresolved row "-": the VM is traced either
+    // way, which is what a full table would stop.
+    let rows = |vm: &str| -> Vec<&Value> {
         rep["entries"]
             .as_array()
             .unwrap()
             .iter()
-            .filter(|e| e["vm"] == vm && e["op"] == "read" && e["disk"] != "-")
-            .map(|e| e["ios"].as_u64().unwrap_or(0))
-            .sum::<u64>()
+            .filter(|e| e["vm"] == vm && e["op"] == "read")
+            .collect()
     };
     for i in [1, 128, 129, vms] {
-        assert_eq!(reads(&format!("churn-{i}")), n, "churn-{i}'s reads");
+        let vm = format!("churn-{i}");
+        let reads: u64 = rows(&vm)
+            .iter()
+            .map(|e| e["ios"].as_u64().unwrap_or(0))
+            .sum();
+        assert_eq!(
+            reads,
+            n,
+            "{vm}'s reads: {:#?}\nlost: {}",
+            rows(&vm),
+            rep["lost"]
+        );
     }
     let named = rep["vms"]
         .as_array()
