@@ -383,11 +383,16 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
         .find(|e| e["vm"] == "caps-rig" && e["disk"] == "vd0")
         .unwrap_or_else(|| panic!("{stopped:#}"))
         .clone();
-    assert_eq!(
-        e["ios"].as_u64(),
-        Some(r.guest_reads),
-        "{e:#}\nlost in the run: {}",
-        stopped["report"]["lost"]
+    // Exact, but for what the run names as lost: now and then this kernel
+    // completes a request without its completion reaching any BPF program
+    // (block.rs holds the same); a CI run gave 1,996 reads and `lost` 4 for
+    // the guest's 2,000. Nothing may go missing unnamed.
+    let ios = e["ios"].as_u64().unwrap();
+    let lost = stopped["report"]["lost"].as_u64().unwrap();
+    assert!(
+        ios <= r.guest_reads && ios + lost >= r.guest_reads && lost <= r.guest_reads / 100,
+        "{e:#}\n{ios} reads + {lost} lost in the run, for the guest's {}",
+        r.guest_reads
     );
     for seg in ["total", "hv", "engine", "device"] {
         assert!(
