@@ -308,43 +308,19 @@ impl BlockProbes {
                 lat.remove(&k).map_err(map_err("vm_latency"))?;
             }
         }
-        {
-            let mut nested: HashMap<_, VmKey, BlkStats> =
-                map_mut_of(&mut self.ebpf, "vm_latency_nested")?;
-            let keys: Vec<VmKey> = nested
-                .keys()
-                .filter_map(Result::ok)
-                .filter(|k| k.vm == slot)
-                .collect();
-            for k in keys {
-                if let Ok(v) = nested.get(&k, 0) {
-                    self.retired
-                        .vm_stats
-                        .entry(key(&k))
-                        .or_default()
-                        .add_cpu(&v);
-                }
-                nested.remove(&k).map_err(map_err("vm_latency_nested"))?;
-            }
-        }
-        {
-            let mut und: HashMap<_, VmKey, u64> = map_mut_of(&mut self.ebpf, "vm_undelivered")?;
-            let keys: Vec<VmKey> = und
-                .keys()
-                .filter_map(Result::ok)
-                .filter(|k| k.vm == slot)
-                .collect();
-            for k in keys {
-                if let Ok(n) = und.get(&k, 0) {
-                    self.retired
-                        .vm_stats
-                        .entry(key(&k))
-                        .or_default()
-                        .undelivered += n;
-                }
-                und.remove(&k).map_err(map_err("vm_undelivered"))?;
-            }
-        }
+        let retired = &mut self.retired;
+        take_entries::<VmKey, BlkStats>(
+            &mut self.ebpf,
+            "vm_latency_nested",
+            |k| k.vm == slot,
+            |k, v| retired.vm_stats.entry(key(k)).or_default().add_cpu(&v),
+        )?;
+        take_entries::<VmKey, u64>(
+            &mut self.ebpf,
+            "vm_undelivered",
+            |k| k.vm == slot,
+            |k, n| retired.vm_stats.entry(key(k)).or_default().undelivered += n,
+        )?;
         {
             let mut counts: HashMap<_, u32, VmCounts> = map_mut_of(&mut self.ebpf, "vm_counts")?;
             if let Ok(c) = counts.get(&slot, 0) {
@@ -359,17 +335,7 @@ impl BlockProbes {
             self.retired.vm_stats.retain(|k, _| k.vm != slot);
             self.retired.vm_counts.remove(&slot);
         }
-        {
-            let mut disks: HashMap<_, VmDevKey, u32> = map_mut_of(&mut self.ebpf, "vm_disks")?;
-            let keys: Vec<VmDevKey> = disks
-                .keys()
-                .filter_map(Result::ok)
-                .filter(|k| k.vm == slot)
-                .collect();
-            for k in keys {
-                disks.remove(&k).map_err(map_err("vm_disks"))?;
-            }
-        }
+        take_entries::<VmDevKey, u32>(&mut self.ebpf, "vm_disks", |k| k.vm == slot, |_, _| {})?;
         {
             let mut files: HashMap<_, FileKey, u32> = map_mut_of(&mut self.ebpf, "vdisk_files")?;
             let keys: Vec<FileKey> = files
@@ -415,4 +381,28 @@ impl BlockProbes {
             .map(|r| r.map_err(LoadError::map_op("vm_pids")))
             .collect()
     }
+}
+
+/// Deletes the entries of the hash map `name` whose key `mine` picks,
+/// handing each one's value to `take` first (a map read and written by the
+/// kernel meanwhile: a key gone already is skipped).
+fn take_entries<K: aya::Pod, V: aya::Pod>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    mine: impl Fn(&K) -> bool,
+    mut take: impl FnMut(&K, V),
+) -> Result<(), LoadError> {
+    let mut map: HashMap<_, K, V> = map_mut_of(ebpf, name)?;
+    let keys: Vec<K> = map
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| mine(k))
+        .collect();
+    for k in keys {
+        if let Ok(v) = map.get(&k, 0) {
+            take(&k, v);
+        }
+        map.remove(&k).map_err(LoadError::map_op(name))?;
+    }
+    Ok(())
 }
