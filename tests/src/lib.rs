@@ -520,3 +520,37 @@ pub fn test_ca(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
     }
     (dir.join("ca.crt"), dir.join(crt), dir.join(key))
 }
+
+/// The helper VM of `native/kvm_vm.c` (a process named as QEMU, whose vCPU
+/// kicks through KVM and whose engine reads a disk with io_uring), built
+/// into `dir`.
+pub fn kvm_vm(dir: &Path) -> PathBuf {
+    let dir = dir.join("kvm-vm");
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("qemu-system-x86_64");
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/native/kvm_vm.c");
+    let out = run(Command::new("cc")
+        .args(["-O1", "-rdynamic", "-pthread", "-o"])
+        .arg(&exe)
+        .arg(src));
+    assert!(
+        out.status.success(),
+        "building {src}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+/// The helper VM's disk in `dir`: on a real disk (not tmpfs), fully
+/// written, so O_DIRECT reads reach it.
+pub fn kvm_image(dir: &Path) -> PathBuf {
+    let image = dir.join("disk.img");
+    if std::fs::metadata(&image).is_ok_and(|m| m.len() == 16 << 20) {
+        return image;
+    }
+    let chunk: Vec<u8> = (0..1u32 << 20)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
+    std::fs::write(&image, chunk.repeat(16)).unwrap();
+    image
+}

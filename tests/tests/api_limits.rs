@@ -79,21 +79,8 @@ impl Drop for Agent {
     }
 }
 
-#[test]
-fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
-    // This test holds thousands of sockets itself.
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
-    assert!(
-        lim.rlim_max >= 4096,
-        "this test needs 4096 open files (ulimit -Hn: {})",
-        lim.rlim_max
-    );
-    lim.rlim_cur = lim.rlim_max;
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+/// `iospan run` serving the API on a free port, once it answers.
+fn start_agent() -> (u16, Agent) {
     let port = free_port();
     let agent = Agent(
         Command::new(iospan_bin())
@@ -110,6 +97,30 @@ fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
         assert!(Instant::now() < deadline, "the API never answered");
         std::thread::sleep(Duration::from_millis(200));
     }
+    (port, agent)
+}
+
+/// As many open files as the hard limit allows (tests that hold thousands
+/// of sockets themselves).
+fn raise_open_files() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    assert!(
+        lim.rlim_max >= 4096,
+        "this test needs 4096 open files (ulimit -Hn: {})",
+        lim.rlim_max
+    );
+    lim.rlim_cur = lim.rlim_max;
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+}
+
+#[test]
+fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
+    raise_open_files();
+    let (port, agent) = start_agent();
 
     // 2,000 requests whose headers never finish.
     let mut half: Vec<TcpStream> = (0..2000)
@@ -172,7 +183,23 @@ fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
         request(port, "POST", "/api/v1/runs?label=a%0Ab", "127.0.0.1").0,
         400
     );
+    // A right-to-left override would reorder the label where it is shown.
+    assert_eq!(
+        request(port, "POST", "/api/v1/runs?label=a%E2%80%AEb", "127.0.0.1").0,
+        400
+    );
     assert_eq!(request(port, "GET", "/metrics", "rebind.example:80").0, 403);
+    // A Host that is not text is not "no Host" (a fuzzing finding).
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: rebind.example\xff\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    assert!(
+        out.starts_with(b"HTTP/1.1 403"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
     // Without the token, no run starts (and the refusal is counted).
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     write!(
@@ -224,6 +251,58 @@ fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
     );
     let (_, metrics) = request(port, "GET", "/metrics", "127.0.0.1");
     assert_eq!(refused(&metrics, "runs"), too_many);
-    assert!(refused(&metrics, "bad_request") >= 3);
+    assert!(refused(&metrics, "bad_request") >= 5);
     assert_eq!(refused(&metrics, "unauthorized"), 1);
+}
+
+/// Clients of the frame stream (`top --connect`) that never read: each
+/// holds its latest frame and a socket's buffers, not a queue of frames;
+/// real requests keep answering and the agent stays small.
+#[test]
+fn stream_clients_that_never_read_hold_no_queue() {
+    raise_open_files();
+    let (port, agent) = start_agent();
+    let before = rss_kib(agent.0.id());
+    let idle: Vec<TcpStream> = (0..1000)
+        .map(|_| {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.write_all(
+                b"GET /api/v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n",
+            )
+            .unwrap();
+            s
+        })
+        .collect();
+    // Frames go out every second: 15 of them to each client, unread.
+    std::thread::sleep(Duration::from_secs(15));
+    let t = Instant::now();
+    let (status, _) = request(port, "GET", "/api/v1/snapshot", "127.0.0.1");
+    assert_eq!(status, 200);
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "a snapshot took {:?} beside 1000 stalled streams",
+        t.elapsed()
+    );
+    let grew = rss_kib(agent.0.id()).saturating_sub(before);
+    assert!(
+        grew < 64 << 10,
+        "1000 stalled stream clients grew the agent by {grew} KiB"
+    );
+    // A reader among them gets the current frame at once.
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET /api/v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("event: frame") {
+        match s.read(&mut buf) {
+            Ok(n) if n > 0 => got.extend_from_slice(&buf[..n]),
+            other => panic!(
+                "the stream gave no frame: {other:?} {}",
+                String::from_utf8_lossy(&got)
+            ),
+        }
+    }
+    drop(idle);
 }

@@ -285,7 +285,8 @@ fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record()
         .recv_timeout(Duration::from_secs(10))
         .expect("the agent never connected to the VM's own channel")
         .unwrap();
-    let dev = (252 << 20) | 0;
+    // Major 252, minor 0.
+    let dev = 252 << 20;
     let hello = Frame::Hello(Hello {
         boot_id: "boot\u{1b}]0;owned\u{7}".into(),
         kernel: "6.1\u{1b}[31m".into(),

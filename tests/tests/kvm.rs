@@ -12,20 +12,7 @@ use serde_json::Value;
 /// The helper VM, built into a directory of its own under a name QEMU's
 /// processes have (iospan recognises VMs by their command).
 fn kvm_vm() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("kvm-vm");
-    std::fs::create_dir_all(&dir).unwrap();
-    let exe = dir.join("qemu-system-x86_64");
-    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/native/kvm_vm.c");
-    let out = run(Command::new("cc")
-        .args(["-O1", "-rdynamic", "-pthread", "-o"])
-        .arg(&exe)
-        .arg(src));
-    assert!(
-        out.status.success(),
-        "building {src}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    exe
+    agent_integration::kvm_vm(std::path::Path::new(env!("CARGO_TARGET_TMPDIR")))
 }
 
 /// The helper VM run under `iospan run` for `n` requests, with `vm_args`
@@ -65,17 +52,8 @@ fn traced_vm(name: &str, n: u64, vm_args: &[&str], envs: &[(&str, &std::path::Pa
     serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap()
 }
 
-/// On a real disk (not tmpfs), fully written, so O_DIRECT reads reach it.
 fn image(dir: &std::path::Path) -> PathBuf {
-    let image = dir.join("disk.img");
-    if std::fs::metadata(&image).is_ok_and(|m| m.len() == 16 << 20) {
-        return image;
-    }
-    let chunk: Vec<u8> = (0..1u32 << 20)
-        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
-        .collect();
-    std::fs::write(&image, chunk.repeat(16)).unwrap();
-    image
+    agent_integration::kvm_image(dir)
 }
 
 /// The helper VM in the report's `vms`.

@@ -24,7 +24,7 @@ fn traced_with_console(
     endpoint: &str,
     protocol: &str,
     tag: &str,
-) -> (Value, guest::RigResult) {
+) -> (Value, guest::RigResult, String) {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let (qemu, guest_dev) = guest::qemu_command(&rig, a, &image);
@@ -50,6 +50,7 @@ fn traced_with_console(
     (
         serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap(),
         r,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
 
@@ -75,7 +76,20 @@ fn check_jaeger(protocol: &str) {
         name: vm.clone(),
         ..Default::default()
     };
-    let rep = traced(&a, &endpoint, protocol, &vm);
+    let (rep, _, log) = traced_with_console(&a, &endpoint, protocol, &vm);
+    // Jaeger takes traces only: at most one line turns OTLP metrics off
+    // (over HTTP its 404), and no failure is repeated at the end.
+    let said: Vec<&str> = log.lines().filter(|l| l.contains("metrics")).collect();
+    assert!(
+        !log.contains("pushing the last OTLP metrics") && said.len() <= 1,
+        "{log}"
+    );
+    if protocol != "grpc" {
+        assert!(
+            said.len() == 1 && said[0].contains("takes no metrics"),
+            "{log}"
+        );
+    }
     let ex = &rep["export"];
     let n = |k: &str| ex[k].as_u64().unwrap_or_else(|| panic!("{k}: {ex}"));
     let (offered, chosen, exported) = (n("offered"), n("chosen"), n("exported_traces"));
@@ -259,7 +273,7 @@ fn a_collector_that_is_down_loses_only_traces_and_counts_them() {
         no_guest_agent: true,
         ..Default::default()
     };
-    let (rep, guest) = traced_with_console(
+    let (rep, guest, _) = traced_with_console(
         &a,
         &format!("http://127.0.0.1:{port}"),
         "http/protobuf",
@@ -504,5 +518,66 @@ fn traces_reach_tempo_and_traceql_finds_them_by_vm() {
             8,
             "{v}"
         );
+    }
+}
+
+/// `cargo xtask backends run jaeger` stops, and its Jaeger with it, on a
+/// SIGINT or SIGTERM sent to its own process alone (not a terminal's
+/// Ctrl-C, which reaches the whole group), and its Jaeger does not outlive
+/// it even when it is killed outright.
+#[test]
+fn the_backends_runner_takes_its_jaeger_down_with_it() {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let xtask = iospan_bin().with_file_name("xtask");
+    for (sig, code) in [
+        (libc::SIGINT, Some(130)),
+        (libc::SIGTERM, Some(143)),
+        (libc::SIGKILL, None),
+    ] {
+        let mut child = Command::new(&xtask)
+            .args(["backends", "run", "jaeger"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            // Its own group: nothing but our kill reaches it.
+            .process_group(0)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{}: {e}", xtask.display()));
+        let err = child.stderr.take().unwrap();
+        let mut lines = std::io::BufReader::new(err).lines();
+        let running = lines
+            .by_ref()
+            .map_while(Result::ok)
+            .find(|l| l.contains(" running: "))
+            .expect("a line saying where Jaeger runs");
+        let query = running
+            .rsplit("query http://")
+            .next()
+            .unwrap()
+            .trim()
+            .to_string();
+        assert!(std::net::TcpStream::connect(&query).is_ok(), "{running}");
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let t = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "signal {sig}: still running"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert_eq!(status.code(), code, "signal {sig}: {status}");
+        // Jaeger gone too: its query port closes.
+        let t = std::time::Instant::now();
+        while std::net::TcpStream::connect(&query).is_ok() {
+            assert!(
+                t.elapsed() < Duration::from_secs(15),
+                "signal {sig}: Jaeger still answers at {query}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 }

@@ -101,6 +101,12 @@ pub fn main(cmd: BackendsCmd) -> Result<()> {
             if which != Backend::Jaeger {
                 bail!("`run` starts jaeger; prometheus is started by the tests with a scrape config of theirs");
             }
+            // Whoever stops us (a terminal's Ctrl-C, `kill -INT` of this
+            // process alone, a supervisor's SIGTERM) stops the backend
+            // too: the signals are taken by a thread of ours, and the
+            // backend dies with us even when we are killed outright.
+            let stop = block_stop_signals();
+            FOREGROUND.store(true, std::sync::atomic::Ordering::Relaxed);
             let mut j = Jaeger::start()?;
             eprintln!(
                 "xtask: {} running: OTLP grpc {} http {}, query http://{}",
@@ -109,9 +115,44 @@ pub fn main(cmd: BackendsCmd) -> Result<()> {
                 j.otlp_http,
                 j.query
             );
-            let status = j.server.child.wait()?;
-            bail!("{} exited: {status}", which.name())
+            let waiter = std::thread::spawn(move || {
+                let mut sig = 0;
+                // SAFETY: `stop` is a valid set; sigwait writes one int.
+                unsafe { libc::sigwait(&stop, &mut sig) };
+                sig
+            });
+            loop {
+                if let Some(status) = j.server.child.try_wait()? {
+                    bail!("{} exited: {status}", which.name());
+                }
+                if waiter.is_finished() {
+                    let sig = waiter.join().unwrap_or(libc::SIGTERM);
+                    eprintln!("xtask: {} stopped (signal {sig})", which.name());
+                    drop(j);
+                    std::process::exit(128 + sig);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
         }
+    }
+}
+
+/// Set by `backends run`: servers started from now on die with this
+/// process and take the signals it blocked back.
+static FOREGROUND: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// SIGINT, SIGTERM and SIGHUP blocked in this thread (and the threads it
+/// starts): for `sigwait`.
+fn block_stop_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data, initialised by sigemptyset.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            libc::sigaddset(&mut set, sig);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
     }
 }
 
@@ -306,11 +347,25 @@ impl Server {
     ) -> Result<Self> {
         let bin = ensure(b)?;
         let log = std::fs::File::create(dir.0.join("log"))?;
-        let child = Command::new(&bin)
-            .args(args)
+        let mut cmd = Command::new(&bin);
+        cmd.args(args)
             .envs(envs.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
-            .stderr(log)
+            .stderr(log);
+        if FOREGROUND.load(std::sync::atomic::Ordering::Relaxed) {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: only async-signal-safe calls between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    let mut none: libc::sigset_t = std::mem::zeroed();
+                    libc::sigemptyset(&mut none);
+                    libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
         let mut server = Self {

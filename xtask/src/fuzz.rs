@@ -11,7 +11,13 @@ use anyhow::{bail, Context, Result};
 use crate::sh;
 
 /// Every target in tests/fuzz/Cargo.toml.
-pub const TARGETS: [&str; 3] = ["guest_stream", "qemu_cmdline", "config"];
+pub const TARGETS: [&str; 5] = [
+    "guest_stream",
+    "qemu_cmdline",
+    "config",
+    "replay_events",
+    "api_request",
+];
 
 #[derive(clap::Args, Debug)]
 pub struct FuzzArgs {
@@ -63,24 +69,60 @@ pub fn run(a: &FuzzArgs) -> Result<()> {
         }
         a.targets.iter().map(String::as_str).collect()
     };
-    let dir = sh::root().join("tests/fuzz");
     for t in targets {
-        let corpus = dir.join("corpus").join(t);
-        std::fs::create_dir_all(&corpus)?;
-        eprintln!("xtask: fuzz: {t} for {} s", a.seconds);
-        sh::run(
-            Command::new("cargo")
-                .args(["+nightly", "fuzz", "run", "--fuzz-dir"])
-                .arg(&dir)
-                .args(["--release", "--debug-assertions", t])
-                .arg(&corpus)
-                .arg("--")
-                .arg(format!("-max_total_time={}", a.seconds))
-                // A leak is not a finding here; memory is: 2 GiB.
-                .args(["-rss_limit_mb=2048", "-timeout=10", "-detect_leaks=0"])
-                .current_dir(sh::root()),
-        )
-        .with_context(|| format!("fuzz target {t}: a finding is in tests/fuzz/artifacts/{t}"))?;
+        one(t, a.seconds, None)?;
     }
     Ok(())
+}
+
+/// Each target for `seconds` over its corpus, as the test suite runs them:
+/// what a run finds new goes to a scratch directory, not the checkout.
+/// Returns the targets that passed and failed.
+pub fn smoke(seconds: u64) -> Result<(u64, u64)> {
+    ensure_tools()?;
+    let scratch = std::env::temp_dir().join(format!("iospan-fuzz-{}", std::process::id()));
+    let (mut passed, mut failed) = (0, 0);
+    for t in TARGETS {
+        let new = scratch.join(t);
+        std::fs::create_dir_all(&new)?;
+        match one(t, seconds, Some(&new)) {
+            Ok(()) => passed += 1,
+            Err(e) => {
+                eprintln!("xtask: fuzz: {t} FAILED: {e:#}");
+                failed += 1;
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    Ok((passed, failed))
+}
+
+/// One target: its corpus read, new inputs written to `new` (default: the
+/// corpus itself).
+fn one(t: &str, seconds: u64, new: Option<&std::path::Path>) -> Result<()> {
+    let dir = sh::root().join("tests/fuzz");
+    let corpus = dir.join("corpus").join(t);
+    std::fs::create_dir_all(&corpus)?;
+    eprintln!("xtask: fuzz: {t} for {seconds} s");
+    let mut cmd = Command::new("cargo");
+    cmd.args(["+nightly", "fuzz", "run", "--fuzz-dir"])
+        .arg(&dir)
+        .args(["--release", "--debug-assertions"])
+        // Outside the clone and reused: the instrumented build of the
+        // agent takes minutes, the runs in CI seconds.
+        .arg("--target-dir")
+        .arg(crate::backends::cache_dir().join("fuzz-target"))
+        .arg(t);
+    // libFuzzer writes what it finds new into the first directory.
+    if let Some(n) = new {
+        cmd.arg(n);
+    }
+    cmd.arg(&corpus)
+        .arg("--")
+        .arg(format!("-max_total_time={seconds}"))
+        // A leak is not a finding here; memory is: 2 GiB.
+        .args(["-rss_limit_mb=2048", "-timeout=10", "-detect_leaks=0"])
+        .current_dir(sh::root());
+    sh::run(&mut cmd)
+        .with_context(|| format!("fuzz target {t}: a finding is in tests/fuzz/artifacts/{t}"))
 }

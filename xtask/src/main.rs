@@ -145,6 +145,9 @@ fn demo() -> Result<()> {
     sh::run(&mut cmd)
 }
 
+/// Seconds each fuzz target runs in the suite.
+const FUZZ_SECONDS: u64 = 20;
+
 fn test(args: &[String]) -> Result<()> {
     setup::ensure_test()?;
     // The rig's kernel and initramfs, before the tests that boot it.
@@ -173,7 +176,17 @@ fn test(args: &[String]) -> Result<()> {
         "--test-threads=1",
     ];
     cmd.extend(args.iter().map(String::as_str));
-    let (passed, failed) = sh::cargo_test(&cmd)?;
+    let (mut passed, mut failed) = sh::cargo_test(&cmd)?;
+    // The whole suite also fuzzes what others control, briefly: each
+    // target over its kept corpus (every earlier finding replayed) and
+    // then new inputs for `FUZZ_SECONDS`. A filtered run is about its tests.
+    if args.is_empty() {
+        let (p, f) = fuzz::smoke(FUZZ_SECONDS)?;
+        passed += p;
+        failed += f;
+    } else {
+        eprintln!("xtask: test: a test filter was given: the fuzz targets not run");
+    }
     // One closing line for the whole suite, after the per-binary ones.
     println!("{passed} passed, {failed} failed");
     if failed > 0 || passed == 0 {

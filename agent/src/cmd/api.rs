@@ -147,6 +147,10 @@ pub struct BenchEntry {
     pub disk: String,
     pub op: crate::model::Op,
     pub ios: u64,
+    /// The guest's requests of the run whose completion never reached the
+    /// probes (VM entries): counted, not timed; `ios + undelivered` is the
+    /// disk's count, merges aside.
+    pub undelivered: u64,
     pub bytes: u64,
     pub iops: f64,
     /// Whether `segments.total` is guest-observed (guest agent) or the host
@@ -167,6 +171,7 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
                     disk: d.disk,
                     op: d.op,
                     ios: d.ios,
+                    undelivered: d.undelivered,
                     bytes: d.bytes,
                     iops: d.ios as f64 / seconds,
                     guest_observed: d.guest_observed,
@@ -177,7 +182,7 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
                         .collect(),
                 }
             })
-            .filter(|e| e.ios > 0)
+            .filter(|e| e.ios + e.undelivered > 0)
             .collect()
     };
     BenchReport {
@@ -189,7 +194,7 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
 }
 
 #[cfg(feature = "serve")]
-pub use server::serve;
+pub use server::{router, serve};
 
 #[cfg(feature = "serve")]
 mod server {
@@ -226,23 +231,7 @@ mod server {
         let listener = std::net::TcpListener::bind(addr)
             .with_context(|| format!("binding the HTTP API to {addr}"))?;
         listener.set_nonblocking(true).context("the API's socket")?;
-        let app = Router::new()
-            .route("/metrics", get(metrics))
-            .route("/api/v1/snapshot", get(snapshot))
-            .route("/api/v1/stream", get(stream_frames))
-            .route("/api/v1/runs", get(list_runs).post(start_run))
-            .route("/api/v1/runs/{id}", get(one_run))
-            .route("/api/v1/runs/{id}/stop", post(stop_run))
-            .layer(middleware::from_fn_with_state(shared.clone(), authorize))
-            // Health answers everyone: supervisors carry no token.
-            .route("/healthz", get(healthz))
-            // On loopback, a page in a browser may reach us through a name
-            // that resolves here (DNS rebinding): only our own names count.
-            .layer(middleware::from_fn_with_state(
-                (shared.clone(), addr),
-                host_is_ours,
-            ))
-            .with_state(shared.clone());
+        let app = router(shared.clone(), addr);
         match tls {
             Some(t) => {
                 crate::cmd::tls::install_provider();
@@ -276,6 +265,28 @@ mod server {
             }
         }
         Ok(())
+    }
+
+    /// The API's routes over `shared`, as served on `addr` (its Host check
+    /// depends on whether `addr` is loopback).
+    pub fn router(shared: Arc<Shared>, addr: SocketAddr) -> Router {
+        Router::new()
+            .route("/metrics", get(metrics))
+            .route("/api/v1/snapshot", get(snapshot))
+            .route("/api/v1/stream", get(stream_frames))
+            .route("/api/v1/runs", get(list_runs).post(start_run))
+            .route("/api/v1/runs/{id}", get(one_run))
+            .route("/api/v1/runs/{id}/stop", post(stop_run))
+            .layer(middleware::from_fn_with_state(shared.clone(), authorize))
+            // Health answers everyone: supervisors carry no token.
+            .route("/healthz", get(healthz))
+            // On loopback, a page in a browser may reach us through a name
+            // that resolves here (DNS rebinding): only our own names count.
+            .layer(middleware::from_fn_with_state(
+                (shared.clone(), addr),
+                host_is_ours,
+            ))
+            .with_state(shared)
     }
 
     /// Lets the process open as many files as its hard limit allows (the
@@ -327,16 +338,25 @@ mod server {
         }
     }
 
-    /// `localhost`, or a loopback address, with or without a port.
+    /// `localhost`, or a loopback address, with or without a port; nothing
+    /// else (a bracket left open, a port that is not a number).
     pub(super) fn host_is_loopback(host: &str) -> bool {
-        let name = match host.strip_prefix('[') {
-            Some(rest) => rest.split(']').next().unwrap_or(""),
-            None => host.split(':').next().unwrap_or(""),
+        let (name, rest) = match host.strip_prefix('[') {
+            Some(r) => match r.split_once(']') {
+                Some(parts) => parts,
+                None => return false,
+            },
+            None => host.split_at(host.find(':').unwrap_or(host.len())),
         };
-        name.eq_ignore_ascii_case("localhost")
-            || name
-                .parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip.is_loopback())
+        let port_ok = rest.is_empty()
+            || rest
+                .strip_prefix(':')
+                .is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+        port_ok
+            && (name.eq_ignore_ascii_case("localhost")
+                || name
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback()))
     }
 
     /// On a loopback address, the Host header must name it (`127.0.0.1`,
@@ -350,10 +370,12 @@ mod server {
         if !addr.ip().is_loopback() {
             return next.run(req).await;
         }
-        let host = headers
-            .get(header::HOST)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
+        // A Host that is not plain text is no name of ours either.
+        let host = match headers.get(header::HOST).map(|v| v.to_str()) {
+            None => "",
+            Some(Ok(h)) => h,
+            Some(Err(_)) => "\u{fffd}",
+        };
         if host.is_empty() || host_is_loopback(host) {
             return next.run(req).await;
         }
@@ -489,11 +511,14 @@ mod server {
     async fn start_run(State(s): State<Arc<Shared>>, Query(q): Query<StartQuery>) -> Response {
         use std::sync::atomic::Ordering::Relaxed;
         let label = q.label.unwrap_or_default();
-        if label.len() > MAX_LABEL || label.chars().any(|c| c.is_control()) {
+        if label.len() > MAX_LABEL || label.chars().any(crate::model::text::hidden) {
             s.refused.bad_requests.fetch_add(1, Relaxed);
             return (
                 StatusCode::BAD_REQUEST,
-                format!("label: at most {MAX_LABEL} bytes, no control characters\n"),
+                format!(
+                    "label: at most {MAX_LABEL} bytes, no control characters or \
+                     bidirectional overrides\n"
+                ),
             )
                 .into_response();
         }
@@ -587,6 +612,11 @@ mod tests {
             "10.0.0.1:9464",
             "[::2]:9464",
             "localhost.evil:1",
+            "[::1",
+            "[::1]x",
+            "localhost:",
+            "localhost:80x",
+            "::1",
         ] {
             assert!(!super::server::host_is_loopback(bad), "{bad}");
         }

@@ -66,7 +66,7 @@ pub async fn run_labelled(
         (Some(p), _) => match std::fs::read_to_string(p)
             .with_context(|| format!("reading fio's output {}", p.display()))
             .and_then(|t| {
-                std::fs::write(dir.join("fio.json"), &t)?;
+                crate::output::store::write_whole(&dir.join("fio.json"), t.as_bytes())?;
                 parse_fio(&t)
             }) {
             Ok(f) => (f, None),
@@ -94,7 +94,15 @@ pub async fn run_labelled(
         fio_note,
         host: HostInfo::this(),
     };
-    let path = stored.save(&dir)?;
+    let path = match stored.save(&dir) {
+        Ok(p) => p,
+        Err(e) => {
+            // Nothing of a run that could not be stored: its label stays free.
+            let _ = std::fs::remove_file(dir.join("fio.json"));
+            let _ = std::fs::remove_dir(&dir);
+            return Err(e);
+        }
+    };
     Ok((outcome, stored, path))
 }
 
@@ -157,8 +165,7 @@ pub async fn sweep(
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = dir.join("sweep.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&result)?)
-        .with_context(|| format!("writing {}", path.display()))?;
+    crate::output::store::write_whole(&path, &serde_json::to_vec_pretty(&result)?)?;
     Ok((result, path))
 }
 
@@ -204,8 +211,8 @@ pub fn report(
     let stored = StoredRun::load(runs_dir, run)?;
     print!("{}", stored.summary());
     if let Some(p) = html {
-        std::fs::write(p, crate::output::html::render(&stored))
-            .with_context(|| format!("writing --html {}", p.display()))?;
+        crate::output::store::write_whole(p, crate::output::html::render(&stored).as_bytes())
+            .context("--html")?;
         eprintln!("HTML report: {}", p.display());
     }
     Ok(if held_to(&stored, checks)? {

@@ -86,6 +86,14 @@ fn load(path: &Path) -> Result<Vec<(IoSpan, Names)>> {
             path.display()
         )
     })?;
+    parse(std::io::BufReader::new(f), path)
+}
+
+/// The I/Os of an event stream read from `input` (named `path` in errors).
+/// Any text is taken or refused with the line it failed on; stamps are
+/// taken as written (the export makes nothing of an out-of-order one but
+/// a shorter segment).
+pub fn parse(input: impl BufRead, path: &Path) -> Result<Vec<(IoSpan, Names)>> {
     let mut ids: HashMap<String, u32> = HashMap::new();
     let mut id = |s: &str| {
         let n = ids.len() as u32 + 1;
@@ -93,7 +101,7 @@ fn load(path: &Path) -> Result<Vec<(IoSpan, Names)>> {
     };
     let ns = |us: f64| (us * 1000.0).round().max(0.0) as u64;
     let mut out = Vec::new();
-    for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
+    for (i, line) in input.lines().enumerate() {
         let line = line.with_context(|| format!("reading {}", path.display()))?;
         if !line.contains("\"guest_io\"") && !line.contains("\"vm_io\"") {
             continue;
@@ -156,8 +164,8 @@ fn load(path: &Path) -> Result<Vec<(IoSpan, Names)>> {
 
 /// The I/O moved by `by` ns on the host clock (its guest stamps with it
 /// when they are on the host clock; otherwise the kick places them).
-fn shifted(s: &IoSpan, by: u64) -> IoSpan {
-    let m = |t: u64| if t == 0 { 0 } else { t + by };
+pub fn shifted(s: &IoSpan, by: u64) -> IoSpan {
+    let m = |t: u64| if t == 0 { 0 } else { t.saturating_add(by) };
     let g = |t: u64| if s.clock_offset_ns.is_some() { m(t) } else { t };
     IoSpan {
         begin_ns: g(s.begin_ns),
@@ -198,7 +206,8 @@ pub async fn replay(o: &ReplayOpts) -> Result<ReplaySummary> {
     for round in 0..o.repeat {
         for (s, names) in &ios {
             // Paced: this I/O's place in the recording, at --speed.
-            let at = (round * recorded_ns + s.kick_ns.saturating_sub(first)) as f64;
+            // In f64: a file's stamps may be anything, and rounds many.
+            let at = round as f64 * recorded_ns as f64 + s.kick_ns.saturating_sub(first) as f64;
             if o.speed > 0.0 {
                 let due = Duration::from_nanos((at / o.speed) as u64);
                 if let Some(wait) = due.checked_sub(started.elapsed()) {

@@ -10,7 +10,7 @@ pub const MAX_NAME: usize = 256;
 
 /// Whether `c` cannot be shown as itself: controls (C0, DEL, C1) and the
 /// bidirectional overrides and isolates that reorder what follows them.
-fn hidden(c: char) -> bool {
+pub fn hidden(c: char) -> bool {
     c.is_control()
         || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}')
 }

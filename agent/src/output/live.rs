@@ -53,6 +53,10 @@ pub struct Row {
     pub bytes: u64,
     /// Requests of the VM in flight on the host now (VM rows).
     pub inflight: u64,
+    /// Requests of this VM disk whose completion never reached the probes
+    /// (VM rows): the guest's, counted beside `ios`, never timed.
+    #[serde(default)]
+    pub undelivered: u64,
     /// Whether `total` is the guest-observed latency (guest agent) or the
     /// host window (kick to interrupt) only.
     pub guest_observed: bool,
@@ -122,6 +126,7 @@ pub fn frame(
             ios: s.ios,
             bytes: s.bytes,
             inflight: inflight(k.vm),
+            undelivered: s.undelivered,
             guest_observed: joined.is_some(),
             segs,
         });
@@ -137,6 +142,7 @@ pub fn frame(
             ios: s.ios,
             bytes: s.bytes,
             inflight: 0,
+            undelivered: 0,
             guest_observed: false,
             segs: [
                 ("device", s.segment(BlkSegment::Service)),
@@ -160,6 +166,7 @@ pub fn frame(
                 ios: st.total.count,
                 bytes: st.bytes,
                 inflight: 0,
+                undelivered: 0,
                 guest_observed: true,
                 segs: stitched_segs(st),
             })
@@ -206,6 +213,7 @@ impl Row {
         Row {
             ios: self.ios.saturating_sub(e.ios),
             bytes: self.bytes.saturating_sub(e.bytes),
+            undelivered: self.undelivered.saturating_sub(e.undelivered),
             segs: self
                 .segs
                 .iter()

@@ -32,6 +32,7 @@ fn row(vm: &str, disk: &str, op: Op, ios: u64, seg_ns: u64) -> live::Row {
         ios,
         bytes: ios * 4096,
         inflight: 3,
+        undelivered: 0,
         guest_observed: true,
         segs,
     }

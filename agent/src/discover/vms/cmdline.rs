@@ -290,11 +290,9 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
     // Whoever started the process chose these: kept printable only.
     let mut name = name.unwrap_or_else(|| format!("qemu-{pid}"));
     make_printable(&mut name);
-    let mut uuid = uuid;
     if let Some(u) = uuid.as_mut() {
         make_printable(u);
     }
-    let mut disks = disks;
     for d in &mut disks {
         make_printable(&mut d.id);
     }

@@ -79,13 +79,19 @@ struct Piece {
 /// guest-kick-to-host-kick gap where the offset puts it in range.
 fn pieces(s: &IoSpan) -> Vec<Piece> {
     let p = |name, segment, ns| Piece { name, segment, ns };
-    let queue = s.issue_ns - s.start_ns;
-    let service = s.done_ns - s.issue_ns;
-    let submit = s.start_ns - s.pick_ns;
-    let complete = s.signal_ns - s.done_ns;
+    // Saturating: the pipeline's I/Os have their stamps in order, a
+    // replayed file's need not; an out-of-order one is a short segment.
+    let queue = s.issue_ns.saturating_sub(s.start_ns);
+    let service = s.done_ns.saturating_sub(s.issue_ns);
+    let submit = s.start_ns.saturating_sub(s.pick_ns);
+    let complete = s.signal_ns.saturating_sub(s.done_ns);
     if !s.has_guest {
         return vec![
-            p("hypervisor.notify", "hypervisor", s.pick_ns - s.kick_ns),
+            p(
+                "hypervisor.notify",
+                "hypervisor",
+                s.pick_ns.saturating_sub(s.kick_ns),
+            ),
             p("engine.submit", "engine", submit),
             p("host.queue", "device", queue),
             p("device", "device", service),
@@ -97,7 +103,7 @@ fn pieces(s: &IoSpan) -> Vec<Piece> {
     let notify = if s.clock_offset_ns.is_some() && s.guest_kick_ns <= s.pick_ns {
         s.pick_ns - s.guest_kick_ns
     } else {
-        s.pick_ns - s.kick_ns
+        s.pick_ns.saturating_sub(s.kick_ns)
     }
     .min(s.hypervisor_ns);
     vec![
@@ -257,7 +263,7 @@ impl Traces {
             SpanId::INVALID,
             Cow::Borrowed(root_name(s.op)),
             start_ns,
-            start_ns + s.total_ns,
+            start_ns.saturating_add(s.total_ns),
             attrs,
             events,
             same_signal
@@ -278,12 +284,12 @@ impl Traces {
                 root_id,
                 Cow::Borrowed(piece.name),
                 at,
-                at + piece.ns,
+                at.saturating_add(piece.ns),
                 vec![KeyValue::new("iospan.segment", piece.segment)],
                 vec![],
                 vec![],
             ));
-            at += piece.ns;
+            at = at.saturating_add(piece.ns);
         }
         out
     }

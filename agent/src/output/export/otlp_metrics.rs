@@ -5,7 +5,11 @@
 //! not only the exported), pushed every
 //! OTEL_METRIC_EXPORT_INTERVAL (default 60 s) and once more at the end.
 
-use std::{collections::HashMap, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
 
 use anyhow::{bail, Context, Result};
 use opentelemetry::{
@@ -14,9 +18,11 @@ use opentelemetry::{
 };
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::{
+    error::OTelSdkResult,
     metrics::{
+        data::ResourceMetrics, exporter::PushMetricExporter,
         periodic_reader_with_async_runtime::PeriodicReader, Aggregation, InstrumentKind,
-        SdkMeterProvider, Stream,
+        SdkMeterProvider, Stream, Temporality,
     },
     runtime,
 };
@@ -36,7 +42,10 @@ pub struct Meters {
 
 impl Meters {
     pub fn start(opts: &TraceOpts) -> Result<Self> {
-        let exporter = build_exporter(opts)?;
+        let exporter = OffWhenRefused {
+            inner: build_exporter(opts)?,
+            off: AtomicBool::new(false),
+        };
         let reader = PeriodicReader::builder(exporter, runtime::Tokio).build();
         let provider = SdkMeterProvider::builder()
             .with_reader(reader)
@@ -124,6 +133,57 @@ impl Meters {
     }
 }
 
+/// The OTLP metric exporter, off for the rest of the run from the first
+/// answer that says the endpoint takes no metrics (HTTP 404, gRPC
+/// Unimplemented: a traces-only backend such as Jaeger), with one line
+/// saying so instead of a failure at every push.
+struct OffWhenRefused {
+    inner: opentelemetry_otlp::MetricExporter,
+    off: AtomicBool,
+}
+
+/// Whether an export error means "no metrics here" rather than "not now".
+pub fn takes_no_metrics(error: &str) -> bool {
+    let http_404 = error.split("status code: ").skip(1).any(|rest| {
+        let code: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        code == "404"
+    });
+    http_404 || error.contains("gRPC code: Unimplemented")
+}
+
+impl PushMetricExporter for OffWhenRefused {
+    async fn export(&self, metrics: &ResourceMetrics) -> OTelSdkResult {
+        if self.off.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        match self.inner.export(metrics).await {
+            Err(e) if takes_no_metrics(&e.to_string()) => {
+                if !self.off.swap(true, Ordering::Relaxed) {
+                    log::warn!(
+                        "OTLP metrics: the endpoint takes no metrics ({e}): metrics export off \
+                         for this run, traces go on. Point OTEL_EXPORTER_OTLP_METRICS_ENDPOINT at \
+                         a metrics backend, or set OTEL_METRICS_EXPORTER=none"
+                    );
+                }
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn temporality(&self) -> Temporality {
+        self.inner.temporality()
+    }
+}
+
 fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::MetricExporter> {
     use opentelemetry_otlp::{WithHttpConfig, WithTonicConfig};
     let builder = opentelemetry_otlp::MetricExporter::builder();
@@ -151,4 +211,25 @@ fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::MetricExporter
         }
     };
     built.context("setting up the OTLP metric exporter")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn only_a_missing_metrics_service_turns_metrics_off() {
+        assert!(super::takes_no_metrics(
+            "HTTP export failed with status code: 404"
+        ));
+        assert!(super::takes_no_metrics(
+            "TonicMetricsClient export failed with gRPC code: Unimplemented"
+        ));
+        for passing in [
+            "HTTP export failed with status code: 503",
+            "HTTP export failed with status code: 4040",
+            "connection refused",
+            "TonicMetricsClient export failed with gRPC code: Unavailable",
+        ] {
+            assert!(!super::takes_no_metrics(passing), "{passing}");
+        }
+    }
 }

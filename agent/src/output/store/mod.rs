@@ -116,6 +116,29 @@ impl HostInfo {
     }
 }
 
+/// `bytes` as the file `path`, whole or not at all: written beside it,
+/// synced, then renamed over it; what a failed write left is removed (a
+/// full filesystem leaves no half a file to be read as a run).
+pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let name = path.file_name().map_or_else(
+        || std::ffi::OsString::from("file"),
+        std::ffi::OsStr::to_os_string,
+    );
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(&name);
+    tmp_name.push(".tmp");
+    let tmp = path.with_file_name(tmp_name);
+    let written = std::fs::File::create(&tmp)
+        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("writing {}", path.display()));
+    }
+    Ok(())
+}
+
 /// A label usable as a directory name.
 pub fn check_label(label: &str) -> Result<()> {
     if label.is_empty()
@@ -154,10 +177,7 @@ pub fn new_run_dir(runs: &Path, label: &str) -> Result<PathBuf> {
 impl StoredRun {
     pub fn save(&self, dir: &Path) -> Result<PathBuf> {
         let p = dir.join("run.json");
-        let tmp = dir.join(".run.json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(self)?)
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, &p).with_context(|| format!("writing {}", p.display()))?;
+        write_whole(&p, &serde_json::to_vec_pretty(self)?)?;
         Ok(p)
     }
 
