@@ -70,7 +70,7 @@ pub fn run(a: &FuzzArgs) -> Result<()> {
         a.targets.iter().map(String::as_str).collect()
     };
     for t in targets {
-        one(t, a.seconds, None)?;
+        one(t, a.seconds, None, Build::Fast)?;
     }
     Ok(())
 }
@@ -85,7 +85,7 @@ pub fn smoke(seconds: u64) -> Result<(u64, u64)> {
     for t in TARGETS {
         let new = scratch.join(t);
         std::fs::create_dir_all(&new)?;
-        match one(t, seconds, Some(&new)) {
+        match one(t, seconds, Some(&new), Build::Quick) {
             Ok(()) => passed += 1,
             Err(e) => {
                 eprintln!("xtask: fuzz: {t} FAILED: {e:#}");
@@ -97,9 +97,18 @@ pub fn smoke(seconds: u64) -> Result<(u64, u64)> {
     Ok((passed, failed))
 }
 
+/// How the targets are built.
+#[derive(Clone, Copy)]
+enum Build {
+    /// Optimised (with debug assertions): for long runs.
+    Fast,
+    /// Unoptimised: built in half the time, for the suite's short runs.
+    Quick,
+}
+
 /// One target: its corpus read, new inputs written to `new` (default: the
 /// corpus itself).
-fn one(t: &str, seconds: u64, new: Option<&std::path::Path>) -> Result<()> {
+fn one(t: &str, seconds: u64, new: Option<&std::path::Path>, build: Build) -> Result<()> {
     let dir = sh::root().join("tests/fuzz");
     let corpus = dir.join("corpus").join(t);
     std::fs::create_dir_all(&corpus)?;
@@ -107,7 +116,10 @@ fn one(t: &str, seconds: u64, new: Option<&std::path::Path>) -> Result<()> {
     let mut cmd = Command::new("cargo");
     cmd.args(["+nightly", "fuzz", "run", "--fuzz-dir"])
         .arg(&dir)
-        .args(["--release", "--debug-assertions"])
+        .args(match build {
+            Build::Fast => &["--release", "--debug-assertions"][..],
+            Build::Quick => &["--dev"][..],
+        })
         // Outside the clone and reused: the instrumented build of the
         // agent takes minutes, the runs in CI seconds.
         .arg("--target-dir")

@@ -146,7 +146,7 @@ fn demo() -> Result<()> {
 }
 
 /// Seconds each fuzz target runs in the suite.
-const FUZZ_SECONDS: u64 = 20;
+const FUZZ_SECONDS: u64 = 10;
 
 fn test(args: &[String]) -> Result<()> {
     setup::ensure_test()?;
