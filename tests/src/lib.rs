@@ -554,3 +554,17 @@ pub fn kvm_image(dir: &Path) -> PathBuf {
     std::fs::write(&image, chunk.repeat(16)).unwrap();
     image
 }
+
+/// An HTTP/1.1 response read whole: its status (0 if none) and body.
+pub fn status_and_body(raw: &str) -> (u16, String) {
+    let status = raw
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    (status, body)
+}

@@ -40,16 +40,7 @@ fn request(port: u16, method: &str, path: &str, host: &str) -> (u16, String) {
     .unwrap();
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
-    let status = out
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    (status, body)
+    agent_integration::status_and_body(&out)
 }
 
 fn rss_kib(pid: u32) -> u64 {

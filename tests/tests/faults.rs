@@ -134,16 +134,7 @@ fn get(addr: &str, path: &str) -> (u16, String) {
     );
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
-    let code = out
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    (code, body)
+    agent_integration::status_and_body(&out)
 }
 
 /// A trace outcome's count; 0 before the first refresh of /metrics.
