@@ -198,11 +198,9 @@ fn qmp_blockstats(socket: &Path, pid: u32) -> Result<serde_json::Value> {
 }
 
 /// One JSON message of a QMP stream (a line), at most `MAX_REPLY` bytes.
-fn next_message(r: &mut impl BufRead) -> Result<serde_json::Value> {
+fn next_message<R: BufRead>(r: &mut R) -> Result<serde_json::Value> {
     let mut line = Vec::new();
-    let n = r
-        .by_ref()
-        .take(MAX_REPLY as u64 + 1)
+    let n = <&mut R as std::io::Read>::take(r, MAX_REPLY as u64 + 1)
         .read_until(b'\n', &mut line)
         .context("reading the QMP monitor")?;
     if n == 0 {
@@ -241,11 +239,14 @@ pub fn parse_blockstats(ret: &serde_json::Value, vm: &Vm) -> Counts {
         };
         out.insert(
             id.to_string(),
+            // QEMU counts a request merged into another (virtio-blk merges
+            // adjacent ones it takes from the ring together) in `*_merged`,
+            // not in `*_operations`: both are the guest's requests.
             DiskCounts {
-                rd_ops: s("rd_operations"),
+                rd_ops: s("rd_operations") + s("rd_merged"),
                 rd_bytes: s("rd_bytes"),
                 rd_ns: s("rd_total_time_ns"),
-                wr_ops: s("wr_operations"),
+                wr_ops: s("wr_operations") + s("wr_merged"),
                 wr_bytes: s("wr_bytes"),
                 wr_ns: s("wr_total_time_ns"),
                 fl_ops: s("flush_operations"),

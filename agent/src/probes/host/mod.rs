@@ -562,6 +562,7 @@ impl BlockProbes {
             records_streamed: sum(counter::SAMPLED)?,
             vm_table_full: sum(counter::VM_TABLE_FULL)?,
             host_split: Default::default(),
+            qemu_mismatch: 0,
         })
     }
 
