@@ -177,6 +177,22 @@ enum Cmd {
         #[arg(last = true, value_name = "CMD", required = true)]
         command: Vec<String>,
     },
+    /// Check iospan against QEMU's own accounting on this host: trace for --duration, then
+    /// each VM disk's count and mean beside QEMU's (read over the VM's QMP monitor, or
+    /// libvirt's client for libvirt's domains), and PASS or FAIL (exit 1). Counts must match
+    /// but for merges and the requests in flight at the window's edges; QEMU's mean (its
+    /// device model to its completion callback) within 10 % of iospan's engine + device.
+    Verify {
+        /// Only this VM (its name, as `doctor` lists it).
+        #[arg(long, value_name = "NAME")]
+        vm: Option<String>,
+        /// The traced window.
+        #[arg(short, long, value_parser = humantime::parse_duration, value_name = "D", default_value = "10s")]
+        duration: Duration,
+        /// Also write the window's report as JSON (entries[].qemu: QEMU's side).
+        #[arg(long, value_name = "FILE")]
+        json_out: Option<PathBuf>,
+    },
     /// Built-in default job: fio on a scratch loop device, traced, with the table printed.
     Demo {
         /// Also write the report as JSON (schema iospan.run/v1).
@@ -443,6 +459,15 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Demo { json_out } => demo::main(json_out),
+        Cmd::Verify {
+            vm,
+            duration,
+            json_out,
+        } => iospan::cmd::verify::main(&iospan::cmd::verify::VerifyOptions {
+            vm,
+            duration,
+            json_out,
+        }),
     }
 }
 

@@ -393,6 +393,17 @@ fn check(d: &Domain, r: &guest::RigResult, rep: &Value, host_disk: &str, iothrea
         "VM {} + undelivered {undelivered} + merged {merged} vs the guest's /sys/block/vda/stat: {ctx}\n{vm}",
         n(e, "ios")
     );
+    // libvirt's own count of the disk (`virsh domstats --block`: QEMU's
+    // accounting, read without touching its monitor) beside ours.
+    assert!(
+        vm["qemu_counts"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("libvirt")),
+        "{vm}"
+    );
+    let q = &e["qemu"];
+    assert_eq!(q["ops"].as_u64(), Some(r.guest_reads), "{q:#}\n{ctx}");
+    assert_eq!(q["mismatch"], false, "{q:#}");
     // Hypervisor, engine and device, tiling the host window.
     let seg = |k: &str| e["segments"][k].clone();
     let window = seg("host_window");
@@ -413,6 +424,15 @@ fn check(d: &Domain, r: &guest::RigResult, rep: &Value, host_disk: &str, iothrea
         (tiled - mean("host_window")).abs() < 0.01,
         "segments {tiled} vs window {}",
         mean("host_window")
+    );
+    // QEMU's time per request is our engine + device.
+    let (qm, ours) = (
+        q["mean_us"].as_f64().unwrap(),
+        mean("engine") + mean("device"),
+    );
+    assert!(
+        (qm - ours).abs() <= 0.1 * qm.max(ours),
+        "QEMU's mean {qm} µs vs our engine + device {ours} µs: {q:#}"
     );
     // The guest agent on libvirt's channel (a socket libvirt bound and
     // passed to QEMU as an fd): all four segments, the guest-observed

@@ -575,6 +575,11 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
                 .unwrap_or_default()
         ));
     }
+    // A QMP monitor, as hosts give their VMs one: iospan reads QEMU's own
+    // counters there (`entries[].qemu`).
+    let qmp = channel_path(&format!("{}-qmp", a.name));
+    c.arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", qmp.display()));
     if !a.no_guest_agent {
         // The guest channel: a virtio-serial port whose host end is a unix
         // socket QEMU listens on; the host agent finds it in QEMU's argv.

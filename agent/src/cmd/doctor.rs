@@ -306,6 +306,11 @@ impl Doctor {
                     ),
                 }
             );
+            let _ = writeln!(
+                out,
+                "    QEMU's own counts: {}",
+                crate::discover::qemu_counts::source_of(vm).describe()
+            );
             for d in &vm.disks {
                 let host = d
                     .host_dev

@@ -17,3 +17,4 @@ pub mod tls;
 pub mod token;
 #[cfg(feature = "tui")]
 pub mod top;
+pub mod verify;

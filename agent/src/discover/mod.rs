@@ -5,4 +5,5 @@ pub mod disks;
 pub mod diskstats;
 pub mod libvirt;
 pub mod procfs;
+pub mod qemu_counts;
 pub mod vms;

@@ -5,5 +5,6 @@ pub mod export;
 pub mod html;
 pub mod live;
 pub mod metrics;
+pub mod qemu_check;
 pub mod report;
 pub mod store;

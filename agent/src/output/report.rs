@@ -86,6 +86,9 @@ pub struct VmSummary {
     /// segment is that process's time.
     #[serde(default)]
     pub engines: Vec<DiskEngine>,
+    /// Where QEMU's own counters of its disks were read, or why not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qemu_counts: Option<String>,
 }
 
 /// A virtual disk: its id (libvirt's alias), its target dev, its backing
@@ -195,6 +198,7 @@ pub fn vms(
                         }
                     })
                     .collect(),
+                qemu_counts: None,
             }
         })
         .collect()
@@ -246,6 +250,36 @@ pub struct Entry {
     /// latency (`total`) split into guest, hypervisor, engine and device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stitched: Option<StitchedEntry>,
+    /// QEMU's own count and mean of the same requests, where its counters
+    /// were read (`output::qemu_check`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qemu: Option<QemuCheck>,
+}
+
+/// One VM disk and op: QEMU's count and mean beside iospan's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QemuCheck {
+    /// QEMU's operations of this op on this disk over the run.
+    pub ops: u64,
+    pub bytes: u64,
+    /// QEMU's mean per request, µs (its device model's request to its
+    /// completion callback: engine + device).
+    pub mean_us: Option<f64>,
+    /// iospan's count of the same requests: timed plus undelivered.
+    pub iospan_ops: u64,
+    /// iospan's count less QEMU's.
+    pub diff: i64,
+    /// Guest requests iospan saw inside others (the VM's merges, over all
+    /// its disks): QEMU counts each of them.
+    pub merged_allowance: u64,
+    /// Requests in flight at the run's edges, by which the two counts may
+    /// honestly differ.
+    pub edge_allowance: u64,
+    /// iospan's engine + device mean for the same requests, µs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_device_mean_us: Option<f64>,
+    /// The counts differ by more than merges and the edges explain.
+    pub mismatch: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -288,6 +322,12 @@ pub struct GuestSummary {
 }
 
 impl Entry {
+    /// An entry of no requests: a disk and op that another party counted
+    /// and iospan did not.
+    pub fn empty(vm: Option<String>, disk: String, op: Op) -> Self {
+        Self::from_stats(vm, disk, op, &DiskOpStats::default(), 0.0)
+    }
+
     pub fn from_stats(
         vm: Option<String>,
         disk: String,
@@ -326,6 +366,7 @@ impl Entry {
             total: s.segment(BlkSegment::Total).summary(),
             segments,
             stitched: None,
+            qemu: None,
         }
     }
 }
@@ -564,6 +605,7 @@ impl RunReport {
                 guessed.join(", ")
             );
         }
+        out += &qemu_table(self);
         out
     }
 
@@ -591,4 +633,50 @@ fn us(v: f64) -> String {
     } else {
         format!("{v:.2}")
     }
+}
+
+/// The side-by-side lines of the terminal report: one per VM disk and op
+/// QEMU counted, and a line per VM whose counters could not be read.
+fn qemu_table(report: &RunReport) -> String {
+    let mut out = String::new();
+    let checked: Vec<&Entry> = report.entries.iter().filter(|e| e.qemu.is_some()).collect();
+    if !checked.is_empty() {
+        let _ = writeln!(
+            out,
+            "QEMU's own count beside ours (its mean: engine + device)\n{:<16} {:<14} {:<6} {:>9} {:>9} {:>7} {:>11} {:>11}  {}",
+            "VM", "DISK", "OP", "QEMU", "IOSPAN", "DIFF", "QEMU MEAN", "ENG+DEV", ""
+        );
+        for e in checked {
+            let Some(c) = &e.qemu else { continue };
+            let opt = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));
+            let _ = writeln!(
+                out,
+                "{:<16} {:<14} {:<6} {:>9} {:>9} {:>7} {:>11} {:>11}  {}",
+                e.vm.as_deref().unwrap_or("-"),
+                e.disk,
+                e.op.as_str(),
+                c.ops,
+                c.iospan_ops,
+                c.diff,
+                opt(c.mean_us),
+                opt(c.engine_device_mean_us),
+                if c.mismatch {
+                    format!(
+                        "MISMATCH (beyond {} merged, {} in flight at the edges)",
+                        c.merged_allowance, c.edge_allowance
+                    )
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
+    for v in &report.vms {
+        if let Some(s) = &v.qemu_counts {
+            if !s.starts_with("QMP") && !s.starts_with("libvirt") || s.contains("not read") {
+                let _ = writeln!(out, "QEMU's own counts of {}: {s}", v.name);
+            }
+        }
+    }
+    out
 }

@@ -162,6 +162,26 @@ fn traced_boot(a: RunArgs) {
         "VM {vm_ios} + undelivered {undelivered} + merged {merged} vs guest {} requests: {ctx}",
         r.guest_reads
     );
+    // QEMU's own accounting of the same requests, read over the rig's QMP
+    // monitor: it counts every guest request (merged or not), ours are
+    // the timed, the undelivered and the merged; no mismatch flagged.
+    let q = &vm["qemu"];
+    if a.disk == DiskModel::VhostUser {
+        // QEMU does not serve the disk (the daemon does): nothing of its own.
+        assert!(q.is_null(), "{q:#}");
+    } else {
+        let ops = q["ops"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no QEMU count beside the entry: {vm:#}\n{ctx}"));
+        assert_eq!(ops, r.guest_reads, "QEMU's count vs the guest's: {q:#}");
+        assert_eq!(q["mismatch"], false, "{q:#}");
+        assert_eq!(rep["lost"]["qemu_mismatch"], 0, "{:#}", rep["lost"]);
+        assert_eq!(
+            q["iospan_ops"].as_u64(),
+            Some(vm_ios + undelivered),
+            "{q:#}"
+        );
+    }
     if a.rw == "read" && a.disk == DiskModel::VirtioBlk {
         // One request per submission, adjacent ones in flight together:
         // QEMU's virtio-blk merges those it takes from the ring at once.
@@ -212,6 +232,16 @@ fn traced_boot(a: RunArgs) {
             "engine and device {} above the guest's {guest_mean}",
             mean("engine") + mean("device")
         );
+        // QEMU times a request from its device model taking it to its
+        // completion callback: our engine + device, within 10 %.
+        if let Some(qm) = vm["qemu"]["mean_us"].as_f64() {
+            let ours = mean("engine") + mean("device");
+            assert!(
+                (qm - ours).abs() <= 0.1 * qm.max(ours),
+                "QEMU's mean {qm} µs vs our engine + device {ours} µs: {:#}",
+                vm["qemu"]
+            );
+        }
         // The host window's share of what the guest observed, on boots
         // without the guest agent: under TCG its probes and its own work
         // run on the guest's one emulated CPU, which at depth is the

@@ -31,6 +31,7 @@ mod events;
 mod follow;
 mod live;
 mod progress;
+mod qemu;
 
 use events::*;
 use follow::*;
@@ -217,6 +218,10 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let kernel0 = diskstats::read_all();
     let cpu0 = preflight::self_cpu();
     let t0 = Instant::now();
+    // QEMU's own counters, beside ours at the end.
+    let qemu_task = opts
+        .vms
+        .then(|| tokio::spawn(qemu::watch(known.clone(), stop_rx.clone())));
     let mut child = match opts.command.split_first() {
         Some((prog, args)) => Some(
             Command::new(prog)
@@ -345,6 +350,10 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     progress.done();
 
     let _ = stop_tx.send(true);
+    let qemu = match qemu_task {
+        Some(t) => t.await.unwrap_or_default(),
+        None => Default::default(),
+    };
     // Guest records still on their way first: the stitcher must see them
     // before the ring's last records settle it.
     for t in channel_tasks {
@@ -383,7 +392,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         .stitch
         .counters
         .clone();
-    let report = RunReport {
+    let mut report = RunReport {
         schema: SCHEMA.into(),
         duration_s: (elapsed * 1000.0).round() / 1000.0,
         command: (!opts.command.is_empty()).then(|| opts.command.clone()),
@@ -415,6 +424,20 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             e
         },
     };
+    // Each VM's requests still in flight at the end: by how many QEMU's
+    // count may honestly differ from ours.
+    let inflight: std::collections::BTreeMap<String, u64> = {
+        let finished = snap.vm_finished();
+        let known = known.lock().unwrap_or_else(|p| p.into_inner());
+        snap.vm_counts
+            .iter()
+            .map(|(slot, c)| {
+                let done = finished.get(slot).map_or(0, |f| f.done);
+                (known.name(*slot), c.submitted.saturating_sub(done))
+            })
+            .collect()
+    };
+    crate::output::qemu_check::compare(&mut report, &qemu, &inflight);
     if let Some(path) = &opts.json_out {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text + "\n")

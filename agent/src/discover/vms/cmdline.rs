@@ -97,6 +97,8 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
     let mut cpus: Option<u32> = None;
     let mut vhost: Vec<(String, Option<String>, String, Option<u32>)> = Vec::new(); // (model, id, chardev, queues)
     let mut vscsi: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, wwpn)
+    let mut qmp: Option<PathBuf> = None; // -qmp unix:PATH,server
+    let mut mon_dev: Option<String> = None; // chardev of a -mon in control mode
     let on = |v: Option<&str>| v.is_some_and(|v| matches!(v, "on" | "true" | "yes"));
     let mut i = 0;
     while i < args.len() {
@@ -189,6 +191,26 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                         channel_dev = chardev.map(str::to_string);
                     }
                     _ => {}
+                }
+            }
+            // QEMU's monitors in QMP mode (the first usable one): a unix
+            // socket QEMU listens on; a client socket or TCP is not ours.
+            "qmp" | "qmp-pretty" => {
+                if let Some(rest) = v.strip_prefix("unix:") {
+                    let mut parts = rest.split(',');
+                    let path = parts.next().unwrap_or("");
+                    let server = parts.any(|p| {
+                        p == "server" || p.strip_prefix("server=").is_some_and(|x| on(Some(x)))
+                    });
+                    if server && !path.is_empty() && qmp.is_none() {
+                        qmp = Some(PathBuf::from(path));
+                    }
+                }
+            }
+            "mon" => {
+                let o = options(v);
+                if get(&o, "mode") == Some("control") && mon_dev.is_none() {
+                    mon_dev = get(&o, "chardev").map(str::to_string);
                 }
             }
             "chardev" => {
@@ -305,6 +327,9 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         kicks: KickSource::default(),
         named_threads,
         channel: channel_dev.and_then(|c| socket_of(&c)),
+        monitor: qmp
+            .map(SocketSource::Path)
+            .or_else(|| mon_dev.and_then(|c| socket_of(&c))),
         guest_channel: None,
         serials,
         not_vm,

@@ -59,6 +59,11 @@ pub struct Vm {
     /// command line gives it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub channel: Option<SocketSource>,
+    /// A QMP monitor of its command line (`-qmp unix:…,server`, or a
+    /// `-mon …,mode=control` on a socket chardev), where QEMU's own counts
+    /// are read (`discover::qemu_counts`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub monitor: Option<SocketSource>,
     /// The host end of the guest agent's channel: the listening unix socket
     /// the VM's process holds for that chardev (`channel_socket`).
     #[serde(default)]

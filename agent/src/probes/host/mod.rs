@@ -124,6 +124,10 @@ pub struct Counters {
     /// Requests of VMs whose (VM, disk, op) found the VM table full.
     #[serde(default)]
     pub vm_table_full: u64,
+    /// VM disk entries whose count differs from QEMU's own by more than
+    /// merges and the requests in flight at the edges (filled in by the run).
+    #[serde(default)]
+    pub qemu_mismatch: u64,
     /// VM requests whose host window could not be split (filled in by the run).
     #[serde(default)]
     pub host_split: crate::model::SplitCounters,
@@ -133,7 +137,7 @@ impl Counters {
     /// Every loss and degradation: (key, what it means, count). The key
     /// is the metric label and the JSON field; `unseen` is known only at a
     /// run's end.
-    pub fn losses(&self) -> [(&'static str, &'static str, u64); 13] {
+    pub fn losses(&self) -> [(&'static str, &'static str, u64); 14] {
         let h = &self.host_split;
         [
             ("ringbuf_drops", "ring buffer drops", self.ringbuf_drops),
@@ -165,6 +169,11 @@ impl Counters {
                 self.undelivered,
             ),
             ("vm_table_full", "VM table full", self.vm_table_full),
+            (
+                "qemu_mismatch",
+                "VM disks whose count differs from QEMU's",
+                self.qemu_mismatch,
+            ),
             ("no_kick", "VM requests without a kick", h.no_kick),
             ("no_signal", "VM requests without a signal", h.no_signal),
             ("unordered", "VM requests out of order", h.unordered),
@@ -553,6 +562,7 @@ impl BlockProbes {
             records_streamed: sum(counter::SAMPLED)?,
             vm_table_full: sum(counter::VM_TABLE_FULL)?,
             host_split: Default::default(),
+            qemu_mismatch: 0,
         })
     }
 

@@ -1,0 +1,393 @@
+//! What QEMU itself counts per virtual disk — operations, bytes and total
+//! time per op (its block accounting, `query-blockstats`) — read over the
+//! VM's own QMP monitor, or through libvirt for the domains libvirt runs
+//! (`virsh domstats --block`: libvirt owns those monitors).
+//!
+//! QEMU's time for a request runs from its device model taking the request
+//! to its completion callback: the engine and device segments together.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Write},
+    os::unix::{io::AsRawFd, net::UnixStream},
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::discover::vms::{channel_socket, Vm};
+
+/// One virtual disk's counters, as QEMU keeps them (since it started).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskCounts {
+    pub rd_ops: u64,
+    pub rd_bytes: u64,
+    pub rd_ns: u64,
+    pub wr_ops: u64,
+    pub wr_bytes: u64,
+    pub wr_ns: u64,
+    pub fl_ops: u64,
+    pub fl_ns: u64,
+}
+
+impl DiskCounts {
+    /// These less `earlier` (a counter that went back — a device
+    /// re-plugged — counts from zero).
+    pub fn since(&self, earlier: &DiskCounts) -> DiskCounts {
+        let d = |a: u64, b: u64| if a >= b { a - b } else { a };
+        DiskCounts {
+            rd_ops: d(self.rd_ops, earlier.rd_ops),
+            rd_bytes: d(self.rd_bytes, earlier.rd_bytes),
+            rd_ns: d(self.rd_ns, earlier.rd_ns),
+            wr_ops: d(self.wr_ops, earlier.wr_ops),
+            wr_bytes: d(self.wr_bytes, earlier.wr_bytes),
+            wr_ns: d(self.wr_ns, earlier.wr_ns),
+            fl_ops: d(self.fl_ops, earlier.fl_ops),
+            fl_ns: d(self.fl_ns, earlier.fl_ns),
+        }
+    }
+}
+
+/// Counters by virtual disk id (the device's `id=`, else its drive's).
+pub type Counts = BTreeMap<String, DiskCounts>;
+
+/// Where a VM's own counts can be read, or why they cannot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "via", rename_all = "snake_case")]
+pub enum Source {
+    /// A QMP monitor of the VM's command line, a socket the VM's process
+    /// holds listening.
+    Qmp { socket: PathBuf },
+    /// libvirt runs the domain: its counters through libvirt.
+    Libvirt { domain: String },
+    /// Not readable: why.
+    None { why: String },
+}
+
+impl Source {
+    pub fn describe(&self) -> String {
+        match self {
+            Source::Qmp { socket } => format!("QMP at {}", socket.display()),
+            Source::Libvirt { domain } => format!("libvirt (virsh domstats --block {domain})"),
+            Source::None { why } => format!("none: {why}"),
+        }
+    }
+}
+
+/// Where `vm`'s counts are read. libvirt's domains through libvirt, never
+/// its own monitor; others through a QMP monitor their process holds
+/// listening (a path on the command line alone is not trusted: whoever
+/// wrote the command line may not own it).
+pub fn source_of(vm: &Vm) -> Source {
+    if let Some(d) = &vm.libvirt {
+        return Source::Libvirt {
+            domain: d.name.clone(),
+        };
+    }
+    let Some(mon) = &vm.monitor else {
+        return Source::None {
+            why: "no QMP monitor on its command line (add -qmp unix:PATH,server=on,wait=off)"
+                .into(),
+        };
+    };
+    match channel_socket(vm.pid, mon) {
+        Some(socket) => Source::Qmp { socket },
+        None => Source::None {
+            why: "its QMP monitor is not a unix socket the VM's process listens on".into(),
+        },
+    }
+}
+
+/// A monitor's reply, at most this long: QEMU's answers for hundreds of
+/// disks fit many times over.
+const MAX_REPLY: usize = 4 << 20;
+/// Each step of a QMP exchange, at most this long.
+const QMP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The counters of `vm`'s virtual disks now, from `source`.
+pub fn read(source: &Source, vm: &Vm) -> Result<Counts> {
+    match source {
+        Source::Qmp { socket } => {
+            let stats = qmp_blockstats(socket, vm.pid)?;
+            Ok(parse_blockstats(&stats, vm))
+        }
+        Source::Libvirt { domain } => {
+            let out = std::process::Command::new("virsh")
+                .args(["-q", "domstats", "--block", "--", domain])
+                .output()
+                .context("running virsh domstats (libvirt's client)")?;
+            if !out.status.success() {
+                bail!(
+                    "virsh domstats --block {domain}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+            Ok(parse_domstats(&String::from_utf8_lossy(&out.stdout), vm))
+        }
+        Source::None { why } => bail!("{why}"),
+    }
+}
+
+/// The peer's pid of a connected unix socket.
+fn peer_pid(s: &UnixStream) -> Option<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` is a ucred and `len` its size, as SO_PEERCRED writes.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred.pid as u32)
+}
+
+/// `query-blockstats` over the monitor at `socket`, served by process
+/// `pid`: its `return`.
+fn qmp_blockstats(socket: &Path, pid: u32) -> Result<serde_json::Value> {
+    let s = UnixStream::connect(socket)
+        .with_context(|| format!("connecting to the QMP monitor {}", socket.display()))?;
+    // The socket is the VM's own, not one put in its place.
+    if peer_pid(&s) != Some(pid) {
+        bail!(
+            "{} is not served by the VM's process {pid}",
+            socket.display()
+        );
+    }
+    s.set_read_timeout(Some(QMP_TIMEOUT))?;
+    s.set_write_timeout(Some(QMP_TIMEOUT))?;
+    let mut w = s.try_clone()?;
+    let mut r = BufReader::new(s);
+    // A monitor takes one client at a time: another one's session shows
+    // as no greeting within the timeout.
+    let greeting = next_message(&mut r).with_context(|| {
+        format!(
+            "{}: no QMP greeting (another client may hold the monitor)",
+            socket.display()
+        )
+    })?;
+    if greeting.get("QMP").is_none() {
+        bail!("{}: not a QMP monitor: {greeting}", socket.display());
+    }
+    for cmd in ["qmp_capabilities", "query-blockstats"] {
+        writeln!(w, "{{\"execute\":\"{cmd}\",\"id\":\"iospan\"}}")?;
+        // Events may come before the answer.
+        let ret = loop {
+            let m = next_message(&mut r)?;
+            if let Some(e) = m.get("error") {
+                bail!("{}: {cmd}: {e}", socket.display());
+            }
+            if let Some(ret) = m.get("return") {
+                break ret.clone();
+            }
+        };
+        if cmd == "query-blockstats" {
+            return Ok(ret);
+        }
+    }
+    unreachable!("the loop returns on query-blockstats")
+}
+
+/// One JSON message of a QMP stream (a line), at most `MAX_REPLY` bytes.
+fn next_message<R: BufRead>(r: &mut R) -> Result<serde_json::Value> {
+    let mut line = Vec::new();
+    let n = <&mut R as std::io::Read>::take(r, MAX_REPLY as u64 + 1)
+        .read_until(b'\n', &mut line)
+        .context("reading the QMP monitor")?;
+    if n == 0 {
+        bail!("the QMP monitor closed the connection");
+    }
+    if line.len() > MAX_REPLY {
+        bail!("a QMP message over {MAX_REPLY} bytes");
+    }
+    serde_json::from_slice(&line).context("a QMP message that is not JSON")
+}
+
+/// The virtual disk a blockstats entry belongs to: by the device's QOM
+/// path (`/machine/peripheral/ID/…`, or the id itself), else by its drive
+/// (`device`: a `-drive` id, which is the disk's id when its device has
+/// none).
+fn vdisk_of<'a>(vm: &'a Vm, device: &str, qdev: &str) -> Option<&'a str> {
+    let by_id = |id: &str| vm.disks.iter().find(|d| d.id == id).map(|d| d.id.as_str());
+    let peripheral = qdev
+        .split_once("/peripheral/")
+        .map(|(_, rest)| rest.split('/').next().unwrap_or(rest))
+        .or((!qdev.is_empty() && !qdev.contains('/')).then_some(qdev));
+    peripheral
+        .and_then(by_id)
+        .or_else(|| (!device.is_empty()).then(|| by_id(device)).flatten())
+}
+
+/// `query-blockstats`'s answer as counters per virtual disk of `vm`
+/// (entries that are no disk of its command line are left out).
+pub fn parse_blockstats(ret: &serde_json::Value, vm: &Vm) -> Counts {
+    let mut out = Counts::new();
+    for e in ret.as_array().into_iter().flatten() {
+        let s = |k: &str| e["stats"][k].as_u64().unwrap_or(0);
+        let text = |k: &str| e[k].as_str().unwrap_or("").to_string();
+        let Some(id) = vdisk_of(vm, &text("device"), &text("qdev")) else {
+            continue;
+        };
+        out.insert(
+            id.to_string(),
+            // QEMU counts a request merged into another (virtio-blk merges
+            // adjacent ones it takes from the ring together) in `*_merged`,
+            // not in `*_operations`: both are the guest's requests.
+            DiskCounts {
+                rd_ops: s("rd_operations") + s("rd_merged"),
+                rd_bytes: s("rd_bytes"),
+                rd_ns: s("rd_total_time_ns"),
+                wr_ops: s("wr_operations") + s("wr_merged"),
+                wr_bytes: s("wr_bytes"),
+                wr_ns: s("wr_total_time_ns"),
+                fl_ops: s("flush_operations"),
+                fl_ns: s("flush_total_time_ns"),
+            },
+        );
+    }
+    out
+}
+
+/// `virsh domstats --block` output (`block.N.name=vda`, `block.N.rd.reqs=…`)
+/// as counters per virtual disk: libvirt names a disk by its target dev,
+/// which the domain's status gives the device alias (the disk's id) of.
+pub fn parse_domstats(text: &str, vm: &Vm) -> Counts {
+    let mut by_index: BTreeMap<u32, (String, DiskCounts)> = BTreeMap::new();
+    for line in text.lines() {
+        let Some((key, value)) = line.trim().split_once('=') else {
+            continue;
+        };
+        let Some(rest) = key.strip_prefix("block.") else {
+            continue;
+        };
+        let Some((n, field)) = rest.split_once('.') else {
+            continue;
+        };
+        let Ok(n) = n.parse::<u32>() else {
+            continue;
+        };
+        let e = by_index.entry(n).or_default();
+        let v = value.parse::<u64>().unwrap_or(0);
+        match field {
+            "name" => e.0 = value.to_string(),
+            "rd.reqs" => e.1.rd_ops = v,
+            "rd.bytes" => e.1.rd_bytes = v,
+            "rd.times" => e.1.rd_ns = v,
+            "wr.reqs" => e.1.wr_ops = v,
+            "wr.bytes" => e.1.wr_bytes = v,
+            "wr.times" => e.1.wr_ns = v,
+            "fl.reqs" => e.1.fl_ops = v,
+            "fl.times" => e.1.fl_ns = v,
+            _ => {}
+        }
+    }
+    let mut out = Counts::new();
+    for (_, (target, c)) in by_index {
+        if let Some(d) = vm
+            .disks
+            .iter()
+            .find(|d| d.target_dev.as_deref() == Some(target.as_str()))
+        {
+            out.insert(d.id.clone(), c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discover::vms::from_args;
+
+    fn vm(args: &str) -> Vm {
+        let a: Vec<String> = args.split(' ').map(str::to_string).collect();
+        from_args(1, &a)
+    }
+
+    #[test]
+    fn blockstats_map_to_the_disks_of_the_command_line() {
+        let v = vm("qemu-system-x86_64 -drive file=/a.img,if=none,id=d0,format=raw \
+             -device virtio-blk-pci,drive=d0,id=vd0 \
+             -blockdev driver=file,filename=/b.img,node-name=f1 \
+             -blockdev driver=raw,file=f1,node-name=n1 -device nvme,drive=n1,serial=x,id=nv0 \
+             -drive file=/c.img,if=virtio,id=bare");
+        let ret = serde_json::json!([
+            {"device": "d0", "qdev": "/machine/peripheral/vd0/virtio-backend",
+             "stats": {"rd_operations": 2000, "rd_bytes": 8192000, "rd_total_time_ns": 1600000000,
+                       "wr_operations": 3, "flush_operations": 1}},
+            {"device": "", "qdev": "/machine/peripheral/nv0", "node-name": "n1",
+             "stats": {"rd_operations": 5}},
+            {"device": "bare", "qdev": "/machine/peripheral-anon/device[0]/virtio-backend",
+             "stats": {"wr_operations": 7}},
+            {"device": "", "qdev": "/machine/peripheral/other", "stats": {"rd_operations": 9}}
+        ]);
+        let c = parse_blockstats(&ret, &v);
+        assert_eq!(c.len(), 3, "{c:?}");
+        assert_eq!(c["vd0"].rd_ops, 2000);
+        assert_eq!(c["vd0"].rd_ns, 1_600_000_000);
+        assert_eq!(c["vd0"].fl_ops, 1);
+        assert_eq!(c["nv0"].rd_ops, 5);
+        assert_eq!(c["bare"].wr_ops, 7);
+    }
+
+    #[test]
+    fn domstats_name_disks_by_their_target() {
+        let mut v = vm("qemu-system-x86_64 -blockdev driver=file,filename=/a.img,node-name=f0 \
+             -device virtio-blk-pci,drive=f0,id=virtio-disk0");
+        v.disks[0].target_dev = Some("vda".into());
+        let text = "Domain: 'db01'\n  block.count=2\n  block.0.name=vda\n  block.0.rd.reqs=1504\n  \
+                    block.0.rd.bytes=6160384\n  block.0.rd.times=1203000000\n  block.0.fl.reqs=2\n  \
+                    block.1.name=sdz\n  block.1.rd.reqs=1\n";
+        let c = parse_domstats(text, &v);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c["virtio-disk0"].rd_ops, 1504);
+        assert_eq!(c["virtio-disk0"].rd_ns, 1_203_000_000);
+        assert_eq!(c["virtio-disk0"].fl_ops, 2);
+    }
+
+    #[test]
+    fn counters_that_went_back_count_from_zero() {
+        let a = DiskCounts {
+            rd_ops: 10,
+            ..Default::default()
+        };
+        let b = DiskCounts {
+            rd_ops: 4,
+            ..Default::default()
+        };
+        assert_eq!(a.since(&b).rd_ops, 6);
+        assert_eq!(b.since(&a).rd_ops, 4);
+    }
+
+    #[test]
+    fn a_monitor_is_read_from_the_command_line() {
+        assert!(matches!(
+            vm("qemu-system-x86_64 -qmp unix:/run/q.sock,server=on,wait=off").monitor,
+            Some(crate::discover::vms::SocketSource::Path(ref p)) if p == Path::new("/run/q.sock")
+        ));
+        assert!(matches!(
+            vm("qemu-system-x86_64 -chardev socket,id=m,path=/run/m.sock,server=on,wait=off \
+                -mon chardev=m,mode=control")
+            .monitor,
+            Some(crate::discover::vms::SocketSource::Path(ref p)) if p == Path::new("/run/m.sock")
+        ));
+        // A human monitor, a client socket, TCP: none is QMP we may use.
+        assert!(vm("qemu-system-x86_64 -chardev socket,id=h,path=/run/h.sock,server=on \
+                -mon chardev=h")
+        .monitor
+        .is_none());
+        assert!(vm("qemu-system-x86_64 -qmp tcp:127.0.0.1:4444,server=on")
+            .monitor
+            .is_none());
+        assert!(vm("qemu-system-x86_64 -qmp unix:/run/c.sock").monitor.is_none());
+    }
+}
