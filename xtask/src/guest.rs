@@ -94,6 +94,11 @@ pub struct RunArgs {
     /// Also write the guest's whole console to FILE.
     #[arg(long, value_name = "FILE")]
     pub console_out: Option<PathBuf>,
+    /// Stay idle this long after the workload before powering off: an idle
+    /// edge, so that counters read while the VM runs (QEMU's own, every
+    /// 100 ms) see the whole workload.
+    #[arg(long, default_value_t = 300, value_name = "MS")]
+    pub idle_ms: u32,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -145,6 +150,7 @@ impl Default for RunArgs {
             json: false,
             per_io: false,
             console_out: None,
+            idle_ms: 300,
         }
     }
 }
@@ -472,6 +478,7 @@ impl Drop for StorageDaemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.socket);
+        let _ = std::fs::remove_file(self.socket.with_extension("qmp"));
     }
 }
 
@@ -503,7 +510,19 @@ pub fn storage_daemon_command(a: &RunArgs, image: &Path) -> Command {
         a.disk_id,
         socket.display()
     ));
+    // Its own QMP monitor, as a host's daemon has one: where its counters
+    // are read.
+    c.arg("--chardev").arg(format!(
+        "socket,id=qmp0,path={},server=on,wait=off",
+        storage_daemon_monitor(a).display()
+    ));
+    c.args(["--monitor", "chardev=qmp0"]);
     c
+}
+
+/// The QMP monitor of a vhost-user rig disk's qemu-storage-daemon.
+pub fn storage_daemon_monitor(a: &RunArgs) -> PathBuf {
+    vhost_socket(a).with_extension("qmp")
 }
 
 /// Starts qemu-storage-daemon for a vhost-user rig disk and waits for its
@@ -511,6 +530,7 @@ pub fn storage_daemon_command(a: &RunArgs, image: &Path) -> Command {
 pub fn storage_daemon(a: &RunArgs, image: &Path) -> Result<StorageDaemon> {
     let socket = vhost_socket(a);
     let _ = std::fs::remove_file(&socket);
+    let _ = std::fs::remove_file(storage_daemon_monitor(a));
     let mut cmd = storage_daemon_command(a, image);
     eprintln!("xtask: {}", sh::show(&cmd));
     let child = cmd
@@ -563,7 +583,8 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
             a.dm_delay_ms.map(i64::from).unwrap_or(-1),
             a.agent_restart_s.map(|s| format!(" iospan.agentrestart={s}")).unwrap_or_default()
         ) + if a.reboot { " iospan.reboot=1" } else { "" }
-            + if a.per_io { " iospan.perio=1" } else { "" });
+            + if a.per_io { " iospan.perio=1" } else { "" }
+            + &format!(" iospan.idle={}", a.idle_ms));
     if a.disk != DiskModel::VhostUser {
         c.arg("-drive").arg(format!(
             "file={},if=none,id={},format=raw,cache=none,aio={}{}",

@@ -32,8 +32,8 @@ pub fn verdict(report: &RunReport, vm: Option<&str>) -> (String, bool) {
     let wanted = |name: &str| vm.is_none_or(|v| v == name);
     let _ = writeln!(
         out,
-        "{:<16} {:<14} {:<6} {:>9} {:>9} {:>7} {:>11} {:>11}  VERDICT",
-        "VM", "DISK", "OP", "QEMU", "IOSPAN", "DIFF", "QEMU MEAN", "ENG+DEV"
+        "QEMU's mean lies between ours from pickup to the host's completion (PICK-DONE) and our engine + device (ENG+DEV), µs\n{:<16} {:<14} {:<6} {:>9} {:>9} {:>7} {:>11} {:>11} {:>11}  VERDICT",
+        "VM", "DISK", "OP", "QEMU", "IOSPAN", "DIFF", "QEMU MEAN", "PICK-DONE", "ENG+DEV"
     );
     for e in &report.entries {
         let (Some(name), Some(c)) = (e.vm.as_deref(), &e.qemu) else {
@@ -42,20 +42,22 @@ pub fn verdict(report: &RunReport, vm: Option<&str>) -> (String, bool) {
         if !wanted(name) {
             continue;
         }
-        compared += 1;
         let means = (c.ops >= MEAN_MIN_OPS)
             .then(|| means_agree(c, MEAN_SHARE))
             .flatten();
-        let why = if c.mismatch {
+        compared += u64::from(!c.uncounted);
+        let why = if c.uncounted {
+            "not compared: its engine keeps no count of an export's requests".to_string()
+        } else if c.mismatch {
             pass = false;
             format!(
-                "FAIL: counts differ beyond {} merged and {} in flight at the edges",
-                c.merged_allowance, c.edge_allowance
+                "FAIL: counts differ beyond {} merged, {} in flight at the edges, {} before the first read and {} after the last",
+                c.merged_allowance, c.edge_allowance, c.before_first_read, c.after_last_read
             )
         } else if means == Some(false) {
             pass = false;
             format!(
-                "FAIL: means differ by more than {:.0} %",
+                "FAIL: QEMU's mean outside ours (pickup → completion to engine + device) by more than {:.0} %",
                 MEAN_SHARE * 100.0
             )
         } else if means.is_none() {
@@ -66,7 +68,7 @@ pub fn verdict(report: &RunReport, vm: Option<&str>) -> (String, bool) {
         let opt = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));
         let _ = writeln!(
             out,
-            "{:<16} {:<14} {:<6} {:>9} {:>9} {:>7} {:>11} {:>11}  {why}",
+            "{:<16} {:<14} {:<6} {:>9} {:>9} {:>7} {:>11} {:>11} {:>11}  {why}",
             name,
             e.disk,
             e.op.as_str(),
@@ -74,12 +76,13 @@ pub fn verdict(report: &RunReport, vm: Option<&str>) -> (String, bool) {
             c.iospan_ops,
             c.diff,
             opt(c.mean_us),
+            opt(c.pickup_to_done_mean_us),
             opt(c.engine_device_mean_us),
         );
     }
     for v in report.vms.iter().filter(|v| wanted(&v.name)) {
         if let Some(s) = &v.qemu_counts {
-            if s.starts_with("none") || s.contains("not read") {
+            if s.contains("none:") || s.contains("not read") || s.contains("exited within") {
                 let _ = writeln!(out, "{}: QEMU's own counts: {s}", v.name);
             }
         }
@@ -181,7 +184,12 @@ mod tests {
             diff: ours as i64 - ops as i64,
             merged_allowance: 0,
             edge_allowance: 0,
+            after_last_read: 0,
+            before_first_read: 0,
             engine_device_mean_us: Some(i_mean),
+            pickup_to_done_mean_us: Some(i_mean * 0.8),
+            counted_by: "qemu".into(),
+            uncounted: false,
             mismatch,
         }
     }
@@ -198,10 +206,28 @@ mod tests {
         let (text, pass) = verdict(&report(check(2000, 1990, 810.0, 790.0, true)), None);
         assert!(!pass && text.contains("FAIL: counts differ"), "{text}");
         let (text, pass) = verdict(&report(check(2000, 2000, 1000.0, 790.0, false)), None);
-        assert!(!pass && text.contains("means differ"), "{text}");
+        assert!(!pass && text.contains("QEMU's mean outside ours"), "{text}");
+        // Between pickup → completion (632) and engine + device (790),
+        // widened by a tenth either way: 570 passes, 560 does not.
+        let (text, pass) = verdict(&report(check(2000, 2000, 570.0, 790.0, false)), None);
+        assert!(pass, "{text}");
+        let (text, pass) = verdict(&report(check(2000, 2000, 560.0, 790.0, false)), None);
+        assert!(!pass, "{text}");
         // A handful of requests: the count is held, the mean is not.
         let (text, pass) = verdict(&report(check(5, 5, 1000.0, 100.0, false)), None);
         assert!(pass, "{text}");
+    }
+
+    #[test]
+    fn an_engine_that_counts_nothing_is_said_and_not_passed() {
+        let mut c = check(0, 2000, 0.0, 790.0, false);
+        c.mean_us = None;
+        c.uncounted = true;
+        c.counted_by = "engine".into();
+        let (text, pass) = verdict(&report(c), None);
+        assert!(!pass, "{text}");
+        assert!(text.contains("not compared: its engine keeps no count"), "{text}");
+        assert!(text.contains("FAIL: no VM disk"), "{text}");
     }
 
     #[test]

@@ -59,9 +59,18 @@ pub type Counts = BTreeMap<String, DiskCounts>;
 pub enum Source {
     /// A QMP monitor of the VM's command line, a socket the VM's process
     /// holds listening.
-    Qmp { socket: PathBuf },
+    Qmp { socket: PathBuf, pid: u32 },
     /// libvirt runs the domain: its counters through libvirt.
     Libvirt { domain: String },
+    /// The engine serving some of its disks from outside QEMU
+    /// (qemu-storage-daemon), over the engine's own QMP monitor: its
+    /// exports' nodes, each the virtual disk it serves.
+    Engine {
+        program: String,
+        pid: u32,
+        socket: PathBuf,
+        nodes: BTreeMap<String, String>,
+    },
     /// Not readable: why.
     None { why: String },
 }
@@ -69,18 +78,80 @@ pub enum Source {
 impl Source {
     pub fn describe(&self) -> String {
         match self {
-            Source::Qmp { socket } => format!("QMP at {}", socket.display()),
+            Source::Qmp { socket, .. } => format!("QMP at {}", socket.display()),
             Source::Libvirt { domain } => format!("libvirt (virsh domstats --block {domain})"),
+            Source::Engine {
+                program,
+                pid,
+                socket,
+                ..
+            } => format!("{program} pid {pid}, QMP at {}", socket.display()),
             Source::None { why } => format!("none: {why}"),
         }
     }
+
+    /// Counts from the engine outside QEMU, not from QEMU's device models.
+    pub fn is_engine(&self) -> bool {
+        matches!(self, Source::Engine { .. })
+    }
 }
 
-/// Where `vm`'s counts are read. libvirt's domains through libvirt, never
-/// its own monitor; others through a QMP monitor their process holds
-/// listening (a path on the command line alone is not trusted: whoever
-/// wrote the command line may not own it).
-pub fn source_of(vm: &Vm) -> Source {
+/// Where `vm`'s counts are read: QEMU's own (for the disks its device
+/// models serve), and each engine outside QEMU that serves some of its
+/// disks (vhost-user). libvirt's domains through libvirt, never its own
+/// monitor; others through a QMP monitor their process holds listening (a
+/// path on the command line alone is not trusted: whoever wrote the
+/// command line may not own it).
+pub fn sources_of(vm: &Vm) -> Vec<Source> {
+    let mut out = Vec::new();
+    let served_by_qemu = vm.disks.iter().any(|d| d.engine.is_none());
+    if served_by_qemu || vm.disks.is_empty() {
+        out.push(qemu_source(vm));
+    }
+    let mut engines: BTreeMap<u32, (&crate::discover::vms::EngineRef, BTreeMap<String, String>)> =
+        BTreeMap::new();
+    for d in &vm.disks {
+        if let Some(e) = &d.engine {
+            let entry = engines.entry(e.pid).or_insert_with(|| (e, BTreeMap::new()));
+            if !e.node.is_empty() {
+                entry.1.insert(e.node.clone(), d.id.clone());
+            }
+        }
+    }
+    for (pid, (e, nodes)) in engines {
+        let socket = e
+            .monitor
+            .as_ref()
+            .and_then(|m| channel_socket(pid, m));
+        out.push(match (socket, &e.monitor) {
+            (Some(socket), _) if !nodes.is_empty() => Source::Engine {
+                program: e.program.clone(),
+                pid,
+                socket,
+                nodes,
+            },
+            (Some(_), _) => Source::None {
+                why: format!("{} pid {pid} serves its disks through no export iospan can name", e.program),
+            },
+            (None, Some(_)) => Source::None {
+                why: format!(
+                    "the QMP monitor of {} pid {pid} is not a unix socket it listens on",
+                    e.program
+                ),
+            },
+            (None, None) => Source::None {
+                why: format!(
+                    "{} pid {pid} serves its disks and has no QMP monitor (add --chardev socket,id=m,path=PATH,server=on,wait=off --monitor chardev=m)",
+                    e.program
+                ),
+            },
+        });
+    }
+    out
+}
+
+/// QEMU's own monitor of `vm`, or why there is none to use.
+fn qemu_source(vm: &Vm) -> Source {
     if let Some(d) = &vm.libvirt {
         return Source::Libvirt {
             domain: d.name.clone(),
@@ -93,11 +164,23 @@ pub fn source_of(vm: &Vm) -> Source {
         };
     };
     match channel_socket(vm.pid, mon) {
-        Some(socket) => Source::Qmp { socket },
+        Some(socket) => Source::Qmp {
+            socket,
+            pid: vm.pid,
+        },
         None => Source::None {
             why: "its QMP monitor is not a unix socket the VM's process listens on".into(),
         },
     }
+}
+
+/// What `sources_of` says, in one line.
+pub fn describe_all(sources: &[Source]) -> String {
+    sources
+        .iter()
+        .map(Source::describe)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A monitor's reply, at most this long: QEMU's answers for hundreds of
@@ -106,28 +189,72 @@ const MAX_REPLY: usize = 4 << 20;
 /// Each step of a QMP exchange, at most this long.
 const QMP_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The counters of `vm`'s virtual disks now, from `source`.
-pub fn read(source: &Source, vm: &Vm) -> Result<Counts> {
-    match source {
-        Source::Qmp { socket } => {
-            let stats = qmp_blockstats(socket, vm.pid)?;
-            Ok(parse_blockstats(&stats, vm))
+/// Reads one source's counters again and again over one QMP session
+/// (opened again after a failure): a monitor's session costs QEMU more
+/// than a command on it.
+pub struct Reader {
+    pub source: Source,
+    session: Option<Session>,
+}
+
+impl Reader {
+    pub fn new(source: Source) -> Self {
+        Reader {
+            source,
+            session: None,
         }
-        Source::Libvirt { domain } => {
-            let out = std::process::Command::new("virsh")
-                .args(["-q", "domstats", "--block", "--", domain])
-                .output()
-                .context("running virsh domstats (libvirt's client)")?;
-            if !out.status.success() {
-                bail!(
-                    "virsh domstats --block {domain}: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                );
-            }
-            Ok(parse_domstats(&String::from_utf8_lossy(&out.stdout), vm))
-        }
-        Source::None { why } => bail!("{why}"),
     }
+
+    /// The counters of `vm`'s virtual disks this source serves, now.
+    pub fn read(&mut self, vm: &Vm) -> Result<Counts> {
+        match &self.source {
+            Source::Qmp { socket, pid } => {
+                let stats = self.query(socket.clone(), *pid, false)?;
+                Ok(parse_blockstats(&stats, vm))
+            }
+            Source::Engine {
+                socket, pid, nodes, ..
+            } => {
+                let (socket, pid, nodes) = (socket.clone(), *pid, nodes.clone());
+                // An export's block backend has no name: its node is found
+                // only among the nodes.
+                let stats = self.query(socket, pid, true)?;
+                Ok(parse_node_blockstats(&stats, &nodes))
+            }
+            Source::Libvirt { domain } => {
+                let out = std::process::Command::new("virsh")
+                    .args(["-q", "domstats", "--block", "--", domain])
+                    .output()
+                    .context("running virsh domstats (libvirt's client)")?;
+                if !out.status.success() {
+                    bail!(
+                        "virsh domstats --block {domain}: {}",
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    );
+                }
+                Ok(parse_domstats(&String::from_utf8_lossy(&out.stdout), vm))
+            }
+            Source::None { why } => bail!("{why}"),
+        }
+    }
+
+    fn query(&mut self, socket: PathBuf, pid: u32, nodes: bool) -> Result<serde_json::Value> {
+        if self.session.is_none() {
+            self.session = Some(Session::open(&socket, pid)?);
+        }
+        let s = self.session.as_mut().expect("opened above");
+        let r = s.blockstats(nodes);
+        if r.is_err() {
+            // A broken session is not used again.
+            self.session = None;
+        }
+        r
+    }
+}
+
+/// The counters of `vm`'s disks served by `source`, in one session.
+pub fn read(source: &Source, vm: &Vm) -> Result<Counts> {
+    Reader::new(source.clone()).read(vm)
 }
 
 /// The peer's pid of a connected unix socket.
@@ -151,50 +278,68 @@ fn peer_pid(s: &UnixStream) -> Option<u32> {
     (rc == 0).then_some(cred.pid as u32)
 }
 
-/// `query-blockstats` over the monitor at `socket`, served by process
-/// `pid`: its `return`.
-fn qmp_blockstats(socket: &Path, pid: u32) -> Result<serde_json::Value> {
-    let s = UnixStream::connect(socket)
-        .with_context(|| format!("connecting to the QMP monitor {}", socket.display()))?;
-    // The socket is the VM's own, not one put in its place.
-    if peer_pid(&s) != Some(pid) {
-        bail!(
-            "{} is not served by the VM's process {pid}",
-            socket.display()
-        );
+/// A QMP session with a monitor, capabilities negotiated.
+struct Session {
+    socket: PathBuf,
+    w: UnixStream,
+    r: BufReader<UnixStream>,
+}
+
+impl Session {
+    /// Connects to the monitor at `socket`, served by process `pid`.
+    fn open(socket: &Path, pid: u32) -> Result<Session> {
+        let s = UnixStream::connect(socket)
+            .with_context(|| format!("connecting to the QMP monitor {}", socket.display()))?;
+        // The socket is the VM's (or its engine's) own, not one put in its place.
+        if peer_pid(&s) != Some(pid) {
+            bail!("{} is not served by process {pid}", socket.display());
+        }
+        s.set_read_timeout(Some(QMP_TIMEOUT))?;
+        s.set_write_timeout(Some(QMP_TIMEOUT))?;
+        let w = s.try_clone()?;
+        let mut session = Session {
+            socket: socket.to_path_buf(),
+            w,
+            r: BufReader::new(s),
+        };
+        // A monitor takes one client at a time: another one's session shows
+        // as no greeting within the timeout.
+        let greeting = next_message(&mut session.r).with_context(|| {
+            format!(
+                "{}: no QMP greeting (another client may hold the monitor)",
+                socket.display()
+            )
+        })?;
+        if greeting.get("QMP").is_none() {
+            bail!("{}: not a QMP monitor: {greeting}", socket.display());
+        }
+        session.execute("{\"execute\":\"qmp_capabilities\"}")?;
+        Ok(session)
     }
-    s.set_read_timeout(Some(QMP_TIMEOUT))?;
-    s.set_write_timeout(Some(QMP_TIMEOUT))?;
-    let mut w = s.try_clone()?;
-    let mut r = BufReader::new(s);
-    // A monitor takes one client at a time: another one's session shows
-    // as no greeting within the timeout.
-    let greeting = next_message(&mut r).with_context(|| {
-        format!(
-            "{}: no QMP greeting (another client may hold the monitor)",
-            socket.display()
-        )
-    })?;
-    if greeting.get("QMP").is_none() {
-        bail!("{}: not a QMP monitor: {greeting}", socket.display());
+
+    fn blockstats(&mut self, nodes: bool) -> Result<serde_json::Value> {
+        self.execute(if nodes {
+            "{\"execute\":\"query-blockstats\",\"arguments\":{\"query-nodes\":true}}"
+        } else {
+            "{\"execute\":\"query-blockstats\"}"
+        })
     }
-    for cmd in ["qmp_capabilities", "query-blockstats"] {
-        writeln!(w, "{{\"execute\":\"{cmd}\",\"id\":\"iospan\"}}")?;
-        // Events may come before the answer.
-        let ret = loop {
-            let m = next_message(&mut r)?;
+
+    /// One command's `return`; events before it are passed over.
+    fn execute(&mut self, cmd: &str) -> Result<serde_json::Value> {
+        writeln!(self.w, "{cmd}")
+            .with_context(|| format!("writing to the QMP monitor {}", self.socket.display()))?;
+        loop {
+            let m = next_message(&mut self.r)
+                .with_context(|| format!("QMP monitor {}", self.socket.display()))?;
             if let Some(e) = m.get("error") {
-                bail!("{}: {cmd}: {e}", socket.display());
+                bail!("{}: {cmd}: {e}", self.socket.display());
             }
             if let Some(ret) = m.get("return") {
-                break ret.clone();
+                return Ok(ret.clone());
             }
-        };
-        if cmd == "query-blockstats" {
-            return Ok(ret);
         }
     }
-    unreachable!("the loop returns on query-blockstats")
 }
 
 /// One JSON message of a QMP stream (a line), at most `MAX_REPLY` bytes.
@@ -232,29 +377,44 @@ fn vdisk_of<'a>(vm: &'a Vm, device: &str, qdev: &str) -> Option<&'a str> {
 pub fn parse_blockstats(ret: &serde_json::Value, vm: &Vm) -> Counts {
     let mut out = Counts::new();
     for e in ret.as_array().into_iter().flatten() {
-        let s = |k: &str| e["stats"][k].as_u64().unwrap_or(0);
         let text = |k: &str| e[k].as_str().unwrap_or("").to_string();
         let Some(id) = vdisk_of(vm, &text("device"), &text("qdev")) else {
             continue;
         };
-        out.insert(
-            id.to_string(),
-            // QEMU counts a request merged into another (virtio-blk merges
-            // adjacent ones it takes from the ring together) in `*_merged`,
-            // not in `*_operations`: both are the guest's requests.
-            DiskCounts {
-                rd_ops: s("rd_operations") + s("rd_merged"),
-                rd_bytes: s("rd_bytes"),
-                rd_ns: s("rd_total_time_ns"),
-                wr_ops: s("wr_operations") + s("wr_merged"),
-                wr_bytes: s("wr_bytes"),
-                wr_ns: s("wr_total_time_ns"),
-                fl_ops: s("flush_operations"),
-                fl_ns: s("flush_total_time_ns"),
-            },
-        );
+        out.insert(id.to_string(), counts_of(&e["stats"]));
     }
     out
+}
+
+/// `query-blockstats` with `query-nodes` as counters per virtual disk:
+/// each entry whose node is one of `nodes` (node name → virtual disk).
+pub fn parse_node_blockstats(ret: &serde_json::Value, nodes: &BTreeMap<String, String>) -> Counts {
+    let mut out = Counts::new();
+    for e in ret.as_array().into_iter().flatten() {
+        let Some(vdisk) = e["node-name"].as_str().and_then(|n| nodes.get(n)) else {
+            continue;
+        };
+        out.insert(vdisk.clone(), counts_of(&e["stats"]));
+    }
+    out
+}
+
+/// One entry's `stats` as counters. Each guest request is counted in
+/// `*_operations`, one merged into another (virtio-blk merges adjacent
+/// ones it takes from the ring together) as well: `*_merged` counts the
+/// merges, not more requests.
+fn counts_of(stats: &serde_json::Value) -> DiskCounts {
+    let s = |k: &str| stats[k].as_u64().unwrap_or(0);
+    DiskCounts {
+        rd_ops: s("rd_operations"),
+        rd_bytes: s("rd_bytes"),
+        rd_ns: s("rd_total_time_ns"),
+        wr_ops: s("wr_operations"),
+        wr_bytes: s("wr_bytes"),
+        wr_ns: s("wr_total_time_ns"),
+        fl_ops: s("flush_operations"),
+        fl_ns: s("flush_total_time_ns"),
+    }
 }
 
 /// `virsh domstats --block` output (`block.N.name=vda`, `block.N.rd.reqs=…`)
@@ -389,5 +549,90 @@ mod tests {
             .monitor
             .is_none());
         assert!(vm("qemu-system-x86_64 -qmp unix:/run/c.sock").monitor.is_none());
+    }
+
+    #[test]
+    fn an_engines_nodes_are_its_exports_disks() {
+        let nodes = BTreeMap::from([("disk0".to_string(), "vd0".to_string())]);
+        let ret = serde_json::json!([
+            {"node-name": "file0", "stats": {"rd_operations": 1}},
+            {"node-name": "disk0", "stats": {"rd_operations": 0, "rd_merged": 0}},
+        ]);
+        let c = parse_node_blockstats(&ret, &nodes);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c["vd0"], DiskCounts::default());
+    }
+
+    /// A monitor of our own: greets, answers each command, sends an event
+    /// before each answer; counts the sessions opened.
+    fn fake_monitor(path: &Path, drop_after: usize) -> std::thread::JoinHandle<usize> {
+        let l = std::os::unix::net::UnixListener::bind(path).unwrap();
+        std::thread::spawn(move || {
+            let mut sessions = 0;
+            let mut answered = 0;
+            for c in l.incoming() {
+                let Ok(c) = c else { break };
+                sessions += 1;
+                let mut w = c.try_clone().unwrap();
+                let mut r = BufReader::new(c);
+                // A client that hung up at once (the refused one) is gone.
+                if writeln!(w, "{{\"QMP\": {{\"version\": {{}}}}}}").is_err() {
+                    continue;
+                }
+                let mut line = String::new();
+                while r.read_line(&mut line).unwrap_or(0) > 0 {
+                    if line.contains("quit") {
+                        return sessions;
+                    }
+                    answered += 1;
+                    writeln!(w, "{{\"event\": \"RESUME\"}}").unwrap();
+                    if line.contains("blockstats") {
+                        writeln!(w, "{{\"return\": [{{\"device\": \"d0\", \"qdev\": \"/machine/peripheral/vd0/virtio-backend\", \"stats\": {{\"rd_operations\": {answered}}}}}]}}").unwrap();
+                    } else {
+                        writeln!(w, "{{\"return\": {{}}}}").unwrap();
+                    }
+                    line.clear();
+                    if answered == drop_after {
+                        break;
+                    }
+                }
+            }
+            sessions
+        })
+    }
+
+    #[test]
+    fn one_session_serves_every_read_and_a_broken_one_is_opened_again() {
+        let dir = std::env::temp_dir().join(format!("iospan-qmp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.sock");
+        // The monitor hangs up after its 4th answer (capabilities + 3 reads).
+        let server = fake_monitor(&path, 4);
+        let v = vm("qemu-system-x86_64 -drive file=/a.img,if=none,id=d0 -device virtio-blk-pci,drive=d0,id=vd0");
+        let mut r = Reader::new(Source::Qmp {
+            socket: path.clone(),
+            pid: std::process::id(),
+        });
+        let ops: Vec<u64> = (0..3).map(|_| r.read(&v).unwrap()["vd0"].rd_ops).collect();
+        // Answers 2, 3, 4 of one session: capabilities was the first.
+        assert_eq!(ops, [2, 3, 4]);
+        // The monitor went away: that read fails, the next opens a new session.
+        assert!(r.read(&v).is_err());
+        assert_eq!(r.read(&v).unwrap()["vd0"].rd_ops, 6);
+        // A monitor takes one client at a time: ours lets go.
+        drop(r);
+        // A monitor not served by the process named is refused.
+        let mut other = Reader::new(Source::Qmp {
+            socket: path.clone(),
+            pid: 1,
+        });
+        let e = other.read(&v).unwrap_err();
+        assert!(format!("{e:#}").contains("not served by process 1"), "{e:#}");
+        let mut s = UnixStream::connect(&path).unwrap();
+        writeln!(s, "quit").unwrap();
+        // Two sessions for six reads, the refused one, the last.
+        assert_eq!(server.join().unwrap(), 4);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -4,7 +4,7 @@
 //! request to its completion callback, so it is put beside iospan's engine
 //! plus device.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::{
     discover::qemu_counts::{DiskCounts, Source},
@@ -15,14 +15,25 @@ use crate::{
 /// What QEMU counted of one VM over a run.
 #[derive(Clone, Debug)]
 pub struct VmQemu {
-    pub source: Source,
+    /// Where its counts were read (QEMU's monitor or libvirt, and each
+    /// engine serving some of its disks), or why they could not be.
+    pub sources: Vec<Source>,
     /// Per virtual disk, its counters over the run (last read less first).
     pub counts: BTreeMap<String, DiskCounts>,
-    /// Why its counters could not be read, when they could not.
+    /// Disks whose counts are an engine's outside QEMU (vhost-user).
+    pub engine_disks: BTreeSet<String>,
+    /// Why a source's counters could not be read, when they could not.
     pub error: Option<String>,
     /// The VM was running when the run began: its first read is the
     /// run's start, so requests in flight then may fall on either side.
     pub predates_run: bool,
+    /// Our count of its submitted requests just after QEMU's last read.
+    pub submitted_at_last_read: Option<u64>,
+    /// The same just after QEMU's first read of a VM running before the
+    /// run: ours counted from the probes' start, QEMU's from that read.
+    pub submitted_at_first_read: Option<u64>,
+    /// It exited within the run, this long after QEMU's last read.
+    pub exited_ms_after_last_read: Option<u64>,
 }
 
 /// QEMU's counters of `op`: (operations, bytes, total ns).
@@ -38,28 +49,33 @@ fn of_op(c: &DiskCounts, op: Op) -> Option<(u64, u64, u64)> {
 /// Puts QEMU's figures beside every VM entry whose VM's counters were
 /// read, and an entry of zero requests beside QEMU's counts that iospan has
 /// none for; returns how many entries mismatch. `inflight`: each VM's
-/// requests still in flight at the end, by name.
+/// requests still in flight at the end, by name; `submitted`: each VM's
+/// requests submitted over the run (ours).
 pub fn compare(
     report: &mut RunReport,
     qemu: &BTreeMap<String, VmQemu>,
     inflight: &BTreeMap<String, u64>,
+    submitted: &BTreeMap<String, u64>,
 ) -> u64 {
     let mut mismatches = 0;
     for v in &mut report.vms {
         if let Some(q) = qemu.get(&v.name) {
-            v.qemu_counts = Some(match &q.error {
-                Some(e) => format!("{} (not read: {e})", q.source.describe()),
-                None => q.source.describe(),
-            });
+            let mut text = crate::discover::qemu_counts::describe_all(&q.sources);
+            if let Some(e) = &q.error {
+                text.push_str(&format!(" (not read: {e})"));
+            }
+            if let Some(ms) = q.exited_ms_after_last_read {
+                text.push_str(&format!(
+                    "; the VM exited within the run, at most {ms} ms after its counters' last read"
+                ));
+            }
+            v.qemu_counts = Some(text);
         }
     }
     // QEMU's disks and ops with requests iospan has no entry for: a
     // mismatch as much as a different count.
     let mut missing: Vec<Entry> = Vec::new();
     for (vm, q) in qemu {
-        if q.error.is_some() {
-            continue;
-        }
         for (disk, c) in &q.counts {
             for op in [Op::Read, Op::Write, Op::Flush] {
                 let Some((ops, _, _)) = of_op(c, op) else {
@@ -79,7 +95,7 @@ pub fn compare(
         let Some(vm) = e.vm.as_deref() else {
             continue;
         };
-        let Some(q) = qemu.get(vm).filter(|q| q.error.is_none()) else {
+        let Some(q) = qemu.get(vm) else {
             continue;
         };
         let Some(c) = q.counts.get(&e.disk) else {
@@ -92,9 +108,25 @@ pub fn compare(
         let merged = summary.map_or(0, |v| v.engine_merged + v.host_merged);
         let flying = inflight.get(vm).copied().unwrap_or(0);
         let edge = if q.predates_run { 2 * flying } else { flying };
+        // Requests submitted after QEMU's last read (a VM that exited: its
+        // last requests, and QEMU's own as it closed its images) are in
+        // ours, not in its.
+        let after_last_read = match (q.submitted_at_last_read, submitted.get(vm)) {
+            (Some(at), Some(total)) => total.saturating_sub(at),
+            _ => 0,
+        };
+        // A VM running before the run: QEMU's window begins at its first
+        // read, ours when the probes started; requests between are ours.
+        let before_first_read = q.submitted_at_first_read.unwrap_or(0);
         let iospan_ops = e.ios + e.undelivered;
         let mean = |name: &str| e.segments.get(name).filter(|s| s.count > 0).map(|s| s.mean_us);
-        let mismatch = ops > iospan_ops + merged + edge || iospan_ops > ops + edge;
+        // An engine that keeps no count of its exports' requests (QEMU's
+        // storage daemon counts none for vhost-user-blk) reads zero: said,
+        // not taken for a mismatch.
+        let uncounted = q.engine_disks.contains(&e.disk) && ops == 0 && iospan_ops > 0;
+        let mismatch = !uncounted
+            && (ops > iospan_ops + merged + edge
+                || iospan_ops > ops + edge + after_last_read + before_first_read);
         mismatches += u64::from(mismatch);
         e.qemu = Some(QemuCheck {
             ops,
@@ -104,9 +136,14 @@ pub fn compare(
             diff: iospan_ops as i64 - ops as i64,
             merged_allowance: merged,
             edge_allowance: edge,
+            after_last_read,
+            before_first_read,
             engine_device_mean_us: mean("engine")
                 .zip(mean("device"))
                 .map(|(a, b)| round3(a + b)),
+            pickup_to_done_mean_us: mean("pickup_to_done").map(round3),
+            counted_by: if q.engine_disks.contains(&e.disk) { "engine" } else { "qemu" }.into(),
+            uncounted,
             mismatch,
         });
     }
@@ -118,9 +155,136 @@ fn round3(v: f64) -> f64 {
     (v * 1000.0).round() / 1000.0
 }
 
-/// Whether QEMU's mean is within `share` of iospan's engine + device
-/// (None: one of them has no figure).
+/// Whether QEMU's mean agrees with ours within `share`: it lies between
+/// our pickup → host completion and our engine + device (QEMU's time ends
+/// at its completion callback, which by device and thread comes before or
+/// after it signals the guest), each widened by `share`. None: no figure
+/// to hold it to.
 pub fn means_agree(c: &QemuCheck, share: f64) -> Option<bool> {
-    let (q, i) = (c.mean_us?, c.engine_device_mean_us?);
-    Some((q - i).abs() <= share * i.max(q))
+    let (q, upper) = (c.mean_us?, c.engine_device_mean_us?);
+    let lower = c.pickup_to_done_mean_us.unwrap_or(upper).min(upper);
+    Some(q >= lower * (1.0 - share) && q <= upper * (1.0 + share))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+
+    fn report(ios: u64) -> RunReport {
+        let mut e = Entry::empty(Some("db01".into()), "vd0".into(), Op::Read);
+        e.ios = ios;
+        RunReport {
+            schema: String::new(),
+            duration_s: 10.0,
+            command: None,
+            exit_code: None,
+            lost: Default::default(),
+            probes: Vec::new(),
+            agent: Default::default(),
+            guests: Vec::new(),
+            stitch: Default::default(),
+            export: None,
+            vms: Vec::new(),
+            not_vms: 0,
+            entries: vec![e],
+        }
+    }
+
+    fn qemu(rd_ops: u64, engine: bool, at_last: Option<u64>) -> BTreeMap<String, VmQemu> {
+        let counts = BTreeMap::from([(
+            "vd0".to_string(),
+            DiskCounts {
+                rd_ops,
+                rd_ns: rd_ops * 800_000,
+                ..Default::default()
+            },
+        )]);
+        BTreeMap::from([(
+            "db01".to_string(),
+            VmQemu {
+                sources: vec![Source::Qmp {
+                    socket: PathBuf::from("/run/q.sock"),
+                    pid: 7,
+                }],
+                counts,
+                engine_disks: if engine {
+                    BTreeSet::from(["vd0".to_string()])
+                } else {
+                    BTreeSet::new()
+                },
+                error: None,
+                predates_run: false,
+                submitted_at_last_read: at_last,
+                submitted_at_first_read: None,
+                exited_ms_after_last_read: at_last.map(|_| 40),
+            },
+        )])
+    }
+
+    fn check(r: &RunReport) -> &QemuCheck {
+        r.entries[0].qemu.as_ref().expect("compared")
+    }
+
+    #[test]
+    fn equal_counts_pass_and_one_more_is_a_mismatch() {
+        let none = BTreeMap::new();
+        let mut r = report(2000);
+        assert_eq!(compare(&mut r, &qemu(2000, false, None), &none, &none), 0);
+        let c = check(&r);
+        assert_eq!((c.ops, c.iospan_ops, c.diff, c.mismatch), (2000, 2000, 0, false));
+        assert_eq!(c.mean_us, Some(800.0));
+        let mut r = report(2001);
+        assert_eq!(compare(&mut r, &qemu(2000, false, None), &none, &none), 1);
+        assert!(check(&r).mismatch);
+        assert_eq!(r.lost.qemu_mismatch, 1);
+    }
+
+    #[test]
+    fn requests_after_the_last_read_of_an_exited_vm_are_ours_alone() {
+        let none = BTreeMap::new();
+        // QEMU's last read was at 2000 submitted; 2 more came before it
+        // exited (its own probes as it closed the image).
+        let submitted = BTreeMap::from([("db01".to_string(), 2002)]);
+        let mut r = report(2002);
+        assert_eq!(compare(&mut r, &qemu(2000, false, Some(2000)), &none, &submitted), 0);
+        assert_eq!(check(&r).after_last_read, 2);
+        assert!(r.vms.is_empty());
+        // Beyond them: a mismatch still.
+        let mut r = report(2005);
+        assert_eq!(compare(&mut r, &qemu(2000, false, Some(2000)), &none, &submitted), 1);
+        // And QEMU counting more than ours is never excused by them.
+        let mut r = report(1990);
+        assert_eq!(compare(&mut r, &qemu(2000, false, Some(1990)), &none, &submitted), 1);
+    }
+
+    #[test]
+    fn a_vm_running_before_the_run_is_compared_from_qemus_first_read() {
+        let none = BTreeMap::new();
+        let mut q = qemu(53851, false, None);
+        let v = q.get_mut("db01").unwrap();
+        v.predates_run = true;
+        // Ours counted 840 before QEMU's first read of the run.
+        v.submitted_at_first_read = Some(840);
+        let mut r = report(54686);
+        assert_eq!(compare(&mut r, &q, &none, &none), 0);
+        assert_eq!(check(&r).before_first_read, 840);
+        let mut r = report(54800);
+        assert_eq!(compare(&mut r, &q, &none, &none), 1);
+    }
+
+    #[test]
+    fn an_engine_that_counts_nothing_is_said_not_flagged() {
+        let none = BTreeMap::new();
+        let mut r = report(2000);
+        assert_eq!(compare(&mut r, &qemu(0, true, None), &none, &none), 0);
+        let c = check(&r);
+        assert!(c.uncounted && !c.mismatch, "{c:?}");
+        assert_eq!(c.counted_by, "engine");
+        // An engine that counts: held to ours like QEMU.
+        let mut r = report(2000);
+        assert_eq!(compare(&mut r, &qemu(1500, true, None), &none, &none), 1);
+        assert!(!check(&r).uncounted);
+    }
 }

@@ -41,6 +41,11 @@ pub struct HostSplit {
     pub engine: Hist,
     pub device: Hist,
     pub window: Hist,
+    /// Pickup to the host's completion: the engine's submit side and the
+    /// device, without the engine's completion side (what an engine that
+    /// times a request up to its completion callback, before it signals
+    /// the guest, counts: QEMU's NVMe and iothreads).
+    pub pickup_to_done: Hist,
 }
 
 impl Default for HostSplit {
@@ -50,6 +55,7 @@ impl Default for HostSplit {
             engine: Hist::fine(),
             device: Hist::fine(),
             window: Hist::fine(),
+            pickup_to_done: Hist::fine(),
         }
     }
 }
@@ -162,6 +168,8 @@ impl Correlator {
         s.engine.record(span.engine_ns);
         s.device.record(span.device_ns);
         s.window.record(span.total_ns);
+        s.pickup_to_done
+            .record(span.done_ns.saturating_sub(span.pick_ns));
         if self.stitch.has_guest(ev.vm) {
             self.stitch.on_host(HostIo {
                 ev: *ev,

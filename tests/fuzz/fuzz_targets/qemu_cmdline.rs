@@ -1,9 +1,10 @@
 //! A QEMU command line as any local user may write it (arguments split at
 //! NUL, as /proc/PID/cmdline gives them): parsed without a panic, at most
-//! `MAX_VDISKS` disks kept, and every name printable.
+//! `MAX_VDISKS` disks kept, and every name printable. The same arguments
+//! read as qemu-storage-daemon's (its exports and its QMP monitor).
 #![no_main]
 
-use iospan::discover::vms::{from_args, MAX_VDISKS};
+use iospan::discover::vms::{exports_from_args, from_args, monitor_from_args, MAX_VDISKS};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -14,4 +15,7 @@ fuzz_target!(|data: &[u8]| {
     let shown = |s: &str| !s.chars().any(char::is_control);
     assert!(shown(&vm.name), "{:?}", vm.name);
     assert!(vm.disks.iter().all(|d| shown(&d.id)));
+    let exports = exports_from_args(&args, std::path::Path::new("/srv"));
+    assert!(exports.iter().all(|e| e.socket.is_absolute()));
+    let _ = monitor_from_args(&args);
 });

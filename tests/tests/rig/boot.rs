@@ -167,13 +167,31 @@ fn traced_boot(a: RunArgs) {
     // the timed, the undelivered and the merged; no mismatch flagged.
     let q = &vm["qemu"];
     if a.disk == DiskModel::VhostUser {
-        // QEMU does not serve the disk (the daemon does): nothing of its own.
-        assert!(q.is_null(), "{q:#}");
+        // QEMU does not serve the disk: the daemon does, and is read over
+        // its own QMP monitor. Its vhost-user export keeps no count of the
+        // requests it serves (measured: 0 after 2,000 guest reads), which
+        // the entry says instead of flagging a mismatch; were it to count,
+        // it is held to the guest's like QEMU.
+        assert_eq!(q["counted_by"], "engine", "{q:#}\n{ctx}");
+        let ops = q["ops"].as_u64().unwrap_or_else(|| panic!("{q:#}"));
+        if ops == 0 {
+            assert_eq!(q["uncounted"], true, "{q:#}");
+        } else {
+            assert_eq!(ops, r.guest_reads, "the daemon's count vs the guest's: {q:#}");
+        }
+        assert_eq!(q["mismatch"], false, "{q:#}");
+        assert_eq!(rep["lost"]["qemu_mismatch"], 0, "{:#}", rep["lost"]);
+        let said = summary["qemu_counts"].as_str().unwrap_or("");
+        assert!(said.contains("qemu-storage-daemon pid"), "{said}");
     } else {
         let ops = q["ops"]
             .as_u64()
             .unwrap_or_else(|| panic!("no QEMU count beside the entry: {vm:#}\n{ctx}"));
-        assert_eq!(ops, r.guest_reads, "QEMU's count vs the guest's: {q:#}");
+        assert_eq!(
+            ops, r.guest_reads,
+            "QEMU's count vs the guest's: {q:#}\nread: {}",
+            summary["qemu_counts"]
+        );
         assert_eq!(q["mismatch"], false, "{q:#}");
         assert_eq!(rep["lost"]["qemu_mismatch"], 0, "{:#}", rep["lost"]);
         assert_eq!(
@@ -233,12 +251,26 @@ fn traced_boot(a: RunArgs) {
             mean("engine") + mean("device")
         );
         // QEMU times a request from its device model taking it to its
-        // completion callback: our engine + device, within 10 %.
+        // completion callback, which comes before it signals the guest
+        // (NVMe, iothreads) or after (virtio-blk in the main loop): between
+        // our pickup → host completion and our engine + device, each
+        // widened by 10 %. Where our pickup is a batch's and QEMU's clock
+        // starts per request (NVMe's doorbell at depth: measured 15 %
+        // below ours), where QEMU's mean also covers the requests it merged
+        // (sequential: 20-25 % above), or where an iothread polls its
+        // queue and finds requests before any kick we see (15 % above),
+        // the two differ by more: held within 30 % there (see README,
+        // "Checked against QEMU's own accounting").
+        let rough = (a.disk == DiskModel::Nvme && a.qd > 1)
+            || a.rw == "read"
+            || a.iothread;
+        let share = if rough { 0.3 } else { 0.1 };
         if let Some(qm) = vm["qemu"]["mean_us"].as_f64() {
-            let ours = mean("engine") + mean("device");
+            let upper = mean("engine") + mean("device");
+            let lower = mean("pickup_to_done").min(upper);
             assert!(
-                (qm - ours).abs() <= 0.1 * qm.max(ours),
-                "QEMU's mean {qm} µs vs our engine + device {ours} µs: {:#}",
+                qm >= (1.0 - share) * lower && qm <= (1.0 + share) * upper,
+                "QEMU's mean {qm} µs vs our pickup → completion {lower} µs and engine + device {upper} µs: {:#}",
                 vm["qemu"]
             );
         }

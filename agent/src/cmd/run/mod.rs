@@ -221,7 +221,15 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // QEMU's own counters, beside ours at the end.
     let qemu_task = opts
         .vms
-        .then(|| tokio::spawn(qemu::watch(known.clone(), stop_rx.clone())));
+        .then(|| {
+            // Without its own handle on our counts, a VM that exits within
+            // the run has its last requests taken for a mismatch.
+            let ours = probes
+                .vm_counts_reader()
+                .map_err(|e| log::warn!("{}", crate::probes::error_chain(&e)))
+                .ok();
+            tokio::spawn(qemu::watch(known.clone(), stop_rx.clone(), ours))
+        });
     let mut child = match opts.command.split_first() {
         Some((prog, args)) => Some(
             Command::new(prog)
@@ -437,7 +445,14 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             })
             .collect()
     };
-    crate::output::qemu_check::compare(&mut report, &qemu, &inflight);
+    let submitted: std::collections::BTreeMap<String, u64> = {
+        let known = known.lock().unwrap_or_else(|p| p.into_inner());
+        snap.vm_counts
+            .iter()
+            .map(|(slot, c)| (known.name(*slot), c.submitted))
+            .collect()
+    };
+    crate::output::qemu_check::compare(&mut report, &qemu, &inflight, &submitted);
     if let Some(path) = &opts.json_out {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text + "\n")

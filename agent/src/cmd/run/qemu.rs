@@ -1,98 +1,153 @@
 //! QEMU's own counters of each VM over a run, read as it runs: a VM
 //! running when the run began is read at its start, a VM started during
 //! it counts from zero (QEMU's counters start with the process); each is
-//! read again every tick while it lives, so the last read of a VM that
-//! exits within the run is at most a tick before its end.
+//! read again every tick while it lives (one command on a session kept
+//! open), so the last read of a VM that exits within the run is at most a
+//! tick before its end, and our own count of its requests is taken with
+//! each read: what it did after QEMU's last read is known, not guessed.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use tokio::sync::watch;
 
 use crate::{
-    discover::qemu_counts::{self, Counts, Source},
+    discover::qemu_counts::{self, Counts, Reader, Source},
     discover::vms::{self, Registry, Vm},
     output::qemu_check::VmQemu,
+    probes::host::VmCountsReader,
 };
 
-/// Between reads of a QMP monitor (a round trip of a millisecond or two).
+/// Between reads of a QMP monitor (one command on a session kept open).
 const TICK: Duration = Duration::from_millis(100);
 /// libvirt's client is a process per read: every few ticks.
 const LIBVIRT_EVERY: u64 = 3;
-/// A VM whose counters failed this many times in a row is not asked again.
-const GIVE_UP: u32 = 3;
+/// After a failed read, the ticks until the next try double up to this.
+const MAX_BACKOFF_TICKS: u64 = 20;
+/// Failures in a row before the reason is logged (once a run per source).
+const LOG_AFTER: u32 = 3;
 
-#[derive(Default)]
+/// One source of a VM's counts over the run.
 struct Watched {
-    source: Option<Source>,
+    reader: Reader,
     first: Option<Counts>,
     last: Option<Counts>,
+    /// The VM's submitted requests (ours) just after the last good read.
+    submitted_at_last: Option<u64>,
+    /// The same just after the first: what ours counted before QEMU's
+    /// counting for the run began.
+    submitted_at_first: Option<u64>,
+    last_at: Option<Instant>,
     failures: u32,
+    next_try: u64,
+    logged: bool,
     error: Option<String>,
+}
+
+/// One VM's sources.
+struct WatchedVm {
     name: String,
     predates_run: bool,
+    sources: Vec<Watched>,
+    /// When it was first seen gone (it exited within the run).
+    gone_at: Option<Instant>,
 }
 
 #[derive(Default)]
 struct State {
-    vms: BTreeMap<u32, Watched>,
+    vms: BTreeMap<u32, WatchedVm>,
     at_start: BTreeSet<u32>,
     ticks: u64,
 }
 
 impl State {
     /// One pass over the VMs alive now; `last`: the run's closing one, which
-    /// reads every VM whatever its pace.
-    fn pass(&mut self, live: Vec<(u32, Vm)>, last: bool) {
+    /// reads every VM whatever its pace or its failures.
+    fn pass(&mut self, live: Vec<(u32, Vm)>, last: bool, ours: Option<&VmCountsReader>) {
         self.ticks += 1;
+        let now = Instant::now();
+        let alive: BTreeSet<u32> = live.iter().map(|(s, _)| *s).collect();
+        for (slot, w) in &mut self.vms {
+            if !alive.contains(slot) && w.gone_at.is_none() {
+                w.gone_at = Some(now);
+            }
+        }
         for (slot, vm) in live {
-            let w = self.vms.entry(slot).or_insert_with(|| Watched {
+            let predates_run = self.at_start.contains(&slot);
+            let w = self.vms.entry(slot).or_insert_with(|| WatchedVm {
                 name: vm.name.clone(),
-                predates_run: self.at_start.contains(&slot),
-                ..Default::default()
+                predates_run,
+                sources: Vec::new(),
+                gone_at: None,
             });
-            if w.failures >= GIVE_UP {
-                continue;
-            }
-            // A monitor not listening yet (QEMU still starting) is looked
-            // for again each tick; one found is kept.
-            if matches!(w.source, None | Some(Source::None { .. })) {
-                w.source = Some(qemu_counts::source_of(&vm));
-            }
-            let Some(source) = w.source.clone() else {
-                continue;
-            };
-            match &source {
-                Source::None { .. } => continue,
-                Source::Libvirt { .. } if !last && self.ticks % LIBVIRT_EVERY != 1 => continue,
-                _ => {}
-            }
-            match qemu_counts::read(&source, &vm) {
-                Ok(c) => {
-                    w.failures = 0;
-                    w.error = None;
-                    if w.first.is_none() {
-                        // Started within the run: from zero, as QEMU began.
-                        w.first = Some(if w.predates_run {
-                            c.clone()
-                        } else {
-                            Counts::new()
+            // Sources not found yet (QEMU still starting, an engine not yet
+            // named) are looked for again each tick; one found is kept.
+            let usable = |s: &Source| !matches!(s, Source::None { .. });
+            if w.sources.is_empty() || w.sources.iter().any(|s| !usable(&s.reader.source)) {
+                let mut kept: Vec<Watched> = std::mem::take(&mut w.sources)
+                    .into_iter()
+                    .filter(|s| usable(&s.reader.source))
+                    .collect();
+                for f in qemu_counts::sources_of(&vm) {
+                    if !kept.iter().any(|k| same_place(&k.reader.source, &f)) {
+                        kept.push(Watched {
+                            reader: Reader::new(f),
+                            first: None,
+                            last: None,
+                            submitted_at_last: None,
+                            submitted_at_first: None,
+                            last_at: None,
+                            failures: 0,
+                            next_try: 0,
+                            logged: false,
+                            error: None,
                         });
                     }
-                    w.last = Some(c);
                 }
-                Err(e) => {
-                    w.failures += 1;
-                    w.error = Some(format!("{e:#}"));
-                    if w.failures == GIVE_UP {
-                        log::info!(
-                            "QEMU's own counts of {}: {} (not asked again this run)",
-                            w.name,
-                            w.error.as_deref().unwrap_or("")
-                        );
+                // The unusable ones stay only while nothing else says why.
+                w.sources = kept;
+            }
+            for src in &mut w.sources {
+                match &src.reader.source {
+                    Source::None { .. } => continue,
+                    Source::Libvirt { .. } if !last && self.ticks % LIBVIRT_EVERY != 1 => continue,
+                    _ => {}
+                }
+                if !last && self.ticks < src.next_try {
+                    continue;
+                }
+                match src.reader.read(&vm) {
+                    Ok(c) => {
+                        src.failures = 0;
+                        src.error = None;
+                        if src.first.is_none() {
+                            // Started within the run: from zero, as QEMU began.
+                            src.first = Some(if predates_run { c.clone() } else { Counts::new() });
+                        }
+                        src.last = Some(c);
+                        src.last_at = Some(Instant::now());
+                        src.submitted_at_last = ours.and_then(|o| o.submitted(slot)).or(Some(0));
+                        if src.submitted_at_first.is_none() {
+                            src.submitted_at_first = src.submitted_at_last;
+                        }
+                    }
+                    Err(e) => {
+                        src.failures += 1;
+                        src.error = Some(format!("{e:#}"));
+                        // Kept trying while the VM lives, less and less often:
+                        // a monitor slow under load answers again.
+                        src.next_try = self.ticks + (1u64 << src.failures.min(5)).min(MAX_BACKOFF_TICKS);
+                        if src.failures >= LOG_AFTER && !src.logged {
+                            src.logged = true;
+                            log::info!(
+                                "QEMU's own counts of {}: {} (tried again less often)",
+                                w.name,
+                                src.error.as_deref().unwrap_or("")
+                            );
+                        }
                     }
                 }
             }
@@ -102,36 +157,70 @@ impl State {
     fn finish(self) -> BTreeMap<String, VmQemu> {
         self.vms
             .into_values()
-            .filter_map(|w| {
-                let source = w.source?;
-                let counts = match (&w.first, &w.last) {
-                    (Some(f), Some(l)) => l
-                        .iter()
-                        .map(|(id, c)| {
-                            (
-                                id.clone(),
-                                f.get(id).map_or(*c, |before| c.since(before)),
-                            )
-                        })
-                        .collect(),
-                    _ => BTreeMap::new(),
-                };
-                let error = match (&source, &w.last) {
-                    (Source::None { .. }, _) => None,
-                    (_, None) => Some(w.error.unwrap_or_else(|| "never read".into())),
-                    _ => None,
-                };
-                Some((
+            .map(|w| {
+                let mut counts = BTreeMap::new();
+                let mut errors = Vec::new();
+                let mut engine_disks = BTreeSet::new();
+                let mut submitted_at_last: Option<u64> = None;
+                let mut submitted_at_first: Option<u64> = None;
+                let mut last_at: Option<Instant> = None;
+                for src in &w.sources {
+                    if let (Some(f), Some(l)) = (&src.first, &src.last) {
+                        for (id, c) in l {
+                            counts.insert(id.clone(), f.get(id).map_or(*c, |before| c.since(before)));
+                            if src.reader.source.is_engine() {
+                                engine_disks.insert(id.clone());
+                            }
+                        }
+                        // The earliest of the last reads bounds what QEMU saw.
+                        submitted_at_last = match (submitted_at_last, src.submitted_at_last) {
+                            (Some(a), Some(b)) => Some(a.min(b)),
+                            (a, b) => a.or(b),
+                        };
+                        // The latest of the first reads: where QEMU's window began.
+                        submitted_at_first = submitted_at_first.max(src.submitted_at_first);
+                        last_at = match (last_at, src.last_at) {
+                            (Some(a), Some(b)) => Some(a.min(b)),
+                            (a, b) => a.or(b),
+                        };
+                    } else if !matches!(src.reader.source, Source::None { .. }) {
+                        errors.push(format!(
+                            "{}: {}",
+                            src.reader.source.describe(),
+                            src.error.as_deref().unwrap_or("never read")
+                        ));
+                    }
+                }
+                let sources: Vec<Source> = w.sources.iter().map(|s| s.reader.source.clone()).collect();
+                (
                     w.name,
                     VmQemu {
-                        source,
+                        sources,
                         counts,
-                        error,
+                        engine_disks,
+                        error: (!errors.is_empty()).then(|| errors.join("; ")),
                         predates_run: w.predates_run,
+                        submitted_at_last_read: submitted_at_last,
+                        submitted_at_first_read: submitted_at_first.filter(|_| w.predates_run),
+                        exited_ms_after_last_read: w
+                            .gone_at
+                            .zip(last_at)
+                            .map(|(gone, t)| gone.saturating_duration_since(t).as_millis() as u64),
                     },
-                ))
+                )
             })
             .collect()
+    }
+}
+
+/// Whether two sources read the same place.
+fn same_place(a: &Source, b: &Source) -> bool {
+    match (a, b) {
+        (Source::Qmp { socket: x, .. }, Source::Qmp { socket: y, .. }) => x == y,
+        (Source::Libvirt { domain: x }, Source::Libvirt { domain: y }) => x == y,
+        (Source::Engine { pid: x, .. }, Source::Engine { pid: y, .. }) => x == y,
+        (Source::None { why: x }, Source::None { why: y }) => x == y,
+        _ => false,
     }
 }
 
@@ -146,10 +235,13 @@ fn alive(known: &Mutex<Registry>) -> Vec<(u32, Vm)> {
 }
 
 /// Reads every VM's counters until `stop`, then once more; QEMU's counts
-/// over the run, by VM name.
+/// over the run, by VM name. `ours`: our own count of each VM's requests,
+/// read with QEMU's, so that requests after QEMU's last read of a VM that
+/// exits are known.
 pub(super) async fn watch(
     known: Arc<Mutex<Registry>>,
     mut stop: watch::Receiver<bool>,
+    ours: Option<VmCountsReader>,
 ) -> BTreeMap<String, VmQemu> {
     let at_start: BTreeSet<u32> = known
         .lock()
@@ -162,6 +254,7 @@ pub(super) async fn watch(
         at_start,
         ..Default::default()
     };
+    let ours = ours.map(Arc::new);
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -170,9 +263,10 @@ pub(super) async fn watch(
             r = stop.wait_for(|s| *s) => { let _ = r; true }
         };
         let live = alive(&known);
+        let ours = ours.clone();
         // Sockets and a process per read: off the runtime's threads.
         state = match tokio::task::spawn_blocking(move || {
-            state.pass(live, done);
+            state.pass(live, done, ours.as_deref());
             state
         })
         .await

@@ -19,6 +19,8 @@ pub const STORAGE_DAEMON_COMM: &str = "qemu-storage-da";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Export {
     pub id: String,
+    /// Its block node (`node-name=`).
+    pub node: String,
     pub socket: PathBuf,
     pub file: Option<PathBuf>,
     pub aio: String,
@@ -76,8 +78,57 @@ pub fn exports_from_args(args: &[String], cwd: &Path) -> Vec<Export> {
             socket,
             file: node_file(&files, &node),
             aio: node_aio(&files, &aio, &node),
+            node,
         })
         .collect()
+}
+
+/// qemu-storage-daemon's QMP monitor (`--monitor [chardev=]ID` on a
+/// `--chardev socket,…,server=on` it listens on), from its arguments.
+/// Every monitor of the daemon speaks QMP; the first on a socket is taken.
+pub fn monitor_from_args(args: &[String]) -> Option<SocketSource> {
+    let mut chardevs: Vec<(String, SocketSource)> = Vec::new();
+    let mut monitors: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let (opt, inline) = match args[i].split_once('=') {
+            Some((o, v)) if o.starts_with("--") => (o, Some(v.to_string())),
+            _ => (args[i].as_str(), None),
+        };
+        let value = match inline {
+            Some(v) => v,
+            None => {
+                i += 1;
+                args.get(i).cloned().unwrap_or_default()
+            }
+        };
+        match opt.trim_start_matches('-') {
+            "chardev" => {
+                let o = options(&value);
+                let backend = get(&o, "").or_else(|| get(&o, "backend"));
+                let server = get(&o, "server").is_some_and(|v| matches!(v, "on" | "yes" | "true" | ""));
+                let src = match (get(&o, "path"), get(&o, "fd")) {
+                    (Some(p), _) => Some(SocketSource::Path(PathBuf::from(p))),
+                    (None, Some(fd)) => fd.parse().ok().map(SocketSource::Fd),
+                    _ => None,
+                };
+                if let (Some("socket"), Some(id), Some(src), true) = (backend, get(&o, "id"), src, server) {
+                    chardevs.push((id.to_string(), src));
+                }
+            }
+            "monitor" => {
+                let o = options(&value);
+                if let Some(id) = get(&o, "chardev").or_else(|| get(&o, "")) {
+                    monitors.push(id.to_string());
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    monitors
+        .iter()
+        .find_map(|m| chardevs.iter().find(|(id, _)| id == m).map(|(_, s)| s.clone()))
 }
 
 /// Every qemu-storage-daemon running now, with its exports.
@@ -112,6 +163,8 @@ pub fn storage_daemons() -> Vec<(EngineRef, Vec<Export>)> {
                     export: String::new(),
                     exe: exe.filter(|p| p.exists()),
                     comm: STORAGE_DAEMON_COMM.into(),
+                    node: String::new(),
+                    monitor: monitor_from_args(&args),
                 },
                 exports_from_args(&args, &cwd),
             ))
@@ -249,6 +302,8 @@ pub fn socket_engine(socket: &Path) -> Option<EngineRef> {
         export: socket.display().to_string(),
         exe: exe.filter(|p| p.exists()),
         comm: comm.trim_end().into(),
+        node: String::new(),
+        monitor: None,
     })
 }
 
@@ -268,6 +323,7 @@ impl Vm {
                 if let Some(x) = exports.iter().find(|x| same(&x.socket)) {
                     d.engine = Some(EngineRef {
                         export: x.id.clone(),
+                        node: x.node.clone(),
                         ..engine.clone()
                     });
                     d.file = x.file.clone();

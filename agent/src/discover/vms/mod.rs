@@ -16,7 +16,8 @@ mod symbols;
 
 pub use cmdline::{from_args, is_qemu_comm};
 pub use engines::{
-    configfs_root, exports_from_args, is_plain_name, lio_luns, socket_engine, storage_daemons,
+    configfs_root, exports_from_args, is_plain_name, lio_luns, monitor_from_args, socket_engine,
+    storage_daemons,
     Export, STORAGE_DAEMON_COMM,
 };
 pub use registry::{NotVm, Registry, VmMaps};
@@ -166,6 +167,13 @@ pub struct EngineRef {
     /// Its thread-group leader's name, to tell it still runs as itself.
     #[serde(skip)]
     pub comm: String,
+    /// The export's block node (`node-name=`), where the engine's own
+    /// counters of the disk are found.
+    #[serde(skip)]
+    pub node: String,
+    /// The engine's QMP monitor (`--monitor` on a socket chardev).
+    #[serde(skip)]
+    pub monitor: Option<SocketSource>,
 }
 
 impl VDisk {

@@ -483,12 +483,14 @@ fn vhost_user_disks_are_served_by_the_daemon_exporting_on_their_socket() {
         [
             Export {
                 id: "exp0".into(),
+                node: "disk0".into(),
                 socket: "/run/vu/a.sock".into(),
                 file: Some("/img/a.raw".into()),
                 aio: "io_uring".into()
             },
             Export {
                 id: "exp1".into(),
+                node: "f1".into(),
                 socket: "/srv/rel.sock".into(),
                 file: Some("/img/b.raw".into()),
                 aio: "threads".into()
@@ -501,10 +503,12 @@ fn vhost_user_disks_are_served_by_the_daemon_exporting_on_their_socket() {
         export: String::new(),
         exe: None,
         comm: STORAGE_DAEMON_COMM.into(),
+        node: String::new(),
+        monitor: None,
     };
     vm.find_engines(&[(engine, exports)], Path::new("/srv"));
     let e = vm.disks[0].engine.as_ref().expect("served");
-    assert_eq!((e.pid, e.export.as_str()), (40, "exp0"));
+    assert_eq!((e.pid, e.export.as_str(), e.node.as_str()), (40, "exp0", "disk0"));
     assert_eq!(vm.disks[0].file.as_deref(), Some(Path::new("/img/a.raw")));
     assert_eq!(vm.disks[0].aio.as_deref(), Some("io_uring"));
     assert!(vm.disks[0].split_supported());
@@ -723,4 +727,26 @@ fn queue_counts_come_from_the_device_else_the_vcpus() {
         ]),
     );
     assert_eq!(one.disks[0].queues, Some(1), "no -smp: one vCPU");
+}
+
+#[test]
+fn a_storage_daemons_monitor_is_read_from_its_arguments() {
+    let m = monitor_from_args(&args(&[
+        "--chardev", "socket,id=h,path=/run/client.sock",
+        "--chardev", "socket,id=qmp0,path=/run/qsd.qmp,server=on,wait=off",
+        "--monitor", "chardev=qmp0",
+    ]));
+    assert_eq!(m, Some(SocketSource::Path("/run/qsd.qmp".into())));
+    // The short form, an fd passed in, and `--opt=value`.
+    let m = monitor_from_args(&args(&[
+        "--chardev=socket,id=m,fd=7,server=on",
+        "--monitor=m",
+    ]));
+    assert_eq!(m, Some(SocketSource::Fd(7)));
+    // A client socket is not one the daemon listens on; no monitor at all.
+    assert_eq!(
+        monitor_from_args(&args(&["--chardev", "socket,id=c,path=/x", "--monitor", "c"])),
+        None
+    );
+    assert_eq!(monitor_from_args(&args(&["--blockdev", "driver=file,node-name=f,filename=/a"])), None);
 }

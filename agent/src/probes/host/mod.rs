@@ -28,6 +28,17 @@ mod vhost;
 mod vm;
 
 pub use block::disks_without_start_time;
+
+/// Each VM's request counts, read from a handle of its own.
+pub struct VmCountsReader(HashMap<MapData, u32, VmCounts>);
+
+impl VmCountsReader {
+    /// Requests of VM `slot`'s virtual disks submitted so far (None: not
+    /// in the table: no request yet, or the VM has gone).
+    pub fn submitted(&self, slot: u32) -> Option<u64> {
+        self.0.get(&slot, 0).ok().map(|c| c.submitted)
+    }
+}
 use vm::{add_vm_maps, dio_end_io_addresses, kvm_tracepoints, mount_tracefs};
 
 /// The hash tables whose fill /metrics shows.
@@ -564,6 +575,30 @@ impl BlockProbes {
             host_split: Default::default(),
             qemu_mismatch: 0,
         })
+    }
+
+    /// A read-only handle of its own on each VM's request counts, for a
+    /// thread beside the probes' owner (QEMU's counters are read there,
+    /// and ours with them at the same moment).
+    pub fn vm_counts_reader(&self) -> Result<VmCountsReader, LoadError> {
+        let map = |e| LoadError::Map {
+            map: "vm_counts",
+            source: e,
+        };
+        let Some(aya::maps::Map::HashMap(data)) = self.ebpf.map("vm_counts") else {
+            return Err(map(None));
+        };
+        let fd = data
+            .fd()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| map(Some(aya::maps::MapError::from(aya::sys::SyscallError {
+                call: "dup",
+                io_error: e,
+            }))))?;
+        let data = MapData::from_fd(fd).map_err(|e| map(Some(e)))?;
+        let counts = HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|e| map(Some(e)))?;
+        Ok(VmCountsReader(counts))
     }
 
     pub fn program_stats(&self) -> Vec<crate::probes::progstats::ProgStats> {
