@@ -426,12 +426,14 @@ fn check(d: &Domain, r: &guest::RigResult, rep: &Value, host_disk: &str, iothrea
         mean("host_window")
     );
     // QEMU's time per request: between our pickup → host completion and
-    // our engine + device (see rig::boot), each widened by 10 %.
+    // our engine + device (see rig::boot), each widened by 10 %; 30 % for
+    // an iothread at depth, which polls its queue (see rig::boot).
+    let share = if iothread && d.args.qd > 1 { 0.3 } else { 0.1 };
     let qm = q["mean_us"].as_f64().unwrap();
     let upper = mean("engine") + mean("device");
     let lower = mean("pickup_to_done").min(upper);
     assert!(
-        qm >= 0.9 * lower && qm <= 1.1 * upper,
+        qm >= (1.0 - share) * lower && qm <= (1.0 + share) * upper,
         "QEMU's mean {qm} µs vs our pickup → completion {lower} µs and engine + device {upper} µs: {q:#}"
     );
     // The guest agent on libvirt's channel (a socket libvirt bound and

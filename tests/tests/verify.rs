@@ -110,3 +110,101 @@ fn a_vm_without_a_monitor_is_said_so_and_fails_verify() {
     );
     assert!(text.contains("FAIL: no VM disk"), "{text}");
 }
+
+/// An API run on the agent service around a VM that runs before it starts
+/// and after it stops (its I/O crossing both edges, as a benchmark's
+/// does): `/api/v1/runs/N/stop` puts QEMU's own count beside the VM disk's,
+/// read with the run's first and last figures.
+#[test]
+fn an_api_run_carries_qemus_own_count() {
+    let (rig, image) = rig_and_image();
+    let host = agent_integration::host_disk_of(&image);
+    let dir = std::env::temp_dir().join(format!("iospan-api-qemu-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let addr = format!("127.0.0.1:{}", xtask::backends::free_port().unwrap());
+    let conf = dir.join("iospan.toml");
+    let token_file = dir.join("api-token");
+    std::fs::write(
+        &conf,
+        format!(
+            "[agent]\ndisks = [\"{host}\"]\n[api]\nlisten = \"{addr}\"\ntoken_file = \"{}\"\n",
+            token_file.display()
+        ),
+    )
+    .unwrap();
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _agent = Reap(
+        Command::new(iospan_bin())
+            .args(["agent", "--config"])
+            .arg(&conf)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    while xtask::backends::http_get(&addr, "/healthz", &[]).map_or(0, |r| r.0) != 200 {
+        assert!(t.elapsed() < Duration::from_secs(60), "the agent never became healthy");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let token = std::fs::read_to_string(&token_file).unwrap();
+    let post = |path: &str| -> serde_json::Value {
+        let text = ureq::post(&format!("http://{addr}{path}"))
+            .header("Authorization", &format!("Bearer {}", token.trim()))
+            .send_empty()
+            .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+            .body_mut()
+            .read_to_string()
+            .unwrap();
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+    };
+    // A guest reading for long enough to hold the run inside its workload.
+    let a = RunArgs {
+        qd: 4,
+        ios: 400_000,
+        name: "api-rig".into(),
+        no_guest_agent: true,
+        ..Default::default()
+    };
+    let (mut qemu, _) = guest::qemu_command(&rig, &a, &image);
+    let _vm = Reap(qemu.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
+    // Running and reading: its disk shows in the agent's figures.
+    let t = Instant::now();
+    loop {
+        let snap = xtask::backends::http_get(&addr, "/api/v1/snapshot", &[]).map_or_else(|_| String::new(), |r| r.1);
+        if snap.contains("api-rig") && snap.contains("\"ios\"") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(90), "the guest never read: {snap}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let id = post("/api/v1/runs?label=qemu")["id"].as_u64().unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    let run = post(&format!("/api/v1/runs/{id}/stop"));
+    let report = &run["report"];
+    let said = report["qemu_counts"]["api-rig"].as_str().unwrap_or_else(|| panic!("{report:#}"));
+    assert!(said.starts_with("QMP at"), "{said}");
+    let e = report["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == "api-rig" && e["op"] == "read")
+        .unwrap_or_else(|| panic!("no entry for the VM: {report:#}"));
+    let q = &e["qemu"];
+    let ops = q["ops"].as_u64().unwrap_or_else(|| panic!("no QEMU count: {e:#}"));
+    assert!(ops > 100, "{q:#}");
+    assert_eq!(q["mismatch"], false, "{q:#}");
+    // Busy at both edges: the two counts differ by no more than the
+    // requests in flight at them and those merged on the way.
+    let allowed = q["edge_allowance"].as_i64().unwrap() + q["merged_allowance"].as_i64().unwrap();
+    assert!(q["diff"].as_i64().unwrap().abs() <= allowed, "{q:#}");
+    assert_eq!(q["iospan_ops"].as_u64(), Some(e["ios"].as_u64().unwrap() + e["undelivered"].as_u64().unwrap()));
+    let _ = std::fs::remove_dir_all(&dir);
+}

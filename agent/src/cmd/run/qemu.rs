@@ -1,8 +1,8 @@
 //! QEMU's own counters of each VM over a run, read as it runs: a VM
 //! running when the run began is read at its start, a VM started during
 //! it counts from zero (QEMU's counters start with the process); each is
-//! read again every tick while it lives (one command on a session kept
-//! open), so the last read of a VM that exits within the run is at most a
+//! read again every tick while it lives (a short QMP session each time:
+//! the monitor stays free for the VM's manager), so the last read of a VM that exits within the run is at most a
 //! tick before its end, and our own count of its requests is taken with
 //! each read: what it did after QEMU's last read is known, not guessed.
 
@@ -21,7 +21,7 @@ use crate::{
     probes::host::VmCountsReader,
 };
 
-/// Between reads of a QMP monitor (one command on a session kept open).
+/// Between reads of a QMP monitor (a session of about a millisecond).
 const TICK: Duration = Duration::from_millis(100);
 /// libvirt's client is a process per read: every few ticks.
 const LIBVIRT_EVERY: u64 = 3;
