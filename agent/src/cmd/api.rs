@@ -27,6 +27,9 @@ pub struct Shared {
     pub prometheus: Mutex<String>,
     pub openmetrics: Mutex<String>,
     pub wanted: AtomicBool,
+    /// An API run starts or stops: the next frame carries QEMU's own
+    /// counters.
+    pub qemu_wanted: AtomicBool,
     /// The current frame (cumulative figures).
     pub frames: watch::Sender<Option<Arc<Frame>>>,
     #[cfg_attr(not(feature = "serve"), allow(dead_code))]
@@ -107,6 +110,7 @@ impl Shared {
             prometheus: Mutex::new(String::new()),
             openmetrics: Mutex::new(String::new()),
             wanted: AtomicBool::new(true),
+            qemu_wanted: AtomicBool::new(false),
             frames: watch::channel(None).0,
             runs: Mutex::new(Vec::new()),
             access,
@@ -138,6 +142,9 @@ pub struct BenchReport {
     pub disks: Vec<BenchEntry>,
     /// Losses counted during the run.
     pub lost: u64,
+    /// Per VM: where QEMU's own counters were read, or why not.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub qemu_counts: BTreeMap<String, String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -157,6 +164,10 @@ pub struct BenchEntry {
     /// window.
     pub guest_observed: bool,
     pub segments: BTreeMap<String, Summary>,
+    /// QEMU's own count and mean of the same requests over the run (VM
+    /// disks whose counters were read at its start and stop).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub qemu: Option<crate::output::report::QemuCheck>,
 }
 
 /// The figures of `end` less those of `start`.
@@ -180,16 +191,80 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
                         .iter()
                         .map(|(k, h)| (k.clone(), h.summary()))
                         .collect(),
+                    qemu: None,
                 }
             })
             .filter(|e| e.ios + e.undelivered > 0)
             .collect()
     };
+    let mut entries = side(&end.vdisks, &start.vdisks);
+    let mut qemu_counts = BTreeMap::new();
+    if let (Some(qs), Some(qe)) = (&start.qemu, &end.qemu) {
+        for (vm, e) in qe {
+            let said = match (&e.error, qs.get(vm)) {
+                (Some(err), _) => format!("{} (not read: {err})", e.source),
+                (None, None) => format!("{} (the VM started within the run)", e.source),
+                (None, Some(_)) => e.source.clone(),
+            };
+            qemu_counts.insert(vm.clone(), said);
+        }
+        // Requests in flight at either end, per VM: by how many the two
+        // counts may honestly differ.
+        let inflight = |rows: &[Row], vm: &str| {
+            rows.iter()
+                .filter(|r| r.vm == vm)
+                .map(|r| r.inflight)
+                .max()
+                .unwrap_or(0)
+        };
+        for entry in &mut entries {
+            let (Some(s), Some(e)) = (qs.get(&entry.vm), qe.get(&entry.vm)) else {
+                continue;
+            };
+            if s.error.is_some() || e.error.is_some() {
+                continue;
+            }
+            let (Some(before), Some(after)) = (s.counts.get(&entry.disk), e.counts.get(&entry.disk)) else {
+                continue;
+            };
+            let c = after.since(before);
+            let (ops, bytes, ns) = match entry.op {
+                crate::model::Op::Read => (c.rd_ops, c.rd_bytes, c.rd_ns),
+                crate::model::Op::Write => (c.wr_ops, c.wr_bytes, c.wr_ns),
+                crate::model::Op::Flush => (c.fl_ops, 0, c.fl_ns),
+                _ => continue,
+            };
+            let edge = inflight(&start.vdisks, &entry.vm) + inflight(&end.vdisks, &entry.vm);
+            let merged = e.merged.saturating_sub(s.merged);
+            let iospan_ops = entry.ios + entry.undelivered;
+            let engine = e.engine_disks.contains(&entry.disk);
+            let uncounted = engine && ops == 0 && iospan_ops > 0;
+            let mean = |k: &str| entry.segments.get(k).filter(|s| s.count > 0).map(|s| s.mean_us);
+            let r3 = |v: f64| (v * 1000.0).round() / 1000.0;
+            entry.qemu = Some(crate::output::report::QemuCheck {
+                ops,
+                bytes,
+                mean_us: (ops > 0).then(|| r3(ns as f64 / ops as f64 / 1000.0)),
+                iospan_ops,
+                diff: iospan_ops as i64 - ops as i64,
+                merged_allowance: merged,
+                edge_allowance: edge,
+                after_last_read: 0,
+                before_first_read: 0,
+                engine_device_mean_us: mean("engine").zip(mean("device")).map(|(a, b)| r3(a + b)),
+                pickup_to_done_mean_us: None,
+                counted_by: if engine { "engine" } else { "qemu" }.into(),
+                uncounted,
+                mismatch: !uncounted && (ops > iospan_ops + merged + edge || iospan_ops > ops + edge),
+            });
+        }
+    }
     BenchReport {
         seconds,
-        entries: side(&end.vdisks, &start.vdisks),
+        entries,
         disks: side(&end.disks, &start.disks),
         lost: end.lost.saturating_sub(start.lost),
+        qemu_counts,
     }
 }
 
@@ -492,6 +567,24 @@ mod server {
 
     /// The next frame made after this call: a run's edges are never
     /// earlier than the request that set them.
+    /// The next frame with QEMU's own counters beside it (asked for, then
+    /// waited for: the frame under way may have been made before the ask).
+    async fn fresh_with_qemu(s: &Shared) -> Option<Arc<Frame>> {
+        s.qemu_wanted
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        // The run takes the ask at its next frame, which is this one or,
+        // when one was under way, the one after.
+        for _ in 0..3 {
+            let f = fresh(s).await?;
+            if f.qemu.is_some() {
+                return Some(f);
+            }
+        }
+        s.qemu_wanted
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        fresh(s).await
+    }
+
     async fn fresh(s: &Shared) -> Option<Arc<Frame>> {
         let mut rx = s.frames.subscribe();
         rx.borrow_and_update();
@@ -522,7 +615,7 @@ mod server {
             )
                 .into_response();
         }
-        let Some(start) = fresh(&s).await else {
+        let Some(start) = fresh_with_qemu(&s).await else {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "no figures yet: the probes are not attached\n",
@@ -559,7 +652,7 @@ mod server {
     }
 
     async fn stop_run(State(s): State<Arc<Shared>>, Path(id): Path<u64>) -> Response {
-        let Some(end) = fresh(&s).await else {
+        let Some(end) = fresh_with_qemu(&s).await else {
             return (StatusCode::SERVICE_UNAVAILABLE, "the probes have stopped\n").into_response();
         };
         let mut runs = s.runs.lock().unwrap_or_else(|p| p.into_inner());
@@ -620,5 +713,76 @@ mod tests {
         ] {
             assert!(!super::server::host_is_loopback(bad), "{bad}");
         }
+    }
+}
+
+#[cfg(test)]
+mod qemu_tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::{
+        discover::qemu_counts::DiskCounts,
+        model::{Hist, Op},
+        output::live::FrameQemu,
+    };
+
+    fn frame(at_s: f64, ios: u64, inflight: u64, qemu_ops: Option<u64>) -> Frame {
+        let mut segs = BTreeMap::new();
+        let mut h = Hist::fine();
+        for _ in 0..ios {
+            h.record(100_000);
+        }
+        segs.insert("total".to_string(), h);
+        Frame {
+            at_s,
+            vdisks: vec![Row {
+                vm: "db01".into(),
+                disk: "vd0".into(),
+                queue: None,
+                op: Op::Read,
+                ios,
+                bytes: ios * 4096,
+                inflight,
+                undelivered: 0,
+                guest_observed: false,
+                segs,
+            }],
+            qemu: qemu_ops.map(|ops| {
+                BTreeMap::from([(
+                    "db01".to_string(),
+                    FrameQemu {
+                        source: "QMP at /run/q.sock".into(),
+                        counts: BTreeMap::from([(
+                            "vd0".to_string(),
+                            DiskCounts {
+                                rd_ops: ops,
+                                rd_ns: ops * 90_000,
+                                ..Default::default()
+                            },
+                        )]),
+                        ..Default::default()
+                    },
+                )])
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_run_puts_qemus_count_beside_each_vm_disk() {
+        // Ours: 1,000 over the run; QEMU's: 996, 4 in flight at its end.
+        let r = bench_report(&frame(1.0, 500, 2, Some(498)), &frame(3.0, 1500, 4, Some(1494)));
+        let q = r.entries[0].qemu.as_ref().expect("compared");
+        assert_eq!((q.ops, q.iospan_ops, q.diff, q.edge_allowance), (996, 1000, 4, 6));
+        assert!(!q.mismatch);
+        assert_eq!(q.mean_us, Some(90.0));
+        assert_eq!(r.qemu_counts["db01"], "QMP at /run/q.sock");
+        // Beyond the requests in flight at the edges: flagged.
+        let r = bench_report(&frame(1.0, 500, 0, Some(498)), &frame(3.0, 1500, 0, Some(1400)));
+        assert!(r.entries[0].qemu.as_ref().unwrap().mismatch);
+        // Without QEMU's counters at both ends: nothing beside it.
+        let r = bench_report(&frame(1.0, 500, 0, None), &frame(3.0, 1500, 0, Some(1400)));
+        assert!(r.entries[0].qemu.is_none() && r.qemu_counts.is_empty());
     }
 }

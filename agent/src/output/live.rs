@@ -38,6 +38,27 @@ pub struct Frame {
     /// partner (the report's `stitch.unmatched_*`).
     #[serde(default)]
     pub unmatched: u64,
+    /// QEMU's own counters, by VM name, read just before this frame's
+    /// figures (only when asked: an API run's start and stop).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qemu: Option<BTreeMap<String, FrameQemu>>,
+}
+
+/// One VM's own counters beside a frame.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct FrameQemu {
+    /// Where they were read, or why they could not be.
+    pub source: String,
+    pub counts: crate::discover::qemu_counts::Counts,
+    /// Disks counted by an engine outside QEMU (vhost-user).
+    #[serde(default)]
+    pub engine_disks: std::collections::BTreeSet<String>,
+    /// Its requests merged on the way (QEMU's and the host's), so far.
+    #[serde(default)]
+    pub merged: u64,
+    /// Why a source could not be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// One (VM, virtual disk, op), or one (host disk, op) with `vm` empty.
@@ -179,6 +200,7 @@ pub fn frame(
         disks,
         lost: snap.counters.losses().iter().map(|l| l.2).sum(),
         unmatched: stitch.counters.unmatched_guest + stitch.counters.unmatched_host,
+        qemu: None,
     }
 }
 

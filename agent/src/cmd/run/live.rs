@@ -41,14 +41,26 @@ pub(super) fn send_frame(
     probes: &BlockProbes,
     correlator: &Mutex<Correlator>,
     known: &Mutex<Registry>,
+    with_qemu: bool,
 ) {
+    // QEMU's first, then ours: a request QEMU counted has passed our
+    // probes already.
+    let qemu = with_qemu.then(|| super::qemu::read_all(known));
     let Ok(mut snap) = probes.snapshot() else {
         return;
     };
     let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
     snap.counters.host_split = corr.counters.clone();
     let known = known.lock().unwrap_or_else(|p| p.into_inner());
-    let frame = crate::output::live::frame(at_s, &snap, &corr.splits, &corr.stitch, &known);
+    let mut frame = crate::output::live::frame(at_s, &snap, &corr.splits, &corr.stitch, &known);
+    if let Some(mut q) = qemu {
+        for (slot, c) in &snap.vm_counts {
+            if let Some(f) = q.get_mut(&known.name(*slot)) {
+                f.merged = c.engine_merges + c.bio_merges;
+            }
+        }
+        frame.qemu = Some(q);
+    }
     // Stored even when no one watches yet (the API reads it on request).
     feed.tx.send_replace(Some(Arc::new(frame)));
 }

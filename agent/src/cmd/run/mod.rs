@@ -219,8 +219,9 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let cpu0 = preflight::self_cpu();
     let t0 = Instant::now();
     // QEMU's own counters, beside ours at the end.
-    let qemu_task = opts
-        .vms
+    // The agent service reads them at its API runs' edges instead (see
+    // `send_frame`): not every 100 ms for its whole life.
+    let qemu_task = (opts.vms && opts.api.is_none())
         .then(|| {
             // Without its own handle on our counts, a VM that exits within
             // the run has its last requests taken for a mismatch.
@@ -305,7 +306,12 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             }
             _ = live_tick.tick(), if feed.is_some() => {
                 if let Some(feed) = feed.as_ref() {
-                    send_frame(feed, t0.elapsed().as_secs_f64(), &probes, &correlator, &known);
+                    // An API run starting or stopping asks for QEMU's own
+                    // counters beside this frame's figures.
+                    let with_qemu = metrics.as_ref().is_some_and(|m| {
+                        m.qemu_wanted.swap(false, std::sync::atomic::Ordering::Relaxed)
+                    });
+                    send_frame(feed, t0.elapsed().as_secs_f64(), &probes, &correlator, &known, with_qemu);
                 }
             }
             _ = tick.tick() => {

@@ -213,6 +213,38 @@ impl State {
     }
 }
 
+/// Every live VM's counters now, each source read once: beside an API
+/// run's first and last frames.
+pub(super) fn read_all(known: &Mutex<Registry>) -> BTreeMap<String, crate::output::live::FrameQemu> {
+    alive(known)
+        .into_iter()
+        .map(|(_, vm)| {
+            let sources = qemu_counts::sources_of(&vm);
+            let mut f = crate::output::live::FrameQemu {
+                source: qemu_counts::describe_all(&sources),
+                ..Default::default()
+            };
+            let mut errors = Vec::new();
+            for s in sources {
+                if matches!(s, Source::None { .. }) {
+                    continue;
+                }
+                match Reader::new(s.clone()).read(&vm) {
+                    Ok(c) => {
+                        if s.is_engine() {
+                            f.engine_disks.extend(c.keys().cloned());
+                        }
+                        f.counts.extend(c);
+                    }
+                    Err(e) => errors.push(format!("{}: {e:#}", s.describe())),
+                }
+            }
+            f.error = (!errors.is_empty()).then(|| errors.join("; "));
+            (vm.name, f)
+        })
+        .collect()
+}
+
 /// Whether two sources read the same place.
 fn same_place(a: &Source, b: &Source) -> bool {
     match (a, b) {

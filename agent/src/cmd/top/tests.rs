@@ -63,6 +63,7 @@ fn state() -> State {
         disks: vec![row("", "nvme0n1", Op::Read, 2100, 5_000)],
         lost: 0,
         unmatched: 7,
+        qemu: None,
     };
     let (vms, disks, secs) = interval(Some(&prev), &cur);
     State {
