@@ -199,6 +199,7 @@ fn an_api_run_carries_qemus_own_count() {
         .unwrap_or_else(|| panic!("no entry for the VM: {report:#}"));
     let q = &e["qemu"];
     let ops = q["ops"].as_u64().unwrap_or_else(|| panic!("no QEMU count: {e:#}"));
+    eprintln!("the API run's check: {q}");
     assert!(ops > 100, "{q:#}");
     assert_eq!(q["mismatch"], false, "{q:#}");
     // Busy at both edges: the two counts differ by no more than the

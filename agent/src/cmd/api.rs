@@ -208,14 +208,16 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
             };
             qemu_counts.insert(vm.clone(), said);
         }
-        // Requests in flight at either end, per VM: by how many the two
-        // counts may honestly differ.
-        let inflight = |rows: &[Row], vm: &str| {
+        // Requests in flight at either end, per VM, and those started
+        // between QEMU's read and our figures: by how many the two counts
+        // may honestly differ.
+        let inflight = |rows: &[Row], q: &crate::output::live::FrameQemu, vm: &str| {
             rows.iter()
                 .filter(|r| r.vm == vm)
                 .map(|r| r.inflight)
                 .max()
                 .unwrap_or(0)
+                + q.submitted.saturating_sub(q.submitted_before_read)
         };
         for entry in &mut entries {
             let (Some(s), Some(e)) = (qs.get(&entry.vm), qe.get(&entry.vm)) else {
@@ -234,7 +236,7 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
                 crate::model::Op::Flush => (c.fl_ops, 0, c.fl_ns),
                 _ => continue,
             };
-            let edge = inflight(&start.vdisks, &entry.vm) + inflight(&end.vdisks, &entry.vm);
+            let edge = inflight(&start.vdisks, s, &entry.vm) + inflight(&end.vdisks, e, &entry.vm);
             let merged = e.merged.saturating_sub(s.merged);
             let iospan_ops = entry.ios + entry.undelivered;
             let engine = e.engine_disks.contains(&entry.disk);

@@ -56,6 +56,12 @@ pub struct FrameQemu {
     /// Its requests merged on the way (QEMU's and the host's), so far.
     #[serde(default)]
     pub merged: u64,
+    /// Its requests submitted (ours) just before QEMU's read, and at the
+    /// frame's figures: those between are in ours, maybe not in QEMU's.
+    #[serde(default)]
+    pub submitted_before_read: u64,
+    #[serde(default)]
+    pub submitted: u64,
     /// Why a source could not be read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,

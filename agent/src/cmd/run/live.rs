@@ -45,7 +45,13 @@ pub(super) fn send_frame(
 ) {
     // QEMU's first, then ours: a request QEMU counted has passed our
     // probes already.
-    let qemu = with_qemu.then(|| super::qemu::read_all(known));
+    let qemu = with_qemu.then(|| {
+        let ours = probes
+            .vm_counts_reader()
+            .map_err(|e| log::warn!("{}", crate::probes::error_chain(&e)))
+            .ok();
+        super::qemu::read_all(known, ours.as_ref())
+    });
     let Ok(mut snap) = probes.snapshot() else {
         return;
     };
@@ -57,6 +63,7 @@ pub(super) fn send_frame(
         for (slot, c) in &snap.vm_counts {
             if let Some(f) = q.get_mut(&known.name(*slot)) {
                 f.merged = c.engine_merges + c.bio_merges;
+                f.submitted = c.submitted;
             }
         }
         frame.qemu = Some(q);

@@ -215,13 +215,17 @@ impl State {
 
 /// Every live VM's counters now, each source read once: beside an API
 /// run's first and last frames.
-pub(super) fn read_all(known: &Mutex<Registry>) -> BTreeMap<String, crate::output::live::FrameQemu> {
+pub(super) fn read_all(
+    known: &Mutex<Registry>,
+    ours: Option<&VmCountsReader>,
+) -> BTreeMap<String, crate::output::live::FrameQemu> {
     alive(known)
         .into_iter()
-        .map(|(_, vm)| {
+        .map(|(slot, vm)| {
             let sources = qemu_counts::sources_of(&vm);
             let mut f = crate::output::live::FrameQemu {
                 source: qemu_counts::describe_all(&sources),
+                submitted_before_read: ours.and_then(|o| o.submitted(slot)).unwrap_or(0),
                 ..Default::default()
             };
             let mut errors = Vec::new();
