@@ -214,39 +214,61 @@ impl State {
 }
 
 /// Every live VM's counters now, each source read once: beside an API
-/// run's first and last frames.
+/// run's first and last frames. The VMs are read side by side, so that a
+/// monitor slow to answer (or held by another client) delays the frame
+/// by one read's timeout at most, whatever the number of VMs.
 pub(super) fn read_all(
     known: &Mutex<Registry>,
     ours: Option<&VmCountsReader>,
 ) -> BTreeMap<String, crate::output::live::FrameQemu> {
-    alive(known)
+    let vms: Vec<(u64, Vm)> = alive(known)
         .into_iter()
-        .map(|(slot, vm)| {
-            let sources = qemu_counts::sources_of(&vm);
-            let mut f = crate::output::live::FrameQemu {
-                source: qemu_counts::describe_all(&sources),
-                submitted_before_read: ours.and_then(|o| o.submitted(slot)).unwrap_or(0),
-                ..Default::default()
-            };
-            let mut errors = Vec::new();
-            for s in sources {
-                if matches!(s, Source::None { .. }) {
-                    continue;
+        .map(|(slot, vm)| (ours.and_then(|o| o.submitted(slot)).unwrap_or(0), vm))
+        .collect();
+    std::thread::scope(|scope| {
+        let reads: Vec<_> = vms
+            .iter()
+            .map(|(submitted, vm)| scope.spawn(move || read_one(vm, *submitted)))
+            .collect();
+        reads
+            .into_iter()
+            .zip(&vms)
+            .map(|(h, (_, vm))| {
+                let f = h.join().unwrap_or_else(|_| crate::output::live::FrameQemu {
+                    error: Some("its read failed".into()),
+                    ..Default::default()
+                });
+                (vm.name.clone(), f)
+            })
+            .collect()
+    })
+}
+
+/// One VM's counters from each of its sources.
+fn read_one(vm: &Vm, submitted_before_read: u64) -> crate::output::live::FrameQemu {
+    let sources = qemu_counts::sources_of(vm);
+    let mut f = crate::output::live::FrameQemu {
+        source: qemu_counts::describe_all(&sources),
+        submitted_before_read,
+        ..Default::default()
+    };
+    let mut errors = Vec::new();
+    for s in sources {
+        if matches!(s, Source::None { .. }) {
+            continue;
+        }
+        match Reader::new(s.clone()).read(vm) {
+            Ok(c) => {
+                if s.is_engine() {
+                    f.engine_disks.extend(c.keys().cloned());
                 }
-                match Reader::new(s.clone()).read(&vm) {
-                    Ok(c) => {
-                        if s.is_engine() {
-                            f.engine_disks.extend(c.keys().cloned());
-                        }
-                        f.counts.extend(c);
-                    }
-                    Err(e) => errors.push(format!("{}: {e:#}", s.describe())),
-                }
+                f.counts.extend(c);
             }
-            f.error = (!errors.is_empty()).then(|| errors.join("; "));
-            (vm.name, f)
-        })
-        .collect()
+            Err(e) => errors.push(format!("{}: {e:#}", s.describe())),
+        }
+    }
+    f.error = (!errors.is_empty()).then(|| errors.join("; "));
+    f
 }
 
 /// Whether two sources read the same place.
