@@ -83,6 +83,8 @@ impl State {
                 sources: Vec::new(),
                 gone_at: None,
             });
+            // Seen again: not gone.
+            w.gone_at = None;
             // Sources not found yet (QEMU still starting, an engine not yet
             // named) are looked for again each tick; one found is kept.
             let usable = |s: &Source| !matches!(s, Source::None { .. });
@@ -119,7 +121,15 @@ impl State {
                 if !last && self.ticks < src.next_try {
                     continue;
                 }
-                match src.reader.read(&vm) {
+                // A domain libvirt already counts as stopped (its process
+                // still exiting) answers with no disk at all: no reading.
+                let read = src.reader.read(&vm).and_then(|c| {
+                    if c.is_empty() && !vm.disks.is_empty() {
+                        anyhow::bail!("the answer names none of its disks (stopping?)")
+                    }
+                    Ok(c)
+                });
+                match read {
                     Ok(c) => {
                         src.failures = 0;
                         src.error = None;
@@ -127,7 +137,11 @@ impl State {
                             // Started within the run: from zero, as QEMU began.
                             src.first = Some(if predates_run { c.clone() } else { Counts::new() });
                         }
-                        src.last = Some(c);
+                        // Disk by disk: one missing from an answer keeps
+                        // its last reading.
+                        let mut last = src.last.take().unwrap_or_default();
+                        last.extend(c);
+                        src.last = Some(last);
                         src.last_at = Some(Instant::now());
                         src.submitted_at_last = ours.and_then(|o| o.submitted(slot)).or(Some(0));
                         if src.submitted_at_first.is_none() {
