@@ -568,3 +568,30 @@ pub fn status_and_body(raw: &str) -> (u16, String) {
         .to_string();
     (status, body)
 }
+
+/// An agent configuration in `dir` tracing `host`, its API on `addr`, its
+/// token file beside it: (configuration, token file).
+pub fn agent_config(dir: &Path, host: &str, addr: &str) -> (PathBuf, PathBuf) {
+    let conf = dir.join("iospan.toml");
+    let token_file = dir.join("api-token");
+    std::fs::write(
+        &conf,
+        format!(
+            "[agent]\ndisks = [\"{host}\"]\n[api]\nlisten = \"{addr}\"\ntoken_file = \"{}\"\n",
+            token_file.display()
+        ),
+    )
+    .unwrap();
+    (conf, token_file)
+}
+
+/// A child process killed and reaped when dropped (an agent, a VM, a
+/// tracer a test started).
+pub struct Reap(pub std::process::Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
+use agent_integration::{agent_config, host_disk_of, iospan_bin, rig_and_image, run, Reap};
 use xtask::{
     backends::{free_port, http_get},
     guest::{self, RunArgs},
@@ -116,22 +116,6 @@ fn bounding_set() -> Vec<String> {
         .collect()
 }
 
-/// An agent configuration in `dir` tracing `host`, its API on `addr`, its
-/// token file beside it: (configuration, token file).
-fn agent_config(dir: &Path, host: &str, addr: &str) -> (PathBuf, PathBuf) {
-    let conf = dir.join("iospan.toml");
-    let token_file = dir.join("api-token");
-    std::fs::write(
-        &conf,
-        format!(
-            "[agent]\ndisks = [\"{host}\"]\n[api]\nlisten = \"{addr}\"\ntoken_file = \"{}\"\n",
-            token_file.display()
-        ),
-    )
-    .unwrap();
-    (conf, token_file)
-}
-
 /// Every system call of the unit's SystemCallFilter, its groups expanded
 /// by systemd itself.
 fn allowed_syscalls() -> std::collections::BTreeSet<String> {
@@ -184,13 +168,6 @@ fn the_units_system_call_filter_allows_every_call_the_agent_makes() {
     std::fs::create_dir_all(&dir).unwrap();
     let (conf, token_file) = agent_config(&dir, &host, &addr);
     let trace = dir.join("strace.out");
-    struct Reap(std::process::Child);
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
     let mut strace = Reap(
         Command::new("strace")
             .args(["-f", "-qq", "-o"])
@@ -299,13 +276,6 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
         .iter()
         .map(|c| format!("+{}", c.trim_start_matches("CAP_").to_lowercase()))
         .collect();
-    struct Reap(std::process::Child);
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
     let agent = Command::new("setpriv")
         .arg(format!("--bounding-set=-all,{}", caps.join(",")))
         .arg("--no-new-privs")

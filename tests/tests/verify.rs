@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agent_integration::{iospan_bin, rig_and_image, run};
+use agent_integration::{iospan_bin, rig_and_image, run, Reap};
 use xtask::guest::{self, RunArgs};
 
 #[test]
@@ -123,23 +123,7 @@ fn an_api_run_carries_qemus_own_count() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let addr = format!("127.0.0.1:{}", xtask::backends::free_port().unwrap());
-    let conf = dir.join("iospan.toml");
-    let token_file = dir.join("api-token");
-    std::fs::write(
-        &conf,
-        format!(
-            "[agent]\ndisks = [\"{host}\"]\n[api]\nlisten = \"{addr}\"\ntoken_file = \"{}\"\n",
-            token_file.display()
-        ),
-    )
-    .unwrap();
-    struct Reap(std::process::Child);
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
+    let (conf, token_file) = agent_integration::agent_config(&dir, &host, &addr);
     let _agent = Reap(
         Command::new(iospan_bin())
             .args(["agent", "--config"])

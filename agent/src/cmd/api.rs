@@ -229,36 +229,19 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
             let (Some(before), Some(after)) = (s.counts.get(&entry.disk), e.counts.get(&entry.disk)) else {
                 continue;
             };
-            let c = after.since(before);
-            let (ops, bytes, ns) = match entry.op {
-                crate::model::Op::Read => (c.rd_ops, c.rd_bytes, c.rd_ns),
-                crate::model::Op::Write => (c.wr_ops, c.wr_bytes, c.wr_ns),
-                crate::model::Op::Flush => (c.fl_ops, 0, c.fl_ns),
-                _ => continue,
+            let allow = crate::output::qemu_check::Allowances {
+                merged: e.merged.saturating_sub(s.merged),
+                edge: inflight(&start.vdisks, s, &entry.vm) + inflight(&end.vdisks, e, &entry.vm),
+                ..Default::default()
             };
-            let edge = inflight(&start.vdisks, s, &entry.vm) + inflight(&end.vdisks, e, &entry.vm);
-            let merged = e.merged.saturating_sub(s.merged);
-            let iospan_ops = entry.ios + entry.undelivered;
-            let engine = e.engine_disks.contains(&entry.disk);
-            let uncounted = engine && ops == 0 && iospan_ops > 0;
-            let mean = |k: &str| entry.segments.get(k).filter(|s| s.count > 0).map(|s| s.mean_us);
-            let r3 = |v: f64| (v * 1000.0).round() / 1000.0;
-            entry.qemu = Some(crate::output::report::QemuCheck {
-                ops,
-                bytes,
-                mean_us: (ops > 0).then(|| r3(ns as f64 / ops as f64 / 1000.0)),
-                iospan_ops,
-                diff: iospan_ops as i64 - ops as i64,
-                merged_allowance: merged,
-                edge_allowance: edge,
-                after_last_read: 0,
-                before_first_read: 0,
-                engine_device_mean_us: mean("engine").zip(mean("device")).map(|(a, b)| r3(a + b)),
-                pickup_to_done_mean_us: None,
-                counted_by: if engine { "engine" } else { "qemu" }.into(),
-                uncounted,
-                mismatch: !uncounted && (ops > iospan_ops + merged + edge || iospan_ops > ops + edge),
-            });
+            entry.qemu = crate::output::qemu_check::check(
+                &after.since(before),
+                entry.op,
+                entry.ios + entry.undelivered,
+                &entry.segments,
+                e.engine_disks.contains(&entry.disk),
+                allow,
+            );
         }
     }
     BenchReport {

@@ -189,60 +189,40 @@ const MAX_REPLY: usize = 4 << 20;
 /// Each step of a QMP exchange, at most this long.
 const QMP_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Reads one source's counters, again and again. Each QMP read is a
-/// session of its own, closed at once: a QMP monitor serves one client at
-/// a time, and the VM's manager (Proxmox's `qm`, a script, an operator)
-/// must find it free; a session costs QEMU about a millisecond.
-pub struct Reader {
-    pub source: Source,
-}
-
-impl Reader {
-    pub fn new(source: Source) -> Self {
-        Reader { source }
-    }
-
-    /// The counters of `vm`'s virtual disks this source serves, now.
-    pub fn read(&mut self, vm: &Vm) -> Result<Counts> {
-        match &self.source {
-            Source::Qmp { socket, pid } => {
-                let stats = self.query(socket.clone(), *pid, false)?;
-                Ok(parse_blockstats(&stats, vm))
-            }
-            Source::Engine {
-                socket, pid, nodes, ..
-            } => {
-                let (socket, pid, nodes) = (socket.clone(), *pid, nodes.clone());
-                // An export's block backend has no name: its node is found
-                // only among the nodes.
-                let stats = self.query(socket, pid, true)?;
-                Ok(parse_node_blockstats(&stats, &nodes))
-            }
-            Source::Libvirt { domain } => {
-                let out = std::process::Command::new("virsh")
-                    .args(["-q", "domstats", "--block", "--", domain])
-                    .output()
-                    .context("running virsh domstats (libvirt's client)")?;
-                if !out.status.success() {
-                    bail!(
-                        "virsh domstats --block {domain}: {}",
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    );
-                }
-                Ok(parse_domstats(&String::from_utf8_lossy(&out.stdout), vm))
-            }
-            Source::None { why } => bail!("{why}"),
-        }
-    }
-
-    fn query(&mut self, socket: PathBuf, pid: u32, nodes: bool) -> Result<serde_json::Value> {
-        Session::open(&socket, pid)?.blockstats(nodes)
-    }
-}
-
-/// The counters of `vm`'s disks served by `source`, in one session.
+/// The counters of `vm`'s virtual disks that `source` serves, now. Each
+/// QMP read is a session of its own, closed at once: a QMP monitor serves
+/// one client at a time, and the VM's manager (Proxmox's `qm`, a script,
+/// an operator) must find it free; a session costs QEMU about a
+/// millisecond.
 pub fn read(source: &Source, vm: &Vm) -> Result<Counts> {
-    Reader::new(source.clone()).read(vm)
+    match source {
+        Source::Qmp { socket, pid } => {
+            let stats = Session::open(socket, *pid)?.blockstats(false)?;
+            Ok(parse_blockstats(&stats, vm))
+        }
+        Source::Engine {
+            socket, pid, nodes, ..
+        } => {
+            // An export's block backend has no name: its node is found
+            // only among the nodes.
+            let stats = Session::open(socket, *pid)?.blockstats(true)?;
+            Ok(parse_node_blockstats(&stats, nodes))
+        }
+        Source::Libvirt { domain } => {
+            let out = std::process::Command::new("virsh")
+                .args(["-q", "domstats", "--block", "--", domain])
+                .output()
+                .context("running virsh domstats (libvirt's client)")?;
+            if !out.status.success() {
+                bail!(
+                    "virsh domstats --block {domain}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+            Ok(parse_domstats(&String::from_utf8_lossy(&out.stdout), vm))
+        }
+        Source::None { why } => bail!("{why}"),
+    }
 }
 
 /// The peer's pid of a connected unix socket.
@@ -598,11 +578,10 @@ mod tests {
             socket: path.clone(),
             pid: std::process::id(),
         };
-        let mut r = Reader::new(source.clone());
         // The monitor serves one client at a time: were a session kept, the
         // other client here (a VM manager) would wait for ever.
         drop(Session::open(&path, std::process::id()).expect("the monitor greets"));
-        let ops: Vec<u64> = (0..3).map(|_| r.read(&v).unwrap()["vd0"].rd_ops).collect();
+        let ops: Vec<u64> = (0..3).map(|_| read(&source, &v).unwrap()["vd0"].rd_ops).collect();
         // Capabilities then blockstats in each, after the manager's
         // capabilities: answers 3, 5, 7.
         assert_eq!(ops, [3, 5, 7]);
@@ -610,11 +589,11 @@ mod tests {
         assert_eq!(m.blockstats(false).unwrap()[0]["stats"]["rd_operations"], 9);
         drop(m);
         // A monitor not served by the process named is refused.
-        let mut other = Reader::new(Source::Qmp {
+        let other = Source::Qmp {
             socket: path.clone(),
             pid: 1,
-        });
-        let e = other.read(&v).unwrap_err();
+        };
+        let e = read(&other, &v).unwrap_err();
         assert!(format!("{e:#}").contains("not served by process 1"), "{e:#}");
         let mut s = UnixStream::connect(&path).unwrap();
         writeln!(s, "quit").unwrap();

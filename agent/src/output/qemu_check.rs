@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::{
     discover::qemu_counts::{DiskCounts, Source},
-    model::Op,
+    model::{Op, Summary},
     output::report::{Entry, QemuCheck, RunReport},
 };
 
@@ -101,54 +101,84 @@ pub fn compare(
         let Some(c) = q.counts.get(&e.disk) else {
             continue;
         };
-        let Some((ops, bytes, ns)) = of_op(c, e.op) else {
+        let summary = report.vms.iter().find(|v| v.name == vm);
+        let flying = inflight.get(vm).copied().unwrap_or(0);
+        let allow = Allowances {
+            merged: summary.map_or(0, |v| v.engine_merged + v.host_merged),
+            edge: if q.predates_run { 2 * flying } else { flying },
+            // Requests submitted after QEMU's last read (a VM that exited:
+            // its last requests, and QEMU's own as it closed its images)
+            // are in ours, not in its.
+            after_last_read: match (q.submitted_at_last_read, submitted.get(vm)) {
+                (Some(at), Some(total)) => total.saturating_sub(at),
+                _ => 0,
+            },
+            // A VM running before the run: QEMU's window begins at its
+            // first read, ours when the probes started.
+            before_first_read: q.submitted_at_first_read.unwrap_or(0),
+        };
+        let engine = q.engine_disks.contains(&e.disk);
+        let Some(c) = check(c, e.op, e.ios + e.undelivered, &e.segments, engine, allow) else {
             continue;
         };
-        let summary = report.vms.iter().find(|v| v.name == vm);
-        let merged = summary.map_or(0, |v| v.engine_merged + v.host_merged);
-        let flying = inflight.get(vm).copied().unwrap_or(0);
-        let edge = if q.predates_run { 2 * flying } else { flying };
-        // Requests submitted after QEMU's last read (a VM that exited: its
-        // last requests, and QEMU's own as it closed its images) are in
-        // ours, not in its.
-        let after_last_read = match (q.submitted_at_last_read, submitted.get(vm)) {
-            (Some(at), Some(total)) => total.saturating_sub(at),
-            _ => 0,
-        };
-        // A VM running before the run: QEMU's window begins at its first
-        // read, ours when the probes started; requests between are ours.
-        let before_first_read = q.submitted_at_first_read.unwrap_or(0);
-        let iospan_ops = e.ios + e.undelivered;
-        let mean = |name: &str| e.segments.get(name).filter(|s| s.count > 0).map(|s| s.mean_us);
-        // An engine that keeps no count of its exports' requests (QEMU's
-        // storage daemon counts none for vhost-user-blk) reads zero: said,
-        // not taken for a mismatch.
-        let uncounted = q.engine_disks.contains(&e.disk) && ops == 0 && iospan_ops > 0;
-        let mismatch = !uncounted
-            && (ops > iospan_ops + merged + edge
-                || iospan_ops > ops + edge + after_last_read + before_first_read);
-        mismatches += u64::from(mismatch);
-        e.qemu = Some(QemuCheck {
-            ops,
-            bytes,
-            mean_us: (ops > 0).then(|| round3(ns as f64 / ops as f64 / 1000.0)),
-            iospan_ops,
-            diff: iospan_ops as i64 - ops as i64,
-            merged_allowance: merged,
-            edge_allowance: edge,
-            after_last_read,
-            before_first_read,
-            engine_device_mean_us: mean("engine")
-                .zip(mean("device"))
-                .map(|(a, b)| round3(a + b)),
-            pickup_to_done_mean_us: mean("pickup_to_done").map(round3),
-            counted_by: if q.engine_disks.contains(&e.disk) { "engine" } else { "qemu" }.into(),
-            uncounted,
-            mismatch,
-        });
+        mismatches += u64::from(c.mismatch);
+        e.qemu = Some(c);
     }
     report.lost.qemu_mismatch = mismatches;
     mismatches
+}
+
+/// By how many requests QEMU's count of a VM disk may honestly differ
+/// from ours.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Allowances {
+    /// Guest requests we saw inside others (QEMU counts each).
+    pub merged: u64,
+    /// In flight at the window's edges.
+    pub edge: u64,
+    /// Ours after QEMU's last read, and before its first.
+    pub after_last_read: u64,
+    pub before_first_read: u64,
+}
+
+/// One VM disk's `op` over a window: QEMU's counters `c` beside our
+/// `iospan_ops` (timed plus undelivered) and our segments. None: QEMU
+/// keeps no counter of that op.
+pub fn check(
+    c: &DiskCounts,
+    op: Op,
+    iospan_ops: u64,
+    segments: &BTreeMap<String, Summary>,
+    engine: bool,
+    a: Allowances,
+) -> Option<QemuCheck> {
+    let (ops, bytes, ns) = of_op(c, op)?;
+    let mean = |name: &str| segments.get(name).filter(|s| s.count > 0).map(|s| s.mean_us);
+    // An engine that keeps no count of its exports' requests (QEMU's
+    // storage daemon counts none for vhost-user-blk) reads zero: said,
+    // not taken for a mismatch.
+    let uncounted = engine && ops == 0 && iospan_ops > 0;
+    let mismatch = !uncounted
+        && (ops > iospan_ops + a.merged + a.edge
+            || iospan_ops > ops + a.edge + a.after_last_read + a.before_first_read);
+    Some(QemuCheck {
+        ops,
+        bytes,
+        mean_us: (ops > 0).then(|| round3(ns as f64 / ops as f64 / 1000.0)),
+        iospan_ops,
+        diff: iospan_ops as i64 - ops as i64,
+        merged_allowance: a.merged,
+        edge_allowance: a.edge,
+        after_last_read: a.after_last_read,
+        before_first_read: a.before_first_read,
+        engine_device_mean_us: mean("engine")
+            .zip(mean("device"))
+            .map(|(a, b)| round3(a + b)),
+        pickup_to_done_mean_us: mean("pickup_to_done").map(round3),
+        counted_by: if engine { "engine" } else { "qemu" }.into(),
+        uncounted,
+        mismatch,
+    })
 }
 
 fn round3(v: f64) -> f64 {
@@ -176,19 +206,9 @@ mod tests {
         let mut e = Entry::empty(Some("db01".into()), "vd0".into(), Op::Read);
         e.ios = ios;
         RunReport {
-            schema: String::new(),
             duration_s: 10.0,
-            command: None,
-            exit_code: None,
-            lost: Default::default(),
-            probes: Vec::new(),
-            agent: Default::default(),
-            guests: Vec::new(),
-            stitch: Default::default(),
-            export: None,
-            vms: Vec::new(),
-            not_vms: 0,
             entries: vec![e],
+            ..Default::default()
         }
     }
 

@@ -22,7 +22,7 @@ use crate::{
 
 pub const SCHEMA: &str = "iospan.run/v1";
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RunReport {
     pub schema: String,
     pub duration_s: f64,
@@ -302,6 +302,22 @@ pub struct QemuCheck {
     pub pickup_to_done_mean_us: Option<f64>,
     /// The counts differ by more than merges and the edges explain.
     pub mismatch: bool,
+}
+
+impl QemuCheck {
+    /// What the two counts may differ by, in words.
+    pub fn allowances(&self) -> String {
+        format!(
+            "{} merged, {} in flight at the edges, {} before the first read and {} after the last",
+            self.merged_allowance, self.edge_allowance, self.before_first_read, self.after_last_read
+        )
+    }
+}
+
+/// Whether a VM's `qemu_counts` is worth a line of its own: no source, a
+/// failed read, or a VM whose last read came before it exited.
+pub fn qemu_counts_worth_saying(s: &str) -> bool {
+    s.contains("none:") || s.contains("not read") || s.contains("exited within")
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -685,10 +701,7 @@ fn qemu_table(report: &RunReport) -> String {
                 opt(c.mean_us),
                 opt(c.engine_device_mean_us),
                 if c.mismatch {
-                    format!(
-                        "MISMATCH (beyond {} merged, {} in flight at the edges, {} before the first read, {} after the last)",
-                        c.merged_allowance, c.edge_allowance, c.before_first_read, c.after_last_read
-                    )
+                    format!("MISMATCH (beyond {})", c.allowances())
                 } else if c.uncounted {
                     "not counted by its engine (it keeps no count of an export's requests)".into()
                 } else if c.after_last_read > 0 {
@@ -701,9 +714,7 @@ fn qemu_table(report: &RunReport) -> String {
     }
     for v in &report.vms {
         if let Some(s) = &v.qemu_counts {
-            // Said when there is something to say: no source, a failed
-            // read, or a VM whose last read came before it exited.
-            if s.contains("none:") || s.contains("not read") || s.contains("exited within") {
+            if qemu_counts_worth_saying(s) {
                 let _ = writeln!(out, "QEMU's own counts of {}: {s}", v.name);
             }
         }

@@ -438,25 +438,19 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             e
         },
     };
-    // Each VM's requests still in flight at the end: by how many QEMU's
-    // count may honestly differ from ours.
-    let inflight: std::collections::BTreeMap<String, u64> = {
+    // Each VM's requests still in flight at the end (by how many QEMU's
+    // count may honestly differ from ours) and submitted over the run.
+    let (inflight, submitted) = {
         let finished = snap.vm_finished();
         let known = known.lock().unwrap_or_else(|p| p.into_inner());
-        snap.vm_counts
-            .iter()
-            .map(|(slot, c)| {
-                let done = finished.get(slot).map_or(0, |f| f.done);
-                (known.name(*slot), c.submitted.saturating_sub(done))
-            })
-            .collect()
-    };
-    let submitted: std::collections::BTreeMap<String, u64> = {
-        let known = known.lock().unwrap_or_else(|p| p.into_inner());
-        snap.vm_counts
-            .iter()
-            .map(|(slot, c)| (known.name(*slot), c.submitted))
-            .collect()
+        let mut inflight = std::collections::BTreeMap::new();
+        let mut submitted = std::collections::BTreeMap::new();
+        for (slot, c) in &snap.vm_counts {
+            let done = finished.get(slot).map_or(0, |f| f.done);
+            inflight.insert(known.name(*slot), c.submitted.saturating_sub(done));
+            submitted.insert(known.name(*slot), c.submitted);
+        }
+        (inflight, submitted)
     };
     crate::output::qemu_check::compare(&mut report, &qemu, &inflight, &submitted);
     if let Some(path) = &opts.json_out {

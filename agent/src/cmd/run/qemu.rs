@@ -15,7 +15,7 @@ use std::{
 use tokio::sync::watch;
 
 use crate::{
-    discover::qemu_counts::{self, Counts, Reader, Source},
+    discover::qemu_counts::{self, Counts, Source},
     discover::vms::{self, Registry, Vm},
     output::qemu_check::VmQemu,
     probes::host::VmCountsReader,
@@ -32,7 +32,7 @@ const LOG_AFTER: u32 = 3;
 
 /// One source of a VM's counts over the run.
 struct Watched {
-    reader: Reader,
+    source: Source,
     first: Option<Counts>,
     last: Option<Counts>,
     /// The VM's submitted requests (ours) just after the last good read.
@@ -88,15 +88,15 @@ impl State {
             // Sources not found yet (QEMU still starting, an engine not yet
             // named) are looked for again each tick; one found is kept.
             let usable = |s: &Source| !matches!(s, Source::None { .. });
-            if w.sources.is_empty() || w.sources.iter().any(|s| !usable(&s.reader.source)) {
+            if w.sources.is_empty() || w.sources.iter().any(|s| !usable(&s.source)) {
                 let mut kept: Vec<Watched> = std::mem::take(&mut w.sources)
                     .into_iter()
-                    .filter(|s| usable(&s.reader.source))
+                    .filter(|s| usable(&s.source))
                     .collect();
                 for f in qemu_counts::sources_of(&vm) {
-                    if !kept.iter().any(|k| same_place(&k.reader.source, &f)) {
+                    if !kept.iter().any(|k| same_place(&k.source, &f)) {
                         kept.push(Watched {
-                            reader: Reader::new(f),
+                            source: f,
                             first: None,
                             last: None,
                             submitted_at_last: None,
@@ -113,7 +113,7 @@ impl State {
                 w.sources = kept;
             }
             for src in &mut w.sources {
-                match &src.reader.source {
+                match &src.source {
                     Source::None { .. } => continue,
                     Source::Libvirt { .. } if !last && self.ticks % LIBVIRT_EVERY != 1 => continue,
                     _ => {}
@@ -123,7 +123,7 @@ impl State {
                 }
                 // A domain libvirt already counts as stopped (its process
                 // still exiting) answers with no disk at all: no reading.
-                let read = src.reader.read(&vm).and_then(|c| {
+                let read = qemu_counts::read(&src.source, &vm).and_then(|c| {
                     if c.is_empty() && !vm.disks.is_empty() {
                         anyhow::bail!("the answer names none of its disks (stopping?)")
                     }
@@ -182,7 +182,7 @@ impl State {
                     if let (Some(f), Some(l)) = (&src.first, &src.last) {
                         for (id, c) in l {
                             counts.insert(id.clone(), f.get(id).map_or(*c, |before| c.since(before)));
-                            if src.reader.source.is_engine() {
+                            if src.source.is_engine() {
                                 engine_disks.insert(id.clone());
                             }
                         }
@@ -197,15 +197,15 @@ impl State {
                             (Some(a), Some(b)) => Some(a.min(b)),
                             (a, b) => a.or(b),
                         };
-                    } else if !matches!(src.reader.source, Source::None { .. }) {
+                    } else if !matches!(src.source, Source::None { .. }) {
                         errors.push(format!(
                             "{}: {}",
-                            src.reader.source.describe(),
+                            src.source.describe(),
                             src.error.as_deref().unwrap_or("never read")
                         ));
                     }
                 }
-                let sources: Vec<Source> = w.sources.iter().map(|s| s.reader.source.clone()).collect();
+                let sources: Vec<Source> = w.sources.iter().map(|s| s.source.clone()).collect();
                 (
                     w.name,
                     VmQemu {
@@ -271,7 +271,7 @@ fn read_one(vm: &Vm, submitted_before_read: u64) -> crate::output::live::FrameQe
         if matches!(s, Source::None { .. }) {
             continue;
         }
-        match Reader::new(s.clone()).read(vm) {
+        match qemu_counts::read(&s, vm) {
             Ok(c) => {
                 if s.is_engine() {
                     f.engine_disks.extend(c.keys().cloned());

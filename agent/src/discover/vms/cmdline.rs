@@ -74,6 +74,19 @@ pub(super) fn keyval(s: &str) -> Vec<(String, String)> {
     out
 }
 
+/// A unix socket chardev's id and socket (`-chardev socket,id=…,path=…`
+/// or `fd=…`), from its options.
+pub(super) fn socket_chardev(o: &[(String, String)]) -> Option<(String, SocketSource)> {
+    let backend = get(o, "").or_else(|| get(o, "backend"));
+    let src = match (get(o, "path"), get(o, "fd")) {
+        (Some(p), _) => SocketSource::Path(PathBuf::from(p)),
+        (None, Some(fd)) => SocketSource::Fd(fd.parse().ok()?),
+        _ => return None,
+    };
+    (backend == Some("socket")).then_some(())?;
+    Some((get(o, "id")?.to_string(), src))
+}
+
 pub(super) fn get<'a>(opts: &'a [(String, String)], key: &str) -> Option<&'a str> {
     opts.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
 }
@@ -214,15 +227,8 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
                 }
             }
             "chardev" => {
-                let o = options(v);
-                let backend = get(&o, "").or_else(|| get(&o, "backend"));
-                let src = match (get(&o, "path"), get(&o, "fd")) {
-                    (Some(p), _) => Some(SocketSource::Path(PathBuf::from(p))),
-                    (None, Some(fd)) => fd.parse().ok().map(SocketSource::Fd),
-                    _ => None,
-                };
-                if let (Some("socket"), Some(id), Some(src)) = (backend, get(&o, "id"), src) {
-                    chardevs.push((id.to_string(), src));
+                if let Some(c) = socket_chardev(&options(v)) {
+                    chardevs.push(c);
                 }
             }
             _ => {

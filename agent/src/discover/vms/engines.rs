@@ -8,7 +8,7 @@ use std::{
 };
 
 use super::{
-    cmdline::{blockdev, get, node_aio, node_file, options},
+    cmdline::{blockdev, get, node_aio, node_file, options, socket_chardev},
     *,
 };
 
@@ -32,21 +32,8 @@ pub fn exports_from_args(args: &[String], cwd: &Path) -> Vec<Export> {
     let mut files = Vec::new();
     let mut aio = Vec::new();
     let mut exports = Vec::new();
-    let mut i = 0;
-    while i < args.len() {
-        // --opt VALUE or --opt=VALUE
-        let (opt, inline) = match args[i].split_once('=') {
-            Some((o, v)) if o.starts_with("--") => (o, Some(v.to_string())),
-            _ => (args[i].as_str(), None),
-        };
-        let value = match inline {
-            Some(v) => v,
-            None => {
-                i += 1;
-                args.get(i).cloned().unwrap_or_default()
-            }
-        };
-        match opt.trim_start_matches('-') {
+    for (opt, value) in long_options(args) {
+        match opt {
             "blockdev" => {
                 if let Some((id, file, child, a)) = blockdev(&value) {
                     files.push((id.clone(), file, child));
@@ -69,7 +56,6 @@ pub fn exports_from_args(args: &[String], cwd: &Path) -> Vec<Export> {
             }
             _ => {}
         }
-        i += 1;
     }
     exports
         .into_iter()
@@ -89,46 +75,39 @@ pub fn exports_from_args(args: &[String], cwd: &Path) -> Vec<Export> {
 pub fn monitor_from_args(args: &[String]) -> Option<SocketSource> {
     let mut chardevs: Vec<(String, SocketSource)> = Vec::new();
     let mut monitors: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < args.len() {
-        let (opt, inline) = match args[i].split_once('=') {
-            Some((o, v)) if o.starts_with("--") => (o, Some(v.to_string())),
-            _ => (args[i].as_str(), None),
-        };
-        let value = match inline {
-            Some(v) => v,
-            None => {
-                i += 1;
-                args.get(i).cloned().unwrap_or_default()
+    for (opt, value) in long_options(args) {
+        let o = options(&value);
+        match opt {
+            // Only one the daemon listens on.
+            "chardev" if get(&o, "server").is_some_and(|v| matches!(v, "on" | "yes" | "true")) => {
+                chardevs.extend(socket_chardev(&o));
             }
-        };
-        match opt.trim_start_matches('-') {
-            "chardev" => {
-                let o = options(&value);
-                let backend = get(&o, "").or_else(|| get(&o, "backend"));
-                let server = get(&o, "server").is_some_and(|v| matches!(v, "on" | "yes" | "true" | ""));
-                let src = match (get(&o, "path"), get(&o, "fd")) {
-                    (Some(p), _) => Some(SocketSource::Path(PathBuf::from(p))),
-                    (None, Some(fd)) => fd.parse().ok().map(SocketSource::Fd),
-                    _ => None,
-                };
-                if let (Some("socket"), Some(id), Some(src), true) = (backend, get(&o, "id"), src, server) {
-                    chardevs.push((id.to_string(), src));
-                }
-            }
-            "monitor" => {
-                let o = options(&value);
-                if let Some(id) = get(&o, "chardev").or_else(|| get(&o, "")) {
-                    monitors.push(id.to_string());
-                }
-            }
+            "monitor" => monitors.extend(get(&o, "chardev").or_else(|| get(&o, "")).map(str::to_string)),
             _ => {}
         }
-        i += 1;
     }
     monitors
         .iter()
         .find_map(|m| chardevs.iter().find(|(id, _)| id == m).map(|(_, s)| s.clone()))
+}
+
+/// qemu-storage-daemon's options as (name, value): `--opt VALUE` or
+/// `--opt=VALUE`, the leading dashes taken off.
+fn long_options(args: &[String]) -> Vec<(&str, String)> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let (opt, value) = match args[i].split_once('=') {
+            Some((o, v)) if o.starts_with("--") => (o, v.to_string()),
+            _ => {
+                i += 1;
+                (args[i - 1].as_str(), args.get(i).cloned().unwrap_or_default())
+            }
+        };
+        out.push((opt.trim_start_matches('-'), value));
+        i += 1;
+    }
+    out
 }
 
 /// Every qemu-storage-daemon running now, with its exports.

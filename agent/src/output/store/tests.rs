@@ -60,17 +60,7 @@ fn stored(label: &str, host: &str, t: TailEntry) -> StoredRun {
         report: RunReport {
             schema: crate::output::report::SCHEMA.into(),
             duration_s: 1.0,
-            command: None,
-            exit_code: None,
-            lost: Default::default(),
-            probes: Vec::new(),
-            agent: Default::default(),
-            guests: Vec::new(),
-            stitch: Default::default(),
-            export: None,
-            vms: Vec::new(),
-            not_vms: 0,
-            entries: Vec::new(),
+            ..Default::default()
         },
         tails: vec![t],
         series: Vec::new(),
