@@ -30,6 +30,7 @@ vm_disks_map_t vm_disks SEC(".maps");
 vm_started_map_t vm_started SEC(".maps");
 vm_last_pick_map_t vm_last_pick SEC(".maps");
 thread_picks_map_t thread_picks SEC(".maps");
+punted_picks_map_t punted_picks SEC(".maps");
 
 struct fd_key {
 	__u32 tgid;
@@ -629,10 +630,104 @@ int sys_enter_read(struct trace_event_raw_sys_enter *ctx)
 		return 0;
 	p.kick_ns = *kick;
 	p.pick_ns = bpf_ktime_get_ns();
-	p.flags = 0;
+	p.flags = PICK_READ;
+	p.last_start_ns = 0;
+	p.nvcsw = 0;
+	{
+		struct pick *old = bpf_map_lookup_elem(&thread_picks, &tid);
+
+		/* A polling thread reads a kick whose requests it may already
+		 * have found by polling: so it did if it submitted since the
+		 * kick, and may have if it has not slept since it last
+		 * submitted (a kick that found it asleep woke it; one that
+		 * came while it polled was raced by its poll, and the guest's
+		 * MMIO exit can reach KVM after the poll took the requests).
+		 * Nothing after such a read is known to be its batch. */
+		if (old && (old->flags & PICK_READ)) {
+			p.last_start_ns = old->last_start_ns;
+			p.nvcsw = old->nvcsw;
+			p.flags |= old->flags & PICK_POLLS;
+			if ((old->flags & PICK_POLLS) &&
+			    (old->last_start_ns > p.kick_ns || current_nvcsw() == old->nvcsw))
+				p.flags |= PICK_SPENT;
+		}
+	}
 	bpf_map_delete_elem(&pending_kicks, &file);
 	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
 	bpf_map_update_elem(&vm_last_pick, &k.tgid, &p, BPF_ANY);
+	return 0;
+}
+
+/* A submitting system call of a VM thread: the pick whose batch an
+ * earlier call submitted is spent (see struct pick). */
+static __always_inline void on_submit_call(__u64 nr)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct pick *p;
+
+	if (!targ_vm_segments || !nr || !bpf_map_lookup_elem(&vm_pids, &tgid))
+		return;
+	p = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (!p || !(p->flags & PICK_READ))
+		return;
+	/* An iothread submits a kick's batch in one call (virtio-blk plugs
+	 * it); other engines may submit theirs one request per call (QEMU's
+	 * NVMe, unplugged io_uring), and never poll. */
+	if ((p->flags & PICK_TAKEN) && in_iothread())
+		p->flags |= PICK_SPENT;
+	p->flags |= PICK_ENTERED;
+}
+
+SEC("tracepoint/syscalls/sys_enter_io_uring_enter")
+int sys_enter_io_uring_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	on_submit_call(ctx->args[1]);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_io_submit")
+int sys_enter_io_submit(struct trace_event_raw_sys_enter *ctx)
+{
+	on_submit_call(ctx->args[1]);
+	return 0;
+}
+
+/* io_uring:io_uring_queue_async_work, as its format file gives it since
+ * 5.5: the request follows the ring. */
+struct io_uring_async_record {
+	__u64 common;
+	__u64 ctx;
+	__u64 req;
+};
+
+/* An engine thread's io_uring request punted to an io-wq worker: the
+ * worker issues it later, with the pick it was submitted under. */
+SEC("tracepoint/io_uring/io_uring_queue_async_work")
+int io_uring_queue_async_work(struct io_uring_async_record *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct pick *p;
+	__u64 req = ctx->req;
+
+	if (!targ_vm_segments || !bpf_map_lookup_elem(&vm_pids, &tgid))
+		return 0;
+	p = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (!p)
+		return 0;
+	if ((p->flags & PICK_READ) && !(p->flags & PICK_ENTERED)) {
+		/* No submitting call since the pickup: a request of an earlier
+		 * call, whose retry io_uring queued as task work (a busy
+		 * device refused it without waiting); its pickup is not known. */
+		struct pick unknown = {};
+
+		bpf_map_update_elem(&punted_picks, &req, &unknown, BPF_ANY);
+		return 0;
+	}
+	if (p->flags & PICK_READ)
+		take_pick(p);
+	bpf_map_update_elem(&punted_picks, &req, p, BPF_ANY);
 	return 0;
 }
 

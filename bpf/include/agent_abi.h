@@ -107,6 +107,9 @@ struct rq_slot {
 /* The slot's request finished; the slot stays with its key, so the next
  * I/O on the same tag finds it at the first look, and any key may take it. */
 #define RQ_F_DONE (1 << 6)
+/* A VM's request its engine found by polling the queue, with no kick of
+ * its own: no hypervisor segment can be measured host-side. */
+#define RQ_F_POLLED (1 << 7)
 
 /* Global counters, per-CPU array `counters`: everything lost or degraded. */
 enum counter {

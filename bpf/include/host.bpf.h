@@ -46,15 +46,28 @@ extern events_map_t events SEC(".maps");
 #define VM_STOPPED 2
 
 /* The last kick each engine thread picked up: tid -> {kick, pickup}. The
- * requests that thread submits next belong to that notification. */
+ * requests that thread submits next belong to that notification: those of
+ * all it submits until it reads the next. A polling engine (QEMU's
+ * iothreads, in_iothread) also finds requests with no kick at all, by
+ * reading the queue's ring: for those threads a pick is spent once the
+ * thread went round its loop after submitting the pick's batch (it
+ * delivered completions, or made its next submitting call), and what it
+ * submits then is declared polled, never given an older batch's kick. */
 struct pick {
 	__u64 kick_ns;
 	__u64 pick_ns;
-	__u64 flags; /* PICK_* */
+	__u64 flags;         /* PICK_* */
+	__u64 last_start_ns; /* the thread's latest request start (own reads) */
+	__u64 nvcsw;         /* its voluntary context switches then */
 };
 
 #define PICK_HANDED (1 << 0) /* handed to a worker it woke (aio=threads) */
 #define PICK_USED (1 << 1)   /* a worker submitted with it */
+#define PICK_READ (1 << 2)   /* the thread's own read of the notifier */
+#define PICK_TAKEN (1 << 3)  /* a request of its batch was submitted */
+#define PICK_SPENT (1 << 4)  /* its batch is over: what follows was polled */
+#define PICK_POLLS (1 << 5)  /* the thread has submitted polled requests */
+#define PICK_ENTERED (1 << 6) /* a submitting call began since the pickup */
 
 /* Processes that are VMs: tgid -> VM slot. The agent adds the ones
  * running when it starts; exec of a new one adds itself (below). The agent
@@ -157,6 +170,38 @@ typedef struct {
 } thread_picks_map_t;
 extern thread_picks_map_t thread_picks SEC(".maps");
 
+static __always_inline __u64 current_nvcsw(void)
+{
+	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+
+	return BPF_CORE_READ(t, nvcsw);
+}
+
+/* An engine thread submitting under its own pick (at a request's start,
+ * or at its punt to an io-wq worker): the pick's batch is taken, or, when
+ * an earlier call spent it, the request was found by polling. */
+static __always_inline int take_pick(struct pick *p)
+{
+	int polled = !!(p->flags & PICK_SPENT);
+
+	p->flags |= polled ? PICK_POLLS : PICK_TAKEN;
+	p->last_start_ns = bpf_ktime_get_ns();
+	p->nvcsw = current_nvcsw();
+	return polled;
+}
+
+/* io_uring requests an engine thread punted to an io-wq worker (a busy
+ * device refused them without waiting): request (its kiocb, the first
+ * member of io_kiocb) -> the submitting thread's pick, for the worker
+ * that issues it. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64);
+	__type(value, struct pick);
+} punted_picks_map_t;
+extern punted_picks_map_t punted_picks SEC(".maps");
+
 /* The eventfds QEMU hands the kernel's vhost as a queue's kick
  * (VHOST_SET_VRING_KICK): open file -> 1. A kick on one reaches the worker
  * inside the kernel (eventfd wake-up -> vhost_task), with no read. */
@@ -211,6 +256,17 @@ static __always_inline int in_vcpu(void)
 	return c[0] == 'C' && c[1] == 'P' && c[2] == 'U' && c[3] == ' ';
 }
 
+/* QEMU's iothreads are named "IO <id>" (debug-threads=on, as libvirt runs
+ * QEMU). They poll their queues before they sleep (poll-max-ns, 32 µs by
+ * default): the only engine threads whose requests may come with no kick. */
+static __always_inline int in_iothread(void)
+{
+	char c[16];
+
+	bpf_get_current_comm(c, sizeof(c));
+	return c[0] == 'I' && c[1] == 'O' && c[2] == ' ';
+}
+
 /* The kernel's vhost workers are named "vhost-<owner pid>"; since v6.4
  * (vhost_task) they are threads of the owner, QEMU, so its requests and
  * signals reach the VM's slot through its tgid. */
@@ -254,15 +310,27 @@ static __always_inline void claim_vhost_kick(__u32 tgid, __u32 tid)
  * instruction (emulated, not single-stepped). */
 static __always_inline int on_signal(void)
 {
-	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
 	__u32 *vm;
 	struct vm_signal_event ev = { .kind = EVENT_VM_SIGNAL };
+	struct pick *p;
 
 	if (!targ_vm_segments)
 		return 0;
 	vm = bpf_map_lookup_elem(&vm_pids, &tgid);
 	if (!vm)
 		return 0;
+	/* An iothread completing requests after it submitted its pickup's
+	 * batch went round its loop: what it submits before it reads another
+	 * kick was found by polling. One known to poll that completes
+	 * requests between a read and its submission, likewise (the read's
+	 * kick may be one its poll had already served). Other engine threads
+	 * may deliver completions between the submissions of one kick's
+	 * batch (qemu-storage-daemon does), and never poll. */
+	p = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (p && (p->flags & PICK_READ) && (p->flags & (PICK_TAKEN | PICK_POLLS)) && in_iothread())
+		p->flags |= PICK_SPENT;
 	ev.vm = *vm;
 	ev.ts_ns = bpf_ktime_get_ns();
 	emit(&ev, sizeof(ev));

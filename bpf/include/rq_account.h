@@ -168,7 +168,7 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 		if (s->issue_ns)
 			out->issue_ns = s->issue_ns;
 		out->requeues = s->requeues;
-		out->flags = s->flags & (RQ_F_PARTIAL | RQ_F_REQUEUED);
+		out->flags = s->flags & (RQ_F_PARTIAL | RQ_F_REQUEUED | RQ_F_POLLED);
 		out->vm = s->vm;
 		out->vdisk = s->vdisk;
 		out->kick_ns = s->kick_ns;

@@ -78,6 +78,62 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, _
 	return slot ? *slot : 0;
 }
 
+#define PF_IO_WORKER_FLAG 0x00000010 /* PF_IO_WORKER: an io_uring io-wq worker */
+
+static __always_inline int in_io_worker(void)
+{
+	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+
+	return !!(BPF_CORE_READ(t, flags) & PF_IO_WORKER_FLAG);
+}
+
+/* The kiocb a direct-I/O request serves, where its completion kind keeps
+ * one (iomap, and the block device's asynchronous paths). */
+static __always_inline __u64 rq_kiocb(struct request *rq)
+{
+	struct bio *bio = BPF_CORE_READ(rq, bio);
+	struct blkdev_dio *bdio;
+	struct iomap_dio *idio;
+	__u64 end_io;
+
+	if (!bio)
+		return 0;
+	end_io = (__u64)BPF_CORE_READ(bio, bi_end_io);
+	if (!end_io)
+		return 0;
+	if (end_io == targ_dio_end_io[DIO_IOMAP]) {
+		idio = BPF_CORE_READ(bio, bi_private);
+		return (__u64)BPF_CORE_READ(idio, iocb);
+	}
+	if (end_io == targ_dio_end_io[DIO_BLKDEV]) {
+		bdio = BPF_CORE_READ(bio, bi_private);
+		return (__u64)BPF_CORE_READ(bdio, iocb);
+	}
+	if (end_io == targ_dio_end_io[DIO_BLKDEV_ASYNC]) {
+		/* The bio is embedded in its blkdev_dio. */
+		bdio = (void *)bio - bpf_core_field_offset(struct blkdev_dio, bio);
+		return (__u64)BPF_CORE_READ(bdio, iocb);
+	}
+	return 0;
+}
+
+/* The pick an engine thread punted with the request (see punted_picks),
+ * taken out of the table. */
+static __always_inline int punted_pick_of(struct request *rq, struct pick *out)
+{
+	__u64 req = rq_kiocb(rq);
+	struct pick *p;
+
+	if (!req)
+		return 0;
+	p = bpf_map_lookup_elem(&punted_picks, &req);
+	if (!p)
+		return 0;
+	*out = *p;
+	bpf_map_delete_elem(&punted_picks, &req);
+	return 1;
+}
+
 /* Counted globally, and per VM entry where the lost request was a VM's
  * (the VM's own total is its entries' sum). */
 static __always_inline void note_undelivered(const struct rq_slot *s)
@@ -102,6 +158,7 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 	struct rq_slot *s;
 	__u32 vm = 0, vdisk = 0, dev = 0, op = 0;
 	__u64 key, kick_ns = 0, pick_ns = 0, pos = 0;
+	int polled = 0;
 
 	if (targ_track_vms) {
 		__u64 pid_tgid = bpf_get_current_pid_tgid();
@@ -118,17 +175,23 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 			if (state && *state == VM_RUNNING)
 				vdisk = vdisk_of(rq, vm, dev, &pos);
 			if (targ_vm_segments) {
-				struct pick *p;
+				struct pick *p, punt;
 
 				if (in_vhost_worker())
 					claim_vhost_kick(tgid, tid);
-				p = bpf_map_lookup_elem(&thread_picks, &tid);
-
-				if (p && (p->flags & PICK_USED))
+				if (in_io_worker() && punted_pick_of(rq, &punt)) {
+					/* The submitter's pick, as it was at the punt. */
+					p = &punt;
+					polled = !!(punt.flags & PICK_SPENT);
+				} else if (!(p = bpf_map_lookup_elem(&thread_picks, &tid)))
+					;
+				else if (p->flags & PICK_USED)
 					p = bpf_map_lookup_elem(&vm_last_pick, &tgid);
-				else if (p && (p->flags & PICK_HANDED))
+				else if (p->flags & PICK_HANDED)
 					p->flags |= PICK_USED;
-				if (p) {
+				else if (p->flags & PICK_READ)
+					polled = take_pick(p);
+				if (p && !polled) {
 					kick_ns = p->kick_ns;
 					pick_ns = p->pick_ns;
 				}
@@ -151,6 +214,8 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 	}
 	rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns, pos,
 		    dev, op);
+	if (polled)
+		s->flags |= RQ_F_POLLED;
 }
 
 /* A VM's finished request, for the agent to split its host window. */

@@ -525,20 +525,33 @@ pub fn test_ca(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
 /// kicks through KVM and whose engine reads a disk with io_uring), built
 /// into `dir`.
 pub fn kvm_vm(dir: &Path) -> PathBuf {
-    let dir = dir.join("kvm-vm");
+    build_as_qemu(dir, "kvm-vm", "kvm_vm.c", "-O1")
+}
+
+/// `native/SRC` built into `dir/SUBDIR` under the name QEMU's processes
+/// have (iospan recognises VMs by their command).
+fn build_as_qemu(dir: &Path, subdir: &str, src: &str, opt: &str) -> PathBuf {
+    let dir = dir.join(subdir);
     std::fs::create_dir_all(&dir).unwrap();
     let exe = dir.join("qemu-system-x86_64");
-    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/native/kvm_vm.c");
+    let src = format!("{}/native/{src}", env!("CARGO_MANIFEST_DIR"));
     let out = run(Command::new("cc")
-        .args(["-O1", "-rdynamic", "-pthread", "-o"])
+        .args([opt, "-rdynamic", "-pthread", "-o"])
         .arg(&exe)
-        .arg(src));
+        .arg(&src));
     assert!(
         out.status.success(),
         "building {src}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     exe
+}
+
+/// The VM of `native/vm_load.c` (Q queues kicked through KVM, an io_uring
+/// engine, event-driven or polling), built into `dir` under a name QEMU's
+/// processes have.
+pub fn vm_load(dir: &Path) -> PathBuf {
+    build_as_qemu(dir, "vm-load", "vm_load.c", "-O2")
 }
 
 /// The helper VM's disk in `dir`: on a real disk (not tmpfs), fully

@@ -87,7 +87,12 @@ fn every_request_split<'a>(rep: &'a Value, disk: &str, n: u64) -> &'a Value {
         .iter()
         .find(|e| e["vm"] == "kvm-probe" && e["disk"] == disk && e["op"] == "read")
         .unwrap_or_else(|| panic!("no kvm-probe/{disk} entry: {rep:#}"));
-    assert_eq!(e["ios"].as_u64(), Some(n), "{e}");
+    // Every request, timed or, its completion never having reached iospan
+    // (a softirq completion the kernel ran no program for: see README,
+    // "Nothing is lost silently"), counted as undelivered.
+    let ios = e["ios"].as_u64().unwrap();
+    assert_eq!(ios + e["undelivered"].as_u64().unwrap_or(0), n, "{e}");
+    assert!(ios * 100 >= n * 99, "{e}");
     let split = &rep["lost"]["host_split"];
     for k in ["no_kick", "no_signal", "unordered", "not_followed"] {
         assert_eq!(split[k].as_u64(), Some(0), "host_split.{k}: {split}");
@@ -95,7 +100,7 @@ fn every_request_split<'a>(rep: &'a Value, disk: &str, n: u64) -> &'a Value {
     let seg = |k: &str| e["segments"][k].clone();
     let mean = |k: &str| seg(k)["mean_us"].as_f64().unwrap();
     for k in ["hypervisor", "engine", "device", "host_window"] {
-        assert_eq!(seg(k)["count"].as_u64(), Some(n), "{k}: {e}");
+        assert_eq!(seg(k)["count"].as_u64(), Some(ios), "{k}: {e}");
     }
     let tiled = mean("hypervisor") + mean("engine") + mean("device");
     assert!(

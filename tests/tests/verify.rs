@@ -22,7 +22,14 @@ fn verify_passes_a_guest_against_qemus_own_count() {
     };
     let report = std::env::temp_dir().join(format!("iospan-verify-{}.json", std::process::id()));
     let verify = Command::new(iospan_bin())
-        .args(["verify", "--vm", "verify-rig", "--duration", "45s", "--json-out"])
+        .args([
+            "verify",
+            "--vm",
+            "verify-rig",
+            "--duration",
+            "45s",
+            "--json-out",
+        ])
         .arg(&report)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -134,7 +141,10 @@ fn an_api_run_carries_qemus_own_count() {
     );
     let t = Instant::now();
     while xtask::backends::http_get(&addr, "/healthz", &[]).map_or(0, |r| r.0) != 200 {
-        assert!(t.elapsed() < Duration::from_secs(60), "the agent never became healthy");
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the agent never became healthy"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
     let token = std::fs::read_to_string(&token_file).unwrap();
@@ -157,15 +167,24 @@ fn an_api_run_carries_qemus_own_count() {
         ..Default::default()
     };
     let (mut qemu, _) = guest::qemu_command(&rig, &a, &image);
-    let _vm = Reap(qemu.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
+    let _vm = Reap(
+        qemu.stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     // Running and reading: its disk shows in the agent's figures.
     let t = Instant::now();
     loop {
-        let snap = xtask::backends::http_get(&addr, "/api/v1/snapshot", &[]).map_or_else(|_| String::new(), |r| r.1);
+        let snap = xtask::backends::http_get(&addr, "/api/v1/snapshot", &[])
+            .map_or_else(|_| String::new(), |r| r.1);
         if snap.contains("api-rig") && snap.contains("\"ios\"") {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(90), "the guest never read: {snap}");
+        assert!(
+            t.elapsed() < Duration::from_secs(90),
+            "the guest never read: {snap}"
+        );
         std::thread::sleep(Duration::from_millis(300));
     }
     std::thread::sleep(Duration::from_secs(1));
@@ -173,7 +192,9 @@ fn an_api_run_carries_qemus_own_count() {
     std::thread::sleep(Duration::from_secs(3));
     let run = post(&format!("/api/v1/runs/{id}/stop"));
     let report = &run["report"];
-    let said = report["qemu_counts"]["api-rig"].as_str().unwrap_or_else(|| panic!("{report:#}"));
+    let said = report["qemu_counts"]["api-rig"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{report:#}"));
     assert!(said.starts_with("QMP at"), "{said}");
     let e = report["entries"]
         .as_array()
@@ -182,7 +203,9 @@ fn an_api_run_carries_qemus_own_count() {
         .find(|e| e["vm"] == "api-rig" && e["op"] == "read")
         .unwrap_or_else(|| panic!("no entry for the VM: {report:#}"));
     let q = &e["qemu"];
-    let ops = q["ops"].as_u64().unwrap_or_else(|| panic!("no QEMU count: {e:#}"));
+    let ops = q["ops"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no QEMU count: {e:#}"));
     eprintln!("the API run's check: {q}");
     assert!(ops > 100, "{q:#}");
     assert_eq!(q["mismatch"], false, "{q:#}");
@@ -190,6 +213,9 @@ fn an_api_run_carries_qemus_own_count() {
     // requests in flight at them and those merged on the way.
     let allowed = q["edge_allowance"].as_i64().unwrap() + q["merged_allowance"].as_i64().unwrap();
     assert!(q["diff"].as_i64().unwrap().abs() <= allowed, "{q:#}");
-    assert_eq!(q["iospan_ops"].as_u64(), Some(e["ios"].as_u64().unwrap() + e["undelivered"].as_u64().unwrap()));
+    assert_eq!(
+        q["iospan_ops"].as_u64(),
+        Some(e["ios"].as_u64().unwrap() + e["undelivered"].as_u64().unwrap())
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

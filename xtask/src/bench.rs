@@ -518,7 +518,7 @@ fn measure(
     Ok(s)
 }
 
-fn wait_for_line(c: &mut Child, stdout: bool, needle: &str) -> Result<()> {
+pub(crate) fn wait_for_line(c: &mut Child, stdout: bool, needle: &str) -> Result<()> {
     let pipe: Box<dyn std::io::Read + Send> = if stdout {
         Box::new(c.stdout.take().context("tracer stdout")?)
     } else {
@@ -553,7 +553,7 @@ fn bpf_run_time_ns(prog_type: &str) -> Result<u64> {
 }
 
 /// Busy CPU time of all CPUs, from /proc/stat.
-fn busy_cpu_ns() -> Result<u64> {
+pub(crate) fn busy_cpu_ns() -> Result<u64> {
     let stat = std::fs::read_to_string("/proc/stat")?;
     let line = stat.lines().next().context("/proc/stat is empty")?;
     let f: Vec<u64> = line
@@ -569,13 +569,13 @@ fn busy_cpu_ns() -> Result<u64> {
     Ok(ticks * 1_000_000_000 / hz)
 }
 
-struct LoopDev {
+pub(crate) struct LoopDev {
     file: PathBuf,
-    name: String,
+    pub(crate) name: String,
 }
 
 impl LoopDev {
-    fn create(mib: u64) -> Result<Self> {
+    pub(crate) fn create(mib: u64) -> Result<Self> {
         let file = PathBuf::from(format!("/dev/shm/iospan-bench-{}.img", std::process::id()));
         let chunk = vec![0xa5u8; 1 << 20];
         {
@@ -600,7 +600,7 @@ impl LoopDev {
             .to_string();
         Ok(Self { file, name })
     }
-    fn path(&self) -> String {
+    pub(crate) fn path(&self) -> String {
         format!("/dev/{}", self.name)
     }
 }
@@ -613,11 +613,11 @@ impl Drop for LoopDev {
 }
 
 /// kernel.bpf_stats_enabled on for the run, restored after.
-struct BpfStats(String);
+pub(crate) struct BpfStats(String);
 
 impl BpfStats {
     const PATH: &'static str = "/proc/sys/kernel/bpf_stats_enabled";
-    fn enable() -> Result<Self> {
+    pub(crate) fn enable() -> Result<Self> {
         let old = std::fs::read_to_string(Self::PATH).unwrap_or_else(|_| "0".into());
         std::fs::write(Self::PATH, "1")
             .context("enabling kernel.bpf_stats_enabled (needs root)")?;
@@ -631,7 +631,7 @@ impl Drop for BpfStats {
     }
 }
 
-fn machine() -> Value {
+pub(crate) fn machine() -> Value {
     let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| {
         c.lines().find_map(|l| {
             l.strip_prefix("model name")
@@ -646,7 +646,7 @@ fn machine() -> Value {
     })
 }
 
-fn chrono_free_date() -> String {
+pub(crate) fn chrono_free_date() -> String {
     let out = Command::new("date").args(["-u", "+%Y-%m-%d"]).output();
     out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default()
@@ -790,7 +790,7 @@ fn num_cpus() -> usize {
 }
 
 /// The median (the mean of the middle two for an even count); NaN of none.
-fn median(v: impl IntoIterator<Item = f64>) -> f64 {
+pub(crate) fn median(v: impl IntoIterator<Item = f64>) -> f64 {
     let mut v: Vec<f64> = v.into_iter().collect();
     v.sort_by(|a, b| a.total_cmp(b));
     match v.len() {

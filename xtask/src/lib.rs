@@ -4,6 +4,7 @@
 
 pub mod backends;
 pub mod bench;
+pub mod bench_vm;
 pub mod dashboards;
 pub mod dist;
 pub mod fuzz;

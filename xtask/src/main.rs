@@ -3,7 +3,7 @@
 //! xtask depends on nothing of the agent, so it builds on a machine that
 //! still lacks clang and libbpf: `setup` is what installs them.
 
-use xtask::{backends, bench, dist, fuzz, guest, layers, setup, sh};
+use xtask::{backends, bench, bench_vm, dist, fuzz, guest, layers, setup, sh};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -77,6 +77,11 @@ enum BenchCmd {
     /// Spans per second one fleet gateway (collector/gateway.yaml) takes: a rig run's
     /// recorded I/Os replayed into it as fast as it accepts them.
     Collector(bench::CollectorArgs),
+    /// iospan's cost on the VM path at production rates: N KVM VMs x Q queues
+    /// (tests/native/vm_load.c) untraced, block-only, with the VM split, and with
+    /// OTLP export, interleaved; guest IOPS, CPU per guest I/O, losses, agent RSS
+    /// and the tax on a process that is no VM.
+    Vm(bench_vm::VmArgs),
 }
 
 fn main() -> Result<()> {
@@ -97,6 +102,12 @@ fn main() -> Result<()> {
         Cmd::Bench {
             which: BenchCmd::Collector(a),
         } => bench::collector(&a),
+        Cmd::Bench {
+            which: BenchCmd::Vm(a),
+        } => {
+            setup::ensure(false)?;
+            bench_vm::vm(&a)
+        }
         Cmd::Guest { cmd } => guest::main(cmd),
         Cmd::Vmlinux => setup::vmlinux(),
         Cmd::Backends { cmd } => backends::main(cmd),

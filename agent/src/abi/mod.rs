@@ -26,6 +26,8 @@ pub const RQ_F_NO_START: u8 = 1 << 3;
 pub const RQ_F_NO_ISSUE: u8 = 1 << 4;
 pub const RQ_F_ERROR: u8 = 1 << 5;
 pub const RQ_F_DONE: u16 = 1 << 6;
+/// A VM's request its engine found by polling its queue: no kick of its own.
+pub const RQ_F_POLLED: u8 = 1 << 7;
 
 pub const EVENT_BLK_IO: u16 = 1;
 pub const EVENT_VM_IO: u16 = 2;

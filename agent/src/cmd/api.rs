@@ -226,7 +226,9 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
             if s.error.is_some() || e.error.is_some() {
                 continue;
             }
-            let (Some(before), Some(after)) = (s.counts.get(&entry.disk), e.counts.get(&entry.disk)) else {
+            let (Some(before), Some(after)) =
+                (s.counts.get(&entry.disk), e.counts.get(&entry.disk))
+            else {
                 continue;
             };
             let allow = crate::output::qemu_check::Allowances {
@@ -757,14 +759,23 @@ mod qemu_tests {
     #[test]
     fn a_run_puts_qemus_count_beside_each_vm_disk() {
         // Ours: 1,000 over the run; QEMU's: 996, 4 in flight at its end.
-        let r = bench_report(&frame(1.0, 500, 2, Some(498)), &frame(3.0, 1500, 4, Some(1494)));
+        let r = bench_report(
+            &frame(1.0, 500, 2, Some(498)),
+            &frame(3.0, 1500, 4, Some(1494)),
+        );
         let q = r.entries[0].qemu.as_ref().expect("compared");
-        assert_eq!((q.ops, q.iospan_ops, q.diff, q.edge_allowance), (996, 1000, 4, 6));
+        assert_eq!(
+            (q.ops, q.iospan_ops, q.diff, q.edge_allowance),
+            (996, 1000, 4, 6)
+        );
         assert!(!q.mismatch);
         assert_eq!(q.mean_us, Some(90.0));
         assert_eq!(r.qemu_counts["db01"], "QMP at /run/q.sock");
         // Beyond the requests in flight at the edges: flagged.
-        let r = bench_report(&frame(1.0, 500, 0, Some(498)), &frame(3.0, 1500, 0, Some(1400)));
+        let r = bench_report(
+            &frame(1.0, 500, 0, Some(498)),
+            &frame(3.0, 1500, 0, Some(1400)),
+        );
         assert!(r.entries[0].qemu.as_ref().unwrap().mismatch);
         // Without QEMU's counters at both ends: nothing beside it.
         let r = bench_report(&frame(1.0, 500, 0, None), &frame(3.0, 1500, 0, Some(1400)));

@@ -309,7 +309,9 @@ impl Doctor {
             let _ = writeln!(
                 out,
                 "    QEMU's own counts: {}",
-                crate::discover::qemu_counts::describe_all(&crate::discover::qemu_counts::sources_of(vm))
+                crate::discover::qemu_counts::describe_all(
+                    &crate::discover::qemu_counts::sources_of(vm)
+                )
             );
             for d in &vm.disks {
                 let host = d

@@ -213,7 +213,10 @@ mod tests {
         c.counted_by = "engine".into();
         let (text, pass) = verdict(&report(c), None);
         assert!(!pass, "{text}");
-        assert!(text.contains("not compared: its engine keeps no count"), "{text}");
+        assert!(
+            text.contains("not compared: its engine keeps no count"),
+            "{text}"
+        );
         assert!(text.contains("FAIL: no VM disk"), "{text}");
     }
 

@@ -119,10 +119,7 @@ pub fn sources_of(vm: &Vm) -> Vec<Source> {
         }
     }
     for (pid, (e, nodes)) in engines {
-        let socket = e
-            .monitor
-            .as_ref()
-            .and_then(|m| channel_socket(pid, m));
+        let socket = e.monitor.as_ref().and_then(|m| channel_socket(pid, m));
         out.push(match (socket, &e.monitor) {
             (Some(socket), _) if !nodes.is_empty() => Source::Engine {
                 program: e.program.clone(),
@@ -443,11 +440,13 @@ mod tests {
 
     #[test]
     fn blockstats_map_to_the_disks_of_the_command_line() {
-        let v = vm("qemu-system-x86_64 -drive file=/a.img,if=none,id=d0,format=raw \
+        let v = vm(
+            "qemu-system-x86_64 -drive file=/a.img,if=none,id=d0,format=raw \
              -device virtio-blk-pci,drive=d0,id=vd0 \
              -blockdev driver=file,filename=/b.img,node-name=f1 \
              -blockdev driver=raw,file=f1,node-name=n1 -device nvme,drive=n1,serial=x,id=nv0 \
-             -drive file=/c.img,if=virtio,id=bare");
+             -drive file=/c.img,if=virtio,id=bare",
+        );
         let ret = serde_json::json!([
             {"device": "d0", "qdev": "/machine/peripheral/vd0/virtio-backend",
              "stats": {"rd_operations": 2000, "rd_bytes": 8192000, "rd_total_time_ns": 1600000000,
@@ -469,8 +468,10 @@ mod tests {
 
     #[test]
     fn domstats_name_disks_by_their_target() {
-        let mut v = vm("qemu-system-x86_64 -blockdev driver=file,filename=/a.img,node-name=f0 \
-             -device virtio-blk-pci,drive=f0,id=virtio-disk0");
+        let mut v = vm(
+            "qemu-system-x86_64 -blockdev driver=file,filename=/a.img,node-name=f0 \
+             -device virtio-blk-pci,drive=f0,id=virtio-disk0",
+        );
         v.disks[0].target_dev = Some("vda".into());
         let text = "Domain: 'db01'\n  block.count=2\n  block.0.name=vda\n  block.0.rd.reqs=1504\n  \
                     block.0.rd.bytes=6160384\n  block.0.rd.times=1203000000\n  block.0.fl.reqs=2\n  \
@@ -509,14 +510,18 @@ mod tests {
             Some(crate::discover::vms::SocketSource::Path(ref p)) if p == Path::new("/run/m.sock")
         ));
         // A human monitor, a client socket, TCP: none is QMP we may use.
-        assert!(vm("qemu-system-x86_64 -chardev socket,id=h,path=/run/h.sock,server=on \
-                -mon chardev=h")
+        assert!(vm(
+            "qemu-system-x86_64 -chardev socket,id=h,path=/run/h.sock,server=on \
+                -mon chardev=h"
+        )
         .monitor
         .is_none());
         assert!(vm("qemu-system-x86_64 -qmp tcp:127.0.0.1:4444,server=on")
             .monitor
             .is_none());
-        assert!(vm("qemu-system-x86_64 -qmp unix:/run/c.sock").monitor.is_none());
+        assert!(vm("qemu-system-x86_64 -qmp unix:/run/c.sock")
+            .monitor
+            .is_none());
     }
 
     #[test]
@@ -581,7 +586,9 @@ mod tests {
         // The monitor serves one client at a time: were a session kept, the
         // other client here (a VM manager) would wait for ever.
         drop(Session::open(&path, std::process::id()).expect("the monitor greets"));
-        let ops: Vec<u64> = (0..3).map(|_| read(&source, &v).unwrap()["vd0"].rd_ops).collect();
+        let ops: Vec<u64> = (0..3)
+            .map(|_| read(&source, &v).unwrap()["vd0"].rd_ops)
+            .collect();
         // Capabilities then blockstats in each, after the manager's
         // capabilities: answers 3, 5, 7.
         assert_eq!(ops, [3, 5, 7]);
@@ -594,7 +601,10 @@ mod tests {
             pid: 1,
         };
         let e = read(&other, &v).unwrap_err();
-        assert!(format!("{e:#}").contains("not served by process 1"), "{e:#}");
+        assert!(
+            format!("{e:#}").contains("not served by process 1"),
+            "{e:#}"
+        );
         let mut s = UnixStream::connect(&path).unwrap();
         writeln!(s, "quit").unwrap();
         // The manager's, three reads, the manager's again, the refused one,

@@ -17,6 +17,11 @@ pub struct SplitCounters {
     /// (see VDisk::split_supported).
     #[serde(default)]
     pub not_followed: u64,
+    /// Requests the engine found by polling its queue (QEMU's iothreads
+    /// poll before they sleep), with no kick of their own: their hypervisor
+    /// time cannot be measured host-side, so they are not split.
+    #[serde(default)]
+    pub polled: u64,
 }
 
 /// One VM's guest channel, as the host saw it.

@@ -92,7 +92,12 @@ pub fn render(run: &StoredRun) -> String {
         }
         h += "</table>";
     }
-    let checked: Vec<_> = run.report.entries.iter().filter_map(|e| Some((e, e.qemu.as_ref()?))).collect();
+    let checked: Vec<_> = run
+        .report
+        .entries
+        .iter()
+        .filter_map(|e| Some((e, e.qemu.as_ref()?)))
+        .collect();
     if !checked.is_empty() {
         h += "<h2>QEMU's own accounting beside ours</h2><p>QEMU times a request from its device model taking it to its completion callback: beside our engine + device.</p><table><tr><th>VM</th><th>disk</th><th>op</th><th>QEMU</th><th>iospan</th><th>diff</th><th>QEMU mean µs</th><th>engine + device µs</th><th></th></tr>";
         let o = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));

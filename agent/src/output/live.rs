@@ -32,8 +32,12 @@ pub struct Frame {
     #[serde(default)]
     pub queues: Vec<Row>,
     pub disks: Vec<Row>,
-    /// Losses of every kind so far (the report's `lost`).
+    /// Losses of every kind so far (the report's `lost`, but `polled`).
     pub lost: u64,
+    /// VM requests a polling engine found with no kick of their own, so
+    /// far (`lost.host_split.polled`): counted, not split.
+    #[serde(default)]
+    pub polled: u64,
     /// Guest and host requests of VMs with a guest agent that found no
     /// partner (the report's `stitch.unmatched_*`).
     #[serde(default)]
@@ -204,7 +208,14 @@ pub fn frame(
         vdisks,
         queues,
         disks,
-        lost: snap.counters.losses().iter().map(|l| l.2).sum(),
+        lost: snap
+            .counters
+            .losses()
+            .iter()
+            .filter(|l| l.0 != "polled")
+            .map(|l| l.2)
+            .sum(),
+        polled: snap.counters.host_split.polled,
         unmatched: stitch.counters.unmatched_guest + stitch.counters.unmatched_host,
         qemu: None,
     }

@@ -81,9 +81,10 @@ pub fn compare(
                 let Some((ops, _, _)) = of_op(c, op) else {
                     continue;
                 };
-                let seen = report.entries.iter().any(|e| {
-                    e.vm.as_deref() == Some(vm.as_str()) && e.disk == *disk && e.op == op
-                });
+                let seen = report
+                    .entries
+                    .iter()
+                    .any(|e| e.vm.as_deref() == Some(vm.as_str()) && e.disk == *disk && e.op == op);
                 if ops > 0 && !seen {
                     missing.push(Entry::empty(Some(vm.clone()), disk.clone(), op));
                 }
@@ -153,7 +154,12 @@ pub fn check(
     a: Allowances,
 ) -> Option<QemuCheck> {
     let (ops, bytes, ns) = of_op(c, op)?;
-    let mean = |name: &str| segments.get(name).filter(|s| s.count > 0).map(|s| s.mean_us);
+    let mean = |name: &str| {
+        segments
+            .get(name)
+            .filter(|s| s.count > 0)
+            .map(|s| s.mean_us)
+    };
     // An engine that keeps no count of its exports' requests (QEMU's
     // storage daemon counts none for vhost-user-blk) reads zero: said,
     // not taken for a mismatch.
@@ -253,7 +259,10 @@ mod tests {
         let mut r = report(2000);
         assert_eq!(compare(&mut r, &qemu(2000, false, None), &none, &none), 0);
         let c = check(&r);
-        assert_eq!((c.ops, c.iospan_ops, c.diff, c.mismatch), (2000, 2000, 0, false));
+        assert_eq!(
+            (c.ops, c.iospan_ops, c.diff, c.mismatch),
+            (2000, 2000, 0, false)
+        );
         assert_eq!(c.mean_us, Some(800.0));
         let mut r = report(2001);
         assert_eq!(compare(&mut r, &qemu(2000, false, None), &none, &none), 1);
@@ -268,15 +277,24 @@ mod tests {
         // exited (its own probes as it closed the image).
         let submitted = BTreeMap::from([("db01".to_string(), 2002)]);
         let mut r = report(2002);
-        assert_eq!(compare(&mut r, &qemu(2000, false, Some(2000)), &none, &submitted), 0);
+        assert_eq!(
+            compare(&mut r, &qemu(2000, false, Some(2000)), &none, &submitted),
+            0
+        );
         assert_eq!(check(&r).after_last_read, 2);
         assert!(r.vms.is_empty());
         // Beyond them: a mismatch still.
         let mut r = report(2005);
-        assert_eq!(compare(&mut r, &qemu(2000, false, Some(2000)), &none, &submitted), 1);
+        assert_eq!(
+            compare(&mut r, &qemu(2000, false, Some(2000)), &none, &submitted),
+            1
+        );
         // And QEMU counting more than ours is never excused by them.
         let mut r = report(1990);
-        assert_eq!(compare(&mut r, &qemu(2000, false, Some(1990)), &none, &submitted), 1);
+        assert_eq!(
+            compare(&mut r, &qemu(2000, false, Some(1990)), &none, &submitted),
+            1
+        );
     }
 
     #[test]

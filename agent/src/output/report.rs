@@ -309,7 +309,10 @@ impl QemuCheck {
     pub fn allowances(&self) -> String {
         format!(
             "{} merged, {} in flight at the edges, {} before the first read and {} after the last",
-            self.merged_allowance, self.edge_allowance, self.before_first_read, self.after_last_read
+            self.merged_allowance,
+            self.edge_allowance,
+            self.before_first_read,
+            self.after_last_read
         )
     }
 }
@@ -705,7 +708,10 @@ fn qemu_table(report: &RunReport) -> String {
                 } else if c.uncounted {
                     "not counted by its engine (it keeps no count of an export's requests)".into()
                 } else if c.after_last_read > 0 {
-                    format!("{} after QEMU's last read (the VM exited)", c.after_last_read)
+                    format!(
+                        "{} after QEMU's last read (the VM exited)",
+                        c.after_last_read
+                    )
                 } else {
                     String::new()
                 }

@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::model::SplitCounters;
 use crate::{
-    abi::VmIoEvent,
+    abi::{VmIoEvent, RQ_F_POLLED},
     discover::disks::Dev,
     model::IoSpan,
     model::{Hist, Op},
@@ -101,6 +101,10 @@ impl Correlator {
         self.latest_ns = self.latest_ns.max(ev.done_ns);
         if !followed {
             self.counters.not_followed += 1;
+            return;
+        }
+        if ev.flags & RQ_F_POLLED != 0 {
+            self.counters.polled += 1;
             return;
         }
         if ev.kick_ns == 0 {
@@ -274,6 +278,19 @@ mod tests {
     }
 
     #[test]
+    fn a_polled_request_is_counted_never_split() {
+        let mut c = Correlator::new(1_000);
+        let mut polled = io(1, 0, 0, 200, 900);
+        polled.flags = RQ_F_POLLED;
+        c.on_io(polled, true);
+        c.on_io(io(1, 100, 130, 400, 900), true);
+        c.on_signal(1, 950);
+        c.finish();
+        assert_eq!((c.counters.polled, c.counters.no_kick), (1, 0));
+        assert_eq!(split(&c, 1).window.count, 1);
+    }
+
+    #[test]
     fn missing_kicks_signals_and_disorder_are_counted() {
         let mut c = Correlator::new(1_000);
         c.on_io(io(1, 0, 0, 200, 900), true);
@@ -289,7 +306,8 @@ mod tests {
                 no_kick: 1,
                 no_signal: 1,
                 unordered: 1,
-                not_followed: 1
+                not_followed: 1,
+                polled: 0,
             }
         );
         assert!(c.splits.is_empty());

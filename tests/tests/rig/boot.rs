@@ -177,7 +177,10 @@ fn traced_boot(a: RunArgs) {
         if ops == 0 {
             assert_eq!(q["uncounted"], true, "{q:#}");
         } else {
-            assert_eq!(ops, r.guest_reads, "the daemon's count vs the guest's: {q:#}");
+            assert_eq!(
+                ops, r.guest_reads,
+                "the daemon's count vs the guest's: {q:#}"
+            );
         }
         assert_eq!(q["mismatch"], false, "{q:#}");
         assert_eq!(rep["lost"]["qemu_mismatch"], 0, "{:#}", rep["lost"]);

@@ -221,16 +221,15 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // QEMU's own counters, beside ours at the end.
     // The agent service reads them at its API runs' edges instead (see
     // `send_frame`): not every 100 ms for its whole life.
-    let qemu_task = (opts.vms && opts.api.is_none())
-        .then(|| {
-            // Without its own handle on our counts, a VM that exits within
-            // the run has its last requests taken for a mismatch.
-            let ours = probes
-                .vm_counts_reader()
-                .map_err(|e| log::warn!("{}", crate::probes::error_chain(&e)))
-                .ok();
-            tokio::spawn(qemu::watch(known.clone(), stop_rx.clone(), ours))
-        });
+    let qemu_task = (opts.vms && opts.api.is_none()).then(|| {
+        // Without its own handle on our counts, a VM that exits within
+        // the run has its last requests taken for a mismatch.
+        let ours = probes
+            .vm_counts_reader()
+            .map_err(|e| log::warn!("{}", crate::probes::error_chain(&e)))
+            .ok();
+        tokio::spawn(qemu::watch(known.clone(), stop_rx.clone(), ours))
+    });
     let mut child = match opts.command.split_first() {
         Some((prog, args)) => Some(
             Command::new(prog)

@@ -135,7 +135,11 @@ impl State {
                         src.error = None;
                         if src.first.is_none() {
                             // Started within the run: from zero, as QEMU began.
-                            src.first = Some(if predates_run { c.clone() } else { Counts::new() });
+                            src.first = Some(if predates_run {
+                                c.clone()
+                            } else {
+                                Counts::new()
+                            });
                         }
                         // Disk by disk: one missing from an answer keeps
                         // its last reading.
@@ -153,7 +157,8 @@ impl State {
                         src.error = Some(format!("{e:#}"));
                         // Kept trying while the VM lives, less and less often:
                         // a monitor slow under load answers again.
-                        src.next_try = self.ticks + (1u64 << src.failures.min(5)).min(MAX_BACKOFF_TICKS);
+                        src.next_try =
+                            self.ticks + (1u64 << src.failures.min(5)).min(MAX_BACKOFF_TICKS);
                         if src.failures >= LOG_AFTER && !src.logged {
                             src.logged = true;
                             log::info!(
@@ -181,7 +186,8 @@ impl State {
                 for src in &w.sources {
                     if let (Some(f), Some(l)) = (&src.first, &src.last) {
                         for (id, c) in l {
-                            counts.insert(id.clone(), f.get(id).map_or(*c, |before| c.since(before)));
+                            counts
+                                .insert(id.clone(), f.get(id).map_or(*c, |before| c.since(before)));
                             if src.source.is_engine() {
                                 engine_disks.insert(id.clone());
                             }

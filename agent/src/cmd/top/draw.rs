@@ -109,6 +109,12 @@ pub fn draw(f: &mut ratatui::Frame, st: &State) {
     } else {
         Span::raw("lost 0  ")
     });
+    if st.polled > 0 {
+        spans.push(Span::styled(
+            format!("polled {}  ", st.polled),
+            Style::new().fg(Color::Yellow),
+        ));
+    }
     spans.push(if st.unmatched > 0 {
         Span::styled(
             format!("unmatched {}  ", st.unmatched),
@@ -166,7 +172,8 @@ fn help_text() -> Vec<String> {
         "",
         "q0, q1 … a virtual disk's guest queues (VMs with a guest agent)",
         "lost: events or requests lost; unmatched: guest or host requests",
-        "of a VM with a guest agent that found no partner",
+        "of a VM with a guest agent that found no partner; polled: requests",
+        "a polling engine found with no kick (HV not measurable host-side)",
     ]
     .iter()
     .map(|s| s.to_string())

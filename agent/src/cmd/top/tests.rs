@@ -62,6 +62,7 @@ fn state() -> State {
         ],
         disks: vec![row("", "nvme0n1", Op::Read, 2100, 5_000)],
         lost: 0,
+        polled: 0,
         unmatched: 7,
         qemu: None,
     };
@@ -96,6 +97,7 @@ fn several_agents_rows_are_grouped_under_their_hosts() {
             vdisks: vec![row("db", "vd0", Op::Read, ios, 10_000)],
             disks: vec![row("", "nvme0n1", Op::Read, ios, 5_000)],
             lost: 1,
+            polled: 5,
             ..Default::default()
         })
     };
@@ -129,7 +131,11 @@ fn several_agents_rows_are_grouped_under_their_hosts() {
         "its first frame: 1000 over its 50 s"
     );
     assert_eq!(st.lost, 2);
-    assert!(screen(&st, 200, 12).join("\n").contains("h2:9464/db"));
+    // Requests found by polling are said apart from losses.
+    assert_eq!(st.polled, 10);
+    let shown = screen(&st, 200, 12).join("\n");
+    assert!(shown.contains("h2:9464/db"));
+    assert!(shown.contains("lost 2  polled 10"), "{shown}");
 }
 
 #[test]

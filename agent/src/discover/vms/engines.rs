@@ -82,13 +82,20 @@ pub fn monitor_from_args(args: &[String]) -> Option<SocketSource> {
             "chardev" if get(&o, "server").is_some_and(|v| matches!(v, "on" | "yes" | "true")) => {
                 chardevs.extend(socket_chardev(&o));
             }
-            "monitor" => monitors.extend(get(&o, "chardev").or_else(|| get(&o, "")).map(str::to_string)),
+            "monitor" => monitors.extend(
+                get(&o, "chardev")
+                    .or_else(|| get(&o, ""))
+                    .map(str::to_string),
+            ),
             _ => {}
         }
     }
-    monitors
-        .iter()
-        .find_map(|m| chardevs.iter().find(|(id, _)| id == m).map(|(_, s)| s.clone()))
+    monitors.iter().find_map(|m| {
+        chardevs
+            .iter()
+            .find(|(id, _)| id == m)
+            .map(|(_, s)| s.clone())
+    })
 }
 
 /// qemu-storage-daemon's options as (name, value): `--opt VALUE` or
@@ -101,7 +108,10 @@ fn long_options(args: &[String]) -> Vec<(&str, String)> {
             Some((o, v)) if o.starts_with("--") => (o, v.to_string()),
             _ => {
                 i += 1;
-                (args[i - 1].as_str(), args.get(i).cloned().unwrap_or_default())
+                (
+                    args[i - 1].as_str(),
+                    args.get(i).cloned().unwrap_or_default(),
+                )
             }
         };
         out.push((opt.trim_start_matches('-'), value));

@@ -17,8 +17,7 @@ mod symbols;
 pub use cmdline::{from_args, is_qemu_comm};
 pub use engines::{
     configfs_root, exports_from_args, is_plain_name, lio_luns, monitor_from_args, socket_engine,
-    storage_daemons,
-    Export, STORAGE_DAEMON_COMM,
+    storage_daemons, Export, STORAGE_DAEMON_COMM,
 };
 pub use registry::{NotVm, Registry, VmMaps};
 pub use scan::{

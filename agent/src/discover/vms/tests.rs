@@ -508,7 +508,10 @@ fn vhost_user_disks_are_served_by_the_daemon_exporting_on_their_socket() {
     };
     vm.find_engines(&[(engine, exports)], Path::new("/srv"));
     let e = vm.disks[0].engine.as_ref().expect("served");
-    assert_eq!((e.pid, e.export.as_str(), e.node.as_str()), (40, "exp0", "disk0"));
+    assert_eq!(
+        (e.pid, e.export.as_str(), e.node.as_str()),
+        (40, "exp0", "disk0")
+    );
     assert_eq!(vm.disks[0].file.as_deref(), Some(Path::new("/img/a.raw")));
     assert_eq!(vm.disks[0].aio.as_deref(), Some("io_uring"));
     assert!(vm.disks[0].split_supported());
@@ -732,9 +735,12 @@ fn queue_counts_come_from_the_device_else_the_vcpus() {
 #[test]
 fn a_storage_daemons_monitor_is_read_from_its_arguments() {
     let m = monitor_from_args(&args(&[
-        "--chardev", "socket,id=h,path=/run/client.sock",
-        "--chardev", "socket,id=qmp0,path=/run/qsd.qmp,server=on,wait=off",
-        "--monitor", "chardev=qmp0",
+        "--chardev",
+        "socket,id=h,path=/run/client.sock",
+        "--chardev",
+        "socket,id=qmp0,path=/run/qsd.qmp,server=on,wait=off",
+        "--monitor",
+        "chardev=qmp0",
     ]));
     assert_eq!(m, Some(SocketSource::Path("/run/qsd.qmp".into())));
     // The short form, an fd passed in, and `--opt=value`.
@@ -745,8 +751,19 @@ fn a_storage_daemons_monitor_is_read_from_its_arguments() {
     assert_eq!(m, Some(SocketSource::Fd(7)));
     // A client socket is not one the daemon listens on; no monitor at all.
     assert_eq!(
-        monitor_from_args(&args(&["--chardev", "socket,id=c,path=/x", "--monitor", "c"])),
+        monitor_from_args(&args(&[
+            "--chardev",
+            "socket,id=c,path=/x",
+            "--monitor",
+            "c"
+        ])),
         None
     );
-    assert_eq!(monitor_from_args(&args(&["--blockdev", "driver=file,node-name=f,filename=/a"])), None);
+    assert_eq!(
+        monitor_from_args(&args(&[
+            "--blockdev",
+            "driver=file,node-name=f,filename=/a"
+        ])),
+        None
+    );
 }

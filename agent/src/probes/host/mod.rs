@@ -148,7 +148,7 @@ impl Counters {
     /// Every loss and degradation: (key, what it means, count). The key
     /// is the metric label and the JSON field; `unseen` is known only at a
     /// run's end.
-    pub fn losses(&self) -> [(&'static str, &'static str, u64); 14] {
+    pub fn losses(&self) -> [(&'static str, &'static str, u64); 15] {
         let h = &self.host_split;
         [
             ("ringbuf_drops", "ring buffer drops", self.ringbuf_drops),
@@ -192,6 +192,11 @@ impl Counters {
                 "not_followed",
                 "VM requests of disks not followed",
                 h.not_followed,
+            ),
+            (
+                "polled",
+                "VM requests found by polling, no kick to time",
+                h.polled,
             ),
         ]
     }
@@ -588,14 +593,12 @@ impl BlockProbes {
         let Some(aya::maps::Map::HashMap(data)) = self.ebpf.map("vm_counts") else {
             return Err(map(None));
         };
-        let fd = data
-            .fd()
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|e| map(Some(aya::maps::MapError::from(aya::sys::SyscallError {
+        let fd = data.fd().as_fd().try_clone_to_owned().map_err(|e| {
+            map(Some(aya::maps::MapError::from(aya::sys::SyscallError {
                 call: "dup",
                 io_error: e,
-            }))))?;
+            })))
+        })?;
         let data = MapData::from_fd(fd).map_err(|e| map(Some(e)))?;
         let counts = HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|e| map(Some(e)))?;
         Ok(VmCountsReader(counts))

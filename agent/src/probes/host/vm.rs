@@ -57,6 +57,16 @@ pub(super) fn kvm_tracepoints() -> bool {
     .any(|p| std::path::Path::new(p).exists())
 }
 
+fn io_uring_tracepoints() -> bool {
+    mount_tracefs();
+    [
+        "/sys/kernel/tracing/events/io_uring/io_uring_queue_async_work",
+        "/sys/kernel/debug/tracing/events/io_uring/io_uring_queue_async_work",
+    ]
+    .iter()
+    .any(|p| std::path::Path::new(p).exists())
+}
+
 pub(super) fn mount_tracefs() {
     if std::path::Path::new("/sys/kernel/tracing/events").exists()
         || std::path::Path::new("/sys/kernel/debug/tracing/events").exists()
@@ -136,8 +146,25 @@ impl BlockProbes {
         // Whole requests merged into others before issue.
         self.attach_raw("block_rq_merge")?;
         if self.vm_segments {
-            for name in ["sys_enter_write", "sys_enter_read"] {
+            // Kicks and pickups; the submitting calls that end a pickup's
+            // batch (what a polling engine submits after it was found with
+            // no kick).
+            for name in [
+                "sys_enter_write",
+                "sys_enter_read",
+                "sys_enter_io_uring_enter",
+                "sys_enter_io_submit",
+            ] {
                 self.attach_syscall(name)?;
+            }
+            // io_uring requests a busy device refused without waiting are
+            // issued by an io-wq worker: the submitter's pick goes with them.
+            if io_uring_tracepoints() {
+                self.attach_tracepoint("io_uring", "io_uring_queue_async_work")?;
+            } else {
+                log::info!(
+                    "no io_uring tracepoints: requests io_uring hands to its workers are not split"
+                );
             }
         }
         self.vm_probes = true;
