@@ -726,7 +726,7 @@ int io_uring_queue_async_work(struct io_uring_async_record *ctx)
 		return 0;
 	}
 	if (p->flags & PICK_READ)
-		take_pick(p);
+		take_pick(p, bpf_ktime_get_ns());
 	bpf_map_update_elem(&punted_picks, &req, p, BPF_ANY);
 	return 0;
 }

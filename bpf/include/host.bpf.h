@@ -177,15 +177,15 @@ static __always_inline __u64 current_nvcsw(void)
 	return BPF_CORE_READ(t, nvcsw);
 }
 
-/* An engine thread submitting under its own pick (at a request's start,
- * or at its punt to an io-wq worker): the pick's batch is taken, or, when
- * an earlier call spent it, the request was found by polling. */
-static __always_inline int take_pick(struct pick *p)
+/* An engine thread submitting under its own pick at `now` (a request's
+ * start, or its punt to an io-wq worker): the pick's batch is taken, or,
+ * when an earlier call spent it, the request was found by polling. */
+static __always_inline int take_pick(struct pick *p, __u64 now)
 {
 	int polled = !!(p->flags & PICK_SPENT);
 
 	p->flags |= polled ? PICK_POLLS : PICK_TAKEN;
-	p->last_start_ns = bpf_ktime_get_ns();
+	p->last_start_ns = now;
 	p->nvcsw = current_nvcsw();
 	return polled;
 }
@@ -328,9 +328,11 @@ static __always_inline int on_signal(void)
 	 * kick may be one its poll had already served). Other engine threads
 	 * may deliver completions between the submissions of one kick's
 	 * batch (qemu-storage-daemon does), and never poll. */
-	p = bpf_map_lookup_elem(&thread_picks, &tid);
-	if (p && (p->flags & PICK_READ) && (p->flags & (PICK_TAKEN | PICK_POLLS)) && in_iothread())
-		p->flags |= PICK_SPENT;
+	if (in_iothread()) {
+		p = bpf_map_lookup_elem(&thread_picks, &tid);
+		if (p && (p->flags & PICK_READ) && (p->flags & (PICK_TAKEN | PICK_POLLS)))
+			p->flags |= PICK_SPENT;
+	}
 	ev.vm = *vm;
 	ev.ts_ns = bpf_ktime_get_ns();
 	emit(&ev, sizeof(ev));

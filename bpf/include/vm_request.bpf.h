@@ -158,6 +158,8 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 	struct rq_slot *s;
 	__u32 vm = 0, vdisk = 0, dev = 0, op = 0;
 	__u64 key, kick_ns = 0, pick_ns = 0, pos = 0;
+	/* Our start stamp, where the kernel keeps none: one clock read. */
+	__u64 now = kstart_ns ? 0 : bpf_ktime_get_ns();
 	int polled = 0;
 
 	if (targ_track_vms) {
@@ -190,7 +192,7 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 				else if (p->flags & PICK_HANDED)
 					p->flags |= PICK_USED;
 				else if (p->flags & PICK_READ)
-					polled = take_pick(p);
+					polled = take_pick(p, kstart_ns ? kstart_ns : now);
 				if (p && !polled) {
 					kick_ns = p->kick_ns;
 					pick_ns = p->pick_ns;
@@ -212,7 +214,7 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 		if (c)
 			__sync_fetch_and_add(&c->submitted, 1);
 	}
-	rq_on_start(s, key, kstart_ns ? 0 : bpf_ktime_get_ns(), vm, vdisk, kick_ns, pick_ns, pos,
+	rq_on_start(s, key, now, vm, vdisk, kick_ns, pick_ns, pos,
 		    dev, op);
 	if (polled)
 		s->flags |= RQ_F_POLLED;

@@ -295,15 +295,11 @@ pub fn overhead(a: &OverheadArgs) -> Result<()> {
             Some(s.cpu_ns_per_io - base.cpu_ns_per_io)
         }))
     };
-    let opt_median = |v: Vec<Option<f64>>| -> Option<f64> {
-        let v: Vec<f64> = v.into_iter().flatten().collect();
-        (!v.is_empty()).then(|| median(v))
-    };
     let summaries: Vec<Summary> = arms
         .iter()
         .map(|&arm| {
-            let bpf = opt_median(of(arm).map(|s| s.bpf_ns_per_io).collect());
-            let agent = opt_median(of(arm).map(|s| s.agent_ns_per_io).collect());
+            let bpf = median_of_some(of(arm).map(|s| s.bpf_ns_per_io));
+            let agent = median_of_some(of(arm).map(|s| s.agent_ns_per_io));
             Summary {
                 arm,
                 iops: median(of(arm).map(|s| s.iops)),
@@ -495,25 +491,10 @@ fn measure(
             .iter()
             .filter_map(|p| p["run_time_ns"].as_u64())
             .sum();
-        let agent = (r["agent"]["cpu_user_s"].as_f64().unwrap_or(0.0)
-            + r["agent"]["cpu_sys_s"].as_f64().unwrap_or(0.0))
-            * 1e9;
+        let agent = agent_cpu_ns(&r);
         s.bpf_ns_per_io = Some(per_io(bpf as f64));
         s.agent_ns_per_io = Some(per_io(agent));
-        let lost = &r["lost"];
-        s.lost = Some(
-            [
-                "ringbuf_drops",
-                "disk_conflicts",
-                "slot_conflicts",
-                "no_issue",
-                "bpf_recursion_misses",
-                "unseen",
-            ]
-            .iter()
-            .filter_map(|k| lost[k].as_u64())
-            .sum(),
-        );
+        s.lost = Some(lost_requests(&r));
     }
     Ok(s)
 }
@@ -790,6 +771,37 @@ fn num_cpus() -> usize {
 }
 
 /// The median (the mean of the middle two for an even count); NaN of none.
+/// The agent's own CPU time over an iospan run, from its report.
+pub(crate) fn agent_cpu_ns(report: &Value) -> f64 {
+    (report["agent"]["cpu_user_s"].as_f64().unwrap_or(0.0)
+        + report["agent"]["cpu_sys_s"].as_f64().unwrap_or(0.0))
+        * 1e9
+}
+
+/// Requests an iospan report counts as lost (`undelivered` are among the
+/// `unseen`).
+pub(crate) fn lost_requests(report: &Value) -> u64 {
+    let lost = &report["lost"];
+    [
+        "ringbuf_drops",
+        "disk_conflicts",
+        "slot_conflicts",
+        "no_issue",
+        "bpf_recursion_misses",
+        "unseen",
+        "vm_table_full",
+    ]
+    .iter()
+    .filter_map(|k| lost[k].as_u64())
+    .sum()
+}
+
+/// The median of the values there are, if any.
+pub(crate) fn median_of_some(v: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
+    let v: Vec<f64> = v.into_iter().flatten().collect();
+    (!v.is_empty()).then(|| median(v))
+}
+
 pub(crate) fn median(v: impl IntoIterator<Item = f64>) -> f64 {
     let mut v: Vec<f64> = v.into_iter().collect();
     v.sort_by(|a, b| a.total_cmp(b));

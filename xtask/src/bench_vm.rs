@@ -26,7 +26,10 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::{
-    bench::{busy_cpu_ns, chrono_free_date, machine, median, wait_for_line, BpfStats, LoopDev},
+    bench::{
+        agent_cpu_ns, busy_cpu_ns, chrono_free_date, lost_requests, machine, median,
+        median_of_some, wait_for_line, BpfStats, LoopDev,
+    },
     sh,
 };
 
@@ -160,15 +163,11 @@ pub fn vm(a: &VmArgs) -> Result<()> {
     let per_rep = |arm: Arm, f: &dyn Fn(&Sample, &Sample) -> f64| {
         median(of(arm).filter_map(|s| base(s.rep).map(|b| f(s, b))))
     };
-    let opt = |v: Vec<Option<f64>>| {
-        let v: Vec<f64> = v.into_iter().flatten().collect();
-        (!v.is_empty()).then(|| median(v))
-    };
     let summaries: Vec<Summary> = arms
         .iter()
         .map(|&arm| {
-            let bpf = opt(of(arm).map(|s| s.bpf_ns_per_io).collect());
-            let agent = opt(of(arm).map(|s| s.agent_ns_per_io).collect());
+            let bpf = median_of_some(of(arm).map(|s| s.bpf_ns_per_io));
+            let agent = median_of_some(of(arm).map(|s| s.agent_ns_per_io));
             Summary {
                 arm,
                 guest_iops: median(of(arm).map(|s| s.guest_iops)),
@@ -181,7 +180,7 @@ pub fn vm(a: &VmArgs) -> Result<()> {
                 lost: of(arm).map(|s| s.lost).sum(),
                 unsplit: of(arm).map(|s| s.unsplit).sum(),
                 uncounted: of(arm).map(|s| s.uncounted).sum(),
-                agent_rss_mib: opt(of(arm).map(|s| s.agent_rss_mib).collect()),
+                agent_rss_mib: median_of_some(of(arm).map(|s| s.agent_rss_mib)),
                 syscalls_vs_untraced: per_rep(arm, &|s, b| {
                     s.syscall_pairs_per_s / b.syscall_pairs_per_s
                 }),
@@ -354,28 +353,10 @@ fn measure(
             .collect();
         s.bpf_ns_per_io = Some(progs.iter().map(|p| p.1).sum());
         s.bpf_by_program = Some(progs);
-        let agent = (r["agent"]["cpu_user_s"].as_f64().unwrap_or(0.0)
-            + r["agent"]["cpu_sys_s"].as_f64().unwrap_or(0.0))
-            * 1e9;
-        s.agent_ns_per_io = Some(per_io(agent));
-        let lost = &r["lost"];
-        s.lost = Some(
-            [
-                "ringbuf_drops",
-                "disk_conflicts",
-                "slot_conflicts",
-                "no_issue",
-                "bpf_recursion_misses",
-                "unseen",
-                "undelivered",
-                "vm_table_full",
-            ]
-            .iter()
-            .filter_map(|k| lost[k].as_u64())
-            .sum(),
-        );
+        s.agent_ns_per_io = Some(per_io(agent_cpu_ns(&r)));
+        s.lost = Some(lost_requests(&r));
         if arm != Arm::BlockOnly {
-            let split = &lost["host_split"];
+            let split = &r["lost"]["host_split"];
             s.unsplit = Some(
                 [
                     "no_kick",
