@@ -37,8 +37,15 @@ struct fd_key {
 	__u32 fd;
 };
 
+/* A kick not yet picked up: when it came (the first since the last
+ * pickup) and through which guest queue (VQ_*). */
+struct kick {
+	__u64 ts_ns;
+	__u64 queue;
+};
+
 /* A VM's eventfds with a kick written by a vCPU thread and not yet read:
- * the eventfd's open file -> time of the first such write. Keyed by the
+ * the eventfd's open file -> its kick. Keyed by the
  * file, not (process, fd): the engine reading the kick may be another
  * process holding the same eventfd (qemu-storage-daemon, an SPDK target,
  * served over vhost-user). */
@@ -46,7 +53,7 @@ struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 4096);
 	__type(key, __u64);
-	__type(value, __u64);
+	__type(value, struct kick);
 } pending_kicks SEC(".maps");
 
 /* The open file behind the current process's `fd` (0 if none). */
@@ -73,12 +80,27 @@ static __always_inline __u64 fd_file(__u32 fd)
  * ioeventfd=on, in the engine). A vCPU also writes the
  * loop notifiers (timer changes wake the main loop): counted as kicks,
  * they would hand a request held in the engine a later notification. */
+struct notifier {
+	__u8 kicked;  /* a guest kicked it: it counts as open (vm_open_notifiers) */
+	__u8 _pad;
+	__u16 queue;  /* VQ_*: which guest queue it notifies */
+};
+
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 4096);
 	__type(key, struct fd_key);
-	__type(value, __u8);
+	__type(value, struct notifier);
 } vq_notifiers SEC(".maps");
+
+/* Queue notifiers a VM made so far (tgid -> count): each one's order of
+ * creation names its queue where no address does (VQ_BY_ORDER). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32);
+} notifiers_made SEC(".maps");
 
 /* Open queue notifiers per VM (tgid -> count): the VM has stopped when the
  * last one closes, not at any one (QEMU re-creates some while running).
@@ -103,14 +125,14 @@ struct {
 
 /* A kick on `file`: pending for the engine reading it, or, on a vhost
  * kick eventfd, for the VM's vhost worker. */
-static __always_inline void note_kick(__u32 tgid, __u64 file)
+static __always_inline void note_kick(__u32 tgid, __u64 file, __u16 queue)
 {
-	__u64 now = bpf_ktime_get_ns();
+	struct kick k = { .ts_ns = bpf_ktime_get_ns(), .queue = queue };
 
 	if (bpf_map_lookup_elem(&vhost_kick_files, &file))
-		bpf_map_update_elem(&vhost_kicks, &tgid, &now, BPF_NOEXIST);
+		bpf_map_update_elem(&vhost_kicks, &tgid, &k.ts_ns, BPF_NOEXIST);
 	else
-		bpf_map_update_elem(&pending_kicks, &file, &now, BPF_NOEXIST);
+		bpf_map_update_elem(&pending_kicks, &file, &k, BPF_NOEXIST);
 }
 
 /* Whether a program name is a QEMU system emulator's as distributions
@@ -184,13 +206,13 @@ static __always_inline __u32 vm_of_eventfd_io(const struct trace_event_raw_sys_e
 }
 
 /* A queue notifier's first kick: from now on it counts as open. */
-static __always_inline void note_kicked(const struct fd_key *k, __u8 *kicked)
+static __always_inline void note_kicked(const struct fd_key *k, struct notifier *n)
 {
 	__s64 *open, first = 1;
 
-	if (*kicked)
+	if (n->kicked)
 		return;
-	*kicked = 1;
+	n->kicked = 1;
 	open = bpf_map_lookup_elem(&vm_open_notifiers, &k->tgid);
 	if (open)
 		__sync_fetch_and_add(open, 1);
@@ -205,6 +227,7 @@ int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
 {
 	struct fd_key k;
 	__u64 file;
+	__u16 queue = 0;
 
 	if (!vm_of_eventfd_io(ctx, 1) || !in_vcpu())
 		return 0;
@@ -216,15 +239,16 @@ int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
 		bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
 	}
 	if (bpf_map_lookup_elem(&vm_notifiers_known, &k.tgid)) {
-		__u8 *kicked = bpf_map_lookup_elem(&vq_notifiers, &k);
+		struct notifier *n = bpf_map_lookup_elem(&vq_notifiers, &k);
 
-		if (!kicked)
+		if (!n)
 			return 0;
-		note_kicked(&k, kicked);
+		note_kicked(&k, n);
+		queue = n->queue;
 	}
 	file = fd_file(k.fd);
 	if (file)
-		note_kick(k.tgid, file);
+		note_kick(k.tgid, file, queue);
 	return 0;
 }
 
@@ -233,7 +257,9 @@ int sys_enter_write(struct trace_event_raw_sys_enter *ctx)
 static __always_inline void on_eventfd_created(long fd)
 {
 	struct fd_key k;
-	__u8 one = 1, zero = 0;
+	struct notifier n = {};
+	__u32 *made, first = 1;
+	__u8 one = 1;
 
 	if (!targ_vm_segments || fd < 0)
 		return;
@@ -241,9 +267,16 @@ static __always_inline void on_eventfd_created(long fd)
 	if (!bpf_map_lookup_elem(&vm_pids, &k.tgid) || (!in_vcpu() && !bpf_map_lookup_elem(&vm_started, &k.tgid)))
 		return;
 	k.fd = (__u32)fd;
-	/* Not kicked yet (0); an fd number reused for a new eventfd starts
-	 * over, its predecessor having been closed. */
-	bpf_map_update_elem(&vq_notifiers, &k, &zero, BPF_ANY);
+	made = bpf_map_lookup_elem(&notifiers_made, &k.tgid);
+	if (made)
+		n.queue = VQ_BY_ORDER | (__sync_fetch_and_add(made, 1) & VQ_VALUE_MASK);
+	else {
+		n.queue = VQ_BY_ORDER;
+		bpf_map_update_elem(&notifiers_made, &k.tgid, &first, BPF_ANY);
+	}
+	/* Not kicked yet; an fd number reused for a new eventfd starts over,
+	 * its predecessor having been closed. */
+	bpf_map_update_elem(&vq_notifiers, &k, &n, BPF_ANY);
 	bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
 }
 
@@ -264,7 +297,8 @@ SEC("tracepoint/syscalls/sys_enter_close")
 int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
 {
 	struct fd_key k;
-	__u8 stopped = VM_STOPPED, *kicked, was_kicked;
+	struct notifier *n;
+	__u8 stopped = VM_STOPPED, was_kicked;
 	__s64 *open;
 	__u64 file;
 
@@ -272,10 +306,10 @@ int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
 		return 0;
 	k.tgid = bpf_get_current_pid_tgid() >> 32;
 	k.fd = (__u32)ctx->args[0];
-	kicked = bpf_map_lookup_elem(&vq_notifiers, &k);
-	if (!kicked)
+	n = bpf_map_lookup_elem(&vq_notifiers, &k);
+	if (!n)
 		return 0;
-	was_kicked = *kicked;
+	was_kicked = n->kicked;
 	bpf_map_delete_elem(&vq_notifiers, &k);
 	/* Its file may outlive this fd (another process holds it too); a kick
 	 * left pending on it would be a stale one. */
@@ -341,6 +375,7 @@ struct vring_file_arg {
 	__u32 index;
 	__s32 fd;
 };
+#define KVM_IOEVENTFD_DATAMATCH (1 << 0)
 #define KVM_IOEVENTFD_DEASSIGN (1 << 2)
 #define KVM_TRACE_MMIO_WRITE 2
 
@@ -398,7 +433,8 @@ int sys_exit_ioctl(struct trace_event_raw_sys_exit *ctx)
 	struct ioeventfd_arg *io = bpf_map_lookup_elem(&ioeventfd_calls, &tid);
 	struct gpa_key k = {};
 	struct fd_key f;
-	__u8 zero = 0;
+	struct notifier fresh = {}, *n;
+	__u16 queue;
 
 	if (!io)
 		return 0;
@@ -413,8 +449,20 @@ int sys_exit_ioctl(struct trace_event_raw_sys_exit *ctx)
 	f.tgid = k.tgid;
 	f.fd = (__u32)io->fd;
 	bpf_map_update_elem(&kvm_notify_addrs, &k, &f.fd, BPF_ANY);
-	/* Not kicked yet; a second address on the same eventfd keeps its state. */
-	bpf_map_update_elem(&vq_notifiers, &f, &zero, BPF_NOEXIST);
+	/* The queue: the value a datamatch waits for is its index (virtio's
+	 * legacy notify writes it); an address, by its offset in its page. */
+	queue = (io->flags & KVM_IOEVENTFD_DATAMATCH) ? VQ_BY_INDEX | (io->datamatch & VQ_VALUE_MASK)
+						      : VQ_BY_ADDR | (io->addr & 0xfff);
+	n = bpf_map_lookup_elem(&vq_notifiers, &f);
+	if (!n) {
+		fresh.queue = queue;
+		bpf_map_update_elem(&vq_notifiers, &f, &fresh, BPF_NOEXIST);
+	} else if ((n->queue & ~VQ_VALUE_MASK) != VQ_BY_INDEX) {
+		/* A second address on the same eventfd keeps its kicked state;
+		 * an index, once known, is kept (QEMU registers a transitional
+		 * device's modern address, then its legacy datamatch). */
+		n->queue = queue;
+	}
 out:
 	bpf_map_delete_elem(&ioeventfd_calls, &tid);
 	return 0;
@@ -439,9 +487,11 @@ static __always_inline void on_kvm_notify(__u64 gpa)
 {
 	struct gpa_key k = { .gpa = gpa };
 	struct fd_key f;
+	struct notifier *n;
 	__u32 *fd;
 	__u64 file;
-	__u8 one = 1, *kicked;
+	__u16 queue = 0;
+	__u8 one = 1;
 
 	k.tgid = bpf_get_current_pid_tgid() >> 32;
 	fd = bpf_map_lookup_elem(&kvm_notify_addrs, &k);
@@ -451,13 +501,15 @@ static __always_inline void on_kvm_notify(__u64 gpa)
 		bpf_map_update_elem(&vm_started, &k.tgid, &one, BPF_ANY);
 	f.tgid = k.tgid;
 	f.fd = *fd;
-	kicked = bpf_map_lookup_elem(&vq_notifiers, &f);
-	if (kicked)
-		note_kicked(&f, kicked);
+	n = bpf_map_lookup_elem(&vq_notifiers, &f);
+	if (n) {
+		note_kicked(&f, n);
+		queue = n->queue;
+	}
 	/* In the vCPU's exit: the current process is the VM's. */
 	file = fd_file(f.fd);
 	if (file)
-		note_kick(k.tgid, file);
+		note_kick(k.tgid, file, queue);
 }
 
 SEC("tracepoint/kvm/kvm_mmio")
@@ -616,8 +668,9 @@ int sys_enter_read(struct trace_event_raw_sys_enter *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	struct fd_key k = { .tgid = pid_tgid >> 32, .fd = (__u32)ctx->args[0] };
-	struct pick p;
-	__u64 *kick, file;
+	struct pick p = {};
+	struct kick *kick;
+	__u64 file;
 	__u32 tid = (__u32)pid_tgid;
 
 	if (!vm_of_eventfd_io(ctx, 0) || in_vcpu())
@@ -628,11 +681,10 @@ int sys_enter_read(struct trace_event_raw_sys_enter *ctx)
 	kick = bpf_map_lookup_elem(&pending_kicks, &file);
 	if (!kick)
 		return 0;
-	p.kick_ns = *kick;
+	p.kick_ns = kick->ts_ns;
+	p.queue = (__u32)kick->queue;
 	p.pick_ns = bpf_ktime_get_ns();
 	p.flags = PICK_READ;
-	p.last_start_ns = 0;
-	p.nvcsw = 0;
 	{
 		struct pick *old = bpf_map_lookup_elem(&thread_picks, &tid);
 

@@ -91,8 +91,25 @@ struct rq_slot {
 	__u64 pick_ns;     /* when it picked that kick up */
 	__u64 pos;         /* file offset a VM's direct I/O is for (the guest's offset on a raw image) */
 	__u32 dev;         /* host disk, for a VM's request: where a lost completion is counted */
-	__u32 op;          /* BLK_OP_* of a VM's request, likewise */
+	__u16 op;          /* BLK_OP_* of a VM's request, likewise */
+	__u16 queue;       /* VQ_* notifier of the kick it came with (0: none known) */
 };
+
+/* Which guest queue a VM's request came through, as the notifier of its
+ * kick tells (rq_slot.queue, vm_io_event.queue): two bits of how, fourteen
+ * of what. The agent turns it into the queue's index by the disk's device
+ * model (virtio's notify stride, NVMe's doorbells). */
+#define VQ_HOW_SHIFT 14
+#define VQ_VALUE_MASK ((1u << VQ_HOW_SHIFT) - 1)
+/* KVM_IOEVENTFD with a datamatch: the value the guest writes, the queue's
+ * index (virtio's legacy and PIO notify). */
+#define VQ_BY_INDEX (1u << VQ_HOW_SHIFT)
+/* KVM_IOEVENTFD on an address: its offset in its page (notify regions and
+ * doorbells are page-aligned; virtio's stride is 4 bytes, NVMe's 8). */
+#define VQ_BY_ADDR (2u << VQ_HOW_SHIFT)
+/* No address (QEMU's user-space ioeventfd, TCG): the notifier's order of
+ * creation in its VM (a device's queue notifiers are made in index order). */
+#define VQ_BY_ORDER (3u << VQ_HOW_SHIFT)
 
 #define RQ_SLOT_BITS 15
 #define RQ_SLOTS (1 << RQ_SLOT_BITS)
@@ -261,7 +278,8 @@ struct vm_io_event {
 	__u32 bytes;
 	__u32 vm;
 	__u32 vdisk;
-	__u32 _pad;
+	__u16 queue;     /* VQ_*: the guest queue its kick came through (0: none known) */
+	__u16 _pad;
 	__u64 pos;       /* file offset of the request (see rq_slot.pos) */
 };
 

@@ -59,6 +59,8 @@ struct pick {
 	__u64 flags;         /* PICK_* */
 	__u64 last_start_ns; /* the thread's latest request start (own reads) */
 	__u64 nvcsw;         /* its voluntary context switches then */
+	__u32 queue;         /* VQ_*: the notifier the kick came through */
+	__u32 _pad;
 };
 
 #define PICK_HANDED (1 << 0) /* handed to a worker it woke (aio=threads) */

@@ -42,6 +42,8 @@ struct rq_outcome {
 	__u64 kick_ns;
 	__u64 pick_ns;
 	__u64 pos;
+	__u32 queue;
+	__u32 _pad;
 };
 
 static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
@@ -59,6 +61,7 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
 	s->pos = 0;
 	s->dev = 0;
 	s->op = 0;
+	s->queue = 0;
 }
 
 /* At block_io_start: the slot still holds an issued request of this key
@@ -158,6 +161,7 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 	out->kick_ns = 0;
 	out->pick_ns = 0;
 	out->pos = 0;
+	out->queue = 0;
 	if (mine) {
 		out->bytes += s->done_bytes;
 		if (!out->start_ns)
@@ -174,6 +178,7 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 		out->kick_ns = s->kick_ns;
 		out->pick_ns = s->pick_ns;
 		out->pos = s->pos;
+		out->queue = s->queue;
 		s->flags = RQ_F_DONE;
 	}
 	/* Stamps from the future are another request's: distrust them. */

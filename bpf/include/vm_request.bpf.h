@@ -158,6 +158,7 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 	struct rq_slot *s;
 	__u32 vm = 0, vdisk = 0, dev = 0, op = 0;
 	__u64 key, kick_ns = 0, pick_ns = 0, pos = 0;
+	__u16 queue = 0;
 	/* Our start stamp, where the kernel keeps none: one clock read. */
 	__u64 now = kstart_ns ? 0 : bpf_ktime_get_ns();
 	int polled = 0;
@@ -196,6 +197,7 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 				if (p && !polled) {
 					kick_ns = p->kick_ns;
 					pick_ns = p->pick_ns;
+					queue = (__u16)p->queue;
 				}
 			}
 		}
@@ -216,6 +218,7 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 	}
 	rq_on_start(s, key, now, vm, vdisk, kick_ns, pick_ns, pos,
 		    dev, op);
+	s->queue = queue;
 	if (polled)
 		s->flags |= RQ_F_POLLED;
 }
@@ -238,6 +241,7 @@ static __always_inline void stream_vm_io(const struct rq_outcome *o, const struc
 	ev.bytes = o->bytes;
 	ev.vm = o->vm;
 	ev.vdisk = o->vdisk;
+	ev.queue = (__u16)o->queue;
 	ev.pos = o->pos;
 	emit(&ev, sizeof(ev));
 }

@@ -42,14 +42,14 @@ static const struct shim_field fields[] = {
 	F(blk_io_event, done_ns), F(blk_io_event, sector), F(blk_io_event, bytes),
 	F(blk_io_event, requeues), F(blk_io_event, cpu_lo), F(blk_io_event, vdisk), F(blk_io_event, vm),
 	S(rq_slot), F(rq_slot, rq), F(rq_slot, start_ns), F(rq_slot, issue_ns),
-	F(rq_slot, done_bytes), F(rq_slot, requeues), F(rq_slot, flags), F(rq_slot, vm), F(rq_slot, vdisk), F(rq_slot, kick_ns), F(rq_slot, pick_ns), F(rq_slot, pos), F(rq_slot, dev), F(rq_slot, op),
+	F(rq_slot, done_bytes), F(rq_slot, requeues), F(rq_slot, flags), F(rq_slot, vm), F(rq_slot, vdisk), F(rq_slot, kick_ns), F(rq_slot, pick_ns), F(rq_slot, pos), F(rq_slot, dev), F(rq_slot, op), F(rq_slot, queue),
 	S(disk_slot), F(disk_slot, queue), F(disk_slot, dev),
 	S(vm_key), F(vm_key, vm), F(vm_key, dev), F(vm_key, op), F(vm_key, vdisk),
 	S(file_key), F(file_key, dev), F(file_key, ino),
 	S(vm_dev_key), F(vm_dev_key, vm), F(vm_dev_key, dev),
 	S(vm_io_event), F(vm_io_event, kind), F(vm_io_event, op), F(vm_io_event, flags), F(vm_io_event, dev),
 	F(vm_io_event, kick_ns), F(vm_io_event, pick_ns), F(vm_io_event, start_ns), F(vm_io_event, issue_ns),
-	F(vm_io_event, done_ns), F(vm_io_event, bytes), F(vm_io_event, vm), F(vm_io_event, vdisk), F(vm_io_event, pos),
+	F(vm_io_event, done_ns), F(vm_io_event, bytes), F(vm_io_event, vm), F(vm_io_event, vdisk), F(vm_io_event, queue), F(vm_io_event, pos),
 	S(vm_signal_event), F(vm_signal_event, kind), F(vm_signal_event, vm), F(vm_signal_event, ts_ns),
 	S(blk_stats), F(blk_stats, busy), F(blk_stats, ios), F(blk_stats, bytes), F(blk_stats, errors),
 	F(blk_stats, requeued), F(blk_stats, partial), F(blk_stats, sum_ns), F(blk_stats, max_ns),
@@ -57,7 +57,7 @@ static const struct shim_field fields[] = {
 	S(rq_completion), F(rq_completion, rq), F(rq_completion, kstart_ns), F(rq_completion, kissue_ns),
 	F(rq_completion, now_ns), F(rq_completion, remaining), F(rq_completion, nr_bytes),
 	S(rq_outcome), F(rq_outcome, start_ns), F(rq_outcome, issue_ns), F(rq_outcome, bytes),
-	F(rq_outcome, requeues), F(rq_outcome, flags), F(rq_outcome, vm), F(rq_outcome, vdisk), F(rq_outcome, kick_ns), F(rq_outcome, pick_ns), F(rq_outcome, pos),
+	F(rq_outcome, requeues), F(rq_outcome, flags), F(rq_outcome, vm), F(rq_outcome, vdisk), F(rq_outcome, kick_ns), F(rq_outcome, pick_ns), F(rq_outcome, pos), F(rq_outcome, queue),
 	S(guest_io_event), F(guest_io_event, kind), F(guest_io_event, op), F(guest_io_event, flags),
 	F(guest_io_event, dev), F(guest_io_event, sector), F(guest_io_event, start_ns), F(guest_io_event, issue_ns),
 	F(guest_io_event, kick_ns), F(guest_io_event, irq_ns), F(guest_io_event, done_ns), F(guest_io_event, bytes),
@@ -76,6 +76,7 @@ struct shim_consts {
 	__u32 f_partial, f_requeued, f_no_start, f_no_issue, f_error, f_done, f_requeue_pending;
 	__u32 nr_counters, event_blk_io, vdisk_several, event_vm_io, event_vm_signal;
 	__u32 nr_dio_end_io, vdisk_file_bdev;
+	__u32 vq_by_index, vq_by_addr, vq_by_order, vq_value_mask;
 };
 
 void shim_consts(struct shim_consts *c)
@@ -98,5 +99,9 @@ void shim_consts(struct shim_consts *c)
 	c->event_vm_io = EVENT_VM_IO;
 	c->event_vm_signal = EVENT_VM_SIGNAL;
 	c->nr_dio_end_io = NR_DIO_END_IO;
+	c->vq_by_index = VQ_BY_INDEX;
+	c->vq_by_addr = VQ_BY_ADDR;
+	c->vq_by_order = VQ_BY_ORDER;
+	c->vq_value_mask = VQ_VALUE_MASK;
 	c->vdisk_file_bdev = VDISK_FILE_BDEV;
 }

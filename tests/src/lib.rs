@@ -37,6 +37,8 @@ pub struct RqOutcome {
     pub kick_ns: u64,
     pub pick_ns: u64,
     pub pos: u64,
+    pub queue: u32,
+    pub _pad: u32,
 }
 
 #[repr(C)]
@@ -68,6 +70,10 @@ pub struct ShimConsts {
     pub event_vm_signal: u32,
     pub nr_dio_end_io: u32,
     pub vdisk_file_bdev: u32,
+    pub vq_by_index: u32,
+    pub vq_by_addr: u32,
+    pub vq_by_order: u32,
+    pub vq_value_mask: u32,
 }
 
 extern "C" {

@@ -36,16 +36,16 @@ macro_rules! rust_layout {
 fn abi_layout() {
     let rust = rust_layout! {
         "blk_io_event" => BlkIoEvent { kind, op, flags, dev, start_ns, issue_ns, done_ns, sector, bytes, requeues, cpu_lo, vdisk, vm }
-        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos, dev, op }
+        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos, dev, op, queue }
         "disk_slot" => DiskSlot { queue, dev }
         "vm_key" => VmKey { vm, dev, op, vdisk }
         "file_key" => FileKey { dev, ino }
         "vm_dev_key" => VmDevKey { vm, dev }
-        "vm_io_event" => VmIoEvent { kind, op, flags, dev, kick_ns, pick_ns, start_ns, issue_ns, done_ns, bytes, vm, vdisk, pos }
+        "vm_io_event" => VmIoEvent { kind, op, flags, dev, kick_ns, pick_ns, start_ns, issue_ns, done_ns, bytes, vm, vdisk, queue, pos }
         "vm_signal_event" => VmSignalEvent { kind, vm, ts_ns }
         "blk_stats" => BlkStats { busy, ios, bytes, errors, requeued, partial, sum_ns, max_ns, hist }
         "rq_completion" => RqCompletion { rq, kstart_ns, kissue_ns, now_ns, remaining, nr_bytes }
-        "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos }
+        "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos, queue }
         "guest_io_event" => GuestIoEvent { kind, op, flags, dev, sector, start_ns, issue_ns, kick_ns, irq_ns, done_ns, bytes, queue, sys_ns, reap_ns, tgid, tid }
         "guest_reap_event" => GuestReapEvent { kind, flags, id, ts_ns }
     };
@@ -85,6 +85,10 @@ fn abi_constants() {
     assert_eq!(c.event_vm_signal, abi::EVENT_VM_SIGNAL as u32);
     assert_eq!(c.nr_dio_end_io as usize, abi::NR_DIO_END_IO);
     assert_eq!(c.vdisk_file_bdev, abi::VDISK_FILE_BDEV);
+    assert_eq!(c.vq_by_index, u32::from(abi::VQ_BY_INDEX));
+    assert_eq!(c.vq_by_addr, u32::from(abi::VQ_BY_ADDR));
+    assert_eq!(c.vq_by_order, u32::from(abi::VQ_BY_ORDER));
+    assert_eq!(c.vq_value_mask, u32::from(abi::VQ_VALUE_MASK));
 }
 
 /// Histogram buckets: the kernel's `hist_bucket` and the agent's

@@ -178,10 +178,12 @@ fn a_leftover_slot_of_the_same_request_starts_afresh() {
         pos: 0,
         dev: 254 << 20,
         op: 1,
+        queue: 0x8003,
     };
     rq::issue(&mut s, K, 150);
-    // Nor the entry a lost completion of it would be counted under.
-    assert_eq!((s.dev, s.op, s.vm, s.vdisk), (0, 0, 0, 0));
+    // Nor the entry a lost completion of it would be counted under, nor
+    // the queue its kick came through.
+    assert_eq!((s.dev, s.op, s.vm, s.vdisk, s.queue), (0, 0, 0, 0, 0));
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
     assert_eq!(
         (

@@ -248,10 +248,61 @@ fn own_pickups(spans: &[&Value], log: &HashMap<u64, Logged>, vm: &str) {
             l.pop_ns
         );
         made_after_read += u64::from(l.avail_ns > pick);
+        // The queue its kick's notifier names is the one the VM made it on.
+        assert_eq!(
+            s["queue"].as_u64(),
+            Some(l.queue),
+            "{vm}: an I/O of queue {} given another queue: {s}",
+            l.queue
+        );
     }
     eprintln!(
         "{vm}: {} split, each given its own pickup; {made_after_read} made between the read and the pop",
         spans.len()
+    );
+}
+
+/// The report's rows per queue (host-side: no guest agent here) count
+/// exactly the VM's split requests of that queue — each of which
+/// `own_pickups` found made on that queue — and together all of them.
+fn per_queue_counts(rep: &Value, spans: &[&Value], vm: &str, made_per_queue: u64) {
+    let e = rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == vm && e["disk"] == "d0")
+        .unwrap_or_else(|| panic!("{vm}: no entry"));
+    let queues = e["queues"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{vm}: no queues: {e}"));
+    let listed: Vec<u64> = queues
+        .iter()
+        .map(|q| q["queue"].as_u64().unwrap())
+        .collect();
+    assert_eq!(listed, (0..QUEUES).collect::<Vec<_>>(), "{vm}: {e}");
+    for q in queues {
+        let i = q["queue"].as_u64().unwrap();
+        let n = q["count"].as_u64().unwrap();
+        let split = spans
+            .iter()
+            .filter(|s| s["queue"].as_u64() == Some(i))
+            .count() as u64;
+        eprintln!("{vm} queue {i}: {n} of {made_per_queue}");
+        assert_eq!(n, split, "{vm} queue {i}: {q}");
+        assert!(n <= made_per_queue, "{vm} queue {i}: {q}");
+        assert_eq!(
+            q["segments"]["host_window"]["count"].as_u64(),
+            Some(n),
+            "{vm} queue {i}: {q}"
+        );
+    }
+    assert_eq!(
+        queues
+            .iter()
+            .map(|q| q["count"].as_u64().unwrap())
+            .sum::<u64>(),
+        spans.len() as u64,
+        "{vm}: every split request has its queue"
     );
 }
 
@@ -291,6 +342,7 @@ fn two_vms_at_depth_on_four_queues_are_counted_exactly_and_never_share_a_request
         }
         let mine: Vec<&Value> = spans.iter().filter(|s| s["vm"] == vm.name).collect();
         own_pickups(&mine, log, vm.name);
+        per_queue_counts(&rep, &mine, vm.name, ios);
         split_total += mine.len() as u64;
     }
     // Every request that completed through iospan was split, requests

@@ -3,12 +3,15 @@
  * The rig guest's workload: O_DIRECT 4 KiB random (randread, randwrite) or
  * sequential (read, write) I/O on a block device at a fixed queue depth, through Linux AIO (raw syscalls, so it links
  * statically with nothing but libc). Prints one line:
- *   IOSPAN-WORKLOAD {"dev":…,"rw":…,"qd":…,"ios":…,"errors":…,"mean_us":…,
+ *   IOSPAN-WORKLOAD {"dev":…,"rw":…,"qd":…,"jobs":…,"ios":…,"errors":…,"mean_us":…,
  *                    "p50_us":…,"p90_us":…,"p99_us":…,"p999_us":…,"max_us":…}
  * where ios is the exact number of I/Os completed and the latencies are
  * per I/O, submission to reaped completion, as the guest observed them.
  * With -l it first prints each I/O, in completion order:
  *   IOSPAN-IO OFFSET LATENCY_NS
+ * With -j N, N jobs (processes) share the I/Os, job k pinned to CPU k (so
+ * to the block layer's queue of that CPU) and on the k-th slice of the
+ * disk; the line covers them all.
  * With -x MS the I/O goes through a device-mapper "delay" target stacked on
  * the disk (reads and writes held MS milliseconds in the guest), set up
  * here with the device-mapper ioctls (no dmsetup in the initramfs).
@@ -23,7 +26,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <time.h>
@@ -31,6 +37,7 @@
 
 #define BS 4096
 #define MAX_QD 256
+#define MAX_JOBS 64
 
 static long io_setup_(unsigned n, aio_context_t *ctx) { return syscall(SYS_io_setup, n, ctx); }
 static long io_submit_(aio_context_t ctx, long n, struct iocb **iocbs) { return syscall(SYS_io_submit, ctx, n, iocbs); }
@@ -135,63 +142,25 @@ static double pct(const uint64_t *v, long n, long permille)
 	return v[i] / 1000.0;
 }
 
-int main(int argc, char **argv)
+/* qd I/Os in flight on blocks [first, first + blocks) until ios are done:
+ * each one's offset and latency into offs and lat, failed ones counted in
+ * *errs. Returns the number done, -1 on failure. */
+static long run(int fd, int write, int sequential, long qd, uint64_t first, uint64_t blocks, long ios,
+		uint64_t *lat, uint64_t *offs, long *errs)
 {
-	const char *dev = "/dev/vda", *rw = "randread";
-	long qd = 1, ios = 1000, delay_ms = -1, per_io = 0;
-	static char dm_path[64];
-	int opt;
-
-	while ((opt = getopt(argc, argv, "d:q:n:w:x:l")) != -1) {
-		switch (opt) {
-		case 'd': dev = optarg; break;
-		case 'q': qd = atol(optarg); break;
-		case 'n': ios = atol(optarg); break;
-		case 'w': rw = optarg; break;
-		case 'x': delay_ms = atol(optarg); break;
-		case 'l': per_io = 1; break;
-		default:
-			fprintf(stderr, "usage: %s -d DEV -q QD -n IOS -w randread|randwrite|read|write [-x DELAY_MS] [-l]\n", argv[0]);
-			return 2;
-		}
-	}
-	if (qd < 1 || qd > MAX_QD || ios < 1) {
-		fprintf(stderr, "workload: qd must be 1..%d and ios >= 1\n", MAX_QD);
-		return 2;
-	}
-	if (delay_ms >= 0) {
-		if (dm_delay(dev, delay_ms, dm_path, sizeof(dm_path)))
-			return 1;
-		dev = dm_path;
-	}
-	int write = strcmp(rw, "randwrite") == 0 || strcmp(rw, "write") == 0;
-	int sequential = strcmp(rw, "read") == 0 || strcmp(rw, "write") == 0;
-	uint64_t next_block = 0;
-	int fd = open(dev, (write ? O_RDWR : O_RDONLY) | O_DIRECT);
-	if (fd < 0) {
-		fprintf(stderr, "workload: open %s: %s\n", dev, strerror(errno));
-		return 1;
-	}
-	uint64_t size = 0;
-	if (ioctl(fd, BLKGETSIZE64, &size) || size < 16 * BS) {
-		fprintf(stderr, "workload: %s: size %llu too small\n", dev, (unsigned long long)size);
-		return 1;
-	}
-	uint64_t blocks = size / BS;
 	aio_context_t ctx = 0;
 	if (io_setup_(qd, &ctx)) {
 		fprintf(stderr, "workload: io_setup: %s\n", strerror(errno));
-		return 1;
+		return -1;
 	}
 	static struct iocb cbs[MAX_QD];
 	static struct io_event evs[MAX_QD];
 	static uint64_t started[MAX_QD];
 	char *bufs;
 	if (posix_memalign((void **)&bufs, BS, (size_t)qd * BS))
-		return 1;
+		return -1;
 	memset(bufs, 0x5a, (size_t)qd * BS);
-	uint64_t *lat = calloc(ios, sizeof(*lat));
-	uint64_t *offs = calloc(ios, sizeof(*offs));
+	uint64_t next_block = 0;
 	long submitted = 0, done = 0, errors = 0;
 
 	for (;;) {
@@ -208,7 +177,7 @@ int main(int argc, char **argv)
 			cb->aio_lio_opcode = write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
 			cb->aio_buf = (uint64_t)(uintptr_t)(bufs + slot * BS);
 			cb->aio_nbytes = BS;
-			cb->aio_offset = (int64_t)(((sequential ? next_block++ : next_rand()) % blocks) * BS);
+			cb->aio_offset = (int64_t)((first + (sequential ? next_block++ : next_rand()) % blocks) * BS);
 			started[slot] = now_ns();
 			batch[n++] = cb;
 		}
@@ -221,7 +190,7 @@ int main(int argc, char **argv)
 			long r = io_submit_(ctx, want, batch + i);
 			if (r != want) {
 				fprintf(stderr, "workload: io_submit: %ld of %ld (%s)\n", r, want, strerror(errno));
-				return 1;
+				return -1;
 			}
 		}
 		submitted += n;
@@ -232,7 +201,7 @@ int main(int argc, char **argv)
 			if (errno == EINTR)
 				continue;
 			fprintf(stderr, "workload: io_getevents: %s\n", strerror(errno));
-			return 1;
+			return -1;
 		}
 		uint64_t t = now_ns();
 		for (long i = 0; i < got; i++) {
@@ -244,15 +213,116 @@ int main(int argc, char **argv)
 			cbs[slot].aio_data = 0;
 		}
 	}
+	*errs = errors;
+	return done;
+}
+
+int main(int argc, char **argv)
+{
+	const char *dev = "/dev/vda", *rw = "randread";
+	long qd = 1, ios = 1000, delay_ms = -1, per_io = 0, jobs = 1;
+	static char dm_path[64];
+	int opt;
+
+	while ((opt = getopt(argc, argv, "d:q:n:w:x:lj:")) != -1) {
+		switch (opt) {
+		case 'd': dev = optarg; break;
+		case 'q': qd = atol(optarg); break;
+		case 'n': ios = atol(optarg); break;
+		case 'w': rw = optarg; break;
+		case 'x': delay_ms = atol(optarg); break;
+		case 'l': per_io = 1; break;
+		case 'j': jobs = atol(optarg); break;
+		default:
+			fprintf(stderr, "usage: %s -d DEV -q QD -n IOS -w randread|randwrite|read|write [-x DELAY_MS] [-l] [-j JOBS]\n", argv[0]);
+			return 2;
+		}
+	}
+	if (qd < 1 || qd > MAX_QD || ios < 1 || jobs < 1 || jobs > MAX_JOBS || jobs > ios) {
+		fprintf(stderr, "workload: qd must be 1..%d, ios >= 1, jobs 1..%d and at most ios\n", MAX_QD, MAX_JOBS);
+		return 2;
+	}
+	if (delay_ms >= 0) {
+		if (dm_delay(dev, delay_ms, dm_path, sizeof(dm_path)))
+			return 1;
+		dev = dm_path;
+	}
+	int write = strcmp(rw, "randwrite") == 0 || strcmp(rw, "write") == 0;
+	int sequential = strcmp(rw, "read") == 0 || strcmp(rw, "write") == 0;
+	int fd = open(dev, (write ? O_RDWR : O_RDONLY) | O_DIRECT);
+	if (fd < 0) {
+		fprintf(stderr, "workload: open %s: %s\n", dev, strerror(errno));
+		return 1;
+	}
+	uint64_t size = 0;
+	if (ioctl(fd, BLKGETSIZE64, &size) || size < 16 * BS) {
+		fprintf(stderr, "workload: %s: size %llu too small\n", dev, (unsigned long long)size);
+		return 1;
+	}
+	uint64_t blocks = size / BS;
+	/* Results in memory the jobs share: each fills its own slice. */
+	uint64_t *lat = mmap(NULL, ios * sizeof(*lat), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	uint64_t *offs = mmap(NULL, ios * sizeof(*offs), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	long *errs = mmap(NULL, MAX_JOBS * sizeof(*errs), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	if (lat == MAP_FAILED || offs == MAP_FAILED || errs == MAP_FAILED) {
+		fprintf(stderr, "workload: mmap: %s\n", strerror(errno));
+		return 1;
+	}
+	long done = 0, errors = 0;
+	if (jobs == 1) {
+		done = run(fd, write, sequential, qd, 0, blocks, ios, lat, offs, &errs[0]);
+	} else {
+		/* Job k on CPU k (its block-layer queue), on the k-th slice of the
+		 * disk, doing its share of the I/Os. */
+		long base = 0;
+		pid_t pids[MAX_JOBS];
+		for (long k = 0; k < jobs; k++) {
+			long n = ios / jobs + (k < ios % jobs);
+			uint64_t first = blocks * k / jobs, span = blocks * (k + 1) / jobs - first;
+			pids[k] = fork();
+			if (pids[k] < 0) {
+				fprintf(stderr, "workload: fork: %s\n", strerror(errno));
+				return 1;
+			}
+			if (pids[k] == 0) {
+				cpu_set_t cpus;
+
+				CPU_ZERO(&cpus);
+				CPU_SET(k, &cpus);
+				if (sched_setaffinity(0, sizeof(cpus), &cpus)) {
+					fprintf(stderr, "workload: job %ld on CPU %ld: %s\n", k, k, strerror(errno));
+					_exit(1);
+				}
+				rng += (uint64_t)(k + 1) * 0x2545F4914F6CDD1Dull;
+				if (!rng)
+					rng = 1;
+				_exit(run(fd, write, sequential, qd, first, span, n, lat + base, offs + base, &errs[k]) == n ? 0 : 1);
+			}
+			base += n;
+		}
+		done = ios;
+		for (long k = 0; k < jobs; k++) {
+			int st = 0;
+
+			if (waitpid(pids[k], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st)) {
+				fprintf(stderr, "workload: job %ld failed\n", k);
+				return 1;
+			}
+		}
+	}
+	if (done != ios)
+		return 1;
+	for (long k = 0; k < jobs; k++)
+		errors += errs[k];
 	for (long i = 0; per_io && i < ios; i++)
 		printf("IOSPAN-IO %llu %llu\n", (unsigned long long)offs[i], (unsigned long long)lat[i]);
 	qsort(lat, ios, sizeof(*lat), cmp_u64);
 	double sum = 0;
 	for (long i = 0; i < ios; i++)
 		sum += lat[i];
-	printf("IOSPAN-WORKLOAD {\"dev\":\"%s\",\"rw\":\"%s\",\"qd\":%ld,\"ios\":%ld,\"errors\":%ld,"
+	printf("IOSPAN-WORKLOAD {\"dev\":\"%s\",\"rw\":\"%s\",\"qd\":%ld,\"jobs\":%ld,\"ios\":%ld,\"errors\":%ld,"
 	       "\"mean_us\":%.3f,\"p50_us\":%.3f,\"p90_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":%.3f,\"max_us\":%.3f}\n",
-	       dev, rw, qd, done, errors, sum / ios / 1000.0, pct(lat, ios, 500), pct(lat, ios, 900),
+	       dev, rw, qd, jobs, done, errors, sum / ios / 1000.0, pct(lat, ios, 500), pct(lat, ios, 900),
 	       pct(lat, ios, 990), pct(lat, ios, 999), lat[ios - 1] / 1000.0);
 	fflush(stdout);
 	return errors ? 1 : 0;

@@ -99,6 +99,11 @@ pub struct RunArgs {
     /// 100 ms) see the whole workload.
     #[arg(long, default_value_t = 300, value_name = "MS")]
     pub idle_ms: u32,
+    /// vCPUs, and as many workload jobs, each pinned to its vCPU (so to
+    /// its own block-layer queue); a virtio-blk disk gets one queue per
+    /// vCPU (num-queues, QEMU's default made explicit).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub cpus: u32,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -151,6 +156,7 @@ impl Default for RunArgs {
             per_io: false,
             console_out: None,
             idle_ms: 300,
+            cpus: 1,
         }
     }
 }
@@ -563,7 +569,8 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
         DiskModel::Nvme => "nvme0n1",
     };
     let mut c = Command::new("qemu-system-x86_64");
-    c.args(["-accel", "tcg", "-m", "512", "-smp", "1", "-display", "none", "-serial", "stdio", "-monitor", "none"])
+    let smp = a.cpus.to_string();
+    c.args(["-accel", "tcg", "-m", "512", "-smp", &smp, "-display", "none", "-serial", "stdio", "-monitor", "none"])
         .args(if a.reboot { &[][..] } else { &["-no-reboot"][..] })
         // qboot: a firmware that loads -kernel without touching the disks,
         // so the guest kernel's own counters cover all guest I/O.
@@ -584,7 +591,7 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
             a.agent_restart_s.map(|s| format!(" iospan.agentrestart={s}")).unwrap_or_default()
         ) + if a.reboot { " iospan.reboot=1" } else { "" }
             + if a.per_io { " iospan.perio=1" } else { "" }
-            + &format!(" iospan.idle={}", a.idle_ms));
+            + &format!(" iospan.idle={} iospan.jobs={}", a.idle_ms, a.cpus));
     if a.disk != DiskModel::VhostUser {
         c.arg("-drive").arg(format!(
             "file={},if=none,id={},format=raw,cache=none,aio={}{}",
@@ -621,11 +628,17 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
                 "-object",
                 "iothread,id=io0",
                 "-device",
-                &format!("virtio-blk-pci,drive={},iothread=io0", a.disk_id),
+                &format!(
+                    "virtio-blk-pci,drive={},iothread=io0,num-queues={}",
+                    a.disk_id, a.cpus
+                ),
             ]);
         }
         DiskModel::VirtioBlk => {
-            c.args(["-device", &format!("virtio-blk-pci,drive={}", a.disk_id)]);
+            c.args([
+                "-device",
+                &format!("virtio-blk-pci,drive={},num-queues={}", a.disk_id, a.cpus),
+            ]);
         }
         DiskModel::Nvme => {
             let ioeventfd = if a.ioeventfd { ",ioeventfd=on" } else { "" };

@@ -29,6 +29,13 @@ pub const RQ_F_DONE: u16 = 1 << 6;
 /// A VM's request its engine found by polling its queue: no kick of its own.
 pub const RQ_F_POLLED: u8 = 1 << 7;
 
+/// How a VM request's `queue` names its guest queue (`VQ_*` in the header).
+pub const VQ_HOW_SHIFT: u16 = 14;
+pub const VQ_VALUE_MASK: u16 = (1 << VQ_HOW_SHIFT) - 1;
+pub const VQ_BY_INDEX: u16 = 1 << VQ_HOW_SHIFT;
+pub const VQ_BY_ADDR: u16 = 2 << VQ_HOW_SHIFT;
+pub const VQ_BY_ORDER: u16 = 3 << VQ_HOW_SHIFT;
+
 pub const EVENT_BLK_IO: u16 = 1;
 pub const EVENT_VM_IO: u16 = 2;
 pub const EVENT_VM_SIGNAL: u16 = 3;
@@ -99,7 +106,8 @@ pub struct RqSlot {
     pub pick_ns: u64,
     pub pos: u64,
     pub dev: u32,
-    pub op: u32,
+    pub op: u16,
+    pub queue: u16,
 }
 
 #[repr(C)]
@@ -215,7 +223,8 @@ pub struct VmIoEvent {
     pub bytes: u32,
     pub vm: u32,
     pub vdisk: u32,
-    pub _pad: u32,
+    pub queue: u16,
+    pub _pad: u16,
     pub pos: u64,
 }
 

@@ -13,8 +13,8 @@ use crate::{
     discover::disks,
     discover::vms::Registry,
     model::{BlkSegment, Hist, Op},
-    pipeline::correlate::{HostSplit, SplitKey},
-    pipeline::stitch::{StitchKey, Stitched, Stitcher},
+    pipeline::correlate::{Correlator, HostSplit, SplitKey},
+    pipeline::stitch::{StitchKey, Stitched},
     probes::host::BlockSnapshot,
 };
 
@@ -96,13 +96,8 @@ pub struct Row {
 }
 
 /// The frame of one snapshot.
-pub fn frame(
-    at_s: f64,
-    snap: &BlockSnapshot,
-    splits: &BTreeMap<SplitKey, HostSplit>,
-    stitch: &Stitcher,
-    known: &Registry,
-) -> Frame {
+pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registry) -> Frame {
+    let (splits, stitch) = (&corr.splits, &corr.stitch);
     let stitched = &stitch.stitched;
     let finished = snap.vm_finished();
     let inflight = |vm: u32| {
@@ -138,14 +133,7 @@ pub fn frame(
         if let Some(st) = joined {
             segs.extend(stitched_segs(st));
         } else if let Some(h) = split {
-            for (name, h) in [
-                ("total", &h.window),
-                ("hv", &h.hypervisor),
-                ("engine", &h.engine),
-                ("device", &h.device),
-            ] {
-                segs.insert(name.to_string(), h.clone());
-            }
+            segs.extend(host_segs(h));
         } else {
             segs.insert("device".to_string(), s.segment(BlkSegment::Total).clone());
         }
@@ -185,7 +173,7 @@ pub fn frame(
             .collect(),
         })
         .collect();
-    let queues = stitch
+    let mut queues: Vec<Row> = stitch
         .queues
         .iter()
         .filter_map(|((k, q), st)| {
@@ -203,6 +191,29 @@ pub fn frame(
             })
         })
         .collect();
+    // Host-side queues where no guest agent gave the disk's: the host
+    // window per queue its kicks came through.
+    queues.extend(corr.queue_splits.iter().filter_map(|((k, q), h)| {
+        let guest_has_queues = stitch
+            .queues
+            .keys()
+            .any(|(sk, _)| (sk.vm, sk.vdisk, sk.op) == (k.vm, k.vdisk, k.op));
+        if guest_has_queues {
+            return None;
+        }
+        Some(Row {
+            vm: known.name(k.vm),
+            disk: known.vdisk(k.vdisk)?.to_string(),
+            queue: Some(*q),
+            op: k.op,
+            ios: h.window.count,
+            bytes: h.bytes,
+            inflight: 0,
+            undelivered: 0,
+            guest_observed: false,
+            segs: host_segs(h),
+        })
+    }));
     Frame {
         at_s,
         vdisks,
@@ -219,6 +230,18 @@ pub fn frame(
         unmatched: stitch.counters.unmatched_guest + stitch.counters.unmatched_host,
         qemu: None,
     }
+}
+
+fn host_segs(h: &HostSplit) -> BTreeMap<String, Hist> {
+    [
+        ("total", &h.window),
+        ("hv", &h.hypervisor),
+        ("engine", &h.engine),
+        ("device", &h.device),
+    ]
+    .into_iter()
+    .map(|(n, h)| (n.to_string(), h.clone()))
+    .collect()
 }
 
 fn stitched_segs(st: &Stitched) -> BTreeMap<String, Hist> {

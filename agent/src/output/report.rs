@@ -11,7 +11,7 @@ use crate::{
     discover::vms::{KickSource, Registry},
     model::ChannelStats,
     model::{BlkSegment, DiskOpStats, Op, Summary},
-    pipeline::correlate::{HostSplit, SplitKey},
+    pipeline::correlate::{Correlator, HostSplit, SplitKey},
     pipeline::stitch::{ClockEstimate, StitchCounters, StitchKey, Stitched, Stitcher},
     probes::{
         host::{Counters, VmFinished, VmStatKey},
@@ -250,6 +250,11 @@ pub struct Entry {
     /// latency (`total`) split into guest, hypervisor, engine and device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stitched: Option<StitchedEntry>,
+    /// The host window's split per guest queue (virtqueue or NVMe queue),
+    /// where the notifier its kick came through names the queue: host-side,
+    /// with or without a guest agent (`stitched.queues` has the guest's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queues: Vec<QueueEntry>,
     /// QEMU's own count and mean of the same requests, where its counters
     /// were read (`output::qemu_check`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -340,6 +345,20 @@ pub struct QueueEntry {
     pub segments: BTreeMap<String, Summary>,
 }
 
+/// A host window's segments, as entries name them.
+fn host_summaries(h: &HostSplit) -> BTreeMap<String, Summary> {
+    [
+        ("hypervisor", &h.hypervisor),
+        ("engine", &h.engine),
+        ("device", &h.device),
+        ("host_window", &h.window),
+        ("pickup_to_done", &h.pickup_to_done),
+    ]
+    .into_iter()
+    .map(|(n, h)| (n.to_string(), h.summary()))
+    .collect()
+}
+
 fn segment_summaries(s: &Stitched) -> BTreeMap<String, Summary> {
     [
         ("guest", &s.guest),
@@ -407,6 +426,7 @@ impl Entry {
             total: s.segment(BlkSegment::Total).summary(),
             segments,
             stitched: None,
+            queues: Vec::new(),
             qemu: None,
         }
     }
@@ -440,9 +460,7 @@ pub fn entries(
 /// Entries for the requests VMs submitted, named by VM and virtual disk.
 pub fn vm_entries(
     stats: &BTreeMap<VmStatKey, DiskOpStats>,
-    splits: &BTreeMap<SplitKey, HostSplit>,
-    stitched: &BTreeMap<StitchKey, Stitched>,
-    queues: &BTreeMap<(StitchKey, u32), Stitched>,
+    corr: &Correlator,
     vms: &Registry,
     only: &[Dev],
     duration_s: f64,
@@ -466,25 +484,30 @@ pub fn vm_entries(
                 op: k.op,
                 vdisk: k.vdisk,
             };
-            if let Some(h) = splits.get(&split_key) {
-                e.segments
-                    .insert("hypervisor".into(), h.hypervisor.summary());
-                e.segments.insert("engine".into(), h.engine.summary());
-                e.segments.insert("device".into(), h.device.summary());
-                e.segments.insert("host_window".into(), h.window.summary());
-                e.segments
-                    .insert("pickup_to_done".into(), h.pickup_to_done.summary());
+            if let Some(h) = corr.splits.get(&split_key) {
+                e.segments.extend(host_summaries(h));
             }
+            e.queues = corr
+                .queue_splits
+                .range((split_key, 0)..=(split_key, u32::MAX))
+                .map(|((_, q), h)| QueueEntry {
+                    queue: *q,
+                    count: h.window.count,
+                    segments: host_summaries(h),
+                })
+                .collect();
             let key = StitchKey {
                 vm: k.vm,
                 vdisk: k.vdisk,
                 op: k.op,
             };
-            if let Some(s) = stitched.get(&key) {
+            if let Some(s) = corr.stitch.stitched.get(&key) {
                 e.stitched = Some(StitchedEntry {
                     count: s.total.count,
                     segments: segment_summaries(s),
-                    queues: queues
+                    queues: corr
+                        .stitch
+                        .queues
                         .range((key, 0)..=(key, u32::MAX))
                         .map(|((_, q), s)| QueueEntry {
                             queue: *q,

@@ -24,6 +24,7 @@ use crate::{
     model::IoSpan,
     model::{Hist, Op},
     pipeline::stitch::{HostIo, Stitcher},
+    pipeline::vqueue::{Layout, QueueIndex},
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -46,6 +47,19 @@ pub struct HostSplit {
     /// times a request up to its completion callback, before it signals
     /// the guest, counts: QEMU's NVMe and iothreads).
     pub pickup_to_done: Hist,
+    pub bytes: u64,
+}
+
+impl HostSplit {
+    fn record(&mut self, span: &IoSpan) {
+        self.bytes += u64::from(span.bytes);
+        self.hypervisor.record(span.hypervisor_ns);
+        self.engine.record(span.engine_ns);
+        self.device.record(span.device_ns);
+        self.window.record(span.total_ns);
+        self.pickup_to_done
+            .record(span.done_ns.saturating_sub(span.pick_ns));
+    }
 }
 
 impl Default for HostSplit {
@@ -56,6 +70,7 @@ impl Default for HostSplit {
             device: Hist::fine(),
             window: Hist::fine(),
             pickup_to_done: Hist::fine(),
+            bytes: 0,
         }
     }
 }
@@ -66,6 +81,17 @@ pub struct Correlator {
     pending: VecDeque<VmIoEvent>,
     latest_ns: u64,
     pub splits: BTreeMap<SplitKey, HostSplit>,
+    /// The same per guest queue, where the kick's notifier names it.
+    pub queue_splits: BTreeMap<(SplitKey, u32), HostSplit>,
+    /// Split requests whose queue no notifier named (a VM found running,
+    /// whose notifiers were made before iospan started).
+    pub unqueued: u64,
+    /// Per virtual disk: how its notifiers map to queues, and how many
+    /// queues the host gave it.
+    vdisks: HashMap<u32, (Layout, Option<u32>)>,
+    /// Per (VM, virtual disk): the lowest notifier order seen carrying its
+    /// requests, its queue 0 as far as known (`QueueIndex::Order`).
+    order_base: HashMap<(u32, u32), u16>,
     pub counters: SplitCounters,
     /// Joins split requests of VMs with a guest agent to the guest's records.
     pub stitch: Stitcher,
@@ -79,11 +105,26 @@ impl Correlator {
             pending: VecDeque::new(),
             latest_ns: 0,
             splits: BTreeMap::new(),
+            queue_splits: BTreeMap::new(),
+            unqueued: 0,
+            vdisks: HashMap::new(),
+            order_base: HashMap::new(),
             counters: SplitCounters::default(),
             // Guest records arrive in batches (the guest agent sends every
             // 100 ms): a partner may be a second late.
             stitch: Stitcher::new(2_000_000_000),
         }
+    }
+
+    /// Whether a virtual disk's queue layout is known (`set_vdisk`).
+    pub fn knows_vdisk(&self, vdisk: u32) -> bool {
+        self.vdisks.contains_key(&vdisk)
+    }
+
+    /// A virtual disk's device model's notifier layout and its number of
+    /// queues (an index at or past it is no queue of the disk's).
+    pub fn set_vdisk(&mut self, vdisk: u32, layout: Layout, queues: Option<u32>) {
+        self.vdisks.insert(vdisk, (layout, queues));
     }
 
     pub fn on_signal(&mut self, vm: u32, ts_ns: u64) {
@@ -166,14 +207,13 @@ impl Correlator {
             op: Op::from_index(ev.op as usize).unwrap_or(Op::Other),
             vdisk: ev.vdisk,
         };
-        let span = IoSpan::host_only(ev, sig);
-        let s = self.splits.entry(key).or_default();
-        s.hypervisor.record(span.hypervisor_ns);
-        s.engine.record(span.engine_ns);
-        s.device.record(span.device_ns);
-        s.window.record(span.total_ns);
-        s.pickup_to_done
-            .record(span.done_ns.saturating_sub(span.pick_ns));
+        let mut span = IoSpan::host_only(ev, sig);
+        self.splits.entry(key).or_default().record(&span);
+        span.queue = self.queue_of(ev);
+        match span.queue {
+            Some(q) => self.queue_splits.entry((key, q)).or_default().record(&span),
+            None => self.unqueued += 1,
+        }
         if self.stitch.has_guest(ev.vm) {
             self.stitch.on_host(HostIo {
                 ev: *ev,
@@ -185,6 +225,46 @@ impl Correlator {
                 self.stitch.keep(span);
             }
         }
+    }
+
+    /// The guest queue a request's kick came through, if its notifier says.
+    fn queue_of(&mut self, ev: &VmIoEvent) -> Option<u32> {
+        let (layout, limit) = self
+            .vdisks
+            .get(&ev.vdisk)
+            .copied()
+            .unwrap_or((Layout::Virtio, None));
+        let index = QueueIndex::of(ev.queue, layout);
+        let base = match index {
+            QueueIndex::Order(o) => self.rebase(ev.vm, ev.vdisk, o),
+            _ => 0,
+        };
+        index.rebased(base).filter(|&q| limit.is_none_or(|n| q < n))
+    }
+
+    /// The disk's first notifier as far as known, lowered to `order` if
+    /// that is lower: the queues already recorded move up by as much.
+    fn rebase(&mut self, vm: u32, vdisk: u32, order: u16) -> u16 {
+        let base = *self.order_base.entry((vm, vdisk)).or_insert(order);
+        if order >= base {
+            return base;
+        }
+        let shift = u32::from(base - order);
+        let moved: Vec<_> = self
+            .queue_splits
+            .keys()
+            .filter(|(k, _)| k.vm == vm && k.vdisk == vdisk)
+            .copied()
+            .collect();
+        let mut taken: Vec<_> = moved
+            .into_iter()
+            .filter_map(|k| self.queue_splits.remove_entry(&k))
+            .collect();
+        for ((k, q), s) in taken.drain(..) {
+            self.queue_splits.insert((k, q + shift), s);
+        }
+        self.order_base.insert((vm, vdisk), order);
+        order
     }
 }
 
@@ -288,6 +368,54 @@ mod tests {
         c.finish();
         assert_eq!((c.counters.polled, c.counters.no_kick), (1, 0));
         assert_eq!(split(&c, 1).window.count, 1);
+    }
+
+    #[test]
+    fn each_queue_gets_its_own_split() {
+        use crate::abi::{VQ_BY_ADDR, VQ_BY_ORDER};
+        let key = |vdisk| SplitKey {
+            vm: 1,
+            dev: Dev::new(254, 0),
+            op: Op::Read,
+            vdisk,
+        };
+        let mut c = Correlator::new(1_000);
+        c.set_vdisk(1, Layout::Virtio, Some(4));
+        for (q, n) in [(0x004, 2), (0x00c, 1), (0x010, 1), (0, 1)] {
+            for _ in 0..n {
+                let mut e = io(1, 100, 130, 200, 900);
+                e.queue = if q == 0 { 0 } else { VQ_BY_ADDR | q };
+                c.on_io(e, true);
+            }
+        }
+        c.on_signal(1, 950);
+        let counts: Vec<_> = c
+            .queue_splits
+            .iter()
+            .map(|((_, q), s)| (*q, s.window.count))
+            .collect();
+        // Queue 4 is past the disk's four: no queue of it.
+        assert_eq!(counts, [(1, 2), (3, 1)]);
+        assert_eq!(c.unqueued, 2);
+        assert_eq!(split(&c, 1).window.count, 5);
+
+        // Named by order: counted from the lowest seen, rows moving up when
+        // a lower one (the disk's queue 0) shows up late.
+        let mut c = Correlator::new(1_000);
+        for o in [5u16, 5, 4] {
+            let mut e = io(1, 100, 130, 200, 900);
+            e.vdisk = 2;
+            e.queue = VQ_BY_ORDER | o;
+            c.on_io(e, true);
+        }
+        c.on_signal(1, 950);
+        let counts: Vec<_> = c
+            .queue_splits
+            .iter()
+            .map(|((k, q), s)| (k.vdisk, *q, s.window.count))
+            .collect();
+        assert_eq!(counts, [(2, 0, 1), (2, 1, 2)]);
+        assert!(c.queue_splits.keys().all(|(k, _)| *k == key(2)));
     }
 
     #[test]

@@ -7,3 +7,4 @@ pub mod reap;
 pub mod stitch;
 pub mod tails;
 pub mod transport;
+pub mod vqueue;

@@ -247,6 +247,7 @@ fn traced_boot(a: RunArgs) {
             "segments {tiled} vs window {}",
             mean("host_window")
         );
+        per_queue(&a, vm, n);
         // Engine and device time is all after the request was popped, so
         // within what the guest saw. The hypervisor segment starts at the
         // batch's kick: a request the guest queued after it (no kick of its
@@ -407,12 +408,22 @@ fn guest_view(
             r.workload_reads,
             rep["stitch"]
         );
-        // Per guest queue: the rig's disk has one (one vCPU), and it holds
-        // every joined request.
+        // Per guest queue: one per vCPU (NVMe: one I/O queue each), each
+        // used by its vCPU's job, together every joined request.
         let queues = st["queues"].as_array().cloned().unwrap_or_default();
-        assert_eq!(queues.len(), 1, "{st}");
-        assert_eq!(queues[0]["queue"].as_u64(), Some(0), "{st}");
-        assert_eq!(queues[0]["count"].as_u64(), Some(n), "{st}");
+        let listed: Vec<u64> = queues
+            .iter()
+            .map(|q| q["queue"].as_u64().unwrap())
+            .collect();
+        assert_eq!(listed, (0..u64::from(a.cpus)).collect::<Vec<_>>(), "{st}");
+        assert_eq!(
+            queues
+                .iter()
+                .map(|q| q["count"].as_u64().unwrap())
+                .sum::<u64>(),
+            n,
+            "{st}"
+        );
         let m = |k: &str| st["segments"][k]["mean_us"].as_f64().unwrap();
         let parts = m("guest") + m("hypervisor") + m("engine") + m("device");
         assert!(
@@ -557,6 +568,54 @@ fn guest_view(
     }
 }
 
+/// The split requests per guest queue, host-side (the notifier each kick
+/// came through names its queue): every one of them has a queue of the
+/// disk's, each of the guest's queues its share (a workload job per vCPU,
+/// pinned), and, where the guest agent reports the guest's own queue of
+/// each request, the same count per queue but for requests not joined.
+fn per_queue(a: &RunArgs, vm: &Value, split: u64) {
+    let queues: Vec<(u64, u64)> = vm["queues"]
+        .as_array()
+        .map(|qs| {
+            qs.iter()
+                .map(|q| (q["queue"].as_u64().unwrap(), q["count"].as_u64().unwrap()))
+                .collect()
+        })
+        .unwrap_or_default();
+    eprintln!("per queue (host-side): {queues:?} of {split}");
+    assert_eq!(
+        queues.iter().map(|q| q.1).sum::<u64>(),
+        split,
+        "every split request's queue named: {vm}"
+    );
+    if a.disk == DiskModel::Nvme {
+        // One I/O queue per vCPU; its doorbell, not the admin queue's.
+        assert!(queues.iter().all(|q| q.0 < u64::from(a.cpus)), "{vm}");
+        return;
+    }
+    let want: Vec<u64> = (0..u64::from(a.cpus)).collect();
+    assert_eq!(
+        queues.iter().map(|q| q.0).collect::<Vec<_>>(),
+        want,
+        "one row per queue the guest used: {vm}"
+    );
+    if let Some(st) = vm.get("stitched") {
+        let joined = st["count"].as_u64().unwrap();
+        for (q, n) in &queues {
+            let guest = st["queues"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|g| g["queue"].as_u64() == Some(*q))
+                .map_or(0, |g| g["count"].as_u64().unwrap());
+            assert!(
+                guest <= *n && *n - guest <= split - joined,
+                "queue {q}: host {n}, guest {guest} ({joined} of {split} joined): {st:#}"
+            );
+        }
+    }
+}
+
 /// One traced boot per (device, engine, queue depth). The guest agent runs
 /// in the engines the guest segment is accepted on (virtio-blk io_uring,
 /// NVMe); the others, and a host-only boot of those, show the host alone.
@@ -578,6 +637,9 @@ macro_rules! rig_case {
 
 rig_case!(virtio_blk_io_uring_qd1, VirtioBlk, IoUring, 1, per_io: true);
 rig_case!(virtio_blk_io_uring_qd16, VirtioBlk, IoUring, 16, per_io: true);
+// Two vCPUs, two queues (QEMU's default: one per vCPU), a job on each.
+rig_case!(virtio_blk_io_uring_two_queues_qd16, VirtioBlk, IoUring, 16, cpus: 2, per_io: true);
+rig_case!(virtio_blk_io_uring_two_queues_qd16_host_only, VirtioBlk, IoUring, 16, cpus: 2, no_guest_agent: true);
 rig_case!(virtio_blk_io_uring_qd1_host_only, VirtioBlk, IoUring, 1, no_guest_agent: true);
 rig_case!(virtio_blk_io_uring_qd16_host_only, VirtioBlk, IoUring, 16, no_guest_agent: true);
 rig_case!(virtio_blk_native_qd1, VirtioBlk, Native, 1, no_guest_agent: true);

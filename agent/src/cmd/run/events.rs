@@ -18,6 +18,7 @@ use crate::{
     model::Op,
     output::export::{ExportCounters, Names, Tracer},
     pipeline::correlate::Correlator,
+    pipeline::vqueue::Layout,
 };
 
 /// Drains the ring buffer into JSON lines until told to stop, then each
@@ -63,11 +64,16 @@ pub(super) async fn drain_events<W: Write>(
                     }
                 }
                 Some(Record::VmIo(ev)) => {
-                    let followed = known
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .split
-                        .contains(&ev.vdisk);
+                    let known = known.lock().unwrap_or_else(|p| p.into_inner());
+                    let followed = known.split.contains(&ev.vdisk);
+                    if !corr.knows_vdisk(ev.vdisk) && known.vdisk(ev.vdisk).is_some() {
+                        corr.set_vdisk(
+                            ev.vdisk,
+                            Layout::of_model(known.vdisk_model(ev.vdisk)),
+                            known.vdisk_queues(ev.vdisk),
+                        );
+                    }
+                    drop(known);
                     corr.on_io(ev, followed)
                 }
                 Some(Record::VmSignal(ev)) => corr.on_signal(ev.vm, ev.ts_ns),

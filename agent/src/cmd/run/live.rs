@@ -58,7 +58,7 @@ pub(super) fn send_frame(
     let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
     snap.counters.host_split = corr.counters.clone();
     let known = known.lock().unwrap_or_else(|p| p.into_inner());
-    let mut frame = crate::output::live::frame(at_s, &snap, &corr.splits, &corr.stitch, &known);
+    let mut frame = crate::output::live::frame(at_s, &snap, &corr, &known);
     if let Some(mut q) = qemu {
         for (slot, c) in &snap.vm_counts {
             if let Some(f) = q.get_mut(&known.name(*slot)) {

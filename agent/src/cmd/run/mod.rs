@@ -427,9 +427,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             let corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
             e.extend(report::vm_entries(
                 &snap.vm_stats,
-                &corr.splits,
-                &corr.stitch.stitched,
-                &corr.stitch.queues,
+                &corr,
                 &known.lock().unwrap_or_else(|p| p.into_inner()),
                 &only,
                 elapsed,

@@ -170,7 +170,7 @@ fn help_text() -> Vec<String> {
         "ENGINE pickup to host submit, host completion to signal",
         "DEVICE host block layer issue to completion; QUEUE host queueing",
         "",
-        "q0, q1 … a virtual disk's guest queues (VMs with a guest agent)",
+        "q0, q1 … a virtual disk's queues (the guest's, else by the kicks' notifier)",
         "lost: events or requests lost; unmatched: guest or host requests",
         "of a VM with a guest agent that found no partner; polled: requests",
         "a polling engine found with no kick (HV not measurable host-side)",

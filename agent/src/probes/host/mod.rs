@@ -60,6 +60,7 @@ const FILL_MAPS: &[&str] = &[
     "kvm_notify_addrs",
     "vm_started",
     "vm_open_notifiers",
+    "notifiers_made",
 ];
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/host.bpf.o"));

@@ -301,6 +301,8 @@ impl BlockProbes {
         }
         let mut open: HashMap<_, u32, i64> = map_mut_of(&mut self.ebpf, "vm_open_notifiers")?;
         let _ = open.remove(&pid);
+        let mut made: HashMap<_, u32, u32> = map_mut_of(&mut self.ebpf, "notifiers_made")?;
+        let _ = made.remove(&pid);
         Ok(())
     }
 
