@@ -684,6 +684,7 @@ int sys_enter_read(struct trace_event_raw_sys_enter *ctx)
 	p.kick_ns = kick->ts_ns;
 	p.queue = (__u32)kick->queue;
 	p.pick_ns = bpf_ktime_get_ns();
+	p.hv_wait_ns = waited_within(tid, p.kick_ns, p.pick_ns);
 	p.flags = PICK_READ;
 	{
 		struct pick *old = bpf_map_lookup_elem(&thread_picks, &tid);

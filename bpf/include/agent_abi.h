@@ -93,6 +93,8 @@ struct rq_slot {
 	__u32 dev;         /* host disk, for a VM's request: where a lost completion is counted */
 	__u16 op;          /* BLK_OP_* of a VM's request, likewise */
 	__u16 queue;       /* VQ_* notifier of the kick it came with (0: none known) */
+	__u32 hv_wait_ns;  /* of kick -> pickup, the engine thread's wait for a CPU */
+	__u32 eng_wait_ns; /* of pickup -> start, the submitting thread's */
 };
 
 /* Which guest queue a VM's request came through, as the notifier of its
@@ -281,16 +283,26 @@ struct vm_io_event {
 	__u16 queue;     /* VQ_*: the guest queue its kick came through (0: none known) */
 	__u16 _pad;
 	__u64 pos;       /* file offset of the request (see rq_slot.pos) */
+	__u32 hv_wait_ns;  /* CPU waits (runnable, not running) within kick -> pickup */
+	__u32 eng_wait_ns; /* and pickup -> start (see rq_slot) */
 };
+
+/* A thread's last waits for a CPU (runnable, not running): woken or
+ * preempted at start, switched in at end; kept per VM thread, the newest
+ * RUN_WAITS. */
+#define RUN_WAITS 4
 
 /* A VM's engine raised an interrupt toward the guest (QEMU's msix_notify):
  * the earliest one after a request's host completion ends its host
- * window. */
+ * window. With the signalling thread's last two waits for a CPU: the part
+ * of host completion -> signal it spent runnable, not running. */
 struct vm_signal_event {
 	__u16 kind;      /* EVENT_VM_SIGNAL */
 	__u16 _pad;
 	__u32 vm;
 	__u64 ts_ns;
+	__u64 wait_start[2]; /* newest first; 0: none */
+	__u64 wait_end[2];
 };
 
 /* One completed host block request, streamed through the ring buffer
@@ -319,9 +331,9 @@ _Static_assert(sizeof(struct vm_key) == 16, "abi: vm_key");
 _Static_assert(sizeof(struct vm_counts) == 24, "abi: vm_counts");
 _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");
-_Static_assert(sizeof(struct vm_io_event) == 72, "abi: vm_io_event");
-_Static_assert(sizeof(struct vm_signal_event) == 16, "abi: vm_signal_event");
-_Static_assert(sizeof(struct rq_slot) == 72, "abi: rq_slot");
+_Static_assert(sizeof(struct vm_io_event) == 80, "abi: vm_io_event");
+_Static_assert(sizeof(struct vm_signal_event) == 48, "abi: vm_signal_event");
+_Static_assert(sizeof(struct rq_slot) == 80, "abi: rq_slot");
 _Static_assert(sizeof(struct disk_slot) == 16, "abi: disk_slot");
 _Static_assert(sizeof(struct blk_stats) == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS), "abi: blk_stats");
 

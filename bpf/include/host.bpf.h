@@ -60,7 +60,7 @@ struct pick {
 	__u64 last_start_ns; /* the thread's latest request start (own reads) */
 	__u64 nvcsw;         /* its voluntary context switches then */
 	__u32 queue;         /* VQ_*: the notifier the kick came through */
-	__u32 _pad;
+	__u32 hv_wait_ns;    /* the picking thread's CPU waits within kick -> pickup */
 };
 
 #define PICK_HANDED (1 << 0) /* handed to a worker it woke (aio=threads) */
@@ -171,6 +171,48 @@ typedef struct {
 	__type(value, struct pick);
 } thread_picks_map_t;
 extern thread_picks_map_t thread_picks SEC(".maps");
+
+/* A VM thread's waits for a CPU (runq.bpf.c): since when it is runnable
+ * and not running (0: running or asleep), and its last RUN_WAITS waits. */
+struct run_waits {
+	__u64 runnable_since;
+	__u64 start[RUN_WAITS];
+	__u64 end[RUN_WAITS];
+	__u32 next;  /* where the next wait goes, modulo RUN_WAITS */
+	__u32 _pad;
+};
+
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 8192);
+	__type(key, __u32);
+	__type(value, struct run_waits);
+} thread_waits_map_t;
+extern thread_waits_map_t thread_waits SEC(".maps");
+
+/* How long thread `tid`, running now, waited for a CPU within [from, to]:
+ * its last RUN_WAITS waits, clipped to the interval (more waits than that
+ * in one interval are not counted; saturates at ~4.3 s). */
+static __always_inline __u32 waited_within(__u32 tid, __u64 from, __u64 to)
+{
+	struct run_waits *w;
+	__u64 sum = 0;
+	int i;
+
+	if (!from || to <= from)
+		return 0;
+	w = bpf_map_lookup_elem(&thread_waits, &tid);
+	if (!w)
+		return 0;
+	for (i = 0; i < RUN_WAITS; i++) {
+		__u64 s = w->start[i] > from ? w->start[i] : from;
+		__u64 e = w->end[i] < to ? w->end[i] : to;
+
+		if (e > s)
+			sum += e - s;
+	}
+	return sum > 0xffffffffULL ? 0xffffffffU : (__u32)sum;
+}
 
 static __always_inline __u64 current_nvcsw(void)
 {
@@ -337,6 +379,18 @@ static __always_inline int on_signal(void)
 	}
 	ev.vm = *vm;
 	ev.ts_ns = bpf_ktime_get_ns();
+	{
+		struct run_waits *w = bpf_map_lookup_elem(&thread_waits, &tid);
+
+		if (w) {
+			__u32 i = (w->next - 1) & (RUN_WAITS - 1), j = (w->next - 2) & (RUN_WAITS - 1);
+
+			ev.wait_start[0] = w->start[i];
+			ev.wait_end[0] = w->end[i];
+			ev.wait_start[1] = w->start[j];
+			ev.wait_end[1] = w->end[j];
+		}
+	}
 	emit(&ev, sizeof(ev));
 	return 0;
 }

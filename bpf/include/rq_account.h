@@ -43,6 +43,8 @@ struct rq_outcome {
 	__u64 pick_ns;
 	__u64 pos;
 	__u32 queue;
+	__u32 hv_wait_ns;
+	__u32 eng_wait_ns;
 	__u32 _pad;
 };
 
@@ -62,6 +64,8 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
 	s->dev = 0;
 	s->op = 0;
 	s->queue = 0;
+	s->hv_wait_ns = 0;
+	s->eng_wait_ns = 0;
 }
 
 /* At block_io_start: the slot still holds an issued request of this key
@@ -162,6 +166,8 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 	out->pick_ns = 0;
 	out->pos = 0;
 	out->queue = 0;
+	out->hv_wait_ns = 0;
+	out->eng_wait_ns = 0;
 	if (mine) {
 		out->bytes += s->done_bytes;
 		if (!out->start_ns)
@@ -179,6 +185,8 @@ static __always_inline int rq_on_complete(struct rq_slot *s,
 		out->pick_ns = s->pick_ns;
 		out->pos = s->pos;
 		out->queue = s->queue;
+		out->hv_wait_ns = s->hv_wait_ns;
+		out->eng_wait_ns = s->eng_wait_ns;
 		s->flags = RQ_F_DONE;
 	}
 	/* Stamps from the future are another request's: distrust them. */

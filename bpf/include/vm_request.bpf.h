@@ -159,6 +159,7 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 	__u32 vm = 0, vdisk = 0, dev = 0, op = 0;
 	__u64 key, kick_ns = 0, pick_ns = 0, pos = 0;
 	__u16 queue = 0;
+	__u32 hv_wait = 0, eng_wait = 0;
 	/* Our start stamp, where the kernel keeps none: one clock read. */
 	__u64 now = kstart_ns ? 0 : bpf_ktime_get_ns();
 	int polled = 0;
@@ -198,6 +199,8 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 					kick_ns = p->kick_ns;
 					pick_ns = p->pick_ns;
 					queue = (__u16)p->queue;
+					hv_wait = p->hv_wait_ns;
+					eng_wait = waited_within(tid, pick_ns, kstart_ns ? kstart_ns : now);
 				}
 			}
 		}
@@ -219,6 +222,8 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 	rq_on_start(s, key, now, vm, vdisk, kick_ns, pick_ns, pos,
 		    dev, op);
 	s->queue = queue;
+	s->hv_wait_ns = hv_wait;
+	s->eng_wait_ns = eng_wait;
 	if (polled)
 		s->flags |= RQ_F_POLLED;
 }
@@ -243,6 +248,8 @@ static __always_inline void stream_vm_io(const struct rq_outcome *o, const struc
 	ev.vdisk = o->vdisk;
 	ev.queue = (__u16)o->queue;
 	ev.pos = o->pos;
+	ev.hv_wait_ns = o->hv_wait_ns;
+	ev.eng_wait_ns = o->eng_wait_ns;
 	emit(&ev, sizeof(ev));
 }
 

@@ -38,6 +38,8 @@ pub struct RqOutcome {
     pub pick_ns: u64,
     pub pos: u64,
     pub queue: u32,
+    pub hv_wait_ns: u32,
+    pub eng_wait_ns: u32,
     pub _pad: u32,
 }
 

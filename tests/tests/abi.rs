@@ -36,16 +36,16 @@ macro_rules! rust_layout {
 fn abi_layout() {
     let rust = rust_layout! {
         "blk_io_event" => BlkIoEvent { kind, op, flags, dev, start_ns, issue_ns, done_ns, sector, bytes, requeues, cpu_lo, vdisk, vm }
-        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos, dev, op, queue }
+        "rq_slot" => RqSlot { rq, start_ns, issue_ns, done_bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos, dev, op, queue, hv_wait_ns, eng_wait_ns }
         "disk_slot" => DiskSlot { queue, dev }
         "vm_key" => VmKey { vm, dev, op, vdisk }
         "file_key" => FileKey { dev, ino }
         "vm_dev_key" => VmDevKey { vm, dev }
-        "vm_io_event" => VmIoEvent { kind, op, flags, dev, kick_ns, pick_ns, start_ns, issue_ns, done_ns, bytes, vm, vdisk, queue, pos }
-        "vm_signal_event" => VmSignalEvent { kind, vm, ts_ns }
+        "vm_io_event" => VmIoEvent { kind, op, flags, dev, kick_ns, pick_ns, start_ns, issue_ns, done_ns, bytes, vm, vdisk, queue, pos, hv_wait_ns, eng_wait_ns }
+        "vm_signal_event" => VmSignalEvent { kind, vm, ts_ns, wait_start, wait_end }
         "blk_stats" => BlkStats { busy, ios, bytes, errors, requeued, partial, sum_ns, max_ns, hist }
         "rq_completion" => RqCompletion { rq, kstart_ns, kissue_ns, now_ns, remaining, nr_bytes }
-        "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos, queue }
+        "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos, queue, hv_wait_ns, eng_wait_ns }
         "guest_io_event" => GuestIoEvent { kind, op, flags, dev, sector, start_ns, issue_ns, kick_ns, irq_ns, done_ns, bytes, queue, sys_ns, reap_ns, tgid, tid }
         "guest_reap_event" => GuestReapEvent { kind, flags, id, ts_ns }
     };

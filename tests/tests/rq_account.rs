@@ -179,11 +179,14 @@ fn a_leftover_slot_of_the_same_request_starts_afresh() {
         dev: 254 << 20,
         op: 1,
         queue: 0x8003,
+        hv_wait_ns: 7,
+        eng_wait_ns: 8,
     };
     rq::issue(&mut s, K, 150);
     // Nor the entry a lost completion of it would be counted under, nor
     // the queue its kick came through.
     assert_eq!((s.dev, s.op, s.vm, s.vdisk, s.queue), (0, 0, 0, 0, 0));
+    assert_eq!((s.hv_wait_ns, s.eng_wait_ns), (0, 0));
     let o = rq::complete(Some(&mut s), &done(K, 100, 0, 400, 4096, 4096)).unwrap();
     assert_eq!(
         (

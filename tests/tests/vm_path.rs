@@ -96,6 +96,8 @@ struct Vm {
     name: &'static str,
     offset_blocks: u64,
     poll_ns: u64,
+    /// Run on this CPU only, at this nice (all its threads).
+    pinned: Option<(u32, i32)>,
 }
 
 /// `vms` run side by side under `iospan run`, `ios` requests per queue
@@ -122,8 +124,12 @@ fn traced(
     for vm in vms {
         let log = dir.join(format!("{test}-{}.log", vm.name));
         let _ = std::fs::remove_file(&log);
+        let pin = vm
+            .pinned
+            .map(|(cpu, nice)| format!("taskset -c {cpu} nice -n {nice} "))
+            .unwrap_or_default();
         script += &format!(
-            "env IOSPAN_VM_QUEUES={QUEUES} IOSPAN_VM_QD={QD} IOSPAN_VM_IOS={ios} \
+            "{pin}env IOSPAN_VM_QUEUES={QUEUES} IOSPAN_VM_QD={QD} IOSPAN_VM_IOS={ios} \
              IOSPAN_VM_OFFSET={} IOSPAN_VM_POLL_NS={} IOSPAN_VM_LOG={} {} \
              -name guest={},debug-threads=on \
              -drive file={disk},if=none,id=d0,format=raw,cache=none,aio=io_uring \
@@ -316,11 +322,13 @@ fn two_vms_at_depth_on_four_queues_are_counted_exactly_and_never_share_a_request
             name: "vmpath-a",
             offset_blocks: 0,
             poll_ns: 0,
+            pinned: None,
         },
         Vm {
             name: "vmpath-b",
             offset_blocks: 8192,
             poll_ns: 0,
+            pinned: None,
         },
     ];
     let (rep, spans, logs) = traced("two", &disk.dev, ios, &vms);
@@ -388,6 +396,7 @@ fn a_polling_engine_lends_no_kick_across_batches() {
         offset_blocks: 0,
         // QEMU's iothreads' default poll-max-ns.
         poll_ns: 32768,
+        pinned: None,
     };
     let (rep, spans, logs) = traced("poll", &disk.dev, ios, std::slice::from_ref(&vm));
     lost_nothing(&rep);
@@ -429,5 +438,101 @@ fn a_polling_engine_lends_no_kick_across_batches() {
         e["segments"]["hypervisor"]["count"].as_u64(),
         Some(mine.len() as u64),
         "{e}"
+    );
+}
+
+/// A busy process that is no VM, on one CPU, until dropped.
+struct Hog(std::process::Child);
+
+impl Hog {
+    fn on(cpu: u32) -> Self {
+        Self(
+            Command::new("taskset")
+                .args(["-c", &cpu.to_string(), "sh", "-c", "while :; do :; done"])
+                .spawn()
+                .expect("taskset"),
+        )
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Mean of an entry's segment, µs.
+fn mean_us(rep: &Value, vm: &str, seg: &str) -> f64 {
+    rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == vm && e["disk"] == "d0")
+        .and_then(|e| e["segments"][seg]["mean_us"].as_f64())
+        .unwrap_or_else(|| panic!("{vm}: no {seg}: {}", rep["entries"]))
+}
+
+/// esxtop's %RDY for the I/O path: a VM whose every thread shares one CPU
+/// with a busy process (which has the larger share of it) waits for that
+/// CPU between the guest's kick and the engine's pickup, and between the
+/// host's completion and the engine's signal; the waits land in
+/// `hypervisor_cpu_wait` and `engine_cpu_wait`, each within its segment,
+/// and grow many times over what the same VM waits with the CPU to itself.
+#[test]
+fn a_cpu_shared_with_a_busy_process_shows_as_cpu_wait() {
+    let ios = 250;
+    let disk = ShmLoop::new("rdy", 64, 128);
+    let vm = |name| Vm {
+        name,
+        offset_blocks: 0,
+        poll_ns: 0,
+        pinned: Some((1, 10)),
+    };
+    let quiet = vm("vmpath-quiet");
+    let (rep_quiet, spans_quiet, _) =
+        traced("rdy-quiet", &disk.dev, ios, std::slice::from_ref(&quiet));
+    let hogged = vm("vmpath-hogged");
+    let (rep_hog, spans_hog) = {
+        let _hog = Hog::on(1);
+        let (rep, spans, _) = traced("rdy-hog", &disk.dev, ios, std::slice::from_ref(&hogged));
+        (rep, spans)
+    };
+    for (rep, spans, name) in [
+        (&rep_quiet, &spans_quiet, quiet.name),
+        (&rep_hog, &spans_hog, hogged.name),
+    ] {
+        lost_nothing(rep);
+        counted_exactly(rep, name, ios * QUEUES);
+        // Each wait within its segment, per request.
+        for s in spans.iter().filter(|s| s["vm"] == name) {
+            let f = |k: &str| s[k].as_f64().unwrap();
+            assert!(
+                f("hypervisor_cpu_wait_us") <= f("hypervisor_us") + 0.001,
+                "{s}"
+            );
+            assert!(f("engine_cpu_wait_us") <= f("engine_us") + 0.001, "{s}");
+        }
+        eprintln!(
+            "{name}: hypervisor {:.1} µs (waiting {:.1}), engine {:.1} µs (waiting {:.1})",
+            mean_us(rep, name, "hypervisor"),
+            mean_us(rep, name, "hypervisor_cpu_wait"),
+            mean_us(rep, name, "engine"),
+            mean_us(rep, name, "engine_cpu_wait"),
+        );
+    }
+    let waits = |rep: &Value, name| {
+        mean_us(rep, name, "hypervisor_cpu_wait") + mean_us(rep, name, "engine_cpu_wait")
+    };
+    let segs = |rep: &Value, name| mean_us(rep, name, "hypervisor") + mean_us(rep, name, "engine");
+    let (quiet_w, hog_w) = (waits(&rep_quiet, quiet.name), waits(&rep_hog, hogged.name));
+    assert!(
+        hog_w >= 4.0 * quiet_w.max(1.0),
+        "waits with the busy process {hog_w:.1} µs, without {quiet_w:.1} µs"
+    );
+    assert!(
+        hog_w >= 0.3 * segs(&rep_hog, hogged.name),
+        "waits {hog_w:.1} µs of hypervisor + engine {:.1} µs",
+        segs(&rep_hog, hogged.name)
     );
 }

@@ -108,6 +108,8 @@ pub struct RqSlot {
     pub dev: u32,
     pub op: u16,
     pub queue: u16,
+    pub hv_wait_ns: u32,
+    pub eng_wait_ns: u32,
 }
 
 #[repr(C)]
@@ -182,9 +184,9 @@ pub struct BlkIoEvent {
 }
 
 const _: () = assert!(size_of::<BlkIoEvent>() == 56);
-const _: () = assert!(size_of::<RqSlot>() == 72);
-const _: () = assert!(size_of::<VmIoEvent>() == 72);
-const _: () = assert!(size_of::<VmSignalEvent>() == 16);
+const _: () = assert!(size_of::<RqSlot>() == 80);
+const _: () = assert!(size_of::<VmIoEvent>() == 80);
+const _: () = assert!(size_of::<VmSignalEvent>() == 48);
 const _: () = assert!(size_of::<VmKey>() == 16);
 const _: () = assert!(size_of::<FileKey>() == 16);
 const _: () = assert!(size_of::<VmCounts>() == 24);
@@ -226,6 +228,10 @@ pub struct VmIoEvent {
     pub queue: u16,
     pub _pad: u16,
     pub pos: u64,
+    /// The engine thread's waits for a CPU within kick → pickup.
+    pub hv_wait_ns: u32,
+    /// The submitting thread's within pickup → start.
+    pub eng_wait_ns: u32,
 }
 
 /// An engine thread of a VM signalled the guest (`struct vm_signal_event`).
@@ -236,6 +242,10 @@ pub struct VmSignalEvent {
     pub _pad: u16,
     pub vm: u32,
     pub ts_ns: u64,
+    /// The signalling thread's last two waits for a CPU, newest first
+    /// (start 0: none).
+    pub wait_start: [u64; 2],
+    pub wait_end: [u64; 2],
 }
 
 /// One ring-buffer record, by its leading kind.

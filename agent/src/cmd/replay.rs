@@ -16,8 +16,8 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    model::IoSpan,
     model::Op,
+    model::{span::CpuWait, IoSpan},
     output::export::{ExportCounters, Names, Reason, TraceOpts},
 };
 
@@ -66,6 +66,10 @@ struct Recorded {
     device_us: f64,
     #[serde(default)]
     app_ends_from_block_layer: bool,
+    #[serde(default)]
+    hypervisor_cpu_wait_us: f64,
+    #[serde(default)]
+    engine_cpu_wait_us: f64,
 }
 
 /// What a replay sent and what the collector took.
@@ -143,6 +147,10 @@ pub fn parse(input: impl BufRead, path: &Path) -> Result<Vec<(IoSpan, Names)>> {
             app_ends_from_block_layer: r.app_ends_from_block_layer,
             has_guest: r.kind == "guest_io",
             queue: r.queue,
+            cpu_wait: CpuWait {
+                hypervisor_ns: ns(r.hypervisor_cpu_wait_us),
+                engine_ns: ns(r.engine_cpu_wait_us),
+            },
         };
         let names = Names {
             vm: r.vm,

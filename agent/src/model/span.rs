@@ -45,13 +45,31 @@ pub struct IoSpan {
     /// window only (kick to signal) and the guest stamps are 0.
     pub has_guest: bool,
     /// The guest's queue for it (its block layer's hardware context),
-    /// where the guest agent told.
+    /// where the guest agent told; else the host's, by the notifier its
+    /// kick came through.
     pub queue: Option<u32>,
+    /// Of the hypervisor and engine segments, the time the thread that
+    /// owned them waited for a CPU (runnable, not running).
+    pub cpu_wait: CpuWait,
+}
+
+/// Time a segment's owning thread spent runnable but not running: the
+/// engine thread between the kick and its pickup (hypervisor); the
+/// submitting thread between the pickup and the host start, and the
+/// signalling thread between the host completion and its signal (engine).
+/// The guest's interrupt delivery after the signal (the vCPU's) is not
+/// in it. Each within its segment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuWait {
+    pub hypervisor_ns: u64,
+    pub engine_ns: u64,
 }
 
 impl IoSpan {
     /// A VM request's host window alone, for VMs without a guest agent.
-    pub fn host_only(ev: &VmIoEvent, signal_ns: u64) -> Self {
+    /// `signal_wait_ns`: the signalling thread's CPU wait between the host
+    /// completion and the signal.
+    pub fn host_only(ev: &VmIoEvent, signal_ns: u64, signal_wait_ns: u64) -> Self {
         // The kernel's stamps come in this order; a missing one (0) must
         // give a short segment, never a wrapped one.
         let engine = ev
@@ -84,6 +102,12 @@ impl IoSpan {
             app_ends_from_block_layer: false,
             has_guest: false,
             queue: None,
+            cpu_wait: CpuWait {
+                hypervisor_ns: u64::from(ev.hv_wait_ns).min(ev.pick_ns.saturating_sub(ev.kick_ns)),
+                engine_ns: u64::from(ev.eng_wait_ns)
+                    .saturating_add(signal_wait_ns)
+                    .min(engine),
+            },
         }
     }
 }
@@ -104,7 +128,7 @@ mod tests {
             done_ns: 9_000,
             ..Default::default()
         };
-        let s = IoSpan::host_only(&ev, 0);
+        let s = IoSpan::host_only(&ev, 0, 0);
         assert_eq!(s.hypervisor_ns, 0);
         assert_eq!(s.total_ns, 0);
         assert_eq!(s.engine_ns, 6_000);

@@ -19,7 +19,17 @@ use crate::{
 };
 
 /// The segment columns of a live view, in order.
-pub const SEGMENTS: [&str; 6] = ["total", "guest", "hv", "engine", "device", "queue"];
+pub const SEGMENTS: [&str; 8] = [
+    "total",
+    "guest",
+    "hv",
+    "engine",
+    "device",
+    "queue",
+    // Of hv and engine, the owning thread's wait for a CPU.
+    "hv_wait",
+    "engine_wait",
+];
 
 /// Cumulative figures since the agent started.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -132,6 +142,9 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
             .filter(|st| st.total.count > 0);
         if let Some(st) = joined {
             segs.extend(stitched_segs(st));
+            if let Some(h) = split {
+                segs.extend(wait_segs(h));
+            }
         } else if let Some(h) = split {
             segs.extend(host_segs(h));
         } else {
@@ -233,7 +246,7 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
 }
 
 fn host_segs(h: &HostSplit) -> BTreeMap<String, Hist> {
-    [
+    let mut segs: BTreeMap<String, Hist> = [
         ("total", &h.window),
         ("hv", &h.hypervisor),
         ("engine", &h.engine),
@@ -241,7 +254,17 @@ fn host_segs(h: &HostSplit) -> BTreeMap<String, Hist> {
     ]
     .into_iter()
     .map(|(n, h)| (n.to_string(), h.clone()))
-    .collect()
+    .collect();
+    segs.extend(wait_segs(h));
+    segs
+}
+
+/// The host window's CPU waits (the guest agent's view has none of its own).
+fn wait_segs(h: &HostSplit) -> [(String, Hist); 2] {
+    [
+        ("hv_wait".to_string(), h.hypervisor_cpu_wait.clone()),
+        ("engine_wait".to_string(), h.engine_cpu_wait.clone()),
+    ]
 }
 
 fn stitched_segs(st: &Stitched) -> BTreeMap<String, Hist> {

@@ -353,6 +353,8 @@ fn host_summaries(h: &HostSplit) -> BTreeMap<String, Summary> {
         ("device", &h.device),
         ("host_window", &h.window),
         ("pickup_to_done", &h.pickup_to_done),
+        ("hypervisor_cpu_wait", &h.hypervisor_cpu_wait),
+        ("engine_cpu_wait", &h.engine_cpu_wait),
     ]
     .into_iter()
     .map(|(n, h)| (n.to_string(), h.summary()))
@@ -594,19 +596,22 @@ impl RunReport {
             let _ = writeln!(out, "(no block I/O completed on the traced disks)");
         }
         for e in &self.entries {
-            // Block segments, then the host window's split, then the window.
-            const ORDER: [&str; 6] = [
-                "queue",
-                "service",
-                "hypervisor",
-                "engine",
-                "device",
-                "host_window",
+            // Block segments, then the host window's split (with the
+            // owning threads' waits for a CPU), then the window.
+            const ORDER: [(&str, &str); 8] = [
+                ("queue", "queue"),
+                ("service", "service"),
+                ("hypervisor", "hypervisor"),
+                ("hypervisor_cpu_wait", " cpu wait"),
+                ("engine", "engine"),
+                ("engine_cpu_wait", " cpu wait"),
+                ("device", "device"),
+                ("host_window", "host_window"),
             ];
             let rows = std::iter::once(("total", &e.total)).chain(
                 ORDER
                     .iter()
-                    .filter_map(|k| e.segments.get(*k).map(|v| (*k, v))),
+                    .filter_map(|(k, label)| e.segments.get(*k).map(|v| (*label, v))),
             );
             // The guest agent's view after the host's: guest-observed latency
             // and its four segments.

@@ -47,6 +47,10 @@ pub struct HostSplit {
     /// times a request up to its completion callback, before it signals
     /// the guest, counts: QEMU's NVMe and iothreads).
     pub pickup_to_done: Hist,
+    /// Of the hypervisor and engine segments, the owning thread's wait
+    /// for a CPU (`IoSpan::cpu_wait`).
+    pub hypervisor_cpu_wait: Hist,
+    pub engine_cpu_wait: Hist,
     pub bytes: u64,
 }
 
@@ -59,6 +63,8 @@ impl HostSplit {
         self.window.record(span.total_ns);
         self.pickup_to_done
             .record(span.done_ns.saturating_sub(span.pick_ns));
+        self.hypervisor_cpu_wait.record(span.cpu_wait.hypervisor_ns);
+        self.engine_cpu_wait.record(span.cpu_wait.engine_ns);
     }
 }
 
@@ -70,14 +76,34 @@ impl Default for HostSplit {
             device: Hist::fine(),
             window: Hist::fine(),
             pickup_to_done: Hist::fine(),
+            hypervisor_cpu_wait: Hist::fine(),
+            engine_cpu_wait: Hist::fine(),
             bytes: 0,
         }
     }
 }
 
+/// An engine's signal to the guest, with the signalling thread's last
+/// waits for a CPU (start, end; newest first).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Signal {
+    pub ts_ns: u64,
+    pub waits: [(u64, u64); 2],
+}
+
+impl Signal {
+    /// How much of [from, signal] its thread waited for a CPU.
+    fn waited_since(&self, from: u64) -> u64 {
+        self.waits
+            .iter()
+            .map(|&(s, e)| e.min(self.ts_ns).saturating_sub(s.max(from)))
+            .sum()
+    }
+}
+
 pub struct Correlator {
     hold_ns: u64,
-    signals: HashMap<u32, VecDeque<u64>>,
+    signals: HashMap<u32, VecDeque<Signal>>,
     pending: VecDeque<VmIoEvent>,
     latest_ns: u64,
     pub splits: BTreeMap<SplitKey, HostSplit>,
@@ -128,11 +154,24 @@ impl Correlator {
     }
 
     pub fn on_signal(&mut self, vm: u32, ts_ns: u64) {
+        self.on_signal_waits(
+            vm,
+            Signal {
+                ts_ns,
+                waits: [(0, 0); 2],
+            },
+        );
+    }
+
+    pub fn on_signal_waits(&mut self, vm: u32, sig: Signal) {
         let q = self.signals.entry(vm).or_default();
         // Nearly always in order; records from other CPUs may be a little late.
-        let at = q.iter().rposition(|&t| t <= ts_ns).map_or(0, |i| i + 1);
-        q.insert(at, ts_ns);
-        self.latest_ns = self.latest_ns.max(ts_ns);
+        let at = q
+            .iter()
+            .rposition(|s| s.ts_ns <= sig.ts_ns)
+            .map_or(0, |i| i + 1);
+        q.insert(at, sig);
+        self.latest_ns = self.latest_ns.max(sig.ts_ns);
         self.settle(false);
     }
 
@@ -168,7 +207,7 @@ impl Correlator {
     fn settle(&mut self, all: bool) {
         while let Some(ev) = self.pending.front() {
             let sig = self.signals.get(&ev.vm).and_then(|q| {
-                let i = q.partition_point(|&t| t < ev.done_ns);
+                let i = q.partition_point(|s| s.ts_ns < ev.done_ns);
                 q.get(i).copied()
             });
             let waited = all || self.latest_ns >= ev.done_ns + self.hold_ns;
@@ -189,13 +228,15 @@ impl Correlator {
             .map_or(self.latest_ns, |e| e.done_ns)
             .saturating_sub(self.hold_ns);
         for q in self.signals.values_mut() {
-            while q.front().is_some_and(|&t| t < horizon) {
+            while q.front().is_some_and(|s| s.ts_ns < horizon) {
                 q.pop_front();
             }
         }
     }
 
-    fn record(&mut self, ev: &VmIoEvent, sig: u64) {
+    fn record(&mut self, ev: &VmIoEvent, signal: Signal) {
+        let sig = signal.ts_ns;
+        let signal_wait_ns = signal.waited_since(ev.done_ns);
         let (kick, pick, start, done) = (ev.kick_ns, ev.pick_ns, ev.start_ns, ev.done_ns);
         if !(kick <= pick && pick <= start && start <= done && done <= sig) {
             self.counters.unordered += 1;
@@ -207,7 +248,7 @@ impl Correlator {
             op: Op::from_index(ev.op as usize).unwrap_or(Op::Other),
             vdisk: ev.vdisk,
         };
-        let mut span = IoSpan::host_only(ev, sig);
+        let mut span = IoSpan::host_only(ev, sig, signal_wait_ns);
         self.splits.entry(key).or_default().record(&span);
         span.queue = self.queue_of(ev);
         match span.queue {
@@ -218,6 +259,7 @@ impl Correlator {
             self.stitch.on_host(HostIo {
                 ev: *ev,
                 signal_ns: sig,
+                signal_wait_ns,
             });
         } else {
             self.stitch.tail(&span);

@@ -47,6 +47,8 @@ use crate::{
 pub struct HostIo {
     pub ev: VmIoEvent,
     pub signal_ns: u64,
+    /// The signalling thread's CPU wait between completion and signal.
+    pub signal_wait_ns: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -475,7 +477,7 @@ impl Stitcher {
             .saturating_sub(begin)
             .saturating_add(end.saturating_sub(irq));
         // The host's side as measured on the host alone.
-        let host = IoSpan::host_only(ev, h.signal_ns);
+        let host = IoSpan::host_only(ev, h.signal_ns, h.signal_wait_ns);
         let host_side = guest
             .saturating_add(host.engine_ns)
             .saturating_add(host.device_ns);
@@ -665,6 +667,7 @@ mod tests {
             HostIo {
                 ev,
                 signal_ns: h + 70 * us,
+                signal_wait_ns: 0,
             },
         )
     }

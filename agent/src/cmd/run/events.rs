@@ -17,7 +17,7 @@ use crate::{
     model::IoSpan,
     model::Op,
     output::export::{ExportCounters, Names, Tracer},
-    pipeline::correlate::Correlator,
+    pipeline::correlate::{Correlator, Signal},
     pipeline::vqueue::Layout,
 };
 
@@ -76,7 +76,16 @@ pub(super) async fn drain_events<W: Write>(
                     drop(known);
                     corr.on_io(ev, followed)
                 }
-                Some(Record::VmSignal(ev)) => corr.on_signal(ev.vm, ev.ts_ns),
+                Some(Record::VmSignal(ev)) => corr.on_signal_waits(
+                    ev.vm,
+                    Signal {
+                        ts_ns: ev.ts_ns,
+                        waits: [
+                            (ev.wait_start[0], ev.wait_end[0]),
+                            (ev.wait_start[1], ev.wait_end[1]),
+                        ],
+                    },
+                ),
                 // Guest records travel the guest channel, never this ring.
                 Some(Record::GuestIo(_) | Record::GuestReap(_)) | None => malformed += 1,
             }
@@ -197,6 +206,8 @@ pub(super) fn span_json(
         "hypervisor_us": us(sp.hypervisor_ns),
         "engine_us": us(sp.engine_ns),
         "device_us": us(sp.device_ns),
+        "hypervisor_cpu_wait_us": us(sp.cpu_wait.hypervisor_ns),
+        "engine_cpu_wait_us": us(sp.cpu_wait.engine_ns),
         "app_ends_from_block_layer": sp.app_ends_from_block_layer,
     })
 }

@@ -169,6 +169,8 @@ fn help_text() -> Vec<String> {
         "HV     kick to engine pickup, engine signal to interrupt",
         "ENGINE pickup to host submit, host completion to signal",
         "DEVICE host block layer issue to completion; QUEUE host queueing",
+        "HV RDY, ENG RDY  of HV and ENGINE, the time their thread (engine,",
+        "       worker) was runnable but waited for a CPU (esxtop's %RDY)",
         "",
         "q0, q1 … a virtual disk's queues (the guest's, else by the kicks' notifier)",
         "lost: events or requests lost; unmatched: guest or host requests",

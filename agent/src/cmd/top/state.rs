@@ -53,7 +53,7 @@ pub enum Col {
 }
 
 impl Col {
-    pub const ALL: [Col; 12] = [
+    pub const ALL: [Col; 14] = [
         Col::Name,
         Col::ReadIops,
         Col::WriteIops,
@@ -65,6 +65,8 @@ impl Col {
         Col::Seg(3),
         Col::Seg(4),
         Col::Seg(5),
+        Col::Seg(6),
+        Col::Seg(7),
         Col::Share,
     ];
 
@@ -120,7 +122,9 @@ impl Col {
 }
 
 /// Segment column titles (µs), `live::SEGMENTS` order.
-pub(super) const SEG_TITLES: [&str; 6] = ["TOTAL", "GUEST", "HV", "ENGINE", "DEVICE", "QUEUE"];
+pub(super) const SEG_TITLES: [&str; 8] = [
+    "TOTAL", "GUEST", "HV", "ENGINE", "DEVICE", "QUEUE", "HV RDY", "ENG RDY",
+];
 
 /// The columns that fit `width`, in screen order.
 pub fn fitting(width: u16) -> Vec<Col> {

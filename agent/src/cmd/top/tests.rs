@@ -168,6 +168,8 @@ fn at_200_columns_every_column_shows() {
         "ENGINE",
         "DEVICE",
         "QUEUE",
+        "HV RDY",
+        "ENG RDY",
         "SHARE",
     ] {
         assert!(s.contains(t), "{t} missing:\n{s}");

@@ -560,6 +560,7 @@ mod tests {
             app_ends_from_block_layer: false,
             has_guest: false,
             queue: None,
+            cpu_wait: Default::default(),
         }
     }
 

@@ -198,6 +198,13 @@ impl Traces {
             KeyValue::new("iospan.hypervisor_ns", s.hypervisor_ns as i64),
             KeyValue::new("iospan.engine_ns", s.engine_ns as i64),
             KeyValue::new("iospan.device_ns", s.device_ns as i64),
+            // Of the hypervisor and engine time, the owning thread's wait
+            // for a CPU.
+            KeyValue::new(
+                "iospan.hypervisor_cpu_wait_ns",
+                s.cpu_wait.hypervisor_ns as i64,
+            ),
+            KeyValue::new("iospan.engine_cpu_wait_ns", s.cpu_wait.engine_ns as i64),
         ];
         if let Some(l) = run_label {
             attrs.push(KeyValue::new("iospan.run.label", l.to_string()));
@@ -577,6 +584,7 @@ mod tests {
             app_ends_from_block_layer: false,
             has_guest: true,
             queue: Some(3),
+            cpu_wait: Default::default(),
         };
         let clock = WallClock { offset_ns: 0 };
         let traces = Traces::new(clock, None);
@@ -665,6 +673,7 @@ mod tests {
             app_ends_from_block_layer: false,
             has_guest: false,
             queue: Some(2),
+            cpu_wait: Default::default(),
         };
         let (root, a, b) = (traces.new_root(), traces.new_root(), traces.new_root());
         let names = Names {

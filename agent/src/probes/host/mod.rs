@@ -61,6 +61,7 @@ const FILL_MAPS: &[&str] = &[
     "vm_started",
     "vm_open_notifiers",
     "notifiers_made",
+    "thread_waits",
 ];
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/host.bpf.o"));
@@ -257,6 +258,7 @@ pub struct BlockProbes {
     vm_segments: bool,
     vm_probes: bool,
     handoff_probe: bool,
+    switch_probe: bool,
     vhost_probes: bool,
     /// Each VM process's uprobe links: (program, link).
     vm_links: std::collections::HashMap<u32, Vec<(&'static str, UProbeLinkId)>>,
@@ -364,6 +366,7 @@ impl BlockProbes {
             vm_segments: vm_segments != 0,
             vm_probes: false,
             handoff_probe: false,
+            switch_probe: false,
             vhost_probes: false,
             vm_links: Default::default(),
             retired: Retired::default(),

@@ -13,7 +13,7 @@ impl BlockProbes {
         if !self.vm_segments || self.vhost_probes {
             return Ok(());
         }
-        self.attach_raw("sched_switch")?;
+        self.ensure_switch_probe()?;
         self.attach_tracepoint("kvm", "kvm_msi_set_irq")?;
         self.vhost_probes = true;
         Ok(())

@@ -157,6 +157,9 @@ impl BlockProbes {
             ] {
                 self.attach_syscall(name)?;
             }
+            // The VM threads' waits for a CPU (`…_cpu_wait`).
+            self.attach_raw("sched_wakeup")?;
+            self.ensure_switch_probe()?;
             // io_uring requests a busy device refused without waiting are
             // issued by an io-wq worker: the submitter's pick goes with them.
             if io_uring_tracepoints() {
@@ -168,6 +171,17 @@ impl BlockProbes {
             }
         }
         self.vm_probes = true;
+        Ok(())
+    }
+
+    /// The one program on context switches (`bpf/runq.bpf.c`): VM threads'
+    /// waits for a CPU and kernel vhost workers' pickups. A program run per
+    /// switch on the whole host, most leaving at a missed lookup.
+    pub fn ensure_switch_probe(&mut self) -> Result<(), LoadError> {
+        if !self.switch_probe {
+            self.attach_raw("sched_switch")?;
+            self.switch_probe = true;
+        }
         Ok(())
     }
 
