@@ -31,6 +31,7 @@ vm_started_map_t vm_started SEC(".maps");
 vm_last_pick_map_t vm_last_pick SEC(".maps");
 thread_picks_map_t thread_picks SEC(".maps");
 punted_picks_map_t punted_picks SEC(".maps");
+vm_signal_due_map_t vm_signal_due SEC(".maps");
 
 struct fd_key {
 	__u32 tgid;

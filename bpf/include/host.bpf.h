@@ -346,12 +346,39 @@ static __always_inline void claim_vhost_kick(__u32 tgid, __u32 tid)
 	bpf_map_update_elem(&vm_last_pick, &tgid, &p, BPF_ANY);
 }
 
+/* VMs with a request completed since their engine's last signal record:
+ * VM slot -> 1. Only the first signal after a completion ends any
+ * request's window (the correlator takes, per request, the first signal
+ * after its host completion), so the others of a batch (virtqueue_flush
+ * runs once per request) need no record. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32);
+} vm_signal_due_map_t;
+extern vm_signal_due_map_t vm_signal_due SEC(".maps");
+
+/* A VM's request completed on the host: its engine's next signal counts.
+ * Written only when not already due (no cache line bounced per request). */
+static __always_inline void signal_due(__u32 vm)
+{
+	static const __u32 due = 1;
+	__u32 *d = bpf_map_lookup_elem(&vm_signal_due, &vm);
+
+	if (!d)
+		bpf_map_update_elem(&vm_signal_due, &vm, &due, BPF_ANY);
+	else if (!*d)
+		*d = 1;
+}
+
 /* The engine making a completion visible to the guest, one record per hit:
  * virtio's used-ring push (virtqueue_flush, once per request: the guest may
  * reap it by polling the ring, without an interrupt, when QEMU suppresses
  * it under EVENT_IDX) or, for NVMe, QEMU raising the interrupt after
  * posting the completion (msix_notify). Attached per VM process, on a push
- * instruction (emulated, not single-stepped). */
+ * instruction (emulated, not single-stepped). A record only for the first
+ * signal after a completion of the VM's (vm_signal_due). */
 static __always_inline int on_signal(void)
 {
 	__u64 id = bpf_get_current_pid_tgid();
@@ -376,6 +403,15 @@ static __always_inline int on_signal(void)
 		p = bpf_map_lookup_elem(&thread_picks, &tid);
 		if (p && (p->flags & PICK_READ) && (p->flags & (PICK_TAKEN | PICK_POLLS)))
 			p->flags |= PICK_SPENT;
+	}
+	{
+		__u32 *due = bpf_map_lookup_elem(&vm_signal_due, vm);
+
+		/* A completion whose mark lands just after this check (on
+		 * another CPU) has its window ended by the next record: a
+		 * batch's later push, or counted no_signal if none comes. */
+		if (!due || !__sync_lock_test_and_set(due, 0))
+			return 0;
 	}
 	ev.vm = *vm;
 	ev.ts_ns = bpf_ktime_get_ns();

@@ -234,6 +234,7 @@ static __always_inline void stream_vm_io(const struct rq_outcome *o, const struc
 {
 	struct vm_io_event ev = {};
 
+	signal_due(o->vm);
 	ev.kind = EVENT_VM_IO;
 	ev.op = op;
 	ev.flags = (__u8)o->flags;

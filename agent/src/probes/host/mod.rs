@@ -62,6 +62,7 @@ const FILL_MAPS: &[&str] = &[
     "vm_open_notifiers",
     "notifiers_made",
     "thread_waits",
+    "vm_signal_due",
 ];
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/host.bpf.o"));

@@ -374,6 +374,10 @@ impl BlockProbes {
                 counts.remove(&slot).map_err(map_err("vm_counts"))?;
             }
         }
+        {
+            let mut due: HashMap<_, u32, u32> = map_mut_of(&mut self.ebpf, "vm_signal_due")?;
+            let _ = due.remove(&slot);
+        }
         if !keep {
             self.retired.vm_stats.retain(|k, _| k.vm != slot);
             self.retired.vm_counts.remove(&slot);
