@@ -54,6 +54,7 @@ fuzz_target!(|data: &[u8]| {
                                 ..Default::default()
                             },
                             signal_ns: t + 51_000,
+                            signal_wait_ns: 0,
                         };
                         st.on_guest(VM, g);
                         st.on_host(host);
