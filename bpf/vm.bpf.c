@@ -451,9 +451,26 @@ int sys_exit_ioctl(struct trace_event_raw_sys_exit *ctx)
 	f.fd = (__u32)io->fd;
 	bpf_map_update_elem(&kvm_notify_addrs, &k, &f.fd, BPF_ANY);
 	/* The queue: the value a datamatch waits for is its index (virtio's
-	 * legacy notify writes it); an address, by its offset in its page. */
+	 * legacy notify writes it); an address, by its offset in its page —
+	 * but for a page of its own per queue (virtio's page-per-vq), where
+	 * every offset is 0: the queue one page below's index plus one (QEMU
+	 * registers a device's queues in index order). */
 	queue = (io->flags & KVM_IOEVENTFD_DATAMATCH) ? VQ_BY_INDEX | (io->datamatch & VQ_VALUE_MASK)
 						      : VQ_BY_ADDR | (io->addr & 0xfff);
+	if (!(io->flags & KVM_IOEVENTFD_DATAMATCH) && !(io->addr & 0xfff)) {
+		struct gpa_key below = { .tgid = k.tgid, .gpa = io->addr - 0x1000 };
+		__u32 *below_fd = bpf_map_lookup_elem(&kvm_notify_addrs, &below);
+
+		if (below_fd) {
+			struct fd_key bf = { .tgid = k.tgid, .fd = *below_fd };
+			struct notifier *b = bpf_map_lookup_elem(&vq_notifiers, &bf);
+
+			if (b && (b->queue & ~VQ_VALUE_MASK) == VQ_BY_ADDR && !(b->queue & VQ_VALUE_MASK))
+				queue = VQ_BY_INDEX | 1;
+			else if (b && (b->queue & ~VQ_VALUE_MASK) == VQ_BY_INDEX)
+				queue = VQ_BY_INDEX | (((b->queue & VQ_VALUE_MASK) + 1) & VQ_VALUE_MASK);
+		}
+	}
 	n = bpf_map_lookup_elem(&vq_notifiers, &f);
 	if (!n) {
 		fresh.queue = queue;

@@ -27,6 +27,9 @@
  *   IOSPAN_VM_IOS      requests per queue, then exit (default 1000), or
  *   IOSPAN_VM_SECONDS  run this long instead
  *   IOSPAN_VM_POLL_NS  poll this long before sleeping (default 0: event-driven)
+ *   IOSPAN_VM_NOTIFY_STRIDE  bytes between the queues' notify addresses
+ *                      (default 4, virtio-pci's; 4096: a page per queue,
+ *                      QEMU's page-per-vq=on)
  *   IOSPAN_VM_LOG      write one line per request: queue, number, offset,
  *                      when it was made available, when the engine popped it,
  *                      when the engine began reading the kick that led to
@@ -93,6 +96,7 @@ static int nq = 1, qd = 32, img, uring;
 static long ios_per_q = 1000;
 static long blocks, first_block;
 static uint64_t poll_ns;
+static uint64_t notify_stride = 4;
 static _Atomic int stop, failed;
 static struct logent *logv; /* [q * ios_per_q + seq] */
 static void *bufs;
@@ -135,7 +139,7 @@ __attribute__((noinline, used, optimize("O0"))) void block_acct_merge_done(void 
 
 static void kick(struct vq *v, int q)
 {
-	struct kvm_regs regs = { .rip = 0, .rflags = 2, .rbx = NOTIFY_GPA + 4 * q };
+	struct kvm_regs regs = { .rip = 0, .rflags = 2, .rbx = NOTIFY_GPA + notify_stride * q };
 
 	if (ioctl(v->vcpu, KVM_SET_REGS, &regs) < 0 || ioctl(v->vcpu, KVM_RUN, 0) < 0 ||
 	    v->run->exit_reason != KVM_EXIT_IO) {
@@ -472,6 +476,8 @@ int main(int argc, char **argv)
 		first_block = atol(getenv("IOSPAN_VM_OFFSET"));
 	if (getenv("IOSPAN_VM_POLL_NS"))
 		poll_ns = strtoull(getenv("IOSPAN_VM_POLL_NS"), NULL, 10);
+	if (getenv("IOSPAN_VM_NOTIFY_STRIDE"))
+		notify_stride = strtoull(getenv("IOSPAN_VM_NOTIFY_STRIDE"), NULL, 10);
 	if (!image) {
 		fprintf(stderr, "vm_load: no -drive file=DISK\n");
 		return 2;
@@ -551,7 +557,7 @@ int main(int argc, char **argv)
 		return die("io_uring");
 	for (int q = 0; q < nq; q++) {
 		struct vq *v = &vqs[q];
-		struct kvm_ioeventfd notify = { .addr = NOTIFY_GPA + 4 * q, .len = 1 };
+		struct kvm_ioeventfd notify = { .addr = NOTIFY_GPA + notify_stride * q, .len = 1 };
 		struct {
 			struct kvm_irq_routing r;
 			struct kvm_irq_routing_entry e[MAXQ];

@@ -98,6 +98,9 @@ struct Vm {
     poll_ns: u64,
     /// Run on this CPU only, at this nice (all its threads).
     pinned: Option<(u32, i32)>,
+    /// Bytes between its queues' notify addresses (virtio-pci's 4, or a
+    /// page per queue: QEMU's page-per-vq=on).
+    notify_stride: u64,
 }
 
 /// `vms` run side by side under `iospan run`, `ios` requests per queue
@@ -130,12 +133,13 @@ fn traced(
             .unwrap_or_default();
         script += &format!(
             "{pin}env IOSPAN_VM_QUEUES={QUEUES} IOSPAN_VM_QD={QD} IOSPAN_VM_IOS={ios} \
-             IOSPAN_VM_OFFSET={} IOSPAN_VM_POLL_NS={} IOSPAN_VM_LOG={} {} \
+             IOSPAN_VM_OFFSET={} IOSPAN_VM_POLL_NS={} IOSPAN_VM_NOTIFY_STRIDE={} IOSPAN_VM_LOG={} {} \
              -name guest={},debug-threads=on \
              -drive file={disk},if=none,id=d0,format=raw,cache=none,aio=io_uring \
              -device virtio-blk-pci,drive=d0,num-queues={QUEUES} & pids=\"$pids $!\"\n",
             vm.offset_blocks,
             vm.poll_ns,
+            vm.notify_stride,
             log.display(),
             exe.display(),
             vm.name
@@ -323,12 +327,15 @@ fn two_vms_at_depth_on_four_queues_are_counted_exactly_and_never_share_a_request
             offset_blocks: 0,
             poll_ns: 0,
             pinned: None,
+            notify_stride: 4,
         },
         Vm {
             name: "vmpath-b",
             offset_blocks: 8192,
             poll_ns: 0,
             pinned: None,
+            // Its queues named by the page below theirs.
+            notify_stride: 4096,
         },
     ];
     let (rep, spans, logs) = traced("two", &disk.dev, ios, &vms);
@@ -397,6 +404,7 @@ fn a_polling_engine_lends_no_kick_across_batches() {
         // QEMU's iothreads' default poll-max-ns.
         poll_ns: 32768,
         pinned: None,
+        notify_stride: 4,
     };
     let (rep, spans, logs) = traced("poll", &disk.dev, ios, std::slice::from_ref(&vm));
     lost_nothing(&rep);
@@ -488,6 +496,7 @@ fn a_cpu_shared_with_a_busy_process_shows_as_cpu_wait() {
         offset_blocks: 0,
         poll_ns: 0,
         pinned: Some((1, 10)),
+        notify_stride: 4,
     };
     let quiet = vm("vmpath-quiet");
     let (rep_quiet, spans_quiet, _) =

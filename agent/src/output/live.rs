@@ -186,22 +186,35 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
             .collect(),
         })
         .collect();
+    // A virtual disk's queue: its VM, disk and op, its count, bytes and
+    // segments, and whether they are the guest's view.
+    let queue_row = |(vm, vdisk, op): (u32, u32, Op), q: u32, ios, bytes, guest, segs| {
+        Some(Row {
+            vm: known.name(vm),
+            disk: known.vdisk(vdisk)?.to_string(),
+            queue: Some(q),
+            op,
+            ios,
+            bytes,
+            inflight: 0,
+            undelivered: 0,
+            guest_observed: guest,
+            segs,
+        })
+    };
     let mut queues: Vec<Row> = stitch
         .queues
         .iter()
         .filter_map(|((k, q), st)| {
-            Some(Row {
-                vm: known.name(k.vm),
-                disk: known.vdisk(k.vdisk)?.to_string(),
-                queue: Some(*q),
-                op: k.op,
-                ios: st.total.count,
-                bytes: st.bytes,
-                inflight: 0,
-                undelivered: 0,
-                guest_observed: true,
-                segs: stitched_segs(st),
-            })
+            let segs = stitched_segs(st);
+            queue_row(
+                (k.vm, k.vdisk, k.op),
+                *q,
+                st.total.count,
+                st.bytes,
+                true,
+                segs,
+            )
         })
         .collect();
     // Host-side queues where no guest agent gave the disk's: the host
@@ -214,18 +227,14 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
         if guest_has_queues {
             return None;
         }
-        Some(Row {
-            vm: known.name(k.vm),
-            disk: known.vdisk(k.vdisk)?.to_string(),
-            queue: Some(*q),
-            op: k.op,
-            ios: h.window.count,
-            bytes: h.bytes,
-            inflight: 0,
-            undelivered: 0,
-            guest_observed: false,
-            segs: host_segs(h),
-        })
+        queue_row(
+            (k.vm, k.vdisk, k.op),
+            *q,
+            h.window.count,
+            h.bytes,
+            false,
+            host_segs(h),
+        )
     }));
     Frame {
         at_s,

@@ -2,8 +2,10 @@
 //! its kick came by names it (`VmIoEvent::queue`, `VQ_*`), and the virtual
 //! disk's device model says how a notifier maps to an index.
 //!
-//! - A KVM ioeventfd with a datamatch waits for the queue's index (virtio's
-//!   legacy and PIO notify): the index itself.
+//! - A KVM ioeventfd with a datamatch waits for the virtqueue's index
+//!   (virtio's legacy and PIO notify): the index itself, less virtio-scsi's
+//!   control and event queues. So does one of virtio's page-per-vq notify
+//!   pages, numbered from the page below it.
 //! - One on an address: the address's offset in its page, notify regions
 //!   and doorbells being page-aligned. virtio-pci spaces its queues' notify
 //!   addresses 4 bytes apart (QEMU's default `page-per-vq=off`), and
@@ -56,7 +58,10 @@ impl QueueIndex {
     pub fn of(hint: u16, layout: Layout) -> Self {
         let value = u32::from(hint & VQ_VALUE_MASK);
         match hint & !VQ_VALUE_MASK {
-            VQ_BY_INDEX => Self::Known(value),
+            VQ_BY_INDEX => match layout {
+                Layout::VirtioScsi => value.checked_sub(2).map_or(Self::Unknown, Self::Known),
+                Layout::Virtio | Layout::Nvme => Self::Known(value),
+            },
             VQ_BY_ADDR => match layout {
                 Layout::Virtio => Self::Known(value / 4),
                 Layout::VirtioScsi => (value / 4)
@@ -90,10 +95,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_index_is_taken_as_it_is() {
+    fn an_index_is_the_virtqueues() {
         assert_eq!(
-            QueueIndex::of(VQ_BY_INDEX | 3, Layout::Nvme),
+            QueueIndex::of(VQ_BY_INDEX | 3, Layout::Virtio),
             QueueIndex::Known(3)
+        );
+        // virtio-scsi's request queues follow its control and event queues.
+        assert_eq!(
+            QueueIndex::of(VQ_BY_INDEX | 3, Layout::VirtioScsi),
+            QueueIndex::Known(1)
+        );
+        assert_eq!(
+            QueueIndex::of(VQ_BY_INDEX | 1, Layout::VirtioScsi),
+            QueueIndex::Unknown
         );
     }
 
