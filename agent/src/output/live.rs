@@ -219,12 +219,15 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
         .collect();
     // Host-side queues where no guest agent gave the disk's: the host
     // window per queue its kicks came through.
+    let guest_queues: std::collections::BTreeSet<_> =
+        stitch.queues.keys().map(|(k, _)| *k).collect();
     queues.extend(corr.queue_splits.iter().filter_map(|((k, q), h)| {
-        let guest_has_queues = stitch
-            .queues
-            .keys()
-            .any(|(sk, _)| (sk.vm, sk.vdisk, sk.op) == (k.vm, k.vdisk, k.op));
-        if guest_has_queues {
+        let joined = StitchKey {
+            vm: k.vm,
+            vdisk: k.vdisk,
+            op: k.op,
+        };
+        if guest_queues.contains(&joined) {
             return None;
         }
         queue_row(

@@ -107,11 +107,9 @@ pub struct Correlator {
     pending: VecDeque<VmIoEvent>,
     latest_ns: u64,
     pub splits: BTreeMap<SplitKey, HostSplit>,
-    /// The same per guest queue, where the kick's notifier names it.
+    /// The same per guest queue, where the kick's notifier names it (a VM
+    /// found running, its notifiers made before iospan started, has none).
     pub queue_splits: BTreeMap<(SplitKey, u32), HostSplit>,
-    /// Split requests whose queue no notifier named (a VM found running,
-    /// whose notifiers were made before iospan started).
-    pub unqueued: u64,
     /// Per virtual disk: how its notifiers map to queues, and how many
     /// queues the host gave it.
     vdisks: HashMap<u32, (Layout, Option<u32>)>,
@@ -132,7 +130,6 @@ impl Correlator {
             latest_ns: 0,
             splits: BTreeMap::new(),
             queue_splits: BTreeMap::new(),
-            unqueued: 0,
             vdisks: HashMap::new(),
             order_base: HashMap::new(),
             counters: SplitCounters::default(),
@@ -251,9 +248,8 @@ impl Correlator {
         let mut span = IoSpan::host_only(ev, sig, signal_wait_ns);
         self.splits.entry(key).or_default().record(&span);
         span.queue = self.queue_of(ev);
-        match span.queue {
-            Some(q) => self.queue_splits.entry((key, q)).or_default().record(&span),
-            None => self.unqueued += 1,
+        if let Some(q) = span.queue {
+            self.queue_splits.entry((key, q)).or_default().record(&span);
         }
         if self.stitch.has_guest(ev.vm) {
             self.stitch.on_host(HostIo {
@@ -292,19 +288,13 @@ impl Correlator {
             return base;
         }
         let shift = u32::from(base - order);
-        let moved: Vec<_> = self
-            .queue_splits
-            .keys()
-            .filter(|(k, _)| k.vm == vm && k.vdisk == vdisk)
-            .copied()
-            .collect();
-        let mut taken: Vec<_> = moved
+        self.queue_splits = std::mem::take(&mut self.queue_splits)
             .into_iter()
-            .filter_map(|k| self.queue_splits.remove_entry(&k))
+            .map(|((k, q), s)| {
+                let mine = k.vm == vm && k.vdisk == vdisk;
+                ((k, if mine { q + shift } else { q }), s)
+            })
             .collect();
-        for ((k, q), s) in taken.drain(..) {
-            self.queue_splits.insert((k, q + shift), s);
-        }
         self.order_base.insert((vm, vdisk), order);
         order
     }
@@ -438,7 +428,9 @@ mod tests {
             .collect();
         // Queue 4 is past the disk's four: no queue of it.
         assert_eq!(counts, [(1, 2), (3, 1)]);
-        assert_eq!(c.unqueued, 2);
+        // Split without a queue: the disk's split requests less its queues'.
+        let queued: u64 = c.queue_splits.values().map(|s| s.window.count).sum();
+        assert_eq!(split(&c, 1).window.count - queued, 2);
         assert_eq!(split(&c, 1).window.count, 5);
 
         // Named by order: counted from the lowest seen, rows moving up when
