@@ -29,6 +29,7 @@ vm_undelivered_map_t vm_undelivered SEC(".maps");
 vm_disks_map_t vm_disks SEC(".maps");
 vm_started_map_t vm_started SEC(".maps");
 vm_last_pick_map_t vm_last_pick SEC(".maps");
+thread_pops_map_t thread_pops SEC(".maps");
 thread_picks_map_t thread_picks SEC(".maps");
 punted_picks_map_t punted_picks SEC(".maps");
 vm_signal_due_map_t vm_signal_due SEC(".maps");
@@ -621,6 +622,41 @@ SEC("uprobe")
 int vu_queue_push(void *ctx)
 {
 	return on_signal();
+}
+
+/* QEMU's device models start their clock for a guest request as they
+ * take it (block_acct_start(stats, cookie, bytes, type), one call per read
+ * or write): in an engine thread that read a kick, the stamp of when its
+ * request was taken (see struct pops). BLOCK_ACCT_READ is 1, _WRITE 2. */
+SEC("uprobe")
+int BPF_KPROBE(block_acct_start, void *stats, void *cookie, __s64 bytes, int type)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	static const struct pops fresh;
+	struct pick *p;
+	struct pops *q;
+	__u32 op, t;
+
+	if (!targ_vm_segments || (type != 1 && type != 2))
+		return 0;
+	p = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (!p || !(p->flags & PICK_READ) || (p->flags & PICK_SPENT))
+		return 0;
+	q = lookup_or_init(&thread_pops, &tid, &fresh);
+	if (!q)
+		return 0;
+	if (q->pick_ns != p->pick_ns) {
+		q->pick_ns = p->pick_ns;
+		q->head[0] = q->tail[0] = 0;
+		q->head[1] = q->tail[1] = 0;
+	}
+	op = type == 2;
+	t = q->tail[op];
+	if (t - q->head[op] >= POPS)
+		return 0;
+	q->ts[op][t & POPS_MASK] = bpf_ktime_get_ns();
+	q->tail[op] = t + 1;
+	return 0;
 }
 
 /* Guest requests that never become host requests of their own: merged

@@ -172,6 +172,52 @@ typedef struct {
 } thread_picks_map_t;
 extern thread_picks_map_t thread_picks SEC(".maps");
 
+/* When an engine thread's device model took each request of its latest
+ * pickup's batch (QEMU's block_acct_start, where its clock for the request
+ * starts), reads and writes apart: a pickup reads a notifier once for the
+ * whole batch, and each request then waits its turn behind the ones taken
+ * before it, which is not engine time of its own. A request the thread
+ * starts takes the oldest stamp of its op (the batch is submitted in
+ * sector order, not in the order taken: exact for the batch's sum, not for
+ * each request); a batch of more than POPS of an op, and requests the
+ * device model took without accounting, keep the pickup. */
+#define POPS 32
+#define POPS_MASK (POPS - 1)
+
+struct pops {
+	__u64 pick_ns;         /* the pickup the stamps follow */
+	__u32 head[2];         /* per op (read, write): next to take */
+	__u32 tail[2];         /* next free */
+	__u64 ts[2][POPS];
+};
+
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, struct pops);
+} thread_pops_map_t;
+extern thread_pops_map_t thread_pops SEC(".maps");
+
+/* The stamp of the next request of op `op` that thread `tid` starts under
+ * pickup `pick_ns`, or `pick_ns` when it has none. */
+static __always_inline __u64 take_pop(__u32 tid, __u64 pick_ns, __u32 op)
+{
+	struct pops *q;
+	__u32 h;
+
+	if (op > BLK_OP_WRITE)
+		return pick_ns;
+	q = bpf_map_lookup_elem(&thread_pops, &tid);
+	if (!q || q->pick_ns != pick_ns)
+		return pick_ns;
+	h = q->head[op & 1];
+	if (h == q->tail[op & 1])
+		return pick_ns;
+	q->head[op & 1] = h + 1;
+	return q->ts[op & 1][h & POPS_MASK];
+}
+
 /* A VM thread's waits for a CPU (runq.bpf.c): since when it is runnable
  * and not running (0: running or asleep), and its last RUN_WAITS waits. */
 struct run_waits {

@@ -180,6 +180,7 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 				vdisk = vdisk_of(rq, vm, dev, &pos);
 			if (targ_vm_segments) {
 				struct pick *p, punt;
+				int own = 0;
 
 				if (in_vhost_worker())
 					claim_vhost_kick(tgid, tid);
@@ -193,13 +194,18 @@ static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int bt
 					p = bpf_map_lookup_elem(&vm_last_pick, &tgid);
 				else if (p->flags & PICK_HANDED)
 					p->flags |= PICK_USED;
-				else if (p->flags & PICK_READ)
+				else if (p->flags & PICK_READ) {
 					polled = take_pick(p, kstart_ns ? kstart_ns : now);
+					own = 1;
+				}
 				if (p && !polled) {
 					kick_ns = p->kick_ns;
-					pick_ns = p->pick_ns;
+					pick_ns = own ? take_pop(tid, p->pick_ns, op) : p->pick_ns;
 					queue = (__u16)p->queue;
-					hv_wait = p->hv_wait_ns;
+					/* Taken after the pickup: the thread's waits up to
+					 * then were the request's wait to be taken. */
+					hv_wait = pick_ns == p->pick_ns ? p->hv_wait_ns
+									: waited_within(tid, kick_ns, pick_ns);
 					eng_wait = waited_within(tid, pick_ns, kstart_ns ? kstart_ns : now);
 				}
 			}

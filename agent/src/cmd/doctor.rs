@@ -247,7 +247,7 @@ impl Doctor {
             } else if let Some(u) = &vm.uuid {
                 let _ = writeln!(out, "    uuid {u}");
             }
-            for (symbol, hot) in vm.uprobe_symbols(true) {
+            for (symbol, role) in vm.uprobe_symbols(true) {
                 let site = crate::probes::uprobe::uprobe_site(vm.pid, symbol).map(|s| s.prologue);
                 let how = match site {
                     Some(crate::probes::uprobe::Prologue::Push) => {
@@ -256,17 +256,9 @@ impl Doctor {
                     Some(crate::probes::uprobe::Prologue::SingleStepped) => {
                         "single-stepped: the expensive kind".to_string()
                     }
-                    None if hot => {
-                        "not exported by this binary: no engine completion half".to_string()
-                    }
-                    None => "not exported by this binary: requests QEMU merges are not counted"
-                        .to_string(),
+                    None => format!("not exported by this binary: {}", role.missing()),
                 };
-                let role = if hot {
-                    "completion probe"
-                } else {
-                    "merge probe (hit only when QEMU merges requests)"
-                };
+                let role = role.describe();
                 let _ = writeln!(out, "    {role}: {symbol}, {how}");
             }
             if vm.vdisks_over_cap > 0 {

@@ -215,11 +215,12 @@ fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
     let probes_with_victim = bpf_links(agent.id());
     va.kill().unwrap();
     va.wait().unwrap();
-    // Its probes in QEMU go with it: a virtio-blk VM has two (the used-ring
-    // push and the merge accounting), each a link the agent holds.
+    // Its probes in QEMU go with it: a virtio-blk VM has three (the used-ring
+    // push, the merge accounting and the device model taking each request),
+    // each a link the agent holds.
     std::thread::sleep(std::time::Duration::from_millis(500));
     assert_eq!(
-        bpf_links(agent.id()) + 2,
+        bpf_links(agent.id()) + 3,
         probes_with_victim,
         "the exited VM's uprobes are still attached"
     );

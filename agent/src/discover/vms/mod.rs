@@ -13,6 +13,7 @@ mod registry;
 mod scan;
 mod stack;
 mod symbols;
+pub use symbols::ProbeRole;
 
 pub use cmdline::{from_args, is_qemu_comm};
 pub use engines::{

@@ -767,3 +767,45 @@ fn a_storage_daemons_monitor_is_read_from_its_arguments() {
         None
     );
 }
+
+#[test]
+fn qemu_served_disks_get_a_request_taken_probe_only_with_the_split() {
+    let vm = from_args(
+        7,
+        &args(&[
+            "-drive", "file=/img/a.raw,if=none,id=d0,format=raw",
+            "-device", "virtio-blk-pci,drive=d0,id=vd0",
+            "-drive", "file=/img/b.raw,if=none,id=d1,format=raw",
+            "-device", "nvme,drive=d1,serial=s1",
+        ]),
+    );
+    let with = vm.uprobe_symbols(true);
+    let roles: Vec<_> = with.iter().map(|&(s, r)| (s, r)).collect();
+    assert_eq!(
+        roles,
+        [
+            ("virtqueue_flush", ProbeRole::Completion),
+            ("msix_notify", ProbeRole::Completion),
+            ("block_acct_merge_done", ProbeRole::Merge),
+            ("block_acct_start", ProbeRole::Taken),
+        ]
+    );
+    // Only the request-taken probe may be missing from a binary: the
+    // split stands on the batch's read without it.
+    assert!(with.iter().all(|&(_, r)| r.optional() == (r == ProbeRole::Taken)));
+    assert!(with.iter().all(|&(_, r)| r.hot() == (r != ProbeRole::Merge)));
+    assert_eq!(
+        vm.uprobe_symbols(false),
+        [("block_acct_merge_done", ProbeRole::Merge)]
+    );
+    // A vhost-user disk is served by its daemon, whose export keeps no
+    // accounting: nothing of QEMU's to probe for it.
+    let relay = from_args(
+        8,
+        &args(&[
+            "-chardev", "socket,id=c0,path=/run/vu.sock",
+            "-device", "vhost-user-blk-pci,chardev=c0,id=vu0",
+        ]),
+    );
+    assert!(relay.uprobe_symbols(true).is_empty());
+}

@@ -227,7 +227,7 @@ impl BlockProbes {
         &mut self,
         exe: Option<&std::path::Path>,
         pid: u32,
-        symbols: &[(&'static str, bool)],
+        symbols: &[(&'static str, crate::discover::vms::ProbeRole)],
     ) -> Result<(), LoadError> {
         let Some(exe) = exe else {
             return Ok(());
@@ -235,19 +235,27 @@ impl BlockProbes {
         let Some(nz) = std::num::NonZeroU32::new(pid) else {
             return Ok(());
         };
-        for &(symbol, hot) in symbols {
+        for &(symbol, role) in symbols {
             let site = format!("{}:{symbol}", exe.display());
             // Read and attached through /proc/PID/exe: the file the process
             // runs, never what sits at its path now.
-            let found = crate::probes::uprobe::uprobe_site(pid, symbol).ok_or_else(|| {
-                LoadError::Attach {
+            let Some(found) = crate::probes::uprobe::uprobe_site(pid, symbol) else {
+                if role.optional() {
+                    log::warn!(
+                        "{symbol} is not exported by {} (pid {pid}): {}",
+                        exe.display(),
+                        role.missing()
+                    );
+                    continue;
+                }
+                return Err(LoadError::Attach {
                     tracepoint: format!("uprobe {site}"),
                     flavour: "uprobe",
                     reason: format!("{symbol} is not exported by {}", exe.display()),
-                }
-            })?;
+                });
+            };
             let (offset, prologue) = (found.file_offset, found.prologue);
-            if hot && prologue != crate::probes::uprobe::Prologue::Push {
+            if role.hot() && prologue != crate::probes::uprobe::Prologue::Push {
                 log::warn!("{site} is not entered with a push: each hit is single-stepped (see iospan doctor)");
             }
             let prog = self
