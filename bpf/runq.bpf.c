@@ -53,6 +53,7 @@ static __always_inline void on_switch(__u32 prev_tgid, __u32 prev_tid, int preem
 	if (w) {
 		now = bpf_ktime_get_ns();
 		w->runnable_since = preempted ? now : 0;
+		send_pushes_of(prev_tid);
 	}
 	w = bpf_map_lookup_elem(&thread_waits, &next_tid);
 	if (!w)

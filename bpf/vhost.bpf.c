@@ -21,7 +21,7 @@ SEC("tracepoint/kvm/kvm_msi_set_irq")
 int kvm_msi_set_irq(void *ctx)
 {
 	if (targ_vm_segments && in_vhost_worker())
-		return on_signal();
+		return on_signal(0);
 	return 0;
 }
 

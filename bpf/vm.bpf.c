@@ -8,6 +8,7 @@
  * puts a VM's requests between the pickup and the signal.
  */
 #include "host.bpf.h"
+#include "core_fixes.bpf.h"
 
 /* Attribute requests to VMs (processes in vm_pids) and keep vm_latency. */
 const volatile __u32 targ_track_vms = 0;
@@ -30,6 +31,7 @@ vm_disks_map_t vm_disks SEC(".maps");
 vm_started_map_t vm_started SEC(".maps");
 vm_last_pick_map_t vm_last_pick SEC(".maps");
 thread_pops_map_t thread_pops SEC(".maps");
+thread_pushes_map_t thread_pushes SEC(".maps");
 thread_picks_map_t thread_picks SEC(".maps");
 punted_picks_map_t punted_picks SEC(".maps");
 vm_signal_due_map_t vm_signal_due SEC(".maps");
@@ -602,16 +604,18 @@ int BPF_PROG(sched_wakeup_new, struct task_struct *p)
 	return 0;
 }
 
+/* virtqueue_flush(vq, count): count completions pushed (virtqueue_push
+ * flushes one). */
 SEC("uprobe")
-int virtqueue_flush(void *ctx)
+int BPF_KPROBE(virtqueue_flush, void *vq, unsigned int count)
 {
-	return on_signal();
+	return on_signal(count ? count : 1);
 }
 
 SEC("uprobe")
 int msix_notify(void *ctx)
 {
-	return on_signal();
+	return on_signal(0);
 }
 
 /* libvhost-user's used-ring push (fill, then flush), in an engine serving
@@ -621,7 +625,7 @@ int msix_notify(void *ctx)
 SEC("uprobe")
 int vu_queue_push(void *ctx)
 {
-	return on_signal();
+	return on_signal(1);
 }
 
 /* QEMU's device models start their clock for a guest request as they
@@ -666,7 +670,7 @@ int BPF_KPROBE(block_acct_start, void *stats, void *cookie, __s64 bytes, int typ
  * layer in the VM's submitting thread. Both are rare under random I/O and
  * the rule under sequential I/O: without them a VM's request count would
  * fall short of its guest's. */
-static __always_inline void note_merges(__u64 n, int engine)
+static __always_inline void note_merges(__u64 n, int engine, __u32 dev)
 {
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
 	struct vm_counts *c;
@@ -683,6 +687,15 @@ static __always_inline void note_merges(__u64 n, int engine)
 	state = bpf_map_lookup_elem(&vm_started, &tgid);
 	if (!state || *state != VM_RUNNING)
 		return;
+	/* A bio the VM's thread merged on a disk holding none of its virtual
+	 * disks is no guest request: its own log or image of another kind
+	 * written back from its context (direct reclaim, dirty throttling). */
+	if (!engine) {
+		struct vm_dev_key vk = { .vm = *vm, .dev = dev };
+
+		if (!bpf_map_lookup_elem(&vm_disks, &vk))
+			return;
+	}
 	c = vm_counts_of(*vm);
 	if (!c)
 		return;
@@ -696,21 +709,35 @@ SEC("uprobe")
 int BPF_KPROBE(block_acct_merge_done, void *stats, int type, int num_merged)
 {
 	if (num_merged > 0)
-		note_merges(num_merged, 1);
+		note_merges(num_merged, 1, 0);
 	return 0;
 }
 
-SEC("tracepoint/block/block_bio_backmerge")
-int block_bio_backmerge(void *ctx)
+SEC("tp_btf/block_bio_backmerge")
+int BPF_PROG(block_bio_backmerge_btf, struct bio *bio)
 {
-	note_merges(1, 0);
+	note_merges(1, 0, bio_disk_dev(bio));
 	return 0;
 }
 
-SEC("tracepoint/block/block_bio_frontmerge")
-int block_bio_frontmerge(void *ctx)
+SEC("raw_tp/block_bio_backmerge")
+int BPF_PROG(block_bio_backmerge, struct bio *bio)
 {
-	note_merges(1, 0);
+	note_merges(1, 0, bio_disk_dev(bio));
+	return 0;
+}
+
+SEC("tp_btf/block_bio_frontmerge")
+int BPF_PROG(block_bio_frontmerge_btf, struct bio *bio)
+{
+	note_merges(1, 0, bio_disk_dev(bio));
+	return 0;
+}
+
+SEC("raw_tp/block_bio_frontmerge")
+int BPF_PROG(block_bio_frontmerge, struct bio *bio)
+{
+	note_merges(1, 0, bio_disk_dev(bio));
 	return 0;
 }
 

@@ -213,6 +213,7 @@ enum event_kind {
 	EVENT_VM_SIGNAL = 3,
 	EVENT_GUEST_IO = 4,
 	EVENT_GUEST_REAP = 5,
+	EVENT_VM_PUSHES = 6,
 };
 
 /* One request as a guest sees it (`iospan agent --guest`), on the guest's
@@ -305,6 +306,22 @@ struct vm_signal_event {
 	__u64 wait_end[2];
 };
 
+/* A VM engine thread's used-ring pushes (one request each), gathered per
+ * thread and sent together when PUSH_BATCH are gathered, when the VM has
+ * no completion left waiting, or when the thread leaves its CPU: one
+ * record for a burst of pushes instead of one per push. With the
+ * thread's last two waits for a CPU as it sends them. */
+#define PUSH_BATCH 8
+
+struct vm_pushes_event {
+	__u16 kind;      /* EVENT_VM_PUSHES */
+	__u16 n;         /* pushes in ts, oldest first */
+	__u32 vm;
+	__u64 ts[PUSH_BATCH];
+	__u64 wait_start[2]; /* newest first; 0: none */
+	__u64 wait_end[2];
+};
+
 /* One completed host block request, streamed through the ring buffer
  * `events` when sampling or a latency threshold asks for it. */
 struct blk_io_event {
@@ -333,6 +350,7 @@ _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");
 _Static_assert(sizeof(struct vm_io_event) == 80, "abi: vm_io_event");
 _Static_assert(sizeof(struct vm_signal_event) == 48, "abi: vm_signal_event");
+_Static_assert(sizeof(struct vm_pushes_event) == 104, "abi: vm_pushes_event");
 _Static_assert(sizeof(struct rq_slot) == 80, "abi: rq_slot");
 _Static_assert(sizeof(struct disk_slot) == 16, "abi: disk_slot");
 _Static_assert(sizeof(struct blk_stats) == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS), "abi: blk_stats");

@@ -392,11 +392,14 @@ static __always_inline void claim_vhost_kick(__u32 tgid, __u32 tid)
 	bpf_map_update_elem(&vm_last_pick, &tgid, &p, BPF_ANY);
 }
 
-/* VMs with a request completed since their engine's last signal record:
- * VM slot -> 1. Only the first signal after a completion ends any
- * request's window (the correlator takes, per request, the first signal
- * after its host completion), so the others of a batch (virtqueue_flush
- * runs once per request) need no record. */
+/* Per VM slot, its requests completed on the host and not yet made
+ * visible by a signal record. Used-ring pushes (virtqueue_flush,
+ * vu_queue_push) come one per request, in completion order: each makes a
+ * record while completions wait, and the correlator gives each push to
+ * one request. An interrupt (NVMe's msix_notify, a vhost worker's irqfd)
+ * covers every completion before it: it makes a record when any waits and
+ * clears them. A push with nothing waiting (the later pushes of requests
+ * QEMU merged into one) makes none. */
 typedef struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024);
@@ -405,27 +408,89 @@ typedef struct {
 } vm_signal_due_map_t;
 extern vm_signal_due_map_t vm_signal_due SEC(".maps");
 
-/* A VM's request completed on the host: its engine's next signal counts.
- * Written only when not already due (no cache line bounced per request). */
+/* A VM's request completed on the host: one more waits for a signal. */
 static __always_inline void signal_due(__u32 vm)
 {
-	static const __u32 due = 1;
+	static const __u32 one = 1;
 	__u32 *d = bpf_map_lookup_elem(&vm_signal_due, &vm);
 
 	if (!d)
-		bpf_map_update_elem(&vm_signal_due, &vm, &due, BPF_ANY);
-	else if (!*d)
-		*d = 1;
+		bpf_map_update_elem(&vm_signal_due, &vm, &one, BPF_NOEXIST);
+	else
+		__sync_fetch_and_add(d, 1);
 }
 
-/* The engine making a completion visible to the guest, one record per hit:
- * virtio's used-ring push (virtqueue_flush, once per request: the guest may
- * reap it by polling the ring, without an interrupt, when QEMU suppresses
- * it under EVENT_IDX) or, for NVMe, QEMU raising the interrupt after
- * posting the completion (msix_notify). Attached per VM process, on a push
- * instruction (emulated, not single-stepped). A record only for the first
- * signal after a completion of the VM's (vm_signal_due). */
-static __always_inline int on_signal(void)
+/* Whether a signal covering `covers` completions (0: all) finds any
+ * waiting, taking them. Another CPU's completion racing this is counted
+ * either here or for the next signal, never lost: its window is ended by
+ * a later record, or counted no_signal if none comes. */
+static __always_inline int take_due(__u32 *due, __u32 covers)
+{
+	__s32 old;
+
+	if (!covers)
+		return __sync_lock_test_and_set(due, 0) != 0;
+	if (!*due)
+		return 0;
+	old = (__s32)__sync_fetch_and_add(due, -covers);
+	if (old < (__s32)covers)
+		/* Fewer waited than it covers: none left, not a debt. */
+		__sync_fetch_and_add(due, covers - (old > 0 ? old : 0));
+	return old > 0;
+}
+
+/* Each engine thread's pushes not yet sent (struct vm_pushes_event). */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, struct vm_pushes_event);
+} thread_pushes_map_t;
+extern thread_pushes_map_t thread_pushes SEC(".maps");
+
+/* The thread's last two waits for a CPU, newest first. */
+static __always_inline void last_waits(__u32 tid, __u64 start[2], __u64 end[2])
+{
+	struct run_waits *w = bpf_map_lookup_elem(&thread_waits, &tid);
+
+	if (w) {
+		__u32 i = (w->next - 1) & (RUN_WAITS - 1), j = (w->next - 2) & (RUN_WAITS - 1);
+
+		start[0] = w->start[i];
+		end[0] = w->end[i];
+		start[1] = w->start[j];
+		end[1] = w->end[j];
+	}
+}
+
+/* Sends thread `tid`'s gathered pushes, if any. */
+static __always_inline void send_pushes(__u32 tid, struct vm_pushes_event *b)
+{
+	if (!b->n)
+		return;
+	last_waits(tid, b->wait_start, b->wait_end);
+	emit(b, sizeof(*b));
+	b->n = 0;
+}
+
+/* The thread leaving its CPU sends what it gathered: it may not push
+ * again for a while. */
+static __always_inline void send_pushes_of(__u32 tid)
+{
+	struct vm_pushes_event *b = bpf_map_lookup_elem(&thread_pushes, &tid);
+
+	if (b)
+		send_pushes(tid, b);
+}
+
+/* The engine making completions visible to the guest, one record per hit
+ * that finds completions waiting (vm_signal_due): virtio's used-ring push
+ * (virtqueue_flush, once per request: the guest may reap it by polling the
+ * ring, without an interrupt, when QEMU suppresses it under EVENT_IDX;
+ * `covers` its count) or, for NVMe, QEMU raising the interrupt after
+ * posting the completions (msix_notify, `covers` 0). Attached per VM
+ * process, on a push instruction (emulated, not single-stepped). */
+static __always_inline int on_signal(__u32 covers)
 {
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
@@ -453,26 +518,38 @@ static __always_inline int on_signal(void)
 	{
 		__u32 *due = bpf_map_lookup_elem(&vm_signal_due, vm);
 
-		/* A completion whose mark lands just after this check (on
-		 * another CPU) has its window ended by the next record: a
-		 * batch's later push, or counted no_signal if none comes. */
-		if (!due || !__sync_lock_test_and_set(due, 0))
+		if (!due || !take_due(due, covers))
 			return 0;
+		if (covers) {
+			static const struct vm_pushes_event fresh = { .kind = EVENT_VM_PUSHES };
+			struct vm_pushes_event *b = lookup_or_init(&thread_pushes, &tid, &fresh);
+			__u32 i;
+
+			if (!b)
+				return 0;
+			if (b->vm != *vm) {
+				send_pushes(tid, b);
+				b->vm = *vm;
+			}
+			/* A push of several completions is one stamp each. */
+			for (i = 0; i < PUSH_BATCH && i < covers; i++) {
+				__u32 n = b->n;
+
+				if (n >= PUSH_BATCH) {
+					send_pushes(tid, b);
+					n = 0;
+				}
+				b->ts[n & (PUSH_BATCH - 1)] = bpf_ktime_get_ns();
+				b->n = n + 1;
+			}
+			if (b->n >= PUSH_BATCH || !*due)
+				send_pushes(tid, b);
+			return 0;
+		}
 	}
 	ev.vm = *vm;
 	ev.ts_ns = bpf_ktime_get_ns();
-	{
-		struct run_waits *w = bpf_map_lookup_elem(&thread_waits, &tid);
-
-		if (w) {
-			__u32 i = (w->next - 1) & (RUN_WAITS - 1), j = (w->next - 2) & (RUN_WAITS - 1);
-
-			ev.wait_start[0] = w->start[i];
-			ev.wait_end[0] = w->end[i];
-			ev.wait_start[1] = w->start[j];
-			ev.wait_end[1] = w->end[j];
-		}
-	}
+	last_waits(tid, ev.wait_start, ev.wait_end);
 	emit(&ev, sizeof(ev));
 	return 0;
 }

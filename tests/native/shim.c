@@ -51,6 +51,7 @@ static const struct shim_field fields[] = {
 	F(vm_io_event, kick_ns), F(vm_io_event, pick_ns), F(vm_io_event, start_ns), F(vm_io_event, issue_ns),
 	F(vm_io_event, done_ns), F(vm_io_event, bytes), F(vm_io_event, vm), F(vm_io_event, vdisk), F(vm_io_event, queue), F(vm_io_event, pos), F(vm_io_event, hv_wait_ns), F(vm_io_event, eng_wait_ns),
 	S(vm_signal_event), F(vm_signal_event, kind), F(vm_signal_event, vm), F(vm_signal_event, ts_ns), F(vm_signal_event, wait_start), F(vm_signal_event, wait_end),
+	S(vm_pushes_event), F(vm_pushes_event, kind), F(vm_pushes_event, n), F(vm_pushes_event, vm), F(vm_pushes_event, ts), F(vm_pushes_event, wait_start), F(vm_pushes_event, wait_end),
 	S(blk_stats), F(blk_stats, busy), F(blk_stats, ios), F(blk_stats, bytes), F(blk_stats, errors),
 	F(blk_stats, requeued), F(blk_stats, partial), F(blk_stats, sum_ns), F(blk_stats, max_ns),
 	F(blk_stats, hist),
@@ -77,6 +78,7 @@ struct shim_consts {
 	__u32 nr_counters, event_blk_io, vdisk_several, event_vm_io, event_vm_signal;
 	__u32 nr_dio_end_io, vdisk_file_bdev;
 	__u32 vq_by_index, vq_by_addr, vq_by_order, vq_value_mask;
+	__u32 event_vm_pushes, push_batch;
 };
 
 void shim_consts(struct shim_consts *c)
@@ -103,5 +105,7 @@ void shim_consts(struct shim_consts *c)
 	c->vq_by_addr = VQ_BY_ADDR;
 	c->vq_by_order = VQ_BY_ORDER;
 	c->vq_value_mask = VQ_VALUE_MASK;
+	c->event_vm_pushes = EVENT_VM_PUSHES;
+	c->push_batch = PUSH_BATCH;
 	c->vdisk_file_bdev = VDISK_FILE_BDEV;
 }

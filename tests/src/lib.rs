@@ -76,6 +76,8 @@ pub struct ShimConsts {
     pub vq_by_addr: u32,
     pub vq_by_order: u32,
     pub vq_value_mask: u32,
+    pub event_vm_pushes: u32,
+    pub push_batch: u32,
 }
 
 extern "C" {

@@ -7,7 +7,7 @@ use agent_integration::{c_consts, c_hist_bucket, c_layout, RqCompletion, RqOutco
 use iospan::{
     abi::{
         self, BlkIoEvent, BlkStats, DiskSlot, FileKey, GuestIoEvent, GuestReapEvent, RqSlot,
-        VmDevKey, VmIoEvent, VmKey, VmSignalEvent,
+        VmDevKey, VmIoEvent, VmKey, VmPushesEvent, VmSignalEvent,
     },
     model::hist,
 };
@@ -43,6 +43,7 @@ fn abi_layout() {
         "vm_dev_key" => VmDevKey { vm, dev }
         "vm_io_event" => VmIoEvent { kind, op, flags, dev, kick_ns, pick_ns, start_ns, issue_ns, done_ns, bytes, vm, vdisk, queue, pos, hv_wait_ns, eng_wait_ns }
         "vm_signal_event" => VmSignalEvent { kind, vm, ts_ns, wait_start, wait_end }
+        "vm_pushes_event" => VmPushesEvent { kind, n, vm, ts, wait_start, wait_end }
         "blk_stats" => BlkStats { busy, ios, bytes, errors, requeued, partial, sum_ns, max_ns, hist }
         "rq_completion" => RqCompletion { rq, kstart_ns, kissue_ns, now_ns, remaining, nr_bytes }
         "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos, queue, hv_wait_ns, eng_wait_ns }
@@ -89,6 +90,8 @@ fn abi_constants() {
     assert_eq!(c.vq_by_addr, u32::from(abi::VQ_BY_ADDR));
     assert_eq!(c.vq_by_order, u32::from(abi::VQ_BY_ORDER));
     assert_eq!(c.vq_value_mask, u32::from(abi::VQ_VALUE_MASK));
+    assert_eq!(c.event_vm_pushes, u32::from(abi::EVENT_VM_PUSHES));
+    assert_eq!(c.push_batch as usize, abi::PUSH_BATCH);
 }
 
 /// Histogram buckets: the kernel's `hist_bucket` and the agent's

@@ -41,6 +41,9 @@ pub const EVENT_VM_IO: u16 = 2;
 pub const EVENT_VM_SIGNAL: u16 = 3;
 pub const EVENT_GUEST_IO: u16 = 4;
 pub const EVENT_GUEST_REAP: u16 = 5;
+pub const EVENT_VM_PUSHES: u16 = 6;
+/// Used-ring pushes per `VmPushesEvent`.
+pub const PUSH_BATCH: usize = 8;
 
 pub const GUEST_F_NO_KICK: u8 = 1 << 0;
 pub const GUEST_F_NO_IRQ: u8 = 1 << 1;
@@ -187,6 +190,7 @@ const _: () = assert!(size_of::<BlkIoEvent>() == 56);
 const _: () = assert!(size_of::<RqSlot>() == 80);
 const _: () = assert!(size_of::<VmIoEvent>() == 80);
 const _: () = assert!(size_of::<VmSignalEvent>() == 48);
+const _: () = assert!(size_of::<VmPushesEvent>() == 104);
 const _: () = assert!(size_of::<VmKey>() == 16);
 const _: () = assert!(size_of::<FileKey>() == 16);
 const _: () = assert!(size_of::<VmCounts>() == 24);
@@ -207,6 +211,7 @@ unsafe impl aya::Pod for VmCounts {}
 unsafe impl aya::Pod for VmDevKey {}
 unsafe impl aya::Pod for VmIoEvent {}
 unsafe impl aya::Pod for VmSignalEvent {}
+unsafe impl aya::Pod for VmPushesEvent {}
 
 /// A VM's request at its final host completion, with the kick and pickup
 /// that led to it (`struct vm_io_event`).
@@ -248,12 +253,36 @@ pub struct VmSignalEvent {
     pub wait_end: [u64; 2],
 }
 
+/// A VM engine thread's used-ring pushes, one request each, sent together
+/// (`struct vm_pushes_event`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmPushesEvent {
+    pub kind: u16,
+    /// Pushes in `ts`, oldest first.
+    pub n: u16,
+    pub vm: u32,
+    pub ts: [u64; PUSH_BATCH],
+    /// The pushing thread's last two waits for a CPU as it sent them,
+    /// newest first (start 0: none).
+    pub wait_start: [u64; 2],
+    pub wait_end: [u64; 2],
+}
+
+impl VmPushesEvent {
+    /// Its pushes (at most `PUSH_BATCH`, whatever `n` says).
+    pub fn pushes(&self) -> &[u64] {
+        &self.ts[..usize::from(self.n).min(PUSH_BATCH)]
+    }
+}
+
 /// One ring-buffer record, by its leading kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Record {
     BlkIo(BlkIoEvent),
     VmIo(VmIoEvent),
     VmSignal(VmSignalEvent),
+    VmPushes(VmPushesEvent),
     GuestIo(GuestIoEvent),
     GuestReap(GuestReapEvent),
 }
@@ -322,6 +351,7 @@ impl Record {
             EVENT_BLK_IO => read(buf).map(Record::BlkIo),
             EVENT_VM_IO => read(buf).map(Record::VmIo),
             EVENT_VM_SIGNAL => read(buf).map(Record::VmSignal),
+            EVENT_VM_PUSHES => read(buf).map(Record::VmPushes),
             EVENT_GUEST_IO => read(buf).map(Record::GuestIo),
             EVENT_GUEST_REAP => read(buf).map(Record::GuestReap),
             _ => None,

@@ -89,6 +89,12 @@ impl Default for HostSplit {
 pub struct Signal {
     pub ts_ns: u64,
     pub waits: [(u64, u64); 2],
+    /// The completions it makes visible: a used-ring push's count (the
+    /// engine pushes one request at a time, in completion order), or 0 for
+    /// an interrupt covering every completion before it.
+    pub covers: u16,
+    /// How many requests took it (a push is taken by at most `covers`).
+    pub taken: u16,
 }
 
 impl Signal {
@@ -104,7 +110,10 @@ impl Signal {
 pub struct Correlator {
     hold_ns: u64,
     signals: HashMap<u32, VecDeque<Signal>>,
-    pending: VecDeque<VmIoEvent>,
+    /// Requests waiting for their signal, with whether they are split
+    /// (a polled request or one without a kick is not, but its push is its
+    /// own: it takes it, so that no other request does).
+    pending: VecDeque<(VmIoEvent, bool)>,
     latest_ns: u64,
     pub splits: BTreeMap<SplitKey, HostSplit>,
     /// The same per guest queue, where the kick's notifier names it (a VM
@@ -150,12 +159,13 @@ impl Correlator {
         self.vdisks.insert(vdisk, (layout, queues));
     }
 
+    /// An interrupt covering every completion before it.
     pub fn on_signal(&mut self, vm: u32, ts_ns: u64) {
         self.on_signal_waits(
             vm,
             Signal {
                 ts_ns,
-                waits: [(0, 0); 2],
+                ..Default::default()
             },
         );
     }
@@ -180,15 +190,16 @@ impl Correlator {
             self.counters.not_followed += 1;
             return;
         }
-        if ev.flags & RQ_F_POLLED != 0 {
+        let split = if ev.flags & RQ_F_POLLED != 0 {
             self.counters.polled += 1;
-            return;
-        }
-        if ev.kick_ns == 0 {
+            false
+        } else if ev.kick_ns == 0 {
             self.counters.no_kick += 1;
-            return;
-        }
-        self.pending.push_back(ev);
+            false
+        } else {
+            true
+        };
+        self.pending.push_back((ev, split));
         self.settle(false);
     }
 
@@ -202,19 +213,30 @@ impl Correlator {
     /// still wait: records arrive in completion order, so what follows it
     /// waits with it. Called per record: constant work in the steady state.
     fn settle(&mut self, all: bool) {
-        while let Some(ev) = self.pending.front() {
-            let sig = self.signals.get(&ev.vm).and_then(|q| {
-                let i = q.partition_point(|s| s.ts_ns < ev.done_ns);
-                q.get(i).copied()
+        while let Some((ev, _)) = self.pending.front() {
+            // The first signal after the completion that still has room: a
+            // push already taken by as many requests as it pushed belongs
+            // to those (at depth one completion follows another while the
+            // engine pushes an earlier one: the first push after a
+            // completion is seldom its own).
+            let (vm, done) = (ev.vm, ev.done_ns);
+            let sig = self.signals.get_mut(&vm).and_then(|q| {
+                let i = q.partition_point(|s| s.ts_ns < done);
+                let s = q
+                    .range_mut(i..)
+                    .find(|s| s.covers == 0 || s.taken < s.covers)?;
+                s.taken = s.taken.saturating_add(1);
+                Some(*s)
             });
-            let waited = all || self.latest_ns >= ev.done_ns + self.hold_ns;
+            let waited = all || self.latest_ns >= done + self.hold_ns;
             if sig.is_none() && !waited {
                 break;
             }
-            let ev = self.pending.pop_front().expect("front exists");
+            let (ev, split) = self.pending.pop_front().expect("front exists");
             match sig {
-                Some(sig) => self.record(&ev, sig),
-                None => self.counters.no_signal += 1,
+                Some(sig) if split => self.record(&ev, sig),
+                None if split => self.counters.no_signal += 1,
+                _ => {}
             }
         }
         // Signals older than the oldest request still pending (less the
@@ -222,7 +244,7 @@ impl Correlator {
         let horizon = self
             .pending
             .front()
-            .map_or(self.latest_ns, |e| e.done_ns)
+            .map_or(self.latest_ns, |(e, _)| e.done_ns)
             .saturating_sub(self.hold_ns);
         for q in self.signals.values_mut() {
             while q.front().is_some_and(|s| s.ts_ns < horizon) {
@@ -349,6 +371,71 @@ mod tests {
             s.hypervisor.sum_ns + s.engine.sum_ns + s.device.sum_ns,
             s.window.sum_ns
         );
+    }
+
+    fn push(c: &mut Correlator, vm: u32, ts_ns: u64, covers: u16) {
+        c.on_signal_waits(
+            vm,
+            Signal {
+                ts_ns,
+                covers,
+                ..Default::default()
+            },
+        );
+    }
+
+    #[test]
+    fn each_used_ring_push_ends_one_request_in_completion_order() {
+        let mut c = Correlator::new(10_000);
+        // Three requests complete while the engine is still pushing: each
+        // push is one request's, oldest first, not all the first push's.
+        for done in [100, 110, 120] {
+            c.on_io(io(1, 10, 20, 30, done), true);
+        }
+        for ts in [130, 140, 150] {
+            push(&mut c, 1, ts, 1);
+        }
+        let s = split(&c, 1);
+        assert_eq!(s.window.count, 3);
+        // Windows kick (10) -> push: 120 + 130 + 140.
+        assert_eq!(s.window.sum_ns, 120 + 130 + 140);
+        assert_eq!(c.counters.no_signal, 0);
+        // A push of two completions (virtqueue_flush(vq, 2)) ends two.
+        let mut c = Correlator::new(10_000);
+        c.on_io(io(1, 10, 20, 30, 100), true);
+        c.on_io(io(1, 10, 20, 30, 105), true);
+        push(&mut c, 1, 130, 2);
+        assert_eq!(split(&c, 1).window.sum_ns, 120 + 120);
+    }
+
+    #[test]
+    fn a_push_is_taken_by_the_request_it_was_for_even_when_not_split() {
+        let mut c = Correlator::new(10_000);
+        // A polled request (no kick of its own) completes first: the first
+        // push is its own, not the split request's after it.
+        let mut polled = io(1, 0, 0, 30, 100);
+        polled.flags = RQ_F_POLLED;
+        c.on_io(polled, true);
+        c.on_io(io(1, 10, 20, 30, 110), true);
+        push(&mut c, 1, 130, 1);
+        push(&mut c, 1, 160, 1);
+        let s = split(&c, 1);
+        assert_eq!((s.window.count, s.window.sum_ns), (1, 150));
+        assert_eq!(c.counters.polled, 1);
+        // An interrupt covers every completion before it, pushes or not.
+        let mut c = Correlator::new(10_000);
+        c.on_io(io(1, 10, 20, 30, 100), true);
+        c.on_io(io(1, 10, 20, 30, 110), true);
+        c.on_signal(1, 150);
+        assert_eq!(split(&c, 1).window.sum_ns, 140 + 140);
+        // A request with no push left waits, then is counted without one.
+        let mut c = Correlator::new(1_000);
+        c.on_io(io(1, 10, 20, 30, 100), true);
+        c.on_io(io(1, 10, 20, 30, 110), true);
+        push(&mut c, 1, 130, 1);
+        c.on_io(io(2, 10, 20, 30, 5_000), true);
+        assert_eq!(split(&c, 1).window.count, 1);
+        assert_eq!(c.counters.no_signal, 1);
     }
 
     #[test]

@@ -17,13 +17,18 @@ fn traced_boot(a: RunArgs) {
     let daemon = (a.disk == DiskModel::VhostUser)
         .then(|| guest::storage_daemon(&a, &image).unwrap_or_else(|e| panic!("{e:#}")));
     let (qemu, guest_dev) = guest::qemu_command(&rig, &a, &image);
+    // One name per case: two cases of one process never share a report.
     let report = std::env::temp_dir().join(format!(
-        "iospan-rig-{}-{:?}-{:?}-{}-qd{}.json",
+        "iospan-rig-{}-{:?}-{:?}-{}-qd{}{}{}{}-cpus{}.json",
         std::process::id(),
         a.disk,
         a.aio,
         a.rw,
-        a.qd
+        a.qd,
+        if a.iothread { "-iothread" } else { "" },
+        if a.ioeventfd { "-ioeventfd" } else { "" },
+        if a.no_guest_agent { "-host-only" } else { "" },
+        a.cpus
     ));
     let events = report.with_extension("jsonl");
     let mut cmd = Command::new(iospan_bin());
@@ -259,32 +264,39 @@ fn traced_boot(a: RunArgs) {
             mean("engine") + mean("device")
         );
         // QEMU times a request from its device model taking it to its
-        // completion callback, which comes before it signals the guest
-        // (NVMe, iothreads) or after (virtio-blk in the main loop): between
-        // our pickup → host completion and our engine + device, each
-        // widened by 10 %. Our pickup of each request is its own (the
-        // device model taking it, block_acct_start), not its batch's: NVMe
-        // at depth, whose doorbell read picks up a batch, is held to 10 %
-        // like the rest (measured before that: QEMU 15-30 % below). Where
-        // QEMU's mean also covers the requests it merged (sequential:
-        // measured 5-11 % above our engine + device), where an iothread
-        // and a pool of worker threads complete requests at depth (7-13 %
-        // above: a request may take an earlier request's used-ring push as
-        // its signal, see README), and aio=threads at depth (2-12 %), the
-        // two differ by more: held within 30 % there (see README, "Checked
+        // completion callback. Our pickup of each request is its own (the
+        // device model taking it, block_acct_start), and each used-ring
+        // push ends one request, in completion order: for virtio-blk
+        // served by QEMU's event loop, whatever its aio mode, QEMU's mean
+        // is held within 10 % of our engine + device, as the two clocks
+        // start and end at the same instants (measured 0.97-1.02 at depth
+        // 1 and 16). QEMU's NVMe stops its clock in the completion
+        // callback and posts the completion queue entry and the interrupt
+        // from a later bottom half (engine time to us: measured 0.85-0.97
+        // at depth 16), an iothread hands aio=threads requests to a pool
+        // whose workers start what it took (our pickup is its read: 0.92-
+        // 1.0): for those QEMU's mean is held between our pickup → host
+        // completion and our engine + device, each widened by 10 %.
+        // Sequential reads: QEMU counts a request it merged once per guest
+        // request in it, we once (measured 1.035-1.09 above our engine +
+        // device over 11 boots): 15 % above there (see README, "Checked
         // against QEMU's own accounting").
-        let rough = a.rw == "read"
-            || a.iothread
-            || (a.aio == Aio::Threads && a.qd > 1);
-        let share = if rough { 0.3 } else { 0.1 };
         if let Some(qm) = vm["qemu"]["mean_us"].as_f64() {
             let upper = mean("engine") + mean("device");
             let lower = mean("pickup_to_done").min(upper);
+            let over = if a.rw == "read" { 0.15 } else { 0.1 };
             assert!(
-                qm >= (1.0 - share) * lower && qm <= (1.0 + share) * upper,
+                qm >= 0.9 * lower && qm <= (1.0 + over) * upper,
                 "QEMU's mean {qm} µs vs our pickup → completion {lower} µs and engine + device {upper} µs: {:#}",
                 vm["qemu"]
             );
+            if a.disk == DiskModel::VirtioBlk && !a.iothread && a.rw != "read" {
+                assert!(
+                    (qm / upper - 1.0).abs() <= 0.1,
+                    "QEMU's mean {qm} µs vs our engine + device {upper} µs: {:#}",
+                    vm["qemu"]
+                );
+            }
         }
         // The host window's share of what the guest observed, on boots
         // without the guest agent: under TCG its probes and its own work
@@ -351,6 +363,12 @@ fn traced_boot(a: RunArgs) {
     );
     if followed && a.disk != DiskModel::VhostUser && a.aio != Aio::Threads && a.qd > 1 && a.rw == "randread" {
         own_pickups(&events, &a);
+    }
+    // A passing boot's files go (a failing one's stay in the temp
+    // directory, iospan-rig-PID-*); IOSPAN_KEEP_REPORTS keeps them all.
+    if std::env::var_os("IOSPAN_KEEP_REPORTS").is_none() {
+        let _ = std::fs::remove_file(&report);
+        let _ = std::fs::remove_file(report.with_extension("jsonl"));
     }
 }
 

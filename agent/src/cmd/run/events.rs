@@ -84,8 +84,26 @@ pub(super) async fn drain_events<W: Write>(
                             (ev.wait_start[0], ev.wait_end[0]),
                             (ev.wait_start[1], ev.wait_end[1]),
                         ],
+                        ..Default::default()
                     },
                 ),
+                Some(Record::VmPushes(ev)) => {
+                    let waits = [
+                        (ev.wait_start[0], ev.wait_end[0]),
+                        (ev.wait_start[1], ev.wait_end[1]),
+                    ];
+                    for &ts_ns in ev.pushes() {
+                        corr.on_signal_waits(
+                            ev.vm,
+                            Signal {
+                                ts_ns,
+                                waits,
+                                covers: 1,
+                                taken: 0,
+                            },
+                        );
+                    }
+                }
                 // Guest records travel the guest channel, never this ring.
                 Some(Record::GuestIo(_) | Record::GuestReap(_)) | None => malformed += 1,
             }

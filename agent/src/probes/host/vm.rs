@@ -141,7 +141,7 @@ impl BlockProbes {
         // Bios merged into a VM's requests: guest requests with no host
         // request of their own.
         for name in ["block_bio_backmerge", "block_bio_frontmerge"] {
-            self.attach_tracepoint("block", name)?;
+            self.attach_raw(name)?;
         }
         // Whole requests merged into others before issue.
         self.attach_raw("block_rq_merge")?;
