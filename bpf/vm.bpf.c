@@ -703,6 +703,10 @@ static __always_inline void note_merges(__u64 n, int engine, __u32 dev)
 		__sync_fetch_and_add(&c->engine_merges, n);
 	else
 		__sync_fetch_and_add(&c->bio_merges, n);
+	/* Each merged guest request is still pushed to the used ring on its
+	 * own when the one host request completes: its push waits too, so
+	 * that it does not take the place of another request's. */
+	signal_due_n(*vm, n);
 }
 
 SEC("uprobe")

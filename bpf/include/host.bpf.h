@@ -408,16 +408,21 @@ typedef struct {
 } vm_signal_due_map_t;
 extern vm_signal_due_map_t vm_signal_due SEC(".maps");
 
-/* A VM's request completed on the host: one more waits for a signal. */
-static __always_inline void signal_due(__u32 vm)
+/* `n` more of a VM's pushes to wait for: a request completed on the host
+ * (one), or guest requests merged into another (one each). */
+static __always_inline void signal_due_n(__u32 vm, __u32 n)
 {
-	static const __u32 one = 1;
 	__u32 *d = bpf_map_lookup_elem(&vm_signal_due, &vm);
 
 	if (!d)
-		bpf_map_update_elem(&vm_signal_due, &vm, &one, BPF_NOEXIST);
+		bpf_map_update_elem(&vm_signal_due, &vm, &n, BPF_NOEXIST);
 	else
-		__sync_fetch_and_add(d, 1);
+		__sync_fetch_and_add(d, n);
+}
+
+static __always_inline void signal_due(__u32 vm)
+{
+	signal_due_n(vm, 1);
 }
 
 /* Whether a signal covering `covers` completions (0: all) finds any
