@@ -393,13 +393,12 @@ static __always_inline void claim_vhost_kick(__u32 tgid, __u32 tid)
 }
 
 /* Per VM slot, its requests completed on the host and not yet made
- * visible by a signal record. Used-ring pushes (virtqueue_flush,
- * vu_queue_push) come one per request, in completion order: each makes a
- * record while completions wait, and the correlator gives each push to
- * one request. An interrupt (NVMe's msix_notify, a vhost worker's irqfd)
- * covers every completion before it: it makes a record when any waits and
- * clears them. A push with nothing waiting (the later pushes of requests
- * QEMU merged into one) makes none. */
+ * visible by a signal. Used-ring pushes (virtqueue_flush, vu_queue_push)
+ * come one per request, in completion order, and are all recorded (the
+ * correlator gives each to one request), gathered per thread and sent
+ * when none waits any more; an interrupt (NVMe's msix_notify, a vhost
+ * worker's irqfd) covers every completion before it: it makes a record
+ * only when any waits, and clears them. */
 typedef struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024);
@@ -523,8 +522,10 @@ static __always_inline int on_signal(__u32 covers)
 	{
 		__u32 *due = bpf_map_lookup_elem(&vm_signal_due, vm);
 
-		if (!due || !take_due(due, covers))
-			return 0;
+		/* Every push is recorded, waited for or not: one left out
+		 * (taken as another's by the count of a request started before
+		 * the probes, which QEMU pushes too) would make every later
+		 * request take the push after its own. */
 		if (covers) {
 			static const struct vm_pushes_event fresh = { .kind = EVENT_VM_PUSHES };
 			struct vm_pushes_event *b = lookup_or_init(&thread_pushes, &tid, &fresh);
@@ -547,10 +548,14 @@ static __always_inline int on_signal(__u32 covers)
 				b->ts[n & (PUSH_BATCH - 1)] = bpf_ktime_get_ns();
 				b->n = n + 1;
 			}
-			if (b->n >= PUSH_BATCH || !*due)
+			if (due)
+				take_due(due, covers);
+			if (b->n >= PUSH_BATCH || !due || !*due)
 				send_pushes(tid, b);
 			return 0;
 		}
+		if (!due || !take_due(due, 0))
+			return 0;
 	}
 	ev.vm = *vm;
 	ev.ts_ns = bpf_ktime_get_ns();
