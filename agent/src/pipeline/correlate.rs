@@ -126,6 +126,11 @@ pub struct Correlator {
     /// requests, its queue 0 as far as known (`QueueIndex::Order`).
     order_base: HashMap<(u32, u32), u16>,
     pub counters: SplitCounters,
+    /// Per VM found running: when its push probes went live. A request
+    /// completed before then may never see its push (it was pushed
+    /// unseen): it takes none, or every later request would take the push
+    /// after its own.
+    pushes_live: HashMap<u32, u64>,
     /// Joins split requests of VMs with a guest agent to the guest's records.
     pub stitch: Stitcher,
 }
@@ -142,6 +147,7 @@ impl Correlator {
             vdisks: HashMap::new(),
             order_base: HashMap::new(),
             counters: SplitCounters::default(),
+            pushes_live: HashMap::new(),
             // Guest records arrive in batches (the guest agent sends every
             // 100 ms): a partner may be a second late.
             stitch: Stitcher::new(2_000_000_000),
@@ -157,6 +163,11 @@ impl Correlator {
     /// queues (an index at or past it is no queue of the disk's).
     pub fn set_vdisk(&mut self, vdisk: u32, layout: Layout, queues: Option<u32>) {
         self.vdisks.insert(vdisk, (layout, queues));
+    }
+
+    /// VM `vm`'s used-ring pushes are seen from `ns` on (see `pushes_live`).
+    pub fn pushes_live_from(&mut self, vm: u32, ns: u64) {
+        self.pushes_live.insert(vm, ns);
     }
 
     /// An interrupt covering every completion before it.
@@ -220,7 +231,8 @@ impl Correlator {
             // engine pushes an earlier one: the first push after a
             // completion is seldom its own).
             let (vm, done) = (ev.vm, ev.done_ns);
-            let sig = self.signals.get_mut(&vm).and_then(|q| {
+            let unseen = self.pushes_live.get(&vm).is_some_and(|&live| done < live);
+            let sig = self.signals.get_mut(&vm).filter(|_| !unseen).and_then(|q| {
                 let i = q.partition_point(|s| s.ts_ns < done);
                 let s = q
                     .range_mut(i..)
@@ -228,7 +240,7 @@ impl Correlator {
                 s.taken = s.taken.saturating_add(1);
                 Some(*s)
             });
-            let waited = all || self.latest_ns >= done + self.hold_ns;
+            let waited = all || unseen || self.latest_ns >= done + self.hold_ns;
             if sig.is_none() && !waited {
                 break;
             }
@@ -406,6 +418,22 @@ mod tests {
         c.on_io(io(1, 10, 20, 30, 105), true);
         push(&mut c, 1, 130, 2);
         assert_eq!(split(&c, 1).window.sum_ns, 120 + 120);
+    }
+
+    #[test]
+    fn requests_completed_before_the_push_probes_went_live_take_no_push() {
+        // A VM found running: its requests are followed before its pushes
+        // are; the pushes of those requests were never seen, and they must
+        // not take the pushes of the requests after them.
+        let mut c = Correlator::new(10_000);
+        c.pushes_live_from(1, 105);
+        c.on_io(io(1, 10, 20, 30, 100), true);
+        c.on_io(io(1, 10, 20, 30, 110), true);
+        push(&mut c, 1, 120, 1);
+        c.finish();
+        let s = split(&c, 1);
+        assert_eq!((s.window.count, s.window.sum_ns), (1, 110));
+        assert_eq!(c.counters.no_signal, 1);
     }
 
     #[test]

@@ -142,9 +142,13 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         None
     };
     let mut probes = BlockProbes::load(&cfg).context("loading the block-layer probes")?;
+    // VMs running now have their requests followed from the load, their
+    // used-ring pushes only once their probes are attached: when each was.
+    let mut pushes_live = Vec::new();
     for (slot, vm) in known.lock().unwrap_or_else(|p| p.into_inner()).vms.iter() {
         attach_vm_probes(&mut probes, vm);
         add_engines(&mut probes, *slot, vm);
+        pushes_live.push((*slot, crate::pipeline::reap::monotonic_ns()));
     }
     for a in &probes.attachments {
         log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
@@ -154,6 +158,12 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // VM requests' host windows are split from records in the ring buffer;
     // a request waits up to 50 ms of stream time for the guest's signal.
     let correlator = Arc::new(Mutex::new(Correlator::new(50_000_000)));
+    {
+        let mut c = correlator.lock().unwrap_or_else(|p| p.into_inner());
+        for (slot, ns) in pushes_live {
+            c.pushes_live_from(slot, ns);
+        }
+    }
     // Guest channels of the VMs running now; later VMs' as they are named.
     let mut channel_tasks = Vec::new();
     for (slot, pid, src) in guest_channels(&known.lock().unwrap_or_else(|p| p.into_inner())) {
