@@ -14,7 +14,18 @@ use std::{
 /// object: compiled to LLVM bitcode, linked (llvm-link), then to BPF (llc),
 /// which gives one BTF for it all as a single file's compile would.
 const OBJECTS: &[(&str, &[&str])] = &[
-    ("host", &["block", "vm", "vhost", "runq"]),
+    (
+        "host",
+        &[
+            "block",
+            "vms",
+            "notifiers",
+            "kicks",
+            "pickups",
+            "signals",
+            "sched",
+        ],
+    ),
     ("features", &["features"]),
     ("guest", &["guest"]),
 ];

@@ -19,6 +19,8 @@
 #include "hist.h"
 #include "rq_account.h"
 #include "core_fixes.bpf.h"
+#include "stats.bpf.h"
+#include "vm_request.bpf.h"
 
 const volatile __u32 targ_max_disks = DEFAULT_MAX_DISKS;
 const volatile __u32 targ_sample_every = 0;     /* stream 1 in N requests; 0: none */
@@ -27,11 +29,16 @@ const volatile __u64 targ_wakeup_bytes = 256 << 10; /* wake the reader past this
 /* Stream only requests of these disks (all when targ_nr_stream_devs is 0);
  * histograms always cover every disk. */
 const volatile __u32 targ_nr_stream_devs = 0;
+/* Kernels before block_io_start (v6.5): a VM's request is taken at
+ * block_getrq by its bio and joined to its request at its first issue. */
+const volatile __u32 targ_getrq = 0;
 const volatile __u32 targ_stream_devs[MAX_STREAM_DEVS] = {};
 
 counters_map_t counters SEC(".maps");
 events_map_t events SEC(".maps");
 const struct blk_stats zero_stats = {};
+const struct vm_split_stats zero_split = {};
+proc_cache_map_t proc_cache SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -62,6 +69,24 @@ struct {
 	__type(key, __u32);
 	__type(value, struct rq_slot);
 } inflight SEC(".maps");
+
+/* targ_getrq: VMs' requests taken at block_getrq, by bio, until their
+ * first issue; LRU, so a bio whose request never issues is not kept. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64);
+	__type(value, struct vm_start);
+} bio_starts SEC(".maps");
+
+/* How many bio_starts holds, roughly (an issue looks there only when it
+ * holds any: requests of no VM pay one read). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __s64);
+} bio_starts_held SEC(".maps");
 
 /* What the handlers read from struct request, by either flavour. */
 struct rq_fields {
@@ -214,88 +239,46 @@ static __always_inline int stream_wanted(__u32 dev)
 	return 0;
 }
 
-#define PLAIN_ADD(dst, v) ((dst) += (v))
-#define ATOMIC_ADD(dst, v) __sync_fetch_and_add(&(dst), (v))
-#define PLAIN_MAX(dst, v) do { if ((v) > (dst)) (dst) = (v); } while (0)
-/* One attempt: losing to a concurrent nested update on another CPU leaves
- * the smaller of two maxima, and both are rare. */
-#define ATOMIC_MAX(dst, v) do { __u64 __o = (dst); if ((v) > __o) __sync_val_compare_and_swap(&(dst), __o, (v)); } while (0)
-
-#define DEFINE_ACCOUNT(name, ADD, MAX)						\
-static __always_inline void name(struct blk_stats *st, const struct rq_outcome *o,	\
-				 const __u64 seg[BLK_NR_SEGS], __u32 nr_bytes,		\
-				 int final)						\
-{										\
-	int i;									\
-										\
-	ADD(st->bytes, nr_bytes);						\
-	if (!final)								\
-		return;								\
-	ADD(st->ios, 1);							\
-	if (o->flags & RQ_F_ERROR)						\
-		ADD(st->errors, 1);						\
-	if (o->flags & RQ_F_REQUEUED)						\
-		ADD(st->requeued, 1);						\
-	if (o->flags & RQ_F_PARTIAL)						\
-		ADD(st->partial, 1);						\
-	for (i = 0; i < BLK_NR_SEGS; i++) {					\
-		__u64 v = seg[i];						\
-		__u32 b;							\
-										\
-		if (v == ~0ULL)							\
-			continue;						\
-		b = hist_bucket(v);						\
-		if (b >= HIST_BUCKETS)						\
-			b = HIST_BUCKETS - 1;					\
-		ADD(st->hist[i][b], 1);						\
-		ADD(st->sum_ns[i], v);						\
-		MAX(st->max_ns[i], v);						\
-	}									\
-}
-
-DEFINE_ACCOUNT(account_plain, PLAIN_ADD, PLAIN_MAX)
-DEFINE_ACCOUNT(account_atomic, ATOMIC_ADD, ATOMIC_MAX)
-
-/* The entry of a blk_stats table for `key`; in a hash table it is created
- * zeroed when missing (a full table is counted: only the VM tables are
- * hashes, an array entry always exists). */
-static __always_inline struct blk_stats *stats_entry(void *map, void *key)
+static __always_inline __s64 *bio_starts_count(void)
 {
-	struct blk_stats *st = lookup_or_init(map, key, &zero_stats);
+	__u32 zero = 0;
 
-	if (!st)
-		count(CNT_VM_TABLE_FULL);
-	return st;
+	return bpf_map_lookup_elem(&bio_starts_held, &zero);
 }
 
-/* Updates `map`'s per-CPU entry for `key`, or, when this CPU is already in
- * the middle of updating it (a nested run), `nested`'s shared entry,
- * atomically. Nesting is strictly LIFO on a CPU: a nested run either
- * finishes before we set busy, or sees it set. The barriers keep the
- * compiler from moving the updates outside the busy window. */
-static __always_inline void account(void *map, void *nested, void *key, const struct rq_outcome *o,
-				    const __u64 seg[BLK_NR_SEGS], __u32 nr_bytes, int final)
+/* targ_getrq: the VM's request taken at block_getrq, if this is its
+ * first issue, into its slot as block_io_start would have put it. */
+static __always_inline void start_from_bio(struct request *rq, __u64 key, struct rq_slot *s, int btf)
 {
-	struct blk_stats *st = stats_entry(map, key);
+	__s64 *held = bio_starts_count();
+	__u64 bio, kstart;
+	struct vm_start *v;
+	struct vm_counts *c;
 
-	if (!st)
+	if (!held || *held <= 0)
 		return;
-	if (st->busy) {
-		st = stats_entry(nested, key);
-		if (st)
-			account_atomic(st, o, seg, nr_bytes, final);
+	bio = (__u64)READ(btf, rq, bio);
+	v = bio ? bpf_map_lookup_elem(&bio_starts, &bio) : 0;
+	if (!v)
 		return;
-	}
-	st->busy = 1;
-	asm volatile("" ::: "memory");
-	account_plain(st, o, seg, nr_bytes, final);
-	asm volatile("" ::: "memory");
-	st->busy = 0;
+	if (rq_undelivered(s, key))
+		note_undelivered(s);
+	kstart = READ(btf, rq, start_time_ns);
+	rq_on_start(s, key, kstart ? 0 : v->stamp_ns, v->vm, v->vdisk, v->kick_ns, v->pick_ns, v->pos,
+		    v->dev, v->op);
+	s->queue = (__u16)v->queue;
+	s->hv_wait_ns = v->hv_wait_ns;
+	s->eng_wait_ns = v->eng_wait_ns;
+	if (v->polled)
+		s->flags |= RQ_F_POLLED;
+	c = vm_counts_of(v->vm);
+	if (c)
+		__sync_fetch_and_add(&c->submitted, 1);
+	if (!bpf_map_delete_elem(&bio_starts, &bio))
+		__sync_fetch_and_add(held, -1);
 }
 
-#include "vm_request.bpf.h"
-
-static __always_inline void on_issue(__u64 key)
+static __always_inline void on_issue(struct request *rq, __u64 key, int btf)
 {
 	struct rq_slot *s = rq_slot_of(key, 1);
 
@@ -303,7 +286,40 @@ static __always_inline void on_issue(__u64 key)
 	 * lost): only a new request's start tells a lost completion. */
 	if (!s)
 		return;
+	if (targ_getrq && targ_track_vms)
+		start_from_bio(rq, key, s, btf);
 	rq_on_issue(s, key, bpf_ktime_get_ns());
+}
+
+/* targ_getrq: a new request for `bio`, in its submitter's context. */
+static __always_inline void on_getrq(struct bio *bio, int btf)
+{
+	struct vm_start v = {};
+	__u64 key = (__u64)bio;
+	__s64 *held;
+
+	if (!targ_track_vms || !vm_bio_start(bio, bio_disk_dev(bio), op_class(READ(btf, bio, bi_opf)),
+					     bpf_ktime_get_ns(), btf, &v))
+		return;
+	if (bpf_map_update_elem(&bio_starts, &key, &v, BPF_NOEXIST))
+		return;
+	held = bio_starts_count();
+	if (held)
+		__sync_fetch_and_add(held, 1);
+}
+
+SEC("tp_btf/block_getrq")
+int BPF_PROG(block_getrq_btf, struct bio *bio)
+{
+	on_getrq(bio, 1);
+	return 0;
+}
+
+SEC("raw_tp/block_getrq")
+int BPF_PROG(block_getrq, struct bio *bio)
+{
+	on_getrq(bio, 0);
+	return 0;
 }
 
 static __always_inline void on_requeue(__u64 key)
@@ -350,18 +366,52 @@ static __always_inline void on_complete(const struct rq_fields *f,
 		return;
 	key = (__u32)disk * BLK_NR_OPS + op;
 	account(&blk_latency, &blk_latency_nested, &key, &o, seg, nr_bytes, final);
-	if (final && o.vm) {
-		account_vm(&o, f, op, seg);
-		/* Only a virtual disk's requests have a host window to split. */
-		if (targ_vm_segments && o.vdisk)
-			stream_vm_io(&o, f, op, c.now_ns);
-	}
+	if (final && o.vm)
+		vm_request_done(&o, f->dev, op, seg, c.now_ns);
 
 	if (final && ((targ_sample_every && bpf_get_prandom_u32() % targ_sample_every == 0) ||
 		      (targ_slower_than_ns && seg[BLK_SEG_TOTAL] != ~0ULL &&
 		       seg[BLK_SEG_TOTAL] >= targ_slower_than_ns)) &&
 	    stream_wanted(f->dev))
 		stream(&o, f, op, c.now_ns);
+}
+
+/* A request starts, in its submitter's context: who submitted it (a VM's
+ * requests are taken here, with their notification), and our start stamp
+ * where the kernel keeps none. `btf`: a constant per inlined call site,
+ * choosing direct or probe reads. Most requests return before any read of
+ * the request: the kernel keeps their start time and no VM submitted them. */
+static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int btf)
+{
+	struct vm_start v = {};
+	struct rq_slot *s;
+	/* Our start stamp, where the kernel keeps none: one clock read. */
+	__u64 now = kstart_ns ? 0 : bpf_ktime_get_ns();
+	__u64 key;
+	/* Before block_io_start, VMs' requests are taken at block_getrq. */
+	int vm = targ_track_vms && !targ_getrq &&
+		 vm_request_start(rq, kstart_ns ? kstart_ns : now, btf, &v);
+
+	if (kstart_ns && !vm)
+		return;
+	key = btf ? rq_key_btf(rq) : rq_key_raw(rq);
+	s = rq_slot_of(key, 1);
+	if (!s)
+		return;
+	if (rq_undelivered(s, key))
+		note_undelivered(s);
+	if (vm) {
+		struct vm_counts *c = vm_counts_of(v.vm);
+
+		if (c)
+			__sync_fetch_and_add(&c->submitted, 1);
+	}
+	rq_on_start(s, key, now, v.vm, v.vdisk, v.kick_ns, v.pick_ns, v.pos, v.dev, v.op);
+	s->queue = (__u16)v.queue;
+	s->hv_wait_ns = v.hv_wait_ns;
+	s->eng_wait_ns = v.eng_wait_ns;
+	if (v.polled)
+		s->flags |= RQ_F_POLLED;
 }
 
 SEC("tp_btf/block_io_start")
@@ -396,14 +446,14 @@ int BPF_PROG(block_rq_insert, struct request *rq)
 SEC("tp_btf/block_rq_issue")
 int BPF_PROG(block_rq_issue_btf, struct request *rq)
 {
-	on_issue(rq_key_btf(rq));
+	on_issue(rq, rq_key_btf(rq), 1);
 	return 0;
 }
 
 SEC("raw_tp/block_rq_issue")
 int BPF_PROG(block_rq_issue, struct request *rq)
 {
-	on_issue(rq_key_raw(rq));
+	on_issue(rq, rq_key_raw(rq), 0);
 	return 0;
 }
 
@@ -444,11 +494,28 @@ int BPF_PROG(block_rq_complete, struct request *rq, int error, unsigned int nr_b
 /* A started request merged into another before issue (the scheduler's
  * request merges): it ends here, inside the other. A guest's request on
  * a virtual disk counts as merged by the host block layer. */
-static __always_inline void on_rq_merge(__u64 key)
+static __always_inline void on_rq_merge(struct request *rq, __u64 key, int btf)
 {
 	struct rq_slot *s = rq_slot_of(key, 0);
 	struct vm_counts *c;
+	struct vm_start *v;
+	__s64 *held;
+	__u64 bio;
 
+	if (targ_getrq && targ_track_vms && (held = bio_starts_count()) && *held > 0) {
+		/* Never issued: still waiting by its bio. */
+		bio = (__u64)READ(btf, rq, bio);
+		v = bio ? bpf_map_lookup_elem(&bio_starts, &bio) : 0;
+		if (v) {
+			if (v->vdisk && (c = vm_counts_of(v->vm))) {
+				__sync_fetch_and_add(&c->submitted, 1);
+				__sync_fetch_and_add(&c->bio_merges, 1);
+			}
+			if (!bpf_map_delete_elem(&bio_starts, &bio))
+				__sync_fetch_and_add(held, -1);
+			return;
+		}
+	}
 	if (!s || !rq_on_merge(s, key))
 		return;
 	if (s->vm && s->vdisk && (c = vm_counts_of(s->vm)))
@@ -458,14 +525,14 @@ static __always_inline void on_rq_merge(__u64 key)
 SEC("tp_btf/block_rq_merge")
 int BPF_PROG(block_rq_merge_btf, struct request *rq)
 {
-	on_rq_merge(rq_key_btf(rq));
+	on_rq_merge(rq, rq_key_btf(rq), 1);
 	return 0;
 }
 
 SEC("raw_tp/block_rq_merge")
 int BPF_PROG(block_rq_merge, struct request *rq)
 {
-	on_rq_merge(rq_key_raw(rq));
+	on_rq_merge(rq, rq_key_raw(rq), 0);
 	return 0;
 }
 

@@ -45,6 +45,18 @@ int BPF_PROG(probe_fentry)
 	return 0;
 }
 
+/* The atomic operations iospan's programs use (a fetch-and-add whose
+ * result is used, compare-and-exchange): BPF_ATOMIC, Linux 5.12. Older
+ * kernels' verifiers refuse them ("BPF_STX uses reserved fields"). */
+SEC("raw_tp/sched_process_exec")
+int probe_atomics(void *ctx)
+{
+	__u64 old = __sync_fetch_and_add(&hits, 1);
+
+	__sync_val_compare_and_swap(&hits, old + 1, old + 1);
+	return 0;
+}
+
 SEC("uprobe")
 int BPF_KPROBE(probe_uprobe)
 {

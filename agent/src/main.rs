@@ -236,6 +236,18 @@ struct RunArgs {
     /// Do not attribute requests to VMs (QEMU processes); block-layer only.
     #[arg(long)]
     no_vms: bool,
+    /// The deep tier: each virtio request ended at its own used-ring push,
+    /// QEMU's device model taking each request, CPU waits (HV RDY, ENG
+    /// RDY), every VM request's record. Costs more than the always-on tier
+    /// (system-call tracepoints while it runs): see docs/tiers.md.
+    #[arg(long)]
+    deep: bool,
+    /// Never use these program flavours (tp_btf, fentry, kprobe): iospan
+    /// then takes what a kernel without them gets (raw_tp for tp_btf; the
+    /// engine's wake-up for its eventfd read). For a kernel where one of
+    /// them misbehaves.
+    #[arg(long, value_delimiter = ',', value_name = "FLAVOUR,…")]
+    avoid: Vec<Avoid>,
     /// No progress line on stderr.
     #[arg(short, long)]
     quiet: bool,
@@ -298,6 +310,25 @@ struct RunArgs {
     /// Command to trace, after `--`.
     #[arg(last = true, value_name = "CMD")]
     command: Vec<String>,
+}
+
+/// `--avoid`: a program flavour a run may be told never to use.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Avoid {
+    #[value(name = "tp_btf")]
+    TpBtf,
+    Fentry,
+    Kprobe,
+}
+
+impl Avoid {
+    fn flavour(self) -> iospan::probes::Flavour {
+        match self {
+            Avoid::TpBtf => iospan::probes::Flavour::TpBtf,
+            Avoid::Fentry => iospan::probes::Flavour::Fentry,
+            Avoid::Kprobe => iospan::probes::Flavour::Kprobe,
+        }
+    }
 }
 
 /// `--trace-slower-than`: for every disk, or for one.
@@ -485,6 +516,12 @@ impl RunArgs {
             bpf_stats: a.bpf_stats,
             start_stamps: a.start_stamps,
             vms: !a.no_vms,
+            tier: if a.deep {
+                iospan::model::Tier::Deep
+            } else {
+                iospan::model::Tier::AlwaysOn
+            },
+            avoid: a.avoid.iter().map(|f| f.flavour()).collect(),
             quiet: a.quiet,
             command: a.command,
             traces: TraceOpts {

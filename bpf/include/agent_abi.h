@@ -112,6 +112,11 @@ struct rq_slot {
 /* No address (QEMU's user-space ioeventfd, TCG): the notifier's order of
  * creation in its VM (a device's queue notifiers are made in index order). */
 #define VQ_BY_ORDER (3u << VQ_HOW_SHIFT)
+/* With VQ_BY_ADDR, a notifier at offset 0 of its page (queue 0, or any
+ * queue of a device with a page of its own per queue) learnt from a KVM
+ * exit, not from its registration: the value is its page number (low
+ * bits); the agent tells the two layouts apart by the offsets it sees. */
+#define VQ_ADDR_PAGE (1u << 13)
 
 #define RQ_SLOT_BITS 15
 #define RQ_SLOTS (1 << RQ_SLOT_BITS)
@@ -144,18 +149,38 @@ enum counter {
 	CNT_GUEST_RING_LOST = 9, /* guest mode: records the ring buffer had no room for */
 	CNT_GUEST_INFLIGHT_FULL = 10, /* guest mode: requests the in-flight table had no room for */
 	CNT_UNDELIVERED = 11,    /* issued requests whose completion never reached us (their tag came back first) */
-	NR_COUNTERS = 12,
+	CNT_JOIN_DEFERRED = 12,  /* VM completions a signal left for the next (its drain was busy or full) */
+	NR_COUNTERS = 13,
 };
 
-/* Key of the per-CPU hash `vm_latency`: requests a VM's process submitted,
- * per VM slot (assigned in `vm_pids`), host disk and op. */
-/* Value of `vm_counts`, per VM slot. */
+/* Value of the hash `vm_pids`, per process (tgid): the VM slot it belongs
+ * to and whether its guest runs (VM_PROC_*). */
+struct vm_proc {
+	__u32 slot;
+	__u32 state;
+};
+
+/* Before the guest runs the process only opens its images and realizes
+ * its devices (format, alignment and geometry probes); after QEMU closes
+ * its queue notifiers (the VM stopped or shut down, or the guest reset the
+ * device) it may probe or close its images: such requests are QEMU's own,
+ * not any virtual disk's. The guest runs from its first kick, a queue
+ * notifier made, or the agent's word (a VM running when it started). */
+#define VM_PROC_STARTING 0
+#define VM_PROC_RUNNING 1
+#define VM_PROC_STOPPED 2
+
+/* Value of the per-CPU array `vm_counts`, by VM slot modulo its size
+ * (MAX_VM_COUNTS; the agent sums CPUs, and zeroes a gone VM's). */
+#define MAX_VM_COUNTS 1024
 struct vm_counts {
 	__u64 engine_merges;  /* guest requests QEMU merged into another */
 	__u64 bio_merges;     /* guest requests the host block layer merged into another (as bios or whole requests) */
 	__u64 submitted;      /* requests it started (in flight: submitted less completed) */
 };
 
+/* Key of the per-CPU hash `vm_latency`: requests a VM's process submitted,
+ * per VM slot (assigned in `vm_pids`), host disk and op. */
 struct vm_key {
 	__u32 vm;
 	__u32 dev;
@@ -214,6 +239,7 @@ enum event_kind {
 	EVENT_GUEST_IO = 4,
 	EVENT_GUEST_REAP = 5,
 	EVENT_VM_PUSHES = 6,
+	EVENT_VM_SPLIT = 7,
 };
 
 /* One request as a guest sees it (`iospan agent --guest`), on the guest's
@@ -322,6 +348,128 @@ struct vm_pushes_event {
 	__u64 wait_end[2];
 };
 
+/* The always-on tier: each VM request's host window is joined in the
+ * kernel (kick, pickup, start, completion, and the VM's next interrupt)
+ * and lands in the per-CPU hash `vm_split`, one entry per VM, virtual
+ * disk, host disk, op and guest queue. Segments of the host window: */
+enum vm_segment {
+	VM_SEG_HYPERVISOR = 0,    /* kick -> pickup */
+	VM_SEG_ENGINE = 1,        /* pickup -> host start, plus host completion -> signal */
+	VM_SEG_DEVICE = 2,        /* host start -> host completion */
+	VM_SEG_WINDOW = 3,        /* kick -> signal: the three above, tiled */
+	VM_SEG_PICKUP_TO_DONE = 4, /* pickup -> host completion */
+	VM_NR_SEGS = 5,
+};
+
+struct vm_split_key {
+	__u32 vm;
+	__u32 vdisk;
+	__u32 dev;
+	__u16 op;
+	__u16 queue;     /* VQ_*: the notifier of its kick (0: none known) */
+};
+
+/* Value of `vm_split`, per CPU; the agent sums CPUs. */
+struct vm_split_stats {
+	__u64 count;
+	__u64 bytes;
+	__u64 sum_ns[VM_NR_SEGS];
+	__u64 max_ns[VM_NR_SEGS];
+	__u64 hist[VM_NR_SEGS][HIST_BUCKETS];
+};
+
+/* Per VM (array `vm_done`, by slot modulo its size), its requests
+ * completed on the host and waiting for its next interrupt (see
+ * bpf/include/vm_join.bpf.h). The agent zeroes a VM's ring when the VM is
+ * gone. */
+#define DONE_RING 256
+#define DONE_MASK (DONE_RING - 1)
+/* How long a completed request waits for its VM's interrupt: one later
+ * than this is not its own (a guest that polls, or interrupts suppressed),
+ * and the request is counted no_signal. The deep tier's correlator holds
+ * as long for its push. */
+#define SIGNAL_HOLD_NS 50000000ULL
+/* A ring is full at half its slots: the rest is room for completions on
+ * other CPUs racing past the check (one per CPU at most). */
+#define DONE_ROOM (DONE_RING / 2)
+/* Slots one interrupt settles; more wait for the next. */
+#define DRAIN_MAX 128
+
+/* One completed request waiting for its VM's signal. */
+struct done_ent {
+	__u64 seq;       /* its index + 1, once written */
+	__u64 kick_ns;
+	__u64 pick_ns;
+	__u64 start_ns;
+	__u64 issue_ns;
+	__u64 done_ns;
+	__u64 pos;
+	__u32 bytes;
+	__u32 vdisk;
+	__u32 dev;
+	__u16 queue;
+	__u8 op;
+	__u8 flags;
+};
+
+struct done_ring {
+	__u64 head;      /* next slot to settle */
+	__u64 tail;      /* next slot to fill */
+	__u32 vm;        /* the VM slot it belongs to (0: free) */
+	__u32 _pad;
+	struct done_ent ent[DONE_RING];
+};
+
+/* Key of `vm_unsplit` and of the per virtual disk tables. */
+struct vdisk_key {
+	__u32 vm;
+	__u32 vdisk;
+};
+
+/* Value of `vm_unsplit`: a virtual disk's requests that were counted but
+ * whose host window could not be split, by why. */
+struct vm_unsplit {
+	__u64 no_kick;    /* no kick was seen before it (a TCG guest's without fentry/kprobes) */
+	__u64 no_signal;  /* no room to wait for its signal (the VM's table full) */
+	__u64 polled;     /* found by a polling engine, no kick of its own */
+	__u64 unordered;  /* its stamps out of order */
+};
+
+/* Value of the one-entry array `tier`: what the agent asks of the kernel
+ * side at the moment (it may change while loaded: an API run of the deep
+ * tier). */
+struct tier_state {
+	__u32 deep;          /* the deep tier: per-request records, pushes, CPU waits */
+	__u32 handoff;       /* hand kicks to the workers engine threads wake (aio=threads) */
+	__u32 one_in;        /* stream one joined VM request in N (0: none) */
+	__u32 pick_at_read;  /* pickups come from eventfd reads (fentry/kprobe), not switch-ins */
+	__u64 slower_than_ns; /* stream every joined VM request at least this slow (0: off) */
+};
+
+/* The one entry of `vm_gen`: bumped whenever what a process's requests are
+ * attributed to changes (vm_pids, its state, vm_disks): the per-CPU caches
+ * of the block start (proc_cache) are good only for the generation they
+ * were filled in. The agent moves it by VM_GEN_AGENT_STEP, the kernel
+ * side by one: two writers never leave it where it was. */
+#define VM_GEN_AGENT_STEP 1000
+
+/* Value of `vm_flags`, per VM slot. */
+#define VMF_STREAM_ALL (1 << 0) /* stream every joined request (a guest agent joins them) */
+#define VMF_VHOST (1 << 1)      /* its kernel vhost workers serve a disk: their interrupts end windows */
+
+/* One VM request joined in the kernel, streamed when sampled: the request
+ * (kind EVENT_VM_SPLIT) and the signal that ended its window. */
+struct vm_split_event {
+	struct vm_io_event io;
+	__u64 signal_ns;
+	__u32 sampled_by;  /* SAMPLED_* */
+	__u32 _pad;
+};
+
+#define SAMPLED_ALL (1 << 0)    /* its VM streams every request */
+#define SAMPLED_SLOW (1 << 1)   /* at least the threshold (global or its disk's) */
+#define SAMPLED_ONE_IN (1 << 2) /* one in N */
+
 /* One completed host block request, streamed through the ring buffer
  * `events` when sampling or a latency threshold asks for it. */
 struct blk_io_event {
@@ -346,12 +494,21 @@ _Static_assert(sizeof(struct guest_io_event) == 88, "abi: guest_io_event");
 _Static_assert(sizeof(struct guest_reap_event) == 16, "abi: guest_reap_event");
 _Static_assert(sizeof(struct vm_key) == 16, "abi: vm_key");
 _Static_assert(sizeof(struct vm_counts) == 24, "abi: vm_counts");
+_Static_assert(sizeof(struct vm_proc) == 8, "abi: vm_proc");
 _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");
 _Static_assert(sizeof(struct vm_io_event) == 80, "abi: vm_io_event");
 _Static_assert(sizeof(struct vm_signal_event) == 48, "abi: vm_signal_event");
 _Static_assert(sizeof(struct vm_pushes_event) == 104, "abi: vm_pushes_event");
 _Static_assert(sizeof(struct rq_slot) == 80, "abi: rq_slot");
+_Static_assert(sizeof(struct vm_split_key) == 16, "abi: vm_split_key");
+_Static_assert(sizeof(struct vm_split_stats) == 8 * (2 + 2 * VM_NR_SEGS + VM_NR_SEGS * HIST_BUCKETS), "abi: vm_split_stats");
+_Static_assert(sizeof(struct vdisk_key) == 8, "abi: vdisk_key");
+_Static_assert(sizeof(struct done_ent) == 72, "abi: done_ent");
+_Static_assert(sizeof(struct done_ring) == 24 + 72 * DONE_RING, "abi: done_ring");
+_Static_assert(sizeof(struct vm_unsplit) == 32, "abi: vm_unsplit");
+_Static_assert(sizeof(struct tier_state) == 24, "abi: tier_state");
+_Static_assert(sizeof(struct vm_split_event) == 96, "abi: vm_split_event");
 _Static_assert(sizeof(struct disk_slot) == 16, "abi: disk_slot");
 _Static_assert(sizeof(struct blk_stats) == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS), "abi: blk_stats");
 

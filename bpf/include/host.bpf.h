@@ -1,10 +1,12 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /*
- * What the host programs share: block.bpf.c (block accounting), vm.bpf.c
- * (VM attribution and the host window) and vhost.bpf.c (the kernel's vhost
- * workers) are linked into one object, host.bpf.o, whose maps and
- * settings are one set. Each map and setting is defined in the file of its
- * concern and declared here for the others.
+ * What the host programs share. One .bpf.c per concern along a request's
+ * path — block.bpf.c (block accounting), vms.bpf.c (which processes are
+ * VMs, their merges), notifiers.bpf.c (the deep tier's notifier
+ * registrations), kicks.bpf.c, pickups.bpf.c, signals.bpf.c, sched.bpf.c
+ * (context switches: pickups at switch-in, CPU waits) — linked into one
+ * object, host.bpf.o, whose maps and settings are one set. Each map and
+ * setting is defined in the file of its concern and declared here.
  */
 #ifndef IOSPAN_HOST_BPF_H
 #define IOSPAN_HOST_BPF_H
@@ -16,80 +18,64 @@
 #include "agent_abi.h"
 #include "maps.bpf.h"
 
-/* Settings the agent fills in before loading (defined in block.bpf.c and
- * vm.bpf.c). */
+/* Settings the agent fills in before loading (block.bpf.c, vms.bpf.c). */
 extern const volatile __u64 targ_wakeup_bytes;
 /* Attribute requests to VMs (processes in vm_pids) and keep vm_latency. */
 extern const volatile __u32 targ_track_vms;
-/* Follow VMs' notifications (eventfd kicks, pickups, signals) to split the
- * host window of their requests; needs targ_track_vms. */
+/* Split VMs' host windows (kicks, pickups, signals); needs targ_track_vms. */
 extern const volatile __u32 targ_vm_segments;
 /* Addresses of the direct-I/O completion functions, in enum dio_kind's
  * order (from kallsyms; 0 when absent). */
 extern const volatile __u64 targ_dio_end_io[NR_DIO_END_IO];
 
-/* Per-request records to the agent (defined in block.bpf.c). */
+/* Records to the agent (block.bpf.c). Sized for the deep tier, whose
+ * records of every I/O at a loaded host's full rate (~30 MB/s) must ride
+ * out the agent waiting for a CPU for half a second; the always-on tier's
+ * sampled records touch a few of its pages. */
 typedef struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
-	__uint(max_entries, 4 << 20);
+	__uint(max_entries, 16 << 20);
 } events_map_t;
 extern events_map_t events SEC(".maps");
 
-/* VMs whose guest runs: tgid -> VM_RUNNING, set at the first eventfd write
- * of a vCPU thread, a KVM notify, or a queue notifier made (and by the
- * agent for VMs running when it starts). Before that the process only
- * opens its images and realizes its devices (format, alignment and
- * geometry probes); after QEMU closes its queue notifiers (the VM stopped
- * or shut down, or the guest reset the device) it may probe or close its
- * images: such requests are QEMU's own, not any virtual disk's. */
-#define VM_RUNNING 1
-#define VM_STOPPED 2
+/* What the agent asks of the moment (vms.bpf.c): struct tier_state. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct tier_state);
+} tier_map_t;
+extern tier_map_t tier SEC(".maps");
 
-/* The last kick each engine thread picked up: tid -> {kick, pickup}. The
- * requests that thread submits next belong to that notification: those of
- * all it submits until it reads the next. A polling engine (QEMU's
- * iothreads, in_iothread) also finds requests with no kick at all, by
- * reading the queue's ring: for those threads a pick is spent once the
- * thread went round its loop after submitting the pick's batch (it
- * delivered completions, or made its next submitting call), and what it
- * submits then is declared polled, never given an older batch's kick. */
-struct pick {
-	__u64 kick_ns;
-	__u64 pick_ns;
-	__u64 flags;         /* PICK_* */
-	__u64 last_start_ns; /* the thread's latest request start (own reads) */
-	__u64 nvcsw;         /* its voluntary context switches then */
-	__u32 queue;         /* VQ_*: the notifier the kick came through */
-	__u32 hv_wait_ns;    /* the picking thread's CPU waits within kick -> pickup */
-};
+/* Processes that are VMs: tgid -> its VM slot and state (struct
+ * vm_proc). The agent adds the ones running when it starts; exec of a new
+ * one adds itself (vms.bpf.c). The agent also adds, under the VM's slot,
+ * an engine process that serves the VM's disks from outside QEMU
+ * (vhost-user): its requests are the VM's. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, struct vm_proc);
+} vm_pids_map_t;
+extern vm_pids_map_t vm_pids SEC(".maps");
 
-#define PICK_HANDED (1 << 0) /* handed to a worker it woke (aio=threads) */
-#define PICK_USED (1 << 1)   /* a worker submitted with it */
-#define PICK_READ (1 << 2)   /* the thread's own read of the notifier */
-#define PICK_TAKEN (1 << 3)  /* a request of its batch was submitted */
-#define PICK_SPENT (1 << 4)  /* its batch is over: what follows was polled */
-#define PICK_POLLS (1 << 5)  /* the thread has submitted polled requests */
-#define PICK_ENTERED (1 << 6) /* a submitting call began since the pickup */
-
-/* Processes that are VMs: tgid -> VM slot. The agent adds the ones
- * running when it starts; exec of a new one adds itself (below). The agent
- * also adds, under the VM's slot, an engine process that serves the VM's
- * disks from outside QEMU (vhost-user): its requests are the VM's. */
+/* VM slot -> VMF_* (set by the agent). */
 typedef struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024);
 	__type(key, __u32);
 	__type(value, __u32);
-} vm_pids_map_t;
-extern vm_pids_map_t vm_pids SEC(".maps");
+} vm_flags_map_t;
+extern vm_flags_map_t vm_flags SEC(".maps");
 
 /* VM slot -> what happened to its requests besides completing: the guest
  * requests that never became host requests of their own because they were
  * merged, by QEMU or by the host block layer, and how many it started.
  * (Those whose completion never reached us are in vm_undelivered.) */
 typedef struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 1024);
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, MAX_VM_COUNTS);
 	__type(key, __u32);
 	__type(value, struct vm_counts);
 } vm_counts_map_t;
@@ -144,12 +130,126 @@ typedef struct {
 extern vm_disks_map_t vm_disks SEC(".maps");
 
 typedef struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 1024);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
 	__type(key, __u32);
-	__type(value, __u8);
-} vm_started_map_t;
-extern vm_started_map_t vm_started SEC(".maps");
+	__type(value, __u32);
+} vm_gen_map_t;
+extern vm_gen_map_t vm_gen SEC(".maps");
+
+/* What a process's requests are attributed to has changed. */
+static __always_inline void vm_gen_bump(void)
+{
+	__u32 zero = 0, *g = bpf_map_lookup_elem(&vm_gen, &zero);
+
+	if (g)
+		__sync_fetch_and_add(g, 1);
+}
+
+/* The generation now (see vm_gen). */
+static __always_inline __u32 vm_gen_now(void)
+{
+	__u32 zero = 0, *g = bpf_map_lookup_elem(&vm_gen, &zero);
+
+	return g ? *g : 0;
+}
+
+/* The VM a process belongs to, if it is one's (or an engine registered
+ * under one). */
+static __always_inline struct vm_proc *vm_proc_of(__u32 tgid)
+{
+	return bpf_map_lookup_elem(&vm_pids, &tgid);
+}
+
+/* A VM process's guest changed state: it is written in place, and the
+ * block start's caches of it are bumped. */
+static __always_inline void vm_proc_set_state(struct vm_proc *p, __u32 state)
+{
+	if (p->state == state)
+		return;
+	p->state = state;
+	vm_gen_bump();
+}
+
+/* A kick not yet picked up: when it came (the first since the last
+ * pickup) and through which guest queue (VQ_*). */
+struct kick {
+	__u64 ts_ns;
+	__u64 queue;
+};
+
+/* Kicks on an eventfd, keyed by its open file: a vCPU's write (the deep
+ * tier's system-call tracepoint, or eventfd_write where fentry or kprobes
+ * reach it) or a registered KVM notify address; picked up by the read of
+ * that file. Keyed by the file, not (process, fd): the engine reading the
+ * kick may be another process holding the same eventfd (qemu-storage-
+ * daemon, an SPDK target, served over vhost-user). */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, struct kick);
+} file_kicks_map_t;
+extern file_kicks_map_t file_kicks SEC(".maps");
+
+/* Kicks waiting for the engine thread they are for (tid): KVM
+ * notifications whose thread was learnt from the wake-up the kick made
+ * (kicks.bpf.h), one slot per queue notifier of the thread (its slot
+ * assigned when learnt), each the first kick since its last pickup. An
+ * engine serving its queues in turn picks them up in the order they came
+ * (an epoll's ready list keeps that order): at its switch-in after a kick
+ * woke it, at an eventfd read, or as it starts its next submitting call. */
+#define KICK_SLOTS 16
+
+struct thread_kicks {
+	__u64 ts[KICK_SLOTS];    /* 0: none waiting */
+	__u16 queue[KICK_SLOTS]; /* VQ_*: the slot's notifier (0: slot unused) */
+	__u32 pending;           /* slots with a kick, a hint (ts decides) */
+	__u32 _pad;
+};
+
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, struct thread_kicks);
+} thread_kicks_map_t;
+extern thread_kicks_map_t thread_kicks SEC(".maps");
+
+/* The last kick each engine thread picked up: tid -> {kick, pickup}. The
+ * requests that thread submits next belong to that notification: those of
+ * all it submits until it picks up the next. A polling engine (QEMU's
+ * iothreads, in_iothread) also finds requests with no kick at all, by
+ * reading the queue's ring: for those threads a pick is spent once the
+ * thread went round its loop after submitting the pick's batch (it
+ * delivered completions, or made its next submitting call), and what it
+ * submits then is declared polled, never given an older batch's kick. */
+struct pick {
+	__u64 kick_ns;
+	__u64 pick_ns;
+	__u64 flags;         /* PICK_* */
+	__u64 last_start_ns; /* the thread's latest request start (own reads) */
+	__u64 nvcsw;         /* its voluntary context switches then */
+	__u32 queue;         /* VQ_*: the notifier the kick came through */
+	__u32 hv_wait_ns;    /* the picking thread's CPU waits within kick -> pickup */
+	__u64 call;          /* the io_uring call that last punted under it */
+};
+
+#define PICK_HANDED (1 << 0) /* handed to a worker it woke (aio=threads) */
+#define PICK_USED (1 << 1)   /* a worker submitted with it */
+#define PICK_READ (1 << 2)   /* the thread's own pickup of the notifier */
+#define PICK_TAKEN (1 << 3)  /* a request of its batch was submitted */
+#define PICK_SPENT (1 << 4)  /* its batch is over: what follows was polled */
+#define PICK_POLLS (1 << 5)  /* the thread has submitted polled requests */
+#define PICK_ENTERED (1 << 6) /* a submitting call began since the pickup */
+
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, struct pick);
+} thread_picks_map_t;
+extern thread_picks_map_t thread_picks SEC(".maps");
 
 /* Each VM's latest pickup: a worker that goes on to its next request
  * without sleeping (no hand-off) takes this one. It may be later than the
@@ -164,23 +264,9 @@ typedef struct {
 } vm_last_pick_map_t;
 extern vm_last_pick_map_t vm_last_pick SEC(".maps");
 
-typedef struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 4096);
-	__type(key, __u32);
-	__type(value, struct pick);
-} thread_picks_map_t;
-extern thread_picks_map_t thread_picks SEC(".maps");
-
 /* When an engine thread's device model took each request of its latest
  * pickup's batch (QEMU's block_acct_start, where its clock for the request
- * starts), reads and writes apart: a pickup reads a notifier once for the
- * whole batch, and each request then waits its turn behind the ones taken
- * before it, which is not engine time of its own. A request the thread
- * starts takes the oldest stamp of its op (the batch is submitted in
- * sector order, not in the order taken: exact for the batch's sum, not for
- * each request); a batch of more than POPS of an op, and requests the
- * device model took without accounting, keep the pickup. */
+ * starts), reads and writes apart (deep tier): see take_pop. */
 #define POPS 32
 #define POPS_MASK (POPS - 1)
 
@@ -199,27 +285,22 @@ typedef struct {
 } thread_pops_map_t;
 extern thread_pops_map_t thread_pops SEC(".maps");
 
-/* The stamp of the next request of op `op` that thread `tid` starts under
- * pickup `pick_ns`, or `pick_ns` when it has none. */
-static __always_inline __u64 take_pop(__u32 tid, __u64 pick_ns, __u32 op)
-{
-	struct pops *q;
-	__u32 h;
+/* io_uring requests an engine thread punted to an io-wq worker (a busy
+ * device refused them without waiting): request (its kiocb, the first
+ * member of io_kiocb) -> the submitting thread's pick, for the worker
+ * that issues it. Per-CPU LRU lists: no lock shared by the CPUs. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(map_flags, BPF_F_NO_COMMON_LRU);
+	__uint(max_entries, 16384);
+	__type(key, __u64);
+	__type(value, struct pick);
+} punted_picks_map_t;
+extern punted_picks_map_t punted_picks SEC(".maps");
 
-	if (op > BLK_OP_WRITE)
-		return pick_ns;
-	q = bpf_map_lookup_elem(&thread_pops, &tid);
-	if (!q || q->pick_ns != pick_ns)
-		return pick_ns;
-	h = q->head[op & 1];
-	if (h == q->tail[op & 1])
-		return pick_ns;
-	q->head[op & 1] = h + 1;
-	return q->ts[op & 1][h & POPS_MASK];
-}
-
-/* A VM thread's waits for a CPU (runq.bpf.c): since when it is runnable
- * and not running (0: running or asleep), and its last RUN_WAITS waits. */
+/* A VM thread's waits for a CPU (sched.bpf.c, deep tier): since when it is
+ * runnable and not running (0: running or asleep), and its last RUN_WAITS
+ * waits. */
 struct run_waits {
 	__u64 runnable_since;
 	__u64 start[RUN_WAITS];
@@ -236,65 +317,10 @@ typedef struct {
 } thread_waits_map_t;
 extern thread_waits_map_t thread_waits SEC(".maps");
 
-/* How long thread `tid`, running now, waited for a CPU within [from, to]:
- * its last RUN_WAITS waits, clipped to the interval (more waits than that
- * in one interval are not counted; saturates at ~4.3 s). */
-static __always_inline __u32 waited_within(__u32 tid, __u64 from, __u64 to)
-{
-	struct run_waits *w;
-	__u64 sum = 0;
-	int i;
-
-	if (!from || to <= from)
-		return 0;
-	w = bpf_map_lookup_elem(&thread_waits, &tid);
-	if (!w)
-		return 0;
-	for (i = 0; i < RUN_WAITS; i++) {
-		__u64 s = w->start[i] > from ? w->start[i] : from;
-		__u64 e = w->end[i] < to ? w->end[i] : to;
-
-		if (e > s)
-			sum += e - s;
-	}
-	return sum > 0xffffffffULL ? 0xffffffffU : (__u32)sum;
-}
-
-static __always_inline __u64 current_nvcsw(void)
-{
-	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
-
-	return BPF_CORE_READ(t, nvcsw);
-}
-
-/* An engine thread submitting under its own pick at `now` (a request's
- * start, or its punt to an io-wq worker): the pick's batch is taken, or,
- * when an earlier call spent it, the request was found by polling. */
-static __always_inline int take_pick(struct pick *p, __u64 now)
-{
-	int polled = !!(p->flags & PICK_SPENT);
-
-	p->flags |= polled ? PICK_POLLS : PICK_TAKEN;
-	p->last_start_ns = now;
-	p->nvcsw = current_nvcsw();
-	return polled;
-}
-
-/* io_uring requests an engine thread punted to an io-wq worker (a busy
- * device refused them without waiting): request (its kiocb, the first
- * member of io_kiocb) -> the submitting thread's pick, for the worker
- * that issues it. */
-typedef struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 16384);
-	__type(key, __u64);
-	__type(value, struct pick);
-} punted_picks_map_t;
-extern punted_picks_map_t punted_picks SEC(".maps");
-
 /* The eventfds QEMU hands the kernel's vhost as a queue's kick
- * (VHOST_SET_VRING_KICK): open file -> 1. A kick on one reaches the worker
- * inside the kernel (eventfd wake-up -> vhost_task), with no read. */
+ * (VHOST_SET_VRING_KICK, deep tier): open file -> 1. A kick on one reaches
+ * the worker inside the kernel (eventfd wake-up -> vhost_task), with no
+ * read. */
 typedef struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 4096);
@@ -313,9 +339,43 @@ typedef struct {
 } vhost_kicks_map_t;
 extern vhost_kicks_map_t vhost_kicks SEC(".maps");
 
+/* The deep tier's signals: per VM slot, its requests completed on the
+ * host and not yet made visible by a signal (signals.bpf.h). */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32);
+} vm_signal_due_map_t;
+extern vm_signal_due_map_t vm_signal_due SEC(".maps");
+
+/* Each engine thread's pushes not yet sent (struct vm_pushes_event). */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, struct vm_pushes_event);
+} thread_pushes_map_t;
+extern thread_pushes_map_t thread_pushes SEC(".maps");
+
 /* Source of a zeroed blk_stats for new vm_latency entries (too big for the
  * stack; defined in block.bpf.c). */
 extern const struct blk_stats zero_stats;
+
+/* The tier of the moment (see struct tier_state). */
+static __always_inline struct tier_state *tier_now(void)
+{
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&tier, &zero);
+}
+
+static __always_inline int deep_tier(void)
+{
+	struct tier_state *t = tier_now();
+
+	return t && t->deep;
+}
 
 /* No wakeup per record: the reader drains on a timer, and is woken only
  * when the backlog grows past targ_wakeup_bytes. */
@@ -338,12 +398,17 @@ static __always_inline int emit(void *rec, __u64 size)
 
 /* vCPU threads are named "CPU <n>/KVM" or "CPU <n>/TCG" (debug-threads=on,
  * as libvirt runs QEMU). */
+static __always_inline int vcpu_comm(const char *c)
+{
+	return c[0] == 'C' && c[1] == 'P' && c[2] == 'U' && c[3] == ' ';
+}
+
 static __always_inline int in_vcpu(void)
 {
 	char c[16];
 
 	bpf_get_current_comm(c, sizeof(c));
-	return c[0] == 'C' && c[1] == 'P' && c[2] == 'U' && c[3] == ' ';
+	return vcpu_comm(c);
 }
 
 /* QEMU's iothreads are named "IO <id>" (debug-threads=on, as libvirt runs
@@ -373,202 +438,29 @@ static __always_inline int in_vhost_worker(void)
 	return vhost_comm(c);
 }
 
+/* A field through a kernel pointer: a direct load in tp_btf programs
+ * (their pointers are typed), a probe read in raw_tp ones. `btf` is a
+ * constant at each inlined call site. */
+#define READ(btf, p, f) ((btf) ? (p)->f : BPF_CORE_READ(p, f))
 
-/* The VM's vhost worker taking its pending kick, if there is one: when it
- * is switched in, or, when the kick came while it ran (no wake-up needed),
- * at its next submission (the worker's queueing then counts as the
- * hypervisor's). */
-static __always_inline void claim_vhost_kick(__u32 tgid, __u32 tid)
+static __always_inline struct task_struct *current_task(int btf)
 {
-	struct pick p = {};
-	__u64 *kick = bpf_map_lookup_elem(&vhost_kicks, &tgid);
-
-	if (!kick)
-		return;
-	p.kick_ns = *kick;
-	p.pick_ns = bpf_ktime_get_ns();
-	bpf_map_delete_elem(&vhost_kicks, &tgid);
-	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
-	bpf_map_update_elem(&vm_last_pick, &tgid, &p, BPF_ANY);
+	return btf ? bpf_get_current_task_btf() : (struct task_struct *)bpf_get_current_task();
 }
 
-/* Per VM slot, its requests completed on the host and not yet made
- * visible by a signal. Used-ring pushes (virtqueue_flush, vu_queue_push)
- * come one per request, in completion order, and are all recorded (the
- * correlator gives each to one request), gathered per thread and sent
- * when none waits any more; an interrupt (NVMe's msix_notify, a vhost
- * worker's irqfd) covers every completion before it: it makes a record
- * only when any waits, and clears them. */
-typedef struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 1024);
-	__type(key, __u32);
-	__type(value, __u32);
-} vm_signal_due_map_t;
-extern vm_signal_due_map_t vm_signal_due SEC(".maps");
-
-/* `n` more of a VM's pushes to wait for: a request completed on the host
- * (one), or guest requests merged into another (one each). */
-static __always_inline void signal_due_n(__u32 vm, __u32 n)
+static __always_inline __u64 current_nvcsw(void)
 {
-	__u32 *d = bpf_map_lookup_elem(&vm_signal_due, &vm);
+	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
 
-	if (!d)
-		bpf_map_update_elem(&vm_signal_due, &vm, &n, BPF_NOEXIST);
-	else
-		__sync_fetch_and_add(d, n);
-}
-
-static __always_inline void signal_due(__u32 vm)
-{
-	signal_due_n(vm, 1);
-}
-
-/* Whether a signal covering `covers` completions (0: all) finds any
- * waiting, taking them. Another CPU's completion racing this is counted
- * either here or for the next signal, never lost: its window is ended by
- * a later record, or counted no_signal if none comes. */
-static __always_inline int take_due(__u32 *due, __u32 covers)
-{
-	__s32 old;
-
-	if (!covers)
-		return __sync_lock_test_and_set(due, 0) != 0;
-	if (!*due)
-		return 0;
-	old = (__s32)__sync_fetch_and_add(due, -covers);
-	if (old < (__s32)covers)
-		/* Fewer waited than it covers: none left, not a debt. */
-		__sync_fetch_and_add(due, covers - (old > 0 ? old : 0));
-	return old > 0;
-}
-
-/* Each engine thread's pushes not yet sent (struct vm_pushes_event). */
-typedef struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 4096);
-	__type(key, __u32);
-	__type(value, struct vm_pushes_event);
-} thread_pushes_map_t;
-extern thread_pushes_map_t thread_pushes SEC(".maps");
-
-/* The thread's last two waits for a CPU, newest first. */
-static __always_inline void last_waits(__u32 tid, __u64 start[2], __u64 end[2])
-{
-	struct run_waits *w = bpf_map_lookup_elem(&thread_waits, &tid);
-
-	if (w) {
-		__u32 i = (w->next - 1) & (RUN_WAITS - 1), j = (w->next - 2) & (RUN_WAITS - 1);
-
-		start[0] = w->start[i];
-		end[0] = w->end[i];
-		start[1] = w->start[j];
-		end[1] = w->end[j];
-	}
-}
-
-/* Sends thread `tid`'s gathered pushes, if any. */
-static __always_inline void send_pushes(__u32 tid, struct vm_pushes_event *b)
-{
-	if (!b->n)
-		return;
-	last_waits(tid, b->wait_start, b->wait_end);
-	emit(b, sizeof(*b));
-	b->n = 0;
-}
-
-/* The thread leaving its CPU sends what it gathered: it may not push
- * again for a while. */
-static __always_inline void send_pushes_of(__u32 tid)
-{
-	struct vm_pushes_event *b = bpf_map_lookup_elem(&thread_pushes, &tid);
-
-	if (b)
-		send_pushes(tid, b);
-}
-
-/* The engine making completions visible to the guest, one record per hit
- * that finds completions waiting (vm_signal_due): virtio's used-ring push
- * (virtqueue_flush, once per request: the guest may reap it by polling the
- * ring, without an interrupt, when QEMU suppresses it under EVENT_IDX;
- * `covers` its count) or, for NVMe, QEMU raising the interrupt after
- * posting the completions (msix_notify, `covers` 0). Attached per VM
- * process, on a push instruction (emulated, not single-stepped). */
-static __always_inline int on_signal(__u32 covers)
-{
-	__u64 id = bpf_get_current_pid_tgid();
-	__u32 tgid = id >> 32, tid = (__u32)id;
-	__u32 *vm;
-	struct vm_signal_event ev = { .kind = EVENT_VM_SIGNAL };
-	struct pick *p;
-
-	if (!targ_vm_segments)
-		return 0;
-	vm = bpf_map_lookup_elem(&vm_pids, &tgid);
-	if (!vm)
-		return 0;
-	/* An iothread completing requests after it submitted its pickup's
-	 * batch went round its loop: what it submits before it reads another
-	 * kick was found by polling. One known to poll that completes
-	 * requests between a read and its submission, likewise (the read's
-	 * kick may be one its poll had already served). Other engine threads
-	 * may deliver completions between the submissions of one kick's
-	 * batch (qemu-storage-daemon does), and never poll. */
-	if (in_iothread()) {
-		p = bpf_map_lookup_elem(&thread_picks, &tid);
-		if (p && (p->flags & PICK_READ) && (p->flags & (PICK_TAKEN | PICK_POLLS)))
-			p->flags |= PICK_SPENT;
-	}
-	{
-		__u32 *due = bpf_map_lookup_elem(&vm_signal_due, vm);
-
-		/* Every push is recorded, waited for or not: one left out
-		 * (taken as another's by the count of a request started before
-		 * the probes, which QEMU pushes too) would make every later
-		 * request take the push after its own. */
-		if (covers) {
-			static const struct vm_pushes_event fresh = { .kind = EVENT_VM_PUSHES };
-			struct vm_pushes_event *b = lookup_or_init(&thread_pushes, &tid, &fresh);
-			__u32 i;
-
-			if (!b)
-				return 0;
-			if (b->vm != *vm) {
-				send_pushes(tid, b);
-				b->vm = *vm;
-			}
-			/* A push of several completions is one stamp each. */
-			for (i = 0; i < PUSH_BATCH && i < covers; i++) {
-				__u32 n = b->n;
-
-				if (n >= PUSH_BATCH) {
-					send_pushes(tid, b);
-					n = 0;
-				}
-				b->ts[n & (PUSH_BATCH - 1)] = bpf_ktime_get_ns();
-				b->n = n + 1;
-			}
-			if (due)
-				take_due(due, covers);
-			if (b->n >= PUSH_BATCH || !due || !*due)
-				send_pushes(tid, b);
-			return 0;
-		}
-		if (!due || !take_due(due, 0))
-			return 0;
-	}
-	ev.vm = *vm;
-	ev.ts_ns = bpf_ktime_get_ns();
-	last_waits(tid, ev.wait_start, ev.wait_end);
-	emit(&ev, sizeof(ev));
-	return 0;
+	return BPF_CORE_READ(t, nvcsw);
 }
 
 static __always_inline struct vm_counts *vm_counts_of(__u32 vm)
 {
-	static const struct vm_counts zero;
+	__u32 idx = vm & (MAX_VM_COUNTS - 1);
 
-	return lookup_or_init(&vm_counts, &vm, &zero);
+	return bpf_map_lookup_elem(&vm_counts, &idx);
 }
+
 
 #endif /* IOSPAN_HOST_BPF_H */

@@ -2,11 +2,39 @@
 /*
  * A VM's request at the host block layer, for block.bpf.c's handlers: its
  * VM, virtual disk, offset and notification at the start; its accounting
- * and record at the completion. Inlined where the request is seen; the
- * tables it reads are vm.bpf.c's.
+ * at the completion, and its host window's join (the always-on tier) or
+ * its record (the deep tier).
  */
 #ifndef IOSPAN_VM_REQUEST_BPF_H
 #define IOSPAN_VM_REQUEST_BPF_H
+
+#include "host.bpf.h"
+#include "blk_op.bpf.h"
+#include "core_fixes.bpf.h"
+#include "picks.bpf.h"
+#include "signals.bpf.h"
+#include "stats.bpf.h"
+#include "vm_join.bpf.h"
+
+/* What the last process to start a request on this CPU is (consecutive
+ * requests come from one engine thread, a batch at a time): its VM and the
+ * VM's virtual disk on the last host disk, good for the generation of
+ * vm_gen they were read in. */
+struct proc_cache {
+	__u32 tgid;
+	__u32 gen;
+	struct vm_proc proc;  /* slot 0: no VM's */
+	__u32 dev;
+	__u32 vdisk_slot;     /* vm_disks[(slot, dev)]: 0 none, VDISK_SEVERAL */
+};
+
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct proc_cache);
+} proc_cache_map_t;
+extern proc_cache_map_t proc_cache SEC(".maps");
 
 /* The virtual disk a VM's direct-I/O request is for. Where the VM has one
  * virtual disk on this host disk, a direct-I/O bio of its process is that
@@ -15,9 +43,9 @@
  * resolved here (0), except from a vhost worker. `pos` is the request's
  * offset in the virtual disk's backing (the guest's offset on a raw
  * image), where known. */
-static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, __u64 *pos)
+static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u64 *pos, int btf,
+				      struct proc_cache *c)
 {
-	struct bio *bio = BPF_CORE_READ(rq, bio);
 	struct vm_dev_key vk = { .vm = vm, .dev = dev };
 	struct iomap_dio *dio_priv;
 	struct block_device *bdev;
@@ -30,7 +58,7 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, _
 
 	if (!bio)
 		return 0;
-	end_io = (__u64)BPF_CORE_READ(bio, bi_end_io);
+	end_io = (__u64)READ(btf, bio, bi_end_io);
 	for (i = 0; i < NR_DIO_END_IO; i++)
 		if (targ_dio_end_io[i] && end_io == targ_dio_end_io[i]) {
 			kind = i;
@@ -38,8 +66,13 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, _
 		}
 	if (kind < 0 && !in_vhost_worker())
 		return 0;
-	slot = bpf_map_lookup_elem(&vm_disks, &vk);
-	if (!slot)
+	if (c->dev != dev) {
+		slot = bpf_map_lookup_elem(&vm_disks, &vk);
+		c->dev = dev;
+		c->vdisk_slot = slot ? *slot : 0;
+	}
+	slot = &c->vdisk_slot;
+	if (!*slot)
 		return 0;
 	/* A vhost worker serves only its VM's vhost disks, and submits their
 	 * bios itself (LIO's block and file backstores: no kiocb to read): on
@@ -52,12 +85,12 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, _
 		 * and the device only where the VM has one disk on it. */
 		if (!bpf_core_field_exists(bio->bi_bdev))
 			return *slot != VDISK_SEVERAL ? *slot : 0;
-		bdev = BPF_CORE_READ(bio, bi_bdev);
-		*pos = (BPF_CORE_READ(bio, bi_iter.bi_sector) - BPF_CORE_READ(bdev, bd_start_sect)) << 9;
+		bdev = READ(btf, bio, bi_bdev);
+		*pos = (READ(btf, bio, bi_iter.bi_sector) - READ(btf, bdev, bd_start_sect)) << 9;
 		if (*slot != VDISK_SEVERAL)
 			return *slot;
 		k.dev = VDISK_FILE_BDEV;
-		k.ino = BPF_CORE_READ(bdev, bd_dev);
+		k.ino = READ(btf, bdev, bd_dev);
 		slot = bpf_map_lookup_elem(&vdisk_files, &k);
 		return slot ? *slot : 0;
 	}
@@ -80,25 +113,22 @@ static __always_inline __u32 vdisk_of(struct request *rq, __u32 vm, __u32 dev, _
 
 #define PF_IO_WORKER_FLAG 0x00000010 /* PF_IO_WORKER: an io_uring io-wq worker */
 
-static __always_inline int in_io_worker(void)
+static __always_inline int in_io_worker(struct task_struct *t, int btf)
 {
-	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
-
-	return !!(BPF_CORE_READ(t, flags) & PF_IO_WORKER_FLAG);
+	return !!(READ(btf, t, flags) & PF_IO_WORKER_FLAG);
 }
 
-/* The kiocb a direct-I/O request serves, where its completion kind keeps
- * one (iomap, and the block device's asynchronous paths). */
-static __always_inline __u64 rq_kiocb(struct request *rq)
+/* The kiocb a direct-I/O bio serves, where its completion kind keeps one
+ * (iomap, and the block device's asynchronous paths). */
+static __always_inline __u64 bio_kiocb(struct bio *bio, int btf)
 {
-	struct bio *bio = BPF_CORE_READ(rq, bio);
 	struct blkdev_dio *bdio;
 	struct iomap_dio *idio;
 	__u64 end_io;
 
 	if (!bio)
 		return 0;
-	end_io = (__u64)BPF_CORE_READ(bio, bi_end_io);
+	end_io = (__u64)READ(btf, bio, bi_end_io);
 	if (!end_io)
 		return 0;
 	if (end_io == targ_dio_end_io[DIO_IOMAP]) {
@@ -117,11 +147,11 @@ static __always_inline __u64 rq_kiocb(struct request *rq)
 	return 0;
 }
 
-/* The pick an engine thread punted with the request (see punted_picks),
- * taken out of the table. */
-static __always_inline int punted_pick_of(struct request *rq, struct pick *out)
+/* The pick an engine thread punted with the request of this bio (see
+ * punted_picks), taken out of the table. */
+static __always_inline int punted_pick_of(struct bio *bio, struct pick *out, int btf)
 {
-	__u64 req = rq_kiocb(rq);
+	__u64 req = bio_kiocb(bio, btf);
 	struct pick *p;
 
 	if (!req)
@@ -150,93 +180,143 @@ static __always_inline void note_undelivered(const struct rq_slot *s)
 		__sync_fetch_and_add(n, 1);
 }
 
-/* `btf`: a constant per inlined call site, choosing direct or probe reads.
- * Most requests return before any read of the request: the kernel keeps
- * their start time and no VM submitted them. */
-static __always_inline void on_start(struct request *rq, __u64 kstart_ns, int btf)
+/* What a VM's request is, taken at its start in the submitting task
+ * (completions run in interrupt context under unrelated tasks). */
+struct vm_start {
+	__u64 kick_ns;
+	__u64 pick_ns;
+	__u64 pos;
+	__u64 stamp_ns; /* when it was taken */
+	__u32 vm;
+	__u32 vdisk;
+	__u32 dev;
+	__u32 op;
+	__u32 queue;
+	__u32 hv_wait_ns;
+	__u32 eng_wait_ns;
+	__u32 polled;
+};
+
+/* Whether the current task's request now starting is the first of its
+ * submitting call: no plug, or none of the plug's requests added yet (the
+ * request is added to it after this tracepoint). */
+static __always_inline int first_of_call(struct task_struct *t, int btf)
 {
-	struct rq_slot *s;
-	__u32 vm = 0, vdisk = 0, dev = 0, op = 0;
-	__u64 key, kick_ns = 0, pick_ns = 0, pos = 0;
-	__u16 queue = 0;
-	__u32 hv_wait = 0, eng_wait = 0;
-	/* Our start stamp, where the kernel keeps none: one clock read. */
-	__u64 now = kstart_ns ? 0 : bpf_ktime_get_ns();
-	int polled = 0;
+	struct blk_plug *plug = READ(btf, t, plug);
 
-	if (targ_track_vms) {
-		__u64 pid_tgid = bpf_get_current_pid_tgid();
-		__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
-		__u32 *v = bpf_map_lookup_elem(&vm_pids, &tgid);
-
-		/* Only a VM's requests need their submitter remembered. */
-		if (v) {
-			vm = *v;
-			__u8 *state = bpf_map_lookup_elem(&vm_started, &tgid);
-
-			dev = btf ? rq_dev_btf(rq) : rq_dev(rq);
-			op = op_class(btf ? rq->cmd_flags : BPF_CORE_READ(rq, cmd_flags));
-			if (state && *state == VM_RUNNING)
-				vdisk = vdisk_of(rq, vm, dev, &pos);
-			if (targ_vm_segments) {
-				struct pick *p, punt;
-				int own = 0;
-
-				if (in_vhost_worker())
-					claim_vhost_kick(tgid, tid);
-				if (in_io_worker() && punted_pick_of(rq, &punt)) {
-					/* The submitter's pick, as it was at the punt. */
-					p = &punt;
-					polled = !!(punt.flags & PICK_SPENT);
-				} else if (!(p = bpf_map_lookup_elem(&thread_picks, &tid)))
-					;
-				else if (p->flags & PICK_USED)
-					p = bpf_map_lookup_elem(&vm_last_pick, &tgid);
-				else if (p->flags & PICK_HANDED)
-					p->flags |= PICK_USED;
-				else if (p->flags & PICK_READ) {
-					polled = take_pick(p, kstart_ns ? kstart_ns : now);
-					own = 1;
-				}
-				if (p && !polled) {
-					kick_ns = p->kick_ns;
-					pick_ns = own ? take_pop(tid, p->pick_ns, op) : p->pick_ns;
-					queue = (__u16)p->queue;
-					/* Taken after the pickup: the thread's waits up to
-					 * then were the request's wait to be taken. */
-					hv_wait = pick_ns == p->pick_ns ? p->hv_wait_ns
-									: waited_within(tid, kick_ns, pick_ns);
-					eng_wait = waited_within(tid, pick_ns, kstart_ns ? kstart_ns : now);
-				}
-			}
-		}
-	}
-	if (kstart_ns && !vm)
-		return;
-	key = btf ? rq_key_btf(rq) : rq_key_raw(rq);
-	s = rq_slot_of(key, 1);
-	if (!s)
-		return;
-	if (rq_undelivered(s, key))
-		note_undelivered(s);
-	if (vm) {
-		struct vm_counts *c = vm_counts_of(vm);
-
-		if (c)
-			__sync_fetch_and_add(&c->submitted, 1);
-	}
-	rq_on_start(s, key, now, vm, vdisk, kick_ns, pick_ns, pos,
-		    dev, op);
-	s->queue = queue;
-	s->hv_wait_ns = hv_wait;
-	s->eng_wait_ns = eng_wait;
-	if (polled)
-		s->flags |= RQ_F_POLLED;
+	return !plug || READ(btf, plug, rq_count) == 0;
 }
 
-/* A VM's finished request, for the agent to split its host window. */
-static __always_inline void stream_vm_io(const struct rq_outcome *o, const struct rq_fields *f,
-					 __u8 op, __u64 now)
+/* The notification a VM thread's request at `start` came with: the
+ * thread's pick (its own pickup, one handed to it by the engine thread,
+ * or the submitter's for an io_uring request punted to a worker). */
+static __always_inline void vm_pick(struct bio *bio, __u32 tgid, __u32 tid, __u64 start,
+				    struct vm_start *v, int btf)
+{
+	struct task_struct *t = current_task(btf);
+	struct pick *p, punt;
+	int own = 0, deep = deep_tier();
+	__u64 nvcsw = READ(btf, t, nvcsw);
+
+	if (deep && in_vhost_worker())
+		claim_vhost_kick(tgid, tid);
+	/* A kick that came while the thread ran (it needed no wake-up) is
+	 * picked up as it starts its next submitting call: at the first
+	 * request of a plug (a call submitting a batch plugs it), or at an
+	 * unplugged request. */
+	if (first_of_call(t, btf))
+		pick_up_thread_kick(tgid, tid, 0, nvcsw);
+	if (in_io_worker(t, btf) && punted_pick_of(bio, &punt, btf)) {
+		/* The submitter's pick, as it was at the punt. */
+		p = &punt;
+		v->polled = !!(punt.flags & PICK_SPENT);
+	} else if (!(p = bpf_map_lookup_elem(&thread_picks, &tid)))
+		return;
+	else if (p->flags & PICK_USED)
+		p = bpf_map_lookup_elem(&vm_last_pick, &tgid);
+	else if (p->flags & PICK_HANDED)
+		p->flags |= PICK_USED;
+	else if (p->flags & PICK_READ) {
+		v->polled = take_pick(p, start, nvcsw);
+		own = 1;
+	}
+	if (!p || v->polled)
+		return;
+	v->kick_ns = p->kick_ns;
+	v->pick_ns = own && deep ? take_pop(tid, p->pick_ns, v->op) : p->pick_ns;
+	v->queue = (__u16)p->queue;
+	if (deep) {
+		/* Taken after the pickup: the thread's waits up to then were
+		 * the request's wait to be taken. */
+		v->hv_wait_ns = v->pick_ns == p->pick_ns ? p->hv_wait_ns
+							 : waited_within(tid, v->kick_ns, v->pick_ns);
+		v->eng_wait_ns = waited_within(tid, v->pick_ns, start);
+	}
+}
+
+/* The current process's VM (slot 0: none), through this CPU's cache. */
+static __always_inline struct proc_cache *cached_proc(__u32 tgid)
+{
+	__u32 zero = 0, gen = vm_gen_now();
+	struct proc_cache *c = bpf_map_lookup_elem(&proc_cache, &zero);
+	struct vm_proc *p;
+
+	if (!c)
+		return 0;
+	if (c->tgid == tgid && c->gen == gen)
+		return c;
+	p = vm_proc_of(tgid);
+	c->tgid = tgid;
+	c->gen = gen;
+	c->proc.slot = p ? p->slot : 0;
+	c->proc.state = p ? p->state : 0;
+	c->dev = 0;
+	return c;
+}
+
+/* A request of bio `bio` (its first), on host disk `dev`, op `op`,
+ * starting at `start` (the kernel's stamp, or ours): whether a VM
+ * submitted it, and if so what it is. `btf`: a constant per inlined call
+ * site, choosing direct or probe reads. */
+static __always_inline int vm_bio_start(struct bio *bio, __u32 dev, __u32 op, __u64 start, int btf,
+					struct vm_start *v)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
+	struct proc_cache *c = cached_proc(tgid);
+
+	if (!c || !c->proc.slot)
+		return 0;
+	v->vm = c->proc.slot;
+	v->dev = dev;
+	v->op = op;
+	v->stamp_ns = start;
+	if (!bio)
+		return 1;
+	if (c->proc.state == VM_PROC_RUNNING)
+		v->vdisk = vdisk_of(bio, v->vm, v->dev, &v->pos, btf, c);
+	if (targ_vm_segments)
+		vm_pick(bio, tgid, tid, start, v, btf);
+	return 1;
+}
+
+/* The same for a request at block_io_start. */
+static __always_inline int vm_request_start(struct request *rq, __u64 start, int btf,
+					    struct vm_start *v)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	struct proc_cache *c = cached_proc(tgid);
+
+	/* Most requests are no VM's: out before any read of the request. */
+	if (!c || !c->proc.slot)
+		return 0;
+	return vm_bio_start(READ(btf, rq, bio), btf ? rq_dev_btf(rq) : rq_dev(rq),
+			    op_class(READ(btf, rq, cmd_flags)), start, btf, v);
+}
+
+/* The deep tier: a VM's finished request, for the agent to split its host
+ * window. */
+static __always_inline void stream_vm_io(const struct rq_outcome *o, __u32 dev, __u8 op, __u64 now)
 {
 	struct vm_io_event ev = {};
 
@@ -244,7 +324,7 @@ static __always_inline void stream_vm_io(const struct rq_outcome *o, const struc
 	ev.kind = EVENT_VM_IO;
 	ev.op = op;
 	ev.flags = (__u8)o->flags;
-	ev.dev = f->dev;
+	ev.dev = dev;
 	ev.kick_ns = o->kick_ns;
 	ev.pick_ns = o->pick_ns;
 	ev.start_ns = o->start_ns;
@@ -260,14 +340,21 @@ static __always_inline void stream_vm_io(const struct rq_outcome *o, const struc
 	emit(&ev, sizeof(ev));
 }
 
-/* A VM's request: also into vm_latency, with its whole byte count (partial
- * pieces were carried in the slot). */
-static __always_inline void account_vm(const struct rq_outcome *o, const struct rq_fields *f,
-				       __u8 op, const __u64 seg[BLK_NR_SEGS])
+/* A VM's finished request: into vm_latency, with its whole byte count
+ * (partial pieces were carried in the slot), and, for a virtual disk's,
+ * its host window: joined here (always-on) or streamed (deep). */
+static __always_inline void vm_request_done(const struct rq_outcome *o, __u32 dev, __u8 op,
+					    const __u64 seg[BLK_NR_SEGS], __u64 now)
 {
-	struct vm_key k = { .vm = o->vm, .dev = f->dev, .op = op, .vdisk = o->vdisk };
+	struct vm_key k = { .vm = o->vm, .dev = dev, .op = op, .vdisk = o->vdisk };
 
 	account(&vm_latency, &vm_latency_nested, &k, o, seg, o->bytes, 1);
+	if (!targ_vm_segments || !o->vdisk)
+		return;
+	if (deep_tier())
+		stream_vm_io(o, dev, op, now);
+	else
+		join_completed(o, dev, op, now);
 }
 
 #endif /* IOSPAN_VM_REQUEST_BPF_H */

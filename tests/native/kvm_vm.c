@@ -3,8 +3,8 @@
  * that writes the queue's notify address once per request (an MMIO exit
  * KVM turns into an eventfd signal), and its main thread picks each kick
  * up from the eventfd, reads 4 KiB of the image with O_DIRECT, and
- * pushes the completion to the used ring by calling virtqueue_flush, as
- * QEMU's engine does.
+ * pushes the completion to the used ring by calling virtqueue_flush and
+ * raises the queue's interrupt through an irqfd, as QEMU's engine does.
  *
  * With -device vhost-scsi-pci, the queue is served as the kernel's vhost
  * worker serves it instead: the kick eventfd is handed over with
@@ -163,7 +163,7 @@ int main(int argc, char **argv)
 	mem.userspace_addr = (uint64_t)ram;
 	if (ioctl(vm, KVM_SET_USER_MEMORY_REGION, &mem) < 0)
 		return die("KVM_SET_USER_MEMORY_REGION");
-	if (vhost && ioctl(vm, KVM_CREATE_IRQCHIP, 0) < 0)
+	if (ioctl(vm, KVM_CREATE_IRQCHIP, 0) < 0)
 		return die("KVM_CREATE_IRQCHIP");
 	vcpu_fd = ioctl(vm, KVM_CREATE_VCPU, 0);
 	if (vcpu_fd < 0)
@@ -184,14 +184,26 @@ int main(int argc, char **argv)
 		return die("KVM_IOEVENTFD");
 	sem_init(&go, 0, 0);
 	sem_init(&done, 0, 0);
-	if (vhost) {
+	{
 		/* The call eventfd as an irqfd on an MSI route, as QEMU sets up
-		 * a vhost device's interrupt under KVM. */
+		 * a virtio device's interrupt under KVM (a vhost device's
+		 * alike, signalled by its worker). */
 		struct {
 			struct kvm_irq_routing r;
 			struct kvm_irq_routing_entry e[1];
 		} routes = { .r = { .nr = 1 } };
 		struct kvm_irqfd irqfd = { .gsi = 24 };
+
+		routes.e[0].gsi = 24;
+		routes.e[0].type = KVM_IRQ_ROUTING_MSI;
+		routes.e[0].u.msi.address_lo = 0xfee00000;
+		routes.e[0].u.msi.data = 0x41;
+		w.call = eventfd(0, 0);
+		irqfd.fd = w.call;
+		if (w.call < 0 || ioctl(vm, KVM_SET_GSI_ROUTING, &routes) < 0 || ioctl(vm, KVM_IRQFD, &irqfd) < 0)
+			return die("irqfd");
+	}
+	if (vhost) {
 		/* struct vhost_vring_file; _IOW(VHOST_VIRTIO, 0x20, …) */
 		struct {
 			unsigned int index;
@@ -199,10 +211,6 @@ int main(int argc, char **argv)
 		} kick = { 0, efd };
 		int vhost_dev = open("/dev/null", O_RDONLY);
 
-		routes.e[0].gsi = 24;
-		routes.e[0].type = KVM_IRQ_ROUTING_MSI;
-		routes.e[0].u.msi.address_lo = 0xfee00000;
-		routes.e[0].u.msi.data = 0x41;
 		/* QEMU hands the kick eventfd to the vhost device. There is none
 		 * here: the call fails (ENOTTY), as the agent sees it at the
 		 * system call's entry either way. */
@@ -211,10 +219,6 @@ int main(int argc, char **argv)
 		w.kick = efd;
 		w.img = img;
 		w.buf = buf;
-		w.call = eventfd(0, 0);
-		irqfd.fd = w.call;
-		if (w.call < 0 || ioctl(vm, KVM_SET_GSI_ROUTING, &routes) < 0 || ioctl(vm, KVM_IRQFD, &irqfd) < 0)
-			return die("irqfd");
 		pthread_create(&wt, NULL, vhost_worker, &w);
 		/* Asleep before the first kick, as a worker is once its device
 		 * is set up. */
@@ -235,7 +239,7 @@ int main(int argc, char **argv)
 	pfd.fd = efd;
 	pfd.events = POLLIN;
 	for (long i = 0; i < ios && !failed; i++) {
-		uint64_t v;
+		uint64_t v, one = 1;
 		uint8_t big[512];
 
 		sem_post(&go);
@@ -247,6 +251,9 @@ int main(int argc, char **argv)
 		if (pread(img, buf, 4096, (off_t)(rand() % 4096) * 4096) != 4096)
 			return die("image read");
 		virtqueue_flush(NULL, 1);
+		/* The queue's interrupt, through its irqfd. */
+		if (write(w.call, &one, sizeof(one)) != sizeof(one))
+			return die("irqfd write");
 	}
 	pthread_join(t, NULL);
 	printf("kvm_vm: %ld requests\n", failed ? -1 : ios);

@@ -52,6 +52,20 @@ static const struct shim_field fields[] = {
 	F(vm_io_event, done_ns), F(vm_io_event, bytes), F(vm_io_event, vm), F(vm_io_event, vdisk), F(vm_io_event, queue), F(vm_io_event, pos), F(vm_io_event, hv_wait_ns), F(vm_io_event, eng_wait_ns),
 	S(vm_signal_event), F(vm_signal_event, kind), F(vm_signal_event, vm), F(vm_signal_event, ts_ns), F(vm_signal_event, wait_start), F(vm_signal_event, wait_end),
 	S(vm_pushes_event), F(vm_pushes_event, kind), F(vm_pushes_event, n), F(vm_pushes_event, vm), F(vm_pushes_event, ts), F(vm_pushes_event, wait_start), F(vm_pushes_event, wait_end),
+	S(vm_proc), F(vm_proc, slot), F(vm_proc, state),
+	S(vm_split_key), F(vm_split_key, vm), F(vm_split_key, vdisk), F(vm_split_key, dev),
+	F(vm_split_key, op), F(vm_split_key, queue),
+	S(vm_split_stats), F(vm_split_stats, count), F(vm_split_stats, bytes), F(vm_split_stats, sum_ns),
+	F(vm_split_stats, max_ns), F(vm_split_stats, hist),
+	S(done_ring), F(done_ring, head), F(done_ring, tail), F(done_ring, vm), F(done_ring, _pad),
+	F(done_ring, ent),
+	S(vdisk_key), F(vdisk_key, vm), F(vdisk_key, vdisk),
+	S(vm_unsplit), F(vm_unsplit, no_kick), F(vm_unsplit, no_signal), F(vm_unsplit, polled),
+	F(vm_unsplit, unordered),
+	S(tier_state), F(tier_state, deep), F(tier_state, handoff), F(tier_state, one_in),
+	F(tier_state, pick_at_read), F(tier_state, slower_than_ns),
+	S(vm_split_event), F(vm_split_event, io), F(vm_split_event, signal_ns),
+	F(vm_split_event, sampled_by), F(vm_split_event, _pad),
 	S(blk_stats), F(blk_stats, busy), F(blk_stats, ios), F(blk_stats, bytes), F(blk_stats, errors),
 	F(blk_stats, requeued), F(blk_stats, partial), F(blk_stats, sum_ns), F(blk_stats, max_ns),
 	F(blk_stats, hist),
@@ -79,6 +93,8 @@ struct shim_consts {
 	__u32 nr_dio_end_io, vdisk_file_bdev;
 	__u32 vq_by_index, vq_by_addr, vq_by_order, vq_value_mask;
 	__u32 event_vm_pushes, push_batch;
+	__u32 done_ring, done_ent_size, event_vm_split, _pad;
+	__u64 signal_hold_ns;
 };
 
 void shim_consts(struct shim_consts *c)
@@ -108,4 +124,8 @@ void shim_consts(struct shim_consts *c)
 	c->event_vm_pushes = EVENT_VM_PUSHES;
 	c->push_batch = PUSH_BATCH;
 	c->vdisk_file_bdev = VDISK_FILE_BDEV;
+	c->done_ring = DONE_RING;
+	c->done_ent_size = sizeof(struct done_ent);
+	c->event_vm_split = EVENT_VM_SPLIT;
+	c->signal_hold_ns = SIGNAL_HOLD_NS;
 }

@@ -78,6 +78,11 @@ pub struct ShimConsts {
     pub vq_value_mask: u32,
     pub event_vm_pushes: u32,
     pub push_batch: u32,
+    pub done_ring: u32,
+    pub done_ent_size: u32,
+    pub event_vm_split: u32,
+    pub _pad: u32,
+    pub signal_hold_ns: u64,
 }
 
 extern "C" {
@@ -617,4 +622,26 @@ impl Drop for Reap {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// What `iospan run` needs to split the rig's guests here. They run under
+/// TCG, whose kicks the always-on tier sees only through fentry or kprobes
+/// on eventfd_write; on a kernel with neither (this development machine's)
+/// only the deep tier sees them.
+pub fn rig_split_args() -> &'static [&'static str] {
+    static ARGS: std::sync::OnceLock<&'static [&'static str]> = std::sync::OnceLock::new();
+    ARGS.get_or_init(|| {
+        let out = run(Command::new(iospan_bin()).args(["doctor", "--json"]));
+        let d: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let works = |t: &str| {
+            d["probes"]
+                .as_array()
+                .is_some_and(|ps| ps.iter().any(|p| p["probe"] == t && p["works"] == true))
+        };
+        if works("fentry") || works("kprobe") {
+            &[]
+        } else {
+            &["--deep"]
+        }
+    })
 }

@@ -6,8 +6,9 @@ use std::mem::{offset_of, size_of};
 use agent_integration::{c_consts, c_hist_bucket, c_layout, RqCompletion, RqOutcome};
 use iospan::{
     abi::{
-        self, BlkIoEvent, BlkStats, DiskSlot, FileKey, GuestIoEvent, GuestReapEvent, RqSlot,
-        VmDevKey, VmIoEvent, VmKey, VmPushesEvent, VmSignalEvent,
+        self, BlkIoEvent, BlkStats, DiskSlot, DoneRing, FileKey, GuestIoEvent, GuestReapEvent,
+        RqSlot, TierState, VdiskKey, VmDevKey, VmIoEvent, VmKey, VmProc, VmPushesEvent,
+        VmSignalEvent, VmSplitEvent, VmSplitKey, VmSplitStats, VmUnsplit,
     },
     model::hist,
 };
@@ -44,6 +45,14 @@ fn abi_layout() {
         "vm_io_event" => VmIoEvent { kind, op, flags, dev, kick_ns, pick_ns, start_ns, issue_ns, done_ns, bytes, vm, vdisk, queue, pos, hv_wait_ns, eng_wait_ns }
         "vm_signal_event" => VmSignalEvent { kind, vm, ts_ns, wait_start, wait_end }
         "vm_pushes_event" => VmPushesEvent { kind, n, vm, ts, wait_start, wait_end }
+        "vm_proc" => VmProc { slot, state }
+        "vm_split_key" => VmSplitKey { vm, vdisk, dev, op, queue }
+        "vm_split_stats" => VmSplitStats { count, bytes, sum_ns, max_ns, hist }
+        "done_ring" => DoneRing { head, tail, vm, _pad, ent }
+        "vdisk_key" => VdiskKey { vm, vdisk }
+        "vm_unsplit" => VmUnsplit { no_kick, no_signal, polled, unordered }
+        "tier_state" => TierState { deep, handoff, one_in, pick_at_read, slower_than_ns }
+        "vm_split_event" => VmSplitEvent { io, signal_ns, sampled_by, _pad }
         "blk_stats" => BlkStats { busy, ios, bytes, errors, requeued, partial, sum_ns, max_ns, hist }
         "rq_completion" => RqCompletion { rq, kstart_ns, kissue_ns, now_ns, remaining, nr_bytes }
         "rq_outcome" => RqOutcome { start_ns, issue_ns, bytes, requeues, flags, vm, vdisk, kick_ns, pick_ns, pos, queue, hv_wait_ns, eng_wait_ns }
@@ -72,6 +81,10 @@ fn abi_constants() {
     assert_eq!(c.nr_segs as usize, abi::BLK_NR_SEGS);
     assert_eq!(c.default_max_disks, abi::DEFAULT_MAX_DISKS);
     assert_eq!(c.rq_slots, abi::RQ_SLOTS);
+    assert_eq!(c.done_ring as usize, abi::DONE_RING);
+    assert_eq!(c.done_ent_size as usize, abi::DONE_ENT_SIZE);
+    assert_eq!(c.event_vm_split as u16, abi::EVENT_VM_SPLIT);
+    assert_eq!(c.signal_hold_ns, abi::SIGNAL_HOLD_NS);
     assert_eq!(c.f_partial, abi::RQ_F_PARTIAL as u32);
     assert_eq!(c.f_requeued, abi::RQ_F_REQUEUED as u32);
     assert_eq!(c.f_no_start, abi::RQ_F_NO_START as u32);

@@ -113,7 +113,9 @@ fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
         let (rep, ev) = (dir.join("report.json"), dir.join("events.jsonl"));
         agent_integration::run_around(
             Command::new(agent_integration::iospan_bin())
-                .args(["run", "--quiet", "--disk", &host, "--json-out"])
+                .args(["run", "--quiet", "--disk", &host])
+                .args(agent_integration::rig_split_args())
+                .arg("--json-out")
                 .arg(&rep)
                 .arg("--events-out")
                 .arg(&ev)
@@ -433,7 +435,9 @@ fn record_events(vm: &str, dir: &std::path::Path) -> std::path::PathBuf {
     let ev = dir.join("events.jsonl");
     agent_integration::run_around(
         Command::new(agent_integration::iospan_bin())
-            .args(["run", "--quiet", "--disk", &host, "--events-out"])
+            .args(["run", "--quiet", "--disk", &host])
+            .args(agent_integration::rig_split_args())
+            .arg("--events-out")
             .arg(&ev),
         &qemu,
     );

@@ -19,6 +19,17 @@ fn kvm_vm() -> PathBuf {
 /// (`{image}`: the image's path) and `envs` for iospan and the VM: its
 /// report.
 fn traced_vm(name: &str, n: u64, vm_args: &[&str], envs: &[(&str, &std::path::Path)]) -> Value {
+    traced_vm_with(name, n, &[], vm_args, envs)
+}
+
+/// The same, with `run_args` for `iospan run` (`--deep`).
+fn traced_vm_with(
+    name: &str,
+    n: u64,
+    run_args: &[&str],
+    vm_args: &[&str],
+    envs: &[(&str, &std::path::Path)],
+) -> Value {
     assert!(
         std::path::Path::new("/dev/kvm").exists(),
         "this test needs /dev/kvm (the kvm module)"
@@ -28,7 +39,9 @@ fn traced_vm(name: &str, n: u64, vm_args: &[&str], envs: &[(&str, &std::path::Pa
     let report = dir.join(format!("{name}.json"));
     let image = image(dir).display().to_string();
     let mut cmd = Command::new(iospan_bin());
-    cmd.args(["run", "--quiet", "--json-out"])
+    cmd.args(["run", "--quiet"])
+        .args(run_args)
+        .arg("--json-out")
         .arg(&report)
         .arg("--")
         .arg(&exe)
@@ -121,29 +134,51 @@ fn every_request_split<'a>(rep: &'a Value, disk: &str, n: u64) -> &'a Value {
     e
 }
 
+const KVM_DISK: [&str; 4] = [
+    "-drive",
+    "file={image},if=none,id=kd0,format=raw,cache=none,aio=native",
+    "-device",
+    "virtio-blk-pci,drive=kd0",
+];
+
+/// The always-on tier: the kick is KVM's exit at the notify address
+/// (kvm:kvm_mmio), its notifier's engine learnt from the wake-up the kick
+/// makes, the pickup that thread's run, the end KVM's interrupt — no
+/// system-call tracepoint attached.
 #[test]
 fn kvm_kicks_start_the_host_window() {
     let n = 400u64;
-    let rep = traced_vm(
-        "kvm",
-        n,
-        &[
-            "-drive",
-            "file={image},if=none,id=kd0,format=raw,cache=none,aio=native",
-            "-device",
-            "virtio-blk-pci,drive=kd0",
-        ],
-        &[],
+    let rep = traced_vm("kvm", n, &KVM_DISK, &[]);
+    let probes = probes(&rep);
+    assert!(
+        probes.contains(&"kvm:kvm_mmio") && probes.contains(&"kvm:kvm_msi_set_irq"),
+        "{probes:?}"
     );
+    assert!(
+        !probes.iter().any(|p| p.starts_with("syscalls:")),
+        "the always-on tier attached a system-call tracepoint: {probes:?}"
+    );
+    assert_eq!(rep["tier"], "always-on", "{}", rep["tier"]);
+    let vm = the_vm(&rep);
+    assert_eq!(vm["kicks"], "kvm-exits", "{vm}");
+    every_request_split(&rep, "kd0", n);
+}
+
+/// The deep tier: the same VM's kicks on the eventfds QEMU registered
+/// (KVM_IOEVENTFD, watched), picked up by the engine's read of the
+/// eventfd; its end at virtqueue_flush (the used-ring push).
+#[test]
+fn kvm_kicks_in_the_deep_tier_come_from_the_registered_notifiers() {
+    let n = 400u64;
+    let rep = traced_vm_with("kvm-deep", n, &["--deep"], &KVM_DISK, &[]);
     let probes = probes(&rep);
     assert!(
         probes.contains(&"kvm:kvm_mmio") && probes.contains(&"syscalls:sys_enter_ioctl"),
         "{probes:?}"
     );
+    assert_eq!(rep["tier"], "deep", "{}", rep["tier"]);
     let vm = the_vm(&rep);
     assert_eq!(vm["kicks"], "queue-notifiers", "{vm}");
-    // Its kick from the MMIO write, picked up by the engine's read of the
-    // registered eventfd; its end at virtqueue_flush (the used-ring push).
     every_request_split(&rep, "kd0", n);
 }
 
@@ -180,12 +215,7 @@ fn a_kernel_vhost_worker_is_the_engine_of_its_disk() {
         &[("IOSPAN_CONFIGFS", &configfs), ("KVM_VM_BACKSTORE", &image)],
     );
     let probes = probes(&rep);
-    for p in [
-        "sched_switch",
-        "kvm:kvm_msi_set_irq",
-        "kvm:kvm_mmio",
-        "syscalls:sys_enter_ioctl",
-    ] {
+    for p in ["sched_switch", "kvm:kvm_msi_set_irq", "kvm:kvm_mmio"] {
         assert!(probes.contains(&p), "{p}: {probes:?}");
     }
     let vm = the_vm(&rep);

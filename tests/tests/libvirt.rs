@@ -297,7 +297,9 @@ fn traced(d: &Domain, host_disk: &str) -> (guest::RigResult, Value) {
     );
     let t = Instant::now();
     let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--disk", host_disk, "--json-out"])
+        .args(["run", "--quiet", "--disk", host_disk])
+        .args(agent_integration::rig_split_args())
+        .arg("--json-out")
         .arg(&report)
         .args(["--", "sh", "-c", &script]));
     // Whatever happened, the domain is gone after the test.

@@ -55,7 +55,9 @@ fn prometheus_percentiles_match_the_report() {
     }
     shell.push_str(" && sleep 3");
     let out = run(Command::new(iospan_bin())
-        .args(["run", "--quiet", "--disk", &host, "--json-out"])
+        .args(["run", "--quiet", "--disk", &host])
+        .args(agent_integration::rig_split_args())
+        .arg("--json-out")
         .arg(&report)
         .args(["--metrics-listen", &target])
         .args(["--otlp-endpoint", &format!("http://{}", jaeger.otlp_http)])
@@ -213,7 +215,9 @@ fn otlp_exponential_histograms_match_the_report() {
     let report = std::env::temp_dir().join(format!("iospan-otlpm-{}.json", std::process::id()));
     run_around(
         Command::new(iospan_bin())
-            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .args(["run", "--quiet", "--disk", &host])
+            .args(agent_integration::rig_split_args())
+            .arg("--json-out")
             .arg(&report)
             // Metrics only: Prometheus takes no traces.
             .env(

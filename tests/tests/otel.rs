@@ -33,7 +33,9 @@ fn traced_with_console(
     let t = std::time::Instant::now();
     let out = run_around(
         Command::new(iospan_bin())
-            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .args(["run", "--quiet", "--disk", &host])
+            .args(agent_integration::rig_split_args())
+            .arg("--json-out")
             .arg(&report)
             .args(["--otlp-endpoint", endpoint, "--otlp-protocol", protocol])
             .args(["--trace-slowest", &SLOWEST.to_string()])
@@ -346,7 +348,9 @@ fn a_collector_that_never_answers_costs_only_the_queue() {
             std::process::id()
         ));
         let mut agent = Command::new(iospan_bin())
-            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .args(["run", "--quiet", "--disk", &host])
+            .args(agent_integration::rig_split_args())
+            .arg("--json-out")
             .arg(&report)
             .args(["--otlp-endpoint", &endpoint])
             .args(["--trace-one-in", "1", "--trace-queue", &queue.to_string()])

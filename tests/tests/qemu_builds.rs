@@ -38,7 +38,9 @@ fn as_program(name: &str, vm: &str, bare_name: bool) {
     let report = dir.join("report.json");
     let (console, secs) = run_guest(
         Command::new(iospan_bin())
-            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .args(["run", "--quiet", "--disk", &host])
+            .args(agent_integration::rig_split_args())
+            .arg("--json-out")
             .arg(&report)
             .arg("--")
             .arg(&program)

@@ -584,6 +584,16 @@ impl LoopDev {
     pub(crate) fn path(&self) -> String {
         format!("/dev/{}", self.name)
     }
+
+    /// Reads the kernel has completed on it (its /sys/block stat).
+    pub(crate) fn reads(&self) -> Result<u64> {
+        let path = format!("/sys/block/{}/stat", self.name);
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+        text.split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("{path}: {text:?}"))
+    }
 }
 
 impl Drop for LoopDev {

@@ -1,13 +1,22 @@
 //! `cargo xtask bench vm`: iospan's cost on the VM path at production
 //! rates. N VMs of tests/native/vm_load.c (processes named as QEMU's, each
 //! with Q virtqueues kicked through KVM's ioeventfd, an io_uring engine at
-//! depth D on a loop device over /dev/shm, completions signalled through
-//! irqfds) run under four arms, interleaved and rotated per repetition:
-//! untraced, `iospan run --no-vms` (block layer only), `iospan run` (the VM
-//! split), and the split with OTLP export to a local sink. Beside the VMs a
-//! process that is no VM makes 8-byte reads and writes (the system calls
-//! the VM path's tracepoints see): its throughput is the tax on the host's
-//! other work. Medians of the repetitions.
+//! depth D on a disk of its own, a loop device over /dev/shm, completions
+//! signalled through irqfds) run for the whole bench, and iospan is attached in turns: five
+//! arms, untraced, `iospan run --no-vms` (block layer only), `iospan run`
+//! (the always-on tier's VM split), the same with sampled traces to a local
+//! OTLP sink, and `iospan run --deep`. Each traced slice of the load sits
+//! between untraced ones and is compared with their mean: the load runs on,
+//! so neither its start nor the host's drift over minutes moves the ratios.
+//! Guest I/Os are the loop device's own count; CPU is the whole machine's
+//! busy time (every cost: BPF, the agent, the slow system-call path). Beside
+//! the VMs a process that is no VM makes 8-byte reads and writes: its
+//! system calls per second of its own CPU are the tax on the host's other
+//! work (a system-call tracepoint slows every task's system calls), free of
+//! how much CPU the VMs leave it. The cost slices keep the kernel's BPF
+//! statistics off (two clock reads per program run); a profile slice per
+//! traced arm measures each program's runs and time per guest I/O. Medians
+//! of the repetitions.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -44,10 +53,13 @@ pub struct VmArgs {
     /// Requests in flight per queue.
     #[arg(long, default_value_t = 32)]
     qd: u32,
-    /// Seconds of load per arm and repetition.
-    #[arg(long, default_value_t = 5)]
+    /// Seconds each slice of the load is measured.
+    #[arg(long, default_value_t = 4)]
     seconds: u32,
-    /// Repetitions of each arm (the table shows medians).
+    /// Traced slices of each arm per repetition, each between untraced ones.
+    #[arg(long, default_value_t = 2)]
+    slices: u32,
+    /// Repetitions (the table shows medians).
     #[arg(long, default_value_t = 3)]
     reps: u32,
     /// Engines poll their queues this long (ns) before sleeping, as QEMU's
@@ -61,43 +73,84 @@ pub struct VmArgs {
 enum Arm {
     Off,
     BlockOnly,
-    Split,
-    SplitOtlp,
+    AlwaysOn,
+    AlwaysOnOtlp,
+    Deep,
 }
 
 impl Arm {
+    const TRACED: [Arm; 4] = [Arm::BlockOnly, Arm::AlwaysOn, Arm::AlwaysOnOtlp, Arm::Deep];
+
     fn label(self) -> &'static str {
         match self {
             Arm::Off => "untraced",
             Arm::BlockOnly => "block-only",
-            Arm::Split => "VM split",
-            Arm::SplitOtlp => "split+OTLP",
+            Arm::AlwaysOn => "always-on",
+            Arm::AlwaysOnOtlp => "always-on+OTLP",
+            Arm::Deep => "deep",
+        }
+    }
+
+    fn args(self) -> &'static [&'static str] {
+        match self {
+            Arm::BlockOnly => &["--no-vms"],
+            Arm::Deep => &["--deep"],
+            _ => &[],
         }
     }
 }
 
+/// One slice of the load under one arm.
 #[derive(Clone, Debug, Serialize)]
-struct Sample {
+struct Slice {
     arm: Arm,
     rep: u32,
-    /// Guest requests the VMs completed.
+    /// Guest requests completed in the slice (the loop device's count).
     guest_ios: u64,
     guest_iops: f64,
     /// Busy CPU of the whole machine per guest I/O.
     cpu_ns_per_io: f64,
-    bpf_ns_per_io: Option<f64>,
-    agent_ns_per_io: Option<f64>,
-    /// Per program: its kernel-measured run time per guest I/O.
-    bpf_by_program: Option<Vec<(String, f64)>>,
-    /// Records lost, requests the split could not use, and guest requests
-    /// iospan did not count (made − counted − merged).
-    lost: Option<u64>,
+    /// The non-VM process's 8-byte read+write pairs per second of its own CPU.
+    syscall_pairs_per_cpu_s: f64,
+}
+
+/// What iospan's report says of a traced slice (its whole attachment).
+#[derive(Clone, Debug, Serialize)]
+struct Traced {
+    arm: Arm,
+    agent_ns_per_io: f64,
+    agent_rss_mib: Option<f64>,
+    /// Requests lost (ring-buffer drops, conflicts, completions the
+    /// kernel's tracepoints never ran for).
+    lost: u64,
+    ringbuf_drops: u64,
+    /// The report's own account of them, key by key.
+    lost_by_kind: Value,
+    /// VM requests counted but not split, and the loop device's requests
+    /// iospan counted for no VM (those in flight as it attached or
+    /// detached are among them), where VMs are followed.
     unsplit: Option<u64>,
     uncounted: Option<i64>,
-    agent_rss_mib: Option<f64>,
-    /// The non-VM process's 8-byte read+write pairs per second.
-    syscall_pairs_per_s: f64,
+    /// Per program (profile slices): runs and run time per guest I/O.
+    programs: Option<Vec<Program>>,
     otlp_requests: Option<u64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Program {
+    name: String,
+    runs_per_io: f64,
+    ns_per_io: f64,
+}
+
+/// A traced slice against the untraced slices either side of it.
+#[derive(Clone, Debug, Serialize)]
+struct Paired {
+    arm: Arm,
+    rep: u32,
+    iops_ratio: f64,
+    added_ns_per_io: f64,
+    syscalls_ratio: f64,
 }
 
 #[derive(Serialize)]
@@ -107,107 +160,192 @@ struct Summary {
     iops_vs_untraced: f64,
     cpu_ns_per_io: f64,
     added_ns_per_io: f64,
-    bpf_ns_per_io: Option<f64>,
     agent_ns_per_io: Option<f64>,
-    tracer_ns_per_io: Option<f64>,
+    bpf_ns_per_io: Option<f64>,
     lost: Option<u64>,
+    ringbuf_drops: Option<u64>,
     unsplit: Option<u64>,
     uncounted: Option<i64>,
     agent_rss_mib: Option<f64>,
     syscalls_vs_untraced: f64,
 }
 
+/// What every slice needs.
+struct Rig<'a> {
+    a: &'a VmArgs,
+    /// A disk per VM: one loop device's single worker thread serving all
+    /// VMs makes their throughput swing by a fifth from one slice to the
+    /// next; a disk each, by a fiftieth.
+    devs: Vec<LoopDev>,
+    iospan: PathBuf,
+    out_dir: PathBuf,
+    sink: OtlpSink,
+    tax: Tax,
+}
+
+impl Rig<'_> {
+    /// Reads completed on the VMs' disks so far.
+    fn reads(&self) -> Result<u64> {
+        self.devs.iter().map(LoopDev::reads).sum()
+    }
+}
+
+#[derive(Default)]
+struct Results {
+    slices: Vec<Slice>,
+    paired: Vec<Paired>,
+    traced: Vec<Traced>,
+}
+
 pub fn vm(a: &VmArgs) -> Result<()> {
-    if a.vms == 0 || a.queues == 0 || a.queues > 64 || a.qd == 0 || a.qd > 512 || a.seconds == 0 {
-        bail!("--vms and --seconds must be at least 1, --queues 1-64, --qd 1-512");
+    if a.vms == 0 || a.queues == 0 || a.queues > 64 || a.qd == 0 || a.qd > 512 {
+        bail!("--vms must be at least 1, --queues 1-64, --qd 1-512");
+    }
+    if a.seconds == 0 || a.slices == 0 || a.reps == 0 {
+        bail!("--seconds, --slices and --reps must be at least 1");
     }
     if !Path::new("/dev/kvm").exists() {
         bail!("bench vm runs its VMs on KVM: /dev/kvm is missing (load kvm_intel or kvm_amd)");
     }
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
-    let iospan = sh::root().join("target/release/iospan");
     let out_dir = sh::root().join("target/bench");
     let vm_exe = build_vm_load(&out_dir)?;
-    let dev = LoopDev::create(256)?;
-    let _stats = BpfStats::enable()?;
-    let sink = OtlpSink::start()?;
-
-    let arms = [Arm::Off, Arm::BlockOnly, Arm::Split, Arm::SplitOtlp];
-    let mut samples = Vec::new();
-    for rep in 0..a.reps {
-        for i in 0..arms.len() {
-            let arm = arms[(i + rep as usize) % arms.len()];
-            eprintln!(
-                "xtask: bench vm: rep {}/{} arm {}",
-                rep + 1,
-                a.reps,
-                arm.label()
-            );
-            let s = measure(arm, rep, a, &dev, &iospan, &vm_exe, &out_dir, &sink)?;
-            eprintln!(
-                "        {:.0} guest IOPS, {:.0} ns CPU/IO, tracer {} ns/IO, lost {:?}, uncounted {:?}",
-                s.guest_iops,
-                s.cpu_ns_per_io,
-                s.bpf_ns_per_io
-                    .map(|b| format!("{:.0}", b + s.agent_ns_per_io.unwrap_or(0.0)))
-                    .unwrap_or_else(|| "-".into()),
-                s.lost,
-                s.uncounted,
-            );
-            samples.push(s);
-        }
-    }
-
-    let of = |arm: Arm| samples.iter().filter(move |s| s.arm == arm);
-    let base = |rep: u32| samples.iter().find(|s| s.arm == Arm::Off && s.rep == rep);
-    let per_rep = |arm: Arm, f: &dyn Fn(&Sample, &Sample) -> f64| {
-        median(of(arm).filter_map(|s| base(s.rep).map(|b| f(s, b))))
+    let rig = Rig {
+        a,
+        devs: (0..a.vms)
+            .map(|_| LoopDev::create(32))
+            .collect::<Result<_>>()?,
+        iospan: sh::root().join("target/release/iospan"),
+        out_dir,
+        sink: OtlpSink::start()?,
+        tax: Tax::start(),
     };
-    let summaries: Vec<Summary> = arms
-        .iter()
-        .map(|&arm| {
-            let bpf = median_of_some(of(arm).map(|s| s.bpf_ns_per_io));
-            let agent = median_of_some(of(arm).map(|s| s.agent_ns_per_io));
-            Summary {
-                arm,
-                guest_iops: median(of(arm).map(|s| s.guest_iops)),
-                iops_vs_untraced: per_rep(arm, &|s, b| s.guest_iops / b.guest_iops),
-                cpu_ns_per_io: median(of(arm).map(|s| s.cpu_ns_per_io)),
-                added_ns_per_io: per_rep(arm, &|s, b| s.cpu_ns_per_io - b.cpu_ns_per_io),
-                bpf_ns_per_io: bpf,
-                agent_ns_per_io: agent,
-                tracer_ns_per_io: bpf.map(|b| b + agent.unwrap_or(0.0)),
-                lost: of(arm).map(|s| s.lost).sum(),
-                unsplit: of(arm).map(|s| s.unsplit).sum(),
-                uncounted: of(arm).map(|s| s.uncounted).sum(),
-                agent_rss_mib: median_of_some(of(arm).map(|s| s.agent_rss_mib)),
-                syscalls_vs_untraced: per_rep(arm, &|s, b| {
-                    s.syscall_pairs_per_s / b.syscall_pairs_per_s
-                }),
-            }
-        })
-        .collect();
-    // Where the split's BPF time goes: each program's median per guest I/O.
-    let programs = by_program(of(Arm::Split));
-    let table = render(&summaries, &programs, a);
-    print!("{table}");
+    let vms = Vms::start(&rig, &vm_exe)?;
+    // The guests' start-up and the engines' first batches are no slice's.
+    std::thread::sleep(Duration::from_secs(2));
+    let mut res = Results::default();
+    let run = cost_slices(&rig, &mut res).and_then(|()| profile_slices(&rig));
+    vms.stop();
+    let profiles = run?;
+    let summaries = summarise(&res, &profiles);
+    print!("{}", render(&summaries, &profiles, a));
     let json = serde_json::json!({
         "date": chrono_free_date(),
         "machine": machine(),
         "params": {
             "vms": a.vms, "queues": a.queues, "qd": a.qd, "seconds": a.seconds,
-            "reps": a.reps, "poll_ns": a.poll_ns,
-            "device": "loop over /dev/shm, direct-io; 4 KiB random reads, io_uring",
+            "slices": a.slices, "reps": a.reps, "poll_ns": a.poll_ns,
+            "device": "a loop device over /dev/shm per VM, direct-io; 4 KiB random reads, io_uring",
         },
         "summary": summaries,
-        "split_bpf_ns_per_io_by_program": programs,
-        "samples": samples,
+        "paired": res.paired,
+        "traced": res.traced,
+        "profiles": profiles,
+        "slices": res.slices,
     });
-    std::fs::create_dir_all(&out_dir)?;
-    let path = out_dir.join("vm.json");
+    std::fs::create_dir_all(&rig.out_dir)?;
+    let path = rig.out_dir.join("vm.json");
     std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n")?;
     eprintln!("xtask: wrote {}", path.display());
     Ok(())
+}
+
+/// Per repetition and traced arm (rotated): an untraced slice, then per
+/// traced slice the traced one and an untraced one; each traced slice
+/// against the mean of its neighbours.
+fn cost_slices(rig: &Rig, res: &mut Results) -> Result<()> {
+    let n = Arm::TRACED.len();
+    for rep in 0..rig.a.reps {
+        for i in 0..n {
+            let arm = Arm::TRACED[(i + rep as usize) % n];
+            eprintln!(
+                "xtask: bench vm: rep {}/{} arm {}",
+                rep + 1,
+                rig.a.reps,
+                arm.label()
+            );
+            let mut before = untraced_slice(rig, rep)?;
+            res.slices.push(before.clone());
+            for _ in 0..rig.a.slices {
+                let (slice, traced) = traced_slice(rig, arm, rep, false)?;
+                let after = untraced_slice(rig, rep)?;
+                res.paired.push(pair(&slice, &before, &after));
+                res.slices.push(slice);
+                res.slices.push(after.clone());
+                res.traced.push(traced);
+                before = after;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn pair(t: &Slice, b: &Slice, a: &Slice) -> Paired {
+    let mean = |f: fn(&Slice) -> f64| (f(b) + f(a)) / 2.0;
+    Paired {
+        arm: t.arm,
+        rep: t.rep,
+        iops_ratio: t.guest_iops / mean(|s| s.guest_iops),
+        added_ns_per_io: t.cpu_ns_per_io - mean(|s| s.cpu_ns_per_io),
+        syscalls_ratio: t.syscall_pairs_per_cpu_s / mean(|s| s.syscall_pairs_per_cpu_s),
+    }
+}
+
+/// One slice of each traced arm with the kernel's BPF statistics on.
+fn profile_slices(rig: &Rig) -> Result<Vec<Traced>> {
+    let _stats = BpfStats::enable()?;
+    Arm::TRACED
+        .iter()
+        .map(|&arm| {
+            eprintln!("xtask: bench vm: profile {}", arm.label());
+            traced_slice(rig, arm, 0, true).map(|(_, t)| t)
+        })
+        .collect()
+}
+
+fn summarise(res: &Results, profiles: &[Traced]) -> Vec<Summary> {
+    let of = |arm: Arm| res.slices.iter().filter(move |s| s.arm == arm);
+    let pairs = |arm: Arm| res.paired.iter().filter(move |p| p.arm == arm);
+    let traced = |arm: Arm| res.traced.iter().filter(move |t| t.arm == arm);
+    let mut out = vec![Summary {
+        arm: Arm::Off,
+        guest_iops: median(of(Arm::Off).map(|s| s.guest_iops)),
+        iops_vs_untraced: 1.0,
+        cpu_ns_per_io: median(of(Arm::Off).map(|s| s.cpu_ns_per_io)),
+        added_ns_per_io: 0.0,
+        agent_ns_per_io: None,
+        bpf_ns_per_io: None,
+        lost: None,
+        ringbuf_drops: None,
+        unsplit: None,
+        uncounted: None,
+        agent_rss_mib: None,
+        syscalls_vs_untraced: 1.0,
+    }];
+    for arm in Arm::TRACED {
+        let bpf = profiles
+            .iter()
+            .filter(|t| t.arm == arm)
+            .filter_map(|t| t.programs.as_ref())
+            .map(|p| p.iter().map(|p| p.ns_per_io).sum::<f64>())
+            .next();
+        out.push(Summary {
+            arm,
+            guest_iops: median(of(arm).map(|s| s.guest_iops)),
+            iops_vs_untraced: median(pairs(arm).map(|p| p.iops_ratio)),
+            cpu_ns_per_io: median(of(arm).map(|s| s.cpu_ns_per_io)),
+            added_ns_per_io: median(pairs(arm).map(|p| p.added_ns_per_io)),
+            agent_ns_per_io: median_of_some(traced(arm).map(|t| Some(t.agent_ns_per_io))),
+            bpf_ns_per_io: bpf,
+            lost: Some(traced(arm).map(|t| t.lost).sum()),
+            ringbuf_drops: Some(traced(arm).map(|t| t.ringbuf_drops).sum()),
+            unsplit: traced(arm).map(|t| t.unsplit).sum(),
+            uncounted: traced(arm).map(|t| t.uncounted).sum(),
+            agent_rss_mib: median_of_some(traced(arm).map(|t| t.agent_rss_mib)),
+            syscalls_vs_untraced: median(pairs(arm).map(|p| p.syscalls_ratio)),
+        });
+    }
+    out
 }
 
 /// The load generator, built under the name QEMU's processes have.
@@ -232,59 +370,20 @@ fn build_vm_load(out_dir: &Path) -> Result<PathBuf> {
     Ok(exe)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn measure(
-    arm: Arm,
-    rep: u32,
-    a: &VmArgs,
-    dev: &LoopDev,
-    iospan: &Path,
-    vm_exe: &Path,
-    out_dir: &Path,
-    sink: &OtlpSink,
-) -> Result<Sample> {
-    let report = out_dir.join("vm-iospan.json");
-    let _ = std::fs::remove_file(&report);
-    let mut tracer = if arm == Arm::Off {
-        None
-    } else {
-        let mut cmd = Command::new(iospan);
-        cmd.args(["-v", "run", "--quiet", "--bpf-stats", "--duration", "1h"])
-            .arg("--json-out")
-            .arg(&report)
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
-        if arm == Arm::BlockOnly {
-            cmd.arg("--no-vms");
-        }
-        if arm == Arm::SplitOtlp {
-            cmd.arg("--otlp-endpoint").arg(sink.endpoint());
-        }
-        let mut c = cmd
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("starting iospan")?;
-        wait_for_line(&mut c, false, "attached block_rq_complete")?;
-        Some(c)
-    };
-    std::thread::sleep(Duration::from_millis(500));
-    let otlp0 = sink.requests.load(Ordering::Relaxed);
+/// The VMs, running until stopped.
+struct Vms(Vec<Child>);
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let tax = {
-        let stop = stop.clone();
-        std::thread::spawn(move || syscall_pairs(&stop))
-    };
-    let cpu0 = busy_cpu_ns()?;
-    let vms: Vec<Child> = (0..a.vms)
-        .map(|i| {
-            Command::new(vm_exe)
+impl Vms {
+    fn start(rig: &Rig, exe: &Path) -> Result<Self> {
+        let a = rig.a;
+        let mut vms = Vms(Vec::new());
+        for i in 0..a.vms {
+            let child = Command::new(exe)
                 .args(["-name", &format!("guest=bench{i:02},debug-threads=on")])
                 .arg("-drive")
                 .arg(format!(
                     "file={},if=none,id=d0,format=raw,cache=none,aio=io_uring",
-                    dev.path()
+                    rig.devs[i as usize].path()
                 ))
                 .args([
                     "-device",
@@ -292,136 +391,333 @@ fn measure(
                 ])
                 .env("IOSPAN_VM_QUEUES", a.queues.to_string())
                 .env("IOSPAN_VM_QD", a.qd.to_string())
-                .env("IOSPAN_VM_SECONDS", a.seconds.to_string())
+                .env("IOSPAN_VM_SECONDS", "86400")
                 .env("IOSPAN_VM_POLL_NS", a.poll_ns.to_string())
-                .stdout(Stdio::piped())
+                .stdout(Stdio::null())
                 .spawn()
-                .context("starting a VM")
-        })
-        .collect::<Result<_>>()?;
-    let mut guest_ios = 0u64;
-    let mut guest_iops = 0.0;
-    for vm in vms {
-        let out = vm.wait_with_output()?;
-        let line = String::from_utf8_lossy(&out.stdout).to_string();
-        if !out.status.success() {
-            bail!("a VM failed ({}): {line}", out.status);
+                .context("starting a VM")?;
+            vms.0.push(child);
         }
-        guest_ios += field(&line, "requests")? as u64;
-        guest_iops += field(&line, "iops")?;
+        Ok(vms)
     }
-    let cpu1 = busy_cpu_ns()?;
-    stop.store(true, Ordering::Relaxed);
-    let syscall_pairs_per_s = tax.join().map_err(|_| anyhow::anyhow!("tax thread"))?;
 
-    let per_io = |ns: f64| ns / guest_ios.max(1) as f64;
-    let mut s = Sample {
+    fn stop(mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.0.clear();
+    }
+}
+
+impl Drop for Vms {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// What a slice is measured from.
+struct Mark {
+    ios: u64,
+    cpu_ns: u64,
+    at: Instant,
+}
+
+impl Mark {
+    fn now(rig: &Rig) -> Result<Self> {
+        Ok(Self {
+            ios: rig.reads()?,
+            cpu_ns: busy_cpu_ns()?,
+            at: Instant::now(),
+        })
+    }
+}
+
+/// `seconds` of the load, measured; then a second of the non-VM process
+/// beside it (it idles during the slice: a busy process beside the VMs
+/// moves their throughput by several percent from one slice to the next).
+fn measure(rig: &Rig, arm: Arm, rep: u32) -> Result<Slice> {
+    let m0 = Mark::now(rig)?;
+    std::thread::sleep(Duration::from_secs(u64::from(rig.a.seconds)));
+    let m1 = Mark::now(rig)?;
+    let ios = m1.ios.saturating_sub(m0.ios);
+    let secs = (m1.at - m0.at).as_secs_f64();
+    if ios == 0 {
+        bail!("the VMs completed no request in {secs:.1} s");
+    }
+    let s = Slice {
         arm,
         rep,
-        guest_ios,
-        guest_iops,
-        cpu_ns_per_io: per_io(cpu1.saturating_sub(cpu0) as f64),
-        bpf_ns_per_io: None,
-        agent_ns_per_io: None,
-        bpf_by_program: None,
-        lost: None,
-        unsplit: None,
-        uncounted: None,
-        agent_rss_mib: None,
-        syscall_pairs_per_s,
-        otlp_requests: None,
+        guest_ios: ios,
+        guest_iops: ios as f64 / secs,
+        cpu_ns_per_io: m1.cpu_ns.saturating_sub(m0.cpu_ns) as f64 / ios as f64,
+        syscall_pairs_per_cpu_s: rig.tax.measure(Duration::from_secs(1))?,
     };
-    if let Some(mut c) = tracer.take() {
-        s.agent_rss_mib = peak_rss_mib(c.id());
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
-        let st = c.wait()?;
-        if !st.success() {
-            bail!("iospan exited with {st}");
-        }
-        let r: Value = serde_json::from_slice(&std::fs::read(&report).context("iospan's report")?)?;
-        let progs: Vec<(String, f64)> = r["agent"]["bpf"]
-            .as_array()
-            .context("bpf stats")?
-            .iter()
-            .filter_map(|p| {
-                Some((
-                    p["name"].as_str()?.to_string(),
-                    per_io(p["run_time_ns"].as_u64()? as f64),
-                ))
-            })
-            .collect();
-        s.bpf_ns_per_io = Some(progs.iter().map(|p| p.1).sum());
-        s.bpf_by_program = Some(progs);
-        s.agent_ns_per_io = Some(per_io(agent_cpu_ns(&r)));
-        s.lost = Some(lost_requests(&r));
-        if arm != Arm::BlockOnly {
-            let split = &r["lost"]["host_split"];
-            s.unsplit = Some(
-                [
-                    "no_kick",
-                    "no_signal",
-                    "unordered",
-                    "not_followed",
-                    "polled",
-                ]
-                .iter()
-                .filter_map(|k| split[k].as_u64())
-                .sum(),
-            );
-            // Every guest request is a VM entry's I/O or a merge.
-            let counted: u64 = r["entries"]
-                .as_array()
-                .context("entries")?
-                .iter()
-                .filter(|e| e["vm"].as_str().is_some_and(|v| v.starts_with("bench")))
-                .filter_map(|e| e["ios"].as_u64())
-                .sum();
-            let merged: u64 = r["vms"]
-                .as_array()
-                .context("vms")?
-                .iter()
-                .filter(|v| v["name"].as_str().is_some_and(|n| n.starts_with("bench")))
-                .map(|v| {
-                    v["host_merged"].as_u64().unwrap_or(0)
-                        + v["engine_merged"].as_u64().unwrap_or(0)
-                })
-                .sum();
-            s.uncounted = Some(guest_ios as i64 - (counted + merged) as i64);
-        }
-        if arm == Arm::SplitOtlp {
-            s.otlp_requests = Some(sink.requests.load(Ordering::Relaxed) - otlp0);
-        }
-    }
+    eprintln!(
+        "        {}: {:.0} guest IOPS, {:.0} ns CPU/IO, non-VM {:.0} pairs per CPU-second",
+        arm.label(),
+        s.guest_iops,
+        s.cpu_ns_per_io,
+        s.syscall_pairs_per_cpu_s
+    );
     Ok(s)
 }
 
-/// `key=value` from the load generator's closing line.
-fn field(line: &str, key: &str) -> Result<f64> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
-        .with_context(|| format!("no {key}= in the VM's line {line:?}"))
+fn untraced_slice(rig: &Rig, rep: u32) -> Result<Slice> {
+    measure(rig, Arm::Off, rep)
 }
 
-/// 8-byte reads of /dev/zero and writes to /dev/null until told to stop:
-/// pairs per second.
-fn syscall_pairs(stop: &AtomicBool) -> f64 {
+/// iospan attached (and settled), a slice measured, iospan stopped and
+/// its report read.
+fn traced_slice(rig: &Rig, arm: Arm, rep: u32, profile: bool) -> Result<(Slice, Traced)> {
+    let report = rig.out_dir.join("vm-iospan.json");
+    let _ = std::fs::remove_file(&report);
+    let tracer = start_tracer(rig, arm, profile, &report)?;
+    // Its start-up (loading, naming the VMs) is no slice's.
+    std::thread::sleep(SETTLE);
+    let otlp0 = rig.sink.requests.load(Ordering::Relaxed);
+    let slice = measure(rig, arm, rep)?;
+    let otlp =
+        (arm == Arm::AlwaysOnOtlp).then(|| rig.sink.requests.load(Ordering::Relaxed) - otlp0);
+    let traced = stop_tracer(tracer, arm, &report, otlp)?;
+    std::thread::sleep(SETTLE);
+    let names: Vec<&str> = rig.devs.iter().map(|d| d.name.as_str()).collect();
+    Ok((slice, traced.finish(&names)?))
+}
+
+/// iospan for an arm, attached and ready.
+fn start_tracer(rig: &Rig, arm: Arm, profile: bool, report: &Path) -> Result<Child> {
+    let mut cmd = Command::new(&rig.iospan);
+    cmd.args(["-v", "run", "--quiet", "--duration", "1h"])
+        .args(arm.args())
+        .arg("--json-out")
+        .arg(report)
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+    if profile {
+        cmd.arg("--bpf-stats");
+    }
+    if arm == Arm::AlwaysOnOtlp {
+        cmd.arg("--otlp-endpoint").arg(rig.sink.endpoint());
+    }
+    let mut c = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting iospan")?;
+    wait_for_line(&mut c, false, "attached block_rq_complete")?;
+    Ok(c)
+}
+
+/// How long the load settles after iospan starts or stops, before or after
+/// a slice.
+const SETTLE: Duration = Duration::from_secs(1);
+
+/// A traced slice's report, before the loop devices' count of its
+/// requests is known.
+struct Stopped {
+    arm: Arm,
+    report: Value,
+    agent_rss_mib: Option<f64>,
+    otlp_requests: Option<u64>,
+}
+
+/// Stops iospan and reads its report.
+fn stop_tracer(
+    mut c: Child,
+    arm: Arm,
+    report: &Path,
+    otlp_requests: Option<u64>,
+) -> Result<Stopped> {
+    let agent_rss_mib = peak_rss_mib(c.id());
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
+    let st = c.wait()?;
+    if !st.success() {
+        bail!("iospan exited with {st}");
+    }
+    let report = serde_json::from_slice(&std::fs::read(report).context("iospan's report")?)?;
+    Ok(Stopped {
+        arm,
+        report,
+        agent_rss_mib,
+        otlp_requests,
+    })
+}
+
+impl Stopped {
+    /// Its figures per guest I/O of iospan's whole attachment: the requests
+    /// it counted on the VMs' disks (`disks`).
+    fn finish(self, disks: &[&str]) -> Result<Traced> {
+        let r = &self.report;
+        let run_ios = disk_ios(r, disks).max(1);
+        let per_io = |ns: f64| ns / run_ios as f64;
+        let programs = r["agent"]["bpf"].as_array().map(|progs| {
+            let mut v: Vec<Program> = progs
+                .iter()
+                .filter_map(|p| {
+                    Some(Program {
+                        name: p["name"].as_str()?.to_string(),
+                        runs_per_io: per_io(p["run_count"].as_u64()? as f64),
+                        ns_per_io: per_io(p["run_time_ns"].as_u64()? as f64),
+                    })
+                })
+                .filter(|p| p.runs_per_io > 0.0)
+                .collect();
+            v.sort_by(|a, b| b.ns_per_io.total_cmp(&a.ns_per_io));
+            v
+        });
+        let followed = self.arm != Arm::BlockOnly;
+        Ok(Traced {
+            arm: self.arm,
+            agent_ns_per_io: per_io(agent_cpu_ns(r)),
+            agent_rss_mib: self.agent_rss_mib,
+            lost: lost_requests(r),
+            ringbuf_drops: r["lost"]["ringbuf_drops"].as_u64().unwrap_or(0),
+            lost_by_kind: r["lost"].clone(),
+            unsplit: followed.then(|| unsplit(r)),
+            uncounted: followed.then(|| uncounted(r, run_ios)).transpose()?,
+            programs,
+            otlp_requests: self.otlp_requests,
+        })
+    }
+}
+
+/// Requests iospan counted on these host disks (every process's).
+fn disk_ios(r: &Value, disks: &[&str]) -> u64 {
+    r["entries"].as_array().map_or(0, |es| {
+        es.iter()
+            .filter(|e| e["vm"].is_null() && e["disk"].as_str().is_some_and(|d| disks.contains(&d)))
+            .filter_map(|e| e["ios"].as_u64())
+            .sum()
+    })
+}
+
+fn unsplit(r: &Value) -> u64 {
+    let split = &r["lost"]["host_split"];
+    [
+        "no_kick",
+        "no_signal",
+        "unordered",
+        "not_followed",
+        "polled",
+    ]
+    .iter()
+    .filter_map(|k| split[k].as_u64())
+    .sum()
+}
+
+/// The VMs' disks' requests iospan counted for no VM: each of the VMs' is
+/// a VM entry's I/O, an undelivered completion (counted, not timed) or a
+/// merge, but for those in flight as iospan attached (as many as the VMs
+/// keep in flight, started before its probes were).
+fn uncounted(r: &Value, run_ios: u64) -> Result<i64> {
+    let bench = |v: &Value, k: &str| v[k].as_str().is_some_and(|n| n.starts_with("bench"));
+    let counted: u64 = r["entries"]
+        .as_array()
+        .context("entries")?
+        .iter()
+        .filter(|e| bench(e, "vm"))
+        .map(|e| e["ios"].as_u64().unwrap_or(0) + e["undelivered"].as_u64().unwrap_or(0))
+        .sum();
+    let merged: u64 = r["vms"]
+        .as_array()
+        .context("vms")?
+        .iter()
+        .filter(|v| bench(v, "name"))
+        .map(|v| v["host_merged"].as_u64().unwrap_or(0) + v["engine_merged"].as_u64().unwrap_or(0))
+        .sum();
+    Ok(run_ios as i64 - (counted + merged) as i64)
+}
+
+/// A thread that is no VM making 8-byte reads of /dev/zero and writes to
+/// /dev/null when asked: its pairs, and its own CPU time.
+struct Tax {
+    pairs: Arc<AtomicU64>,
+    tid: Arc<AtomicU64>,
+    run: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Tax {
+    fn start() -> Self {
+        let t = Tax {
+            pairs: Arc::new(AtomicU64::new(0)),
+            tid: Arc::new(AtomicU64::new(0)),
+            run: Arc::new(AtomicBool::new(false)),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let (pairs, tid, run, stop) = (
+            t.pairs.clone(),
+            t.tid.clone(),
+            t.run.clone(),
+            t.stop.clone(),
+        );
+        std::thread::spawn(move || {
+            // SAFETY: gettid(2) has no preconditions.
+            tid.store(unsafe { libc::gettid() } as u64, Ordering::Relaxed);
+            while !stop.load(Ordering::Relaxed) {
+                if run.load(Ordering::Relaxed) {
+                    syscall_pairs(&run, &pairs);
+                } else {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        });
+        while t.tid.load(Ordering::Relaxed) == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        t
+    }
+
+    /// Runs for `d`: its pairs per second of its own CPU.
+    fn measure(&self, d: Duration) -> Result<f64> {
+        let (p0, c0) = (self.pairs.load(Ordering::Relaxed), self.cpu_ns()?);
+        self.run.store(true, Ordering::Relaxed);
+        std::thread::sleep(d);
+        self.run.store(false, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(20));
+        let (p1, c1) = (self.pairs.load(Ordering::Relaxed), self.cpu_ns()?);
+        let cpu_s = c1.saturating_sub(c0) as f64 / 1e9;
+        Ok(p1.saturating_sub(p0) as f64 / cpu_s.max(1e-9))
+    }
+
+    /// Its CPU time so far (the scheduler's, in ns).
+    fn cpu_ns(&self) -> Result<u64> {
+        let tid = self.tid.load(Ordering::Relaxed);
+        let path = format!("/proc/self/task/{tid}/schedstat");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+        text.split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("{path}: {text:?}"))
+    }
+}
+
+impl Drop for Tax {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Pairs of 8-byte reads and writes while `run` holds.
+fn syscall_pairs(run: &AtomicBool, pairs: &AtomicU64) {
     let (Ok(mut zero), Ok(mut null)) = (
         std::fs::File::open("/dev/zero"),
         std::fs::OpenOptions::new().write(true).open("/dev/null"),
     ) else {
-        return f64::NAN;
+        return;
     };
     let mut buf = [0u8; 8];
-    let t = Instant::now();
-    let mut n = 0u64;
-    while !stop.load(Ordering::Relaxed) {
+    while run.load(Ordering::Relaxed) {
         if zero.read_exact(&mut buf).is_err() || null.write_all(&buf).is_err() {
-            return f64::NAN;
+            return;
         }
-        n += 1;
+        pairs.fetch_add(1, Ordering::Relaxed);
     }
-    n as f64 / t.elapsed().as_secs_f64()
 }
 
 fn peak_rss_mib(pid: u32) -> Option<f64> {
@@ -437,26 +733,14 @@ fn peak_rss_mib(pid: u32) -> Option<f64> {
     Some(kib / 1024.0)
 }
 
-fn by_program<'a>(samples: impl Iterator<Item = &'a Sample>) -> Vec<(String, f64)> {
-    let mut all: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
-    for s in samples {
-        for (p, ns) in s.bpf_by_program.iter().flatten() {
-            all.entry(p.clone()).or_default().push(*ns);
-        }
-    }
-    let mut v: Vec<(String, f64)> = all.into_iter().map(|(p, ns)| (p, median(ns))).collect();
-    v.retain(|p| p.1 >= 0.5);
-    v.sort_by(|a, b| b.1.total_cmp(&a.1));
-    v
-}
-
-fn render(summaries: &[Summary], programs: &[(String, f64)], a: &VmArgs) -> String {
+fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
     use std::fmt::Write;
     let mut t = String::new();
     let o = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
+    let n = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
     let _ = writeln!(
         t,
-        "{} VMs x {} queues x QD{}, 4 KiB random reads (io_uring) on a loop device over /dev/shm, {}, {} s per arm, medians of {}\n",
+        "{} VMs x {} queues x QD{}, 4 KiB random reads (io_uring), a loop device over /dev/shm each, {}; slices of {} s, {} traced per arm and repetition, medians of {} repetitions (each traced slice against the untraced slices either side)\n",
         a.vms,
         a.queues,
         a.qd,
@@ -466,11 +750,12 @@ fn render(summaries: &[Summary], programs: &[(String, f64)], a: &VmArgs) -> Stri
             "event-driven engines".to_string()
         },
         a.seconds,
+        a.slices,
         a.reps
     );
     let _ = writeln!(
         t,
-        "{:<11} {:>9} {:>7} {:>9} {:>9} {:>8} {:>8} {:>9} {:>6} {:>8} {:>10} {:>8} {:>9}",
+        "{:<15} {:>10} {:>7} {:>9} {:>8} {:>8} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10}",
         "arm",
         "guest IOPS",
         "IOPS %",
@@ -478,8 +763,8 @@ fn render(summaries: &[Summary], programs: &[(String, f64)], a: &VmArgs) -> Stri
         "added",
         "BPF ns",
         "agent ns",
-        "tracer ns",
         "lost",
+        "drops",
         "unsplit",
         "uncounted",
         "RSS MiB",
@@ -488,7 +773,7 @@ fn render(summaries: &[Summary], programs: &[(String, f64)], a: &VmArgs) -> Stri
     for s in summaries {
         let _ = writeln!(
             t,
-            "{:<11} {:>10.0} {:>7.1} {:>9.0} {:>9.0} {:>8} {:>8} {:>9} {:>6} {:>8} {:>10} {:>8} {:>9.1}",
+            "{:<15} {:>10.0} {:>7.1} {:>9.0} {:>8.0} {:>8} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10.1}",
             s.arm.label(),
             s.guest_iops,
             s.iops_vs_untraced * 100.0,
@@ -496,17 +781,30 @@ fn render(summaries: &[Summary], programs: &[(String, f64)], a: &VmArgs) -> Stri
             s.added_ns_per_io,
             o(s.bpf_ns_per_io),
             o(s.agent_ns_per_io),
-            o(s.tracer_ns_per_io),
-            s.lost.map_or("-".into(), |v| v.to_string()),
-            s.unsplit.map_or("-".into(), |v| v.to_string()),
+            n(s.lost),
+            n(s.ringbuf_drops),
+            n(s.unsplit),
             s.uncounted.map_or("-".into(), |v| v.to_string()),
             s.agent_rss_mib.map_or("-".into(), |v| format!("{v:.1}")),
             s.syscalls_vs_untraced * 100.0,
         );
     }
-    let _ = writeln!(t, "\nVM split, BPF run time per guest I/O by program (ns):");
-    for (p, ns) in programs {
-        let _ = writeln!(t, "  {p:<28} {ns:>8.0}");
+    for p in profiles {
+        let Some(progs) = p.programs.as_ref() else {
+            continue;
+        };
+        let _ = writeln!(
+            t,
+            "\n{} (profile slice, BPF statistics on): per guest I/O, runs and ns",
+            p.arm.label()
+        );
+        for pr in progs.iter().filter(|p| p.ns_per_io >= 0.5) {
+            let _ = writeln!(
+                t,
+                "  {:<32} {:>7.3} {:>7.0}",
+                pr.name, pr.runs_per_io, pr.ns_per_io
+            );
+        }
     }
     t
 }

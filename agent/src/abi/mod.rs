@@ -35,6 +35,9 @@ pub const VQ_VALUE_MASK: u16 = (1 << VQ_HOW_SHIFT) - 1;
 pub const VQ_BY_INDEX: u16 = 1 << VQ_HOW_SHIFT;
 pub const VQ_BY_ADDR: u16 = 2 << VQ_HOW_SHIFT;
 pub const VQ_BY_ORDER: u16 = 3 << VQ_HOW_SHIFT;
+/// With `VQ_BY_ADDR`: a notifier at offset 0 of its page, learnt from a
+/// KVM exit; the value is its page number's low bits.
+pub const VQ_ADDR_PAGE: u16 = 1 << 13;
 
 pub const EVENT_BLK_IO: u16 = 1;
 pub const EVENT_VM_IO: u16 = 2;
@@ -42,6 +45,7 @@ pub const EVENT_VM_SIGNAL: u16 = 3;
 pub const EVENT_GUEST_IO: u16 = 4;
 pub const EVENT_GUEST_REAP: u16 = 5;
 pub const EVENT_VM_PUSHES: u16 = 6;
+pub const EVENT_VM_SPLIT: u16 = 7;
 /// Used-ring pushes per `VmPushesEvent`.
 pub const PUSH_BATCH: usize = 8;
 
@@ -68,7 +72,8 @@ pub mod counter {
     pub const GUEST_RING_LOST: u32 = 9;
     pub const GUEST_INFLIGHT_FULL: u32 = 10;
     pub const UNDELIVERED: u32 = 11;
-    pub const NR: u32 = 12;
+    pub const JOIN_DEFERRED: u32 = 12;
+    pub const NR: u32 = 13;
 }
 
 #[repr(C)]
@@ -85,6 +90,105 @@ pub struct BlkStats {
     pub max_ns: [u64; BLK_NR_SEGS],
     pub hist: [[u64; HIST_BUCKETS]; BLK_NR_SEGS],
 }
+
+/// The always-on tier's segments of a VM request's host window
+/// (`enum vm_segment`), in `VmSplitStats`' order.
+pub const VM_NR_SEGS: usize = 5;
+pub mod vm_seg {
+    pub const HYPERVISOR: usize = 0;
+    pub const ENGINE: usize = 1;
+    pub const DEVICE: usize = 2;
+    pub const WINDOW: usize = 3;
+    pub const PICKUP_TO_DONE: usize = 4;
+}
+
+/// `vm_split` key: one VM's requests of one virtual disk, host disk, op
+/// and guest queue (`queue`: the raw `VQ_*` notifier, 0 when none).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VmSplitKey {
+    pub vm: u32,
+    pub vdisk: u32,
+    pub dev: u32,
+    pub op: u16,
+    pub queue: u16,
+}
+
+/// `vm_split` value, per CPU: the host windows the kernel joined.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct VmSplitStats {
+    pub count: u64,
+    pub bytes: u64,
+    pub sum_ns: [u64; VM_NR_SEGS],
+    pub max_ns: [u64; VM_NR_SEGS],
+    pub hist: [[u64; HIST_BUCKETS]; VM_NR_SEGS],
+}
+
+/// How long a completed VM request waits for its signal (ns).
+pub const SIGNAL_HOLD_NS: u64 = 50_000_000;
+
+/// Completions waiting for their VM's interrupt, per VM (`vm_done`).
+pub const DONE_RING: usize = 256;
+pub const DONE_ENT_SIZE: usize = 72;
+/// One `struct done_ring`, only ever zeroed here (a VM gone frees it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DoneRing {
+    pub head: u64,
+    pub tail: u64,
+    pub vm: u32,
+    pub _pad: u32,
+    pub ent: [[u64; DONE_ENT_SIZE / 8]; DONE_RING],
+}
+
+impl DoneRing {
+    pub const ZERO: DoneRing = DoneRing {
+        head: 0,
+        tail: 0,
+        vm: 0,
+        _pad: 0,
+        ent: [[0; DONE_ENT_SIZE / 8]; DONE_RING],
+    };
+}
+
+/// A VM's virtual disk (`vm_unsplit` key).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VdiskKey {
+    pub vm: u32,
+    pub vdisk: u32,
+}
+
+/// `vm_unsplit` value: requests counted whose window was not split, by why.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmUnsplit {
+    pub no_kick: u64,
+    pub no_signal: u64,
+    pub polled: u64,
+    pub unordered: u64,
+}
+
+/// The one entry of `tier`: what the agent asks of the kernel side now.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierState {
+    pub deep: u32,
+    pub handoff: u32,
+    pub one_in: u32,
+    pub pick_at_read: u32,
+    pub slower_than_ns: u64,
+}
+
+/// `vm_flags` bits, per VM slot.
+pub const VMF_STREAM_ALL: u32 = 1 << 0;
+pub const VMF_VHOST: u32 = 1 << 1;
+
+/// Why a joined request was streamed (`VmSplitEvent::sampled_by`).
+pub const SAMPLED_ALL: u32 = 1 << 0;
+pub const SAMPLED_SLOW: u32 = 1 << 1;
+pub const SAMPLED_ONE_IN: u32 = 1 << 2;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -124,8 +228,25 @@ pub struct VmKey {
     pub vdisk: u32,
 }
 
-/// `vm_counts` value: per VM, what became of its requests besides
-/// completing.
+/// `vm_pids` value: the VM slot of a process, and its guest's state.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmProc {
+    pub slot: u32,
+    pub state: u32,
+}
+
+/// `vm_counts` is an array by VM slot modulo this.
+pub const MAX_VM_COUNTS: u32 = 1024;
+/// How far the agent moves `vm_gen` (the kernel side moves it by one).
+pub const VM_GEN_AGENT_STEP: u32 = 1000;
+
+pub const VM_PROC_STARTING: u32 = 0;
+pub const VM_PROC_RUNNING: u32 = 1;
+pub const VM_PROC_STOPPED: u32 = 2;
+
+/// `vm_counts` value: per VM (and per CPU), what became of its requests
+/// besides completing.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct VmCounts {
@@ -194,8 +315,17 @@ const _: () = assert!(size_of::<VmPushesEvent>() == 104);
 const _: () = assert!(size_of::<VmKey>() == 16);
 const _: () = assert!(size_of::<FileKey>() == 16);
 const _: () = assert!(size_of::<VmCounts>() == 24);
+const _: () = assert!(size_of::<VmProc>() == 8);
 const _: () = assert!(size_of::<VmDevKey>() == 8);
 const _: () = assert!(size_of::<DiskSlot>() == 16);
+const _: () = assert!(size_of::<VmSplitKey>() == 16);
+const _: () =
+    assert!(size_of::<VmSplitStats>() == 8 * (2 + 2 * VM_NR_SEGS + VM_NR_SEGS * HIST_BUCKETS));
+const _: () = assert!(size_of::<VdiskKey>() == 8);
+const _: () = assert!(size_of::<DoneRing>() == 24 + DONE_ENT_SIZE * DONE_RING);
+const _: () = assert!(size_of::<VmUnsplit>() == 32);
+const _: () = assert!(size_of::<TierState>() == 24);
+const _: () = assert!(size_of::<VmSplitEvent>() == 96);
 const _: () =
     assert!(size_of::<BlkStats>() == 8 * (6 + 2 * BLK_NR_SEGS + BLK_NR_SEGS * HIST_BUCKETS));
 
@@ -208,10 +338,31 @@ unsafe impl aya::Pod for BlkIoEvent {}
 unsafe impl aya::Pod for VmKey {}
 unsafe impl aya::Pod for FileKey {}
 unsafe impl aya::Pod for VmCounts {}
+unsafe impl aya::Pod for VmProc {}
 unsafe impl aya::Pod for VmDevKey {}
 unsafe impl aya::Pod for VmIoEvent {}
 unsafe impl aya::Pod for VmSignalEvent {}
 unsafe impl aya::Pod for VmPushesEvent {}
+unsafe impl aya::Pod for VmSplitKey {}
+unsafe impl aya::Pod for VmSplitStats {}
+unsafe impl aya::Pod for VdiskKey {}
+unsafe impl aya::Pod for DoneRing {}
+unsafe impl aya::Pod for VmUnsplit {}
+unsafe impl aya::Pod for TierState {}
+unsafe impl aya::Pod for VmSplitEvent {}
+
+/// A VM request whose host window the kernel joined, streamed because it
+/// was sampled (`struct vm_split_event`): the request and the signal that
+/// ended its window.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmSplitEvent {
+    pub io: VmIoEvent,
+    pub signal_ns: u64,
+    /// `SAMPLED_*`: why it was streamed.
+    pub sampled_by: u32,
+    pub _pad: u32,
+}
 
 /// A VM's request at its final host completion, with the kick and pickup
 /// that led to it (`struct vm_io_event`).
@@ -283,6 +434,7 @@ pub enum Record {
     VmIo(VmIoEvent),
     VmSignal(VmSignalEvent),
     VmPushes(VmPushesEvent),
+    VmSplit(VmSplitEvent),
     GuestIo(GuestIoEvent),
     GuestReap(GuestReapEvent),
 }
@@ -352,6 +504,7 @@ impl Record {
             EVENT_VM_IO => read(buf).map(Record::VmIo),
             EVENT_VM_SIGNAL => read(buf).map(Record::VmSignal),
             EVENT_VM_PUSHES => read(buf).map(Record::VmPushes),
+            EVENT_VM_SPLIT => read(buf).map(Record::VmSplit),
             EVENT_GUEST_IO => read(buf).map(Record::GuestIo),
             EVENT_GUEST_REAP => read(buf).map(Record::GuestReap),
             _ => None,

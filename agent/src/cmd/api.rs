@@ -30,6 +30,9 @@ pub struct Shared {
     /// An API run starts or stops: the next frame carries QEMU's own
     /// counters.
     pub qemu_wanted: AtomicBool,
+    /// API runs of the deep tier starting or running: while any is, the
+    /// agent runs the deep tier.
+    pub deep_runs: std::sync::atomic::AtomicU32,
     /// The current frame (cumulative figures).
     pub frames: watch::Sender<Option<Arc<Frame>>>,
     #[cfg_attr(not(feature = "serve"), allow(dead_code))]
@@ -105,12 +108,22 @@ impl Refused {
 }
 
 impl Shared {
+    /// The tier the API's runs want now.
+    pub fn wanted_tier(&self) -> crate::model::Tier {
+        if self.deep_runs.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            crate::model::Tier::Deep
+        } else {
+            crate::model::Tier::AlwaysOn
+        }
+    }
+
     pub fn new(access: Access) -> Arc<Self> {
         Arc::new(Self {
             prometheus: Mutex::new(String::new()),
             openmetrics: Mutex::new(String::new()),
             wanted: AtomicBool::new(true),
             qemu_wanted: AtomicBool::new(false),
+            deep_runs: std::sync::atomic::AtomicU32::new(0),
             frames: watch::channel(None).0,
             runs: Mutex::new(Vec::new()),
             access,
@@ -124,6 +137,8 @@ impl Shared {
 pub struct BenchRun {
     pub id: u64,
     pub label: String,
+    /// The tier it asked for (the agent's is always-on otherwise).
+    pub tier: crate::model::Tier,
     pub started_s: f64,
     pub stopped_s: Option<f64>,
     #[serde(skip)]
@@ -586,6 +601,8 @@ mod server {
     #[derive(serde::Deserialize)]
     struct StartQuery {
         label: Option<String>,
+        /// `always-on` (the default) or `deep`.
+        tier: Option<String>,
     }
 
     async fn start_run(State(s): State<Arc<Shared>>, Query(q): Query<StartQuery>) -> Response {
@@ -602,6 +619,18 @@ mod server {
             )
                 .into_response();
         }
+        let tier = match q.tier.as_deref().map(str::parse::<crate::model::Tier>) {
+            None => crate::model::Tier::AlwaysOn,
+            Some(Ok(t)) => t,
+            Some(Err(e)) => {
+                s.refused.bad_requests.fetch_add(1, Relaxed);
+                return (StatusCode::BAD_REQUEST, format!("tier: {e}\n")).into_response();
+            }
+        };
+        // The deep tier is attached before the run's first figures: the
+        // agent switches at its next look (within 100 ms), the figures
+        // come at the next frame.
+        let deep = DeepGuard::new(&s, tier);
         let Some(start) = fresh_with_qemu(&s).await else {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -629,13 +658,47 @@ mod server {
         let run = BenchRun {
             id: runs.last().map_or(1, |r| r.id + 1),
             label,
+            tier,
             started_s: start.at_s,
             stopped_s: None,
             start,
             report: None,
         };
         runs.push(run.clone());
+        deep.keep();
         (StatusCode::CREATED, Json(run)).into_response()
+    }
+
+    /// A deep run's hold on the deep tier: let go if the run does not
+    /// start, kept (until it stops) if it does.
+    struct DeepGuard<'a> {
+        s: &'a Shared,
+        deep: bool,
+    }
+
+    impl<'a> DeepGuard<'a> {
+        fn new(s: &'a Shared, tier: crate::model::Tier) -> Self {
+            let deep = tier.is_deep();
+            if deep {
+                s.deep_runs
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            Self { s, deep }
+        }
+
+        fn keep(mut self) {
+            self.deep = false;
+        }
+    }
+
+    impl Drop for DeepGuard<'_> {
+        fn drop(&mut self) {
+            if self.deep {
+                self.s
+                    .deep_runs
+                    .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
     }
 
     async fn stop_run(State(s): State<Arc<Shared>>, Path(id): Path<u64>) -> Response {
@@ -655,6 +718,10 @@ mod server {
         }
         run.stopped_s = Some(end.at_s);
         run.report = Some(bench_report(&run.start, &end));
+        if run.tier.is_deep() {
+            s.deep_runs
+                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
         Json(run.clone()).into_response()
     }
 

@@ -22,8 +22,72 @@ pub struct Doctor {
     pub uprobe_costs: Vec<features::UprobeCost>,
     /// Why they were not measured, when not.
     pub uprobe_costs_error: Option<String>,
+    /// How each tier sees a VM request's events here.
+    pub tiers: TierPlan,
     /// QEMU processes running now, as iospan names them.
     pub vms: Vec<crate::discover::vms::Vm>,
+}
+
+/// The probes each tier uses on this host for the events of a VM
+/// request's window (what `probes::host` attaches, by the same tests).
+#[derive(Debug, Serialize)]
+pub struct TierPlan {
+    /// The tier `iospan agent` and `iospan run` run here.
+    pub default: &'static str,
+    pub always_on: Vec<EventProbe>,
+    /// What the deep tier (`iospan run --deep`, an API run with
+    /// `tier=deep`) attaches besides, while it runs.
+    pub deep_adds: Vec<EventProbe>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct EventProbe {
+    pub event: &'static str,
+    pub probe: String,
+}
+
+/// `fn_probe`: "fentry" or "kprobe" where either works here.
+fn tier_plan(fn_probe: Option<&'static str>, kvm: bool, io_uring: bool, block: &str) -> TierPlan {
+    let e = |event, probe: String| EventProbe { event, probe };
+    let always_on = vec![
+        e("new VM", "sched_process_exec (a process named as QEMU's); its queue notifiers are learnt from its kicks' wake-ups, no system call is traced".into()),
+        e("kick, KVM guest", if kvm {
+            "kvm:kvm_mmio / kvm:kvm_fast_mmio at a queue's notify address".into()
+        } else {
+            "not seen: no kvm tracepoints (the kvm module is not loaded)".into()
+        }),
+        e("kick, TCG guest", match fn_probe {
+            Some(f) => format!("{f} on eventfd_write"),
+            None => "not seen here (needs fentry or kprobes on eventfd_write): such VMs' windows are counted unsplit, the deep tier splits them".into(),
+        }),
+        e("pickup", match fn_probe {
+            Some(f) => format!("{f} on eventfd_read: the engine's read of the kick"),
+            None => "the engine thread switched in after the kick woke it (sched_waking, sched_switch), or, already running, its next submitting call: no fentry or kprobes on eventfd_read here, so the pickup is up to one scheduling delay late (the deep tier reads it from the read system call)".into(),
+        }),
+        e("host request", format!("block:block_io_start, block_rq_issue, block_rq_complete ({block})")),
+        e("io_uring hand-off", if io_uring {
+            "io_uring:io_uring_queue_async_work".into()
+        } else {
+            "not seen: no io_uring tracepoints (requests handed to io-wq workers are unsplit)".into()
+        }),
+        e("interrupt", if kvm {
+            "kvm:kvm_msi_set_irq in the thread raising it (irqfd, KVM_SIGNAL_MSI); TCG guests: uprobe on QEMU's msix_notify where their kicks are seen".into()
+        } else {
+            "uprobe on QEMU's msix_notify where kicks are seen".into()
+        }),
+        e("join", "in the kernel: a VM's interrupt ends the window of every request of it completed before; per-CPU histograms per VM, disk, queue, op and segment".into()),
+    ];
+    let deep_adds = vec![
+        e("kick, pickup", "syscalls:sys_enter_write, sys_enter_read on eventfds; the notifiers' registration (sys_exit_eventfd2, sys_enter_ioctl, sys_exit_ioctl, sys_enter_close); the submitting calls (sys_enter_io_uring_enter, sys_enter_io_submit): every process of the host takes the slow system-call path while it runs".into()),
+        e("used-ring push", "uprobes on QEMU's virtqueue_flush (virtio), msix_notify (NVMe), an engine's vu_queue_push (vhost-user)".into()),
+        e("CPU waits", "sched_wakeup, sched_switch".into()),
+        e("records", "every VM request through the ring buffer, split by the agent".into()),
+    ];
+    TierPlan {
+        default: "always-on",
+        always_on,
+        deep_adds,
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -63,14 +127,17 @@ pub fn examine() -> Result<Doctor> {
     // whether or not tracefs is mounted.
     let kvm_tracepoints = Path::new("/sys/module/kvm").exists()
         || Path::new("/sys/kernel/tracing/events/kvm").exists();
-    let tp = works(ProbeType::TpBtf) || works(ProbeType::RawTp);
+    // Without the atomics every program uses, nothing iospan has loads.
+    let tp = (works(ProbeType::TpBtf) || works(ProbeType::RawTp)) && works(ProbeType::Atomics);
     let fn_probes = works(ProbeType::Kprobe) || works(ProbeType::Fentry);
 
     let mut segments = Vec::new();
     segments.push(SegmentSupport {
         segment: "device",
         measurable: if tp { Support::Yes } else { Support::No },
-        how: if tp {
+        how: if !works(ProbeType::Atomics) && !probes.is_empty() {
+            "none: this kernel lacks the BPF atomic operations iospan's programs use (Linux 5.12 and later)".into()
+        } else if tp {
             format!(
                 "host block tracepoints via {} (queue and service per request)",
                 if works(ProbeType::TpBtf) {
@@ -91,33 +158,29 @@ pub fn examine() -> Result<Doctor> {
             _ => Support::No,
         },
         how: if works(ProbeType::Uprobe) {
-            "the engine's eventfd read (syscall tracepoint) → host block start, and host completion → QEMU raising \
-             the completion made visible (uprobe on virtqueue_flush for virtio, msix_notify for NVMe: one hit per request \
-             at most, on that VM's process only); for the kernel's vhost-scsi workers, the worker switched in after a \
-             kick (sched_switch) → host block start, and host completion → the MSI the worker raises through the \
-             irqfd (kvm:kvm_msi_set_irq; the ring pop and push inside the worker need kprobes, not used)"
+            "the pickup → host block start, and host completion → the VM's next interrupt (always-on: see tiers) or \
+             → QEMU's used-ring push for that request (the deep tier's uprobes, one hit per request on that VM's \
+             process only); a kernel vhost worker's from its switch-in after the kick to its submission, and from the \
+             completion to the MSI it raises through the irqfd"
                 .into()
         } else {
-            "no uprobes: the interrupt QEMU raises is not visible, so the engine's completion half is not".into()
+            "no uprobes: the engine's completion half ends at KVM's interrupt only (guests on KVM)".into()
         },
     });
     segments.push(SegmentSupport {
         segment: "hypervisor",
         measurable: if tp { Support::Partial } else { Support::No },
         how: {
-            let mut s = String::from(
-                "kick → the engine's pickup: a vCPU's eventfd write (syscall tracepoints; TCG, or ioeventfd in user space), \
-                 or, for a kernel vhost worker, a kick on an eventfd handed to vhost (VHOST_SET_VRING_KICK) → the worker switched \
-                 in (sched_switch) or, already running, its next submission",
-            );
-            s.push_str(if kvm_tracepoints {
-                " or KVM's MMIO exit at a registered notify address (kvm:kvm_mmio/kvm_fast_mmio, KVM_IOEVENTFD)"
-            } else {
-                "; no kvm tracepoints (kvm module not loaded): kicks of KVM guests are not visible"
-            });
+            let mut s = String::from("kick → the engine's pickup (always-on: see tiers; the deep tier from the eventfd system calls)");
+            if !kvm_tracepoints {
+                s.push_str("; no kvm tracepoints (kvm module not loaded): kicks of KVM guests are not visible");
+            }
             s.push_str("; interrupt raised → injected is not measured (the host window ends when QEMU raises it)");
             if !fn_probes {
-                s.push_str("; no kprobe/fentry for irqfd_wakeup");
+                s.push_str(
+                    "; no kprobe or fentry here: the always-on pickup is the engine's wake-up, not its read, \
+                     and TCG guests' kicks are the deep tier's only",
+                );
             }
             s
         },
@@ -133,7 +196,25 @@ pub fn examine() -> Result<Doctor> {
     } else {
         Err("not measured: uprobes do not work here".into())
     };
+    let fn_probe = if works(ProbeType::Fentry) {
+        Some("fentry")
+    } else if works(ProbeType::Kprobe) {
+        Some("kprobe")
+    } else {
+        None
+    };
+    let tiers = tier_plan(
+        fn_probe,
+        kvm_tracepoints,
+        crate::probes::host::io_uring_tracepoints(),
+        if works(ProbeType::TpBtf) {
+            "tp_btf"
+        } else {
+            "raw_tp"
+        },
+    );
     Ok(Doctor {
+        tiers,
         kernel: kernel_release(),
         btf: Path::new("/sys/kernel/btf/vmlinux").exists(),
         privileged,
@@ -215,6 +296,19 @@ impl Doctor {
                 s.how
             );
         }
+        let _ = writeln!(
+            out,
+            "\ntiers: {} runs by default (`iospan agent`, `iospan run`); deep: `iospan run --deep`, an API run with tier=deep",
+            self.tiers.default
+        );
+        let _ = writeln!(out, "  always-on, per event of a VM request:");
+        for p in &self.tiers.always_on {
+            let _ = writeln!(out, "    {:<18} {}", p.event, p.probe);
+        }
+        let _ = writeln!(out, "  deep adds, while it runs:");
+        for p in &self.tiers.deep_adds {
+            let _ = writeln!(out, "    {:<18} {}", p.event, p.probe);
+        }
         match (&self.uprobe_costs_error, &self.uprobe_costs) {
             (None, costs) => {
                 let parts: Vec<String> = costs
@@ -247,7 +341,11 @@ impl Doctor {
             } else if let Some(u) = &vm.uuid {
                 let _ = writeln!(out, "    uuid {u}");
             }
-            for (symbol, role) in vm.uprobe_symbols(true) {
+            for (symbol, role) in vm.uprobe_symbols(crate::discover::vms::ProbeChoice {
+                split: true,
+                deep: true,
+                interrupts_in_qemu: !vm.kvm,
+            }) {
                 let site = crate::probes::uprobe::uprobe_site(vm.pid, symbol).map(|s| s.prologue);
                 let how = match site {
                     Some(crate::probes::uprobe::Prologue::Push) => {

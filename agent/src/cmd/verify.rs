@@ -107,11 +107,14 @@ pub async fn verify(o: &VerifyOptions) -> Result<(RunReport, String, bool)> {
     if o.duration.is_zero() {
         bail!("--duration 0: give a window long enough for the VMs to do I/O, e.g. 10s");
     }
+    // QEMU times each request from its device model taking it to its
+    // completion callback: the deep tier follows each request's own ends.
     let outcome = run::run(RunOptions {
         duration: Some(o.duration),
         json_out: o.json_out.clone(),
         max_disks: crate::abi::DEFAULT_MAX_DISKS,
         vms: true,
+        tier: crate::model::Tier::Deep,
         quiet: false,
         ..Default::default()
     })

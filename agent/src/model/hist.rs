@@ -121,6 +121,47 @@ impl Hist {
         self.max_ns = self.max_ns.max(other.max_ns);
     }
 
+    /// Adds one CPU's kernel histogram (the kernel's layout): its buckets,
+    /// sum and maximum; its count is its buckets'.
+    pub fn add_kernel(&mut self, buckets: &[u64], sum_ns: u64, max_ns: u64) {
+        debug_assert_eq!(
+            self.sub_bits, HIST_SUB_BITS,
+            "a kernel histogram into a fine one"
+        );
+        for (a, &b) in self.buckets.iter_mut().zip(buckets) {
+            *a += b;
+            self.count += b;
+        }
+        self.sum_ns = self.sum_ns.saturating_add(sum_ns);
+        self.max_ns = self.max_ns.max(max_ns);
+    }
+
+    /// The same in the kernel's layout: a fine bucket lies inside one
+    /// kernel bucket (the kernel's bounds are a subset of the fine ones).
+    pub fn coarse(&self) -> Hist {
+        if self.sub_bits == HIST_SUB_BITS {
+            return self.clone();
+        }
+        let mut out = Hist::default();
+        for (b, &n) in self.buckets.iter().enumerate().filter(|(_, n)| **n > 0) {
+            out.buckets[bucket_of(bounds_in(b, self.sub_bits).0)] += n;
+        }
+        out.count = self.count;
+        out.sum_ns = self.sum_ns;
+        out.max_ns = self.max_ns;
+        out
+    }
+
+    /// Adds a histogram of either layout: the kernel's where they differ.
+    pub fn merge_any(&mut self, other: &Hist) {
+        if self.sub_bits == other.sub_bits {
+            self.merge(other);
+        } else {
+            *self = self.coarse();
+            self.merge(&other.coarse());
+        }
+    }
+
     /// What was recorded since `earlier`, an earlier state of this same
     /// histogram (the maximum stays the whole run's: an upper bound).
     pub fn since(&self, earlier: &Hist) -> Hist {
@@ -176,6 +217,9 @@ impl Hist {
             }
             if (seen + n) as f64 >= rank {
                 let (lo, hi) = bounds_in(b, self.sub_bits);
+                // The top bucket ends at the largest value seen, not at
+                // its bound: the slowest values are the ones asked for most.
+                let hi = hi.min(self.max_ns.saturating_add(1)).max(lo);
                 let frac = (rank - seen as f64) / n as f64;
                 let v = lo as f64 + frac * (hi - lo) as f64;
                 return v.min(self.max_ns as f64);
@@ -311,6 +355,31 @@ mod tests {
         let s = h.summary();
         assert!(s.p50_us <= 12.345 && s.p50_us > 12.345 * 0.875, "{s:?}");
         assert_eq!(s.max_us, 12.345);
+    }
+
+    #[test]
+    fn a_fine_histogram_coarsens_bucket_for_bucket() {
+        let mut fine = Hist::fine();
+        let mut kernel = Hist::default();
+        for v in [
+            3u64,
+            17,
+            130,
+            999,
+            1_000,
+            1_023,
+            65_535,
+            1 << 20,
+            123_456_789,
+        ] {
+            fine.record(v);
+            kernel.record(v);
+        }
+        assert_eq!(fine.coarse(), kernel);
+        let mut mixed = Hist::default();
+        mixed.record(5);
+        mixed.merge_any(&fine);
+        assert_eq!((mixed.count, mixed.sum_ns), (10, kernel.sum_ns + 5));
     }
 
     #[test]

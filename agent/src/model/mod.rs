@@ -15,7 +15,55 @@ pub use hist::{Hist, Summary};
 pub use loss::{ChannelStats, SenderStats, SplitCounters};
 pub use span::IoSpan;
 
-use crate::abi::{BlkStats, BLK_NR_SEGS};
+use crate::abi::{BlkStats, VmSplitStats, BLK_NR_SEGS, VM_NR_SEGS};
+
+/// How much a run measures, and so what it costs (docs/tiers.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Tier {
+    /// What the agent service runs all the time: every VM request's host
+    /// window joined in the kernel into histograms (hypervisor, engine,
+    /// device), no system-call tracepoint, per-I/O records only for the
+    /// requests exported.
+    #[default]
+    AlwaysOn,
+    /// For a run that asks: each virtio request ended at its own used-ring
+    /// push, QEMU's device model taking each request, CPU waits, and every
+    /// request's record joined in user space; system-call tracepoints on
+    /// the host while it runs.
+    Deep,
+}
+
+impl Tier {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::AlwaysOn => "always-on",
+            Self::Deep => "deep",
+        }
+    }
+
+    pub fn is_deep(self) -> bool {
+        self == Self::Deep
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Tier {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "always-on" => Ok(Self::AlwaysOn),
+            "deep" => Ok(Self::Deep),
+            other => Err(format!("{other:?}: the tiers are always-on and deep")),
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -121,5 +169,45 @@ impl DiskOpStats {
 
     pub fn segment(&self, s: BlkSegment) -> &Hist {
         &self.segments[s as usize]
+    }
+}
+
+/// Host windows of a VM's requests the kernel joined (the always-on tier),
+/// for one (VM, virtual disk, host disk, op, guest queue): in `abi::vm_seg`
+/// order, hypervisor, engine, device, the whole window, and pickup to host
+/// completion.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JoinedWindows {
+    pub count: u64,
+    pub bytes: u64,
+    pub segments: [Hist; VM_NR_SEGS],
+}
+
+impl Default for JoinedWindows {
+    fn default() -> Self {
+        Self {
+            count: 0,
+            bytes: 0,
+            segments: std::array::from_fn(|_| Hist::default()),
+        }
+    }
+}
+
+impl JoinedWindows {
+    /// Adds one CPU's entry.
+    pub fn add_cpu(&mut self, s: &VmSplitStats) {
+        self.count += s.count;
+        self.bytes += s.bytes;
+        for (i, h) in self.segments.iter_mut().enumerate() {
+            h.add_kernel(&s.hist[i], s.sum_ns[i], s.max_ns[i]);
+        }
+    }
+
+    pub fn merge(&mut self, o: &JoinedWindows) {
+        self.count += o.count;
+        self.bytes += o.bytes;
+        for (a, b) in self.segments.iter_mut().zip(&o.segments) {
+            a.merge(b);
+        }
     }
 }

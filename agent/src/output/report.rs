@@ -25,6 +25,9 @@ pub const SCHEMA: &str = "iospan.run/v1";
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RunReport {
     pub schema: String,
+    /// The tier VMs were measured in (none without VM attribution).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<crate::model::Tier>,
     pub duration_s: f64,
     /// The traced command, when there was one, and how it ended.
     pub command: Option<Vec<String>>,
@@ -211,6 +214,60 @@ pub struct AgentCost {
     pub cpu_sys_s: f64,
     /// Kernel-side cost of the eBPF programs, when run-time stats were on.
     pub bpf: Option<Vec<ProgStats>>,
+    /// The run's own cost per I/O it measured (`agent_per_io`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_io: Option<CostPerIo>,
+}
+
+/// What the run cost per I/O: the agent's CPU and (with run-time stats)
+/// its eBPF programs', over the host requests it counted and the VM
+/// requests among them. Not in it: what attached tracepoints cost the
+/// rest of the host (the kernel's slow system-call path, while the deep
+/// tier runs), which only a comparison with an untraced run shows
+/// (`cargo xtask bench vm`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CostPerIo {
+    /// Host requests counted (every disk's).
+    pub ios: u64,
+    /// Of those, VMs' requests.
+    pub vm_ios: u64,
+    pub agent_ns_per_io: f64,
+    /// The eBPF programs' run time per I/O, with run-time stats on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bpf_ns_per_io: Option<f64>,
+}
+
+/// The run's cost per host request it counted.
+pub fn agent_per_io(r: &RunReport) -> Option<CostPerIo> {
+    let host: u64 = r
+        .entries
+        .iter()
+        .filter(|e| e.vm.is_none())
+        .map(|e| e.ios)
+        .sum();
+    let vm_ios: u64 = r
+        .entries
+        .iter()
+        .filter(|e| e.vm.is_some())
+        .map(|e| e.ios)
+        .sum();
+    // VMs' entries are their host disks' requests too: count each once.
+    let ios = host.max(vm_ios);
+    if ios == 0 {
+        return None;
+    }
+    let per = |ns: f64| (ns / ios as f64 * 10.0).round() / 10.0;
+    let agent_ns = (r.agent.cpu_user_s + r.agent.cpu_sys_s) * 1e9;
+    Some(CostPerIo {
+        ios,
+        vm_ios,
+        agent_ns_per_io: per(agent_ns),
+        bpf_ns_per_io: r
+            .agent
+            .bpf
+            .as_ref()
+            .map(|progs| per(progs.iter().map(|p| p.run_time_ns as f64).sum())),
+    })
 }
 
 /// One (vm, disk, op).
@@ -671,8 +728,9 @@ impl RunReport {
         if !guessed.is_empty() {
             let _ = writeln!(
                 out,
-                "kicks guessed for {} (running before iospan: any eventfd their vCPUs write counts; \
-                 a request held in the engine may be given a later kick)",
+                "kicks of {} taken from any eventfd their vCPUs write (their queue notifiers not seen made: \
+                 the always-on tier, or started before the deep tier watched); a request held in the engine \
+                 may be given a later kick",
                 guessed.join(", ")
             );
         }

@@ -19,10 +19,10 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::model::SplitCounters;
 use crate::{
-    abi::{VmIoEvent, RQ_F_POLLED},
+    abi::{vm_seg, VdiskKey, VmIoEvent, VmSplitEvent, VmSplitKey, VmUnsplit, RQ_F_POLLED},
     discover::disks::Dev,
     model::IoSpan,
-    model::{Hist, Op},
+    model::{Hist, JoinedWindows, Op},
     pipeline::stitch::{HostIo, Stitcher},
     pipeline::vqueue::{Layout, QueueIndex},
 };
@@ -55,6 +55,29 @@ pub struct HostSplit {
 }
 
 impl HostSplit {
+    /// Windows the kernel joined (the always-on tier: no CPU waits).
+    fn add_joined(&mut self, w: &JoinedWindows) {
+        self.bytes += w.bytes;
+        let seg = |i: usize| &w.segments[i];
+        self.hypervisor.merge_any(seg(vm_seg::HYPERVISOR));
+        self.engine.merge_any(seg(vm_seg::ENGINE));
+        self.device.merge_any(seg(vm_seg::DEVICE));
+        self.window.merge_any(seg(vm_seg::WINDOW));
+        self.pickup_to_done.merge_any(seg(vm_seg::PICKUP_TO_DONE));
+    }
+
+    /// Both tiers' windows together.
+    fn merge(&mut self, o: &HostSplit) {
+        self.bytes += o.bytes;
+        self.hypervisor.merge_any(&o.hypervisor);
+        self.engine.merge_any(&o.engine);
+        self.device.merge_any(&o.device);
+        self.window.merge_any(&o.window);
+        self.pickup_to_done.merge_any(&o.pickup_to_done);
+        self.hypervisor_cpu_wait.merge_any(&o.hypervisor_cpu_wait);
+        self.engine_cpu_wait.merge_any(&o.engine_cpu_wait);
+    }
+
     fn record(&mut self, span: &IoSpan) {
         self.bytes += u64::from(span.bytes);
         self.hypervisor.record(span.hypervisor_ns);
@@ -107,6 +130,14 @@ impl Signal {
     }
 }
 
+/// The always-on tier's figures, as the kernel joined them.
+#[derive(Default)]
+struct KernelView {
+    splits: BTreeMap<SplitKey, HostSplit>,
+    queue_splits: BTreeMap<(SplitKey, u32), HostSplit>,
+    counters: SplitCounters,
+}
+
 pub struct Correlator {
     hold_ns: u64,
     signals: HashMap<u32, VecDeque<Signal>>,
@@ -115,10 +146,19 @@ pub struct Correlator {
     /// own: it takes it, so that no other request does).
     pending: VecDeque<(VmIoEvent, bool)>,
     latest_ns: u64,
+    /// Both tiers' host windows split, per (VM, disk, op, vdisk), as of the
+    /// last `refresh` (the deep tier's recorded here, the always-on tier's
+    /// read from the kernel).
     pub splits: BTreeMap<SplitKey, HostSplit>,
     /// The same per guest queue, where the kick's notifier names it (a VM
     /// found running, its notifiers made before iospan started, has none).
     pub queue_splits: BTreeMap<(SplitKey, u32), HostSplit>,
+    /// The deep tier's, recorded request by request.
+    deep_splits: BTreeMap<SplitKey, HostSplit>,
+    deep_queue_splits: BTreeMap<(SplitKey, u32), HostSplit>,
+    deep_counters: SplitCounters,
+    kernel: KernelView,
+    kernel_bases: HashMap<(u32, u32), QueueBases>,
     /// Per virtual disk: how its notifiers map to queues, and how many
     /// queues the host gave it.
     vdisks: HashMap<u32, (Layout, Option<u32>)>,
@@ -144,6 +184,11 @@ impl Correlator {
             latest_ns: 0,
             splits: BTreeMap::new(),
             queue_splits: BTreeMap::new(),
+            deep_splits: BTreeMap::new(),
+            deep_queue_splits: BTreeMap::new(),
+            deep_counters: SplitCounters::default(),
+            kernel: KernelView::default(),
+            kernel_bases: HashMap::new(),
             vdisks: HashMap::new(),
             order_base: HashMap::new(),
             counters: SplitCounters::default(),
@@ -198,14 +243,14 @@ impl Correlator {
     pub fn on_io(&mut self, ev: VmIoEvent, followed: bool) {
         self.latest_ns = self.latest_ns.max(ev.done_ns);
         if !followed {
-            self.counters.not_followed += 1;
+            self.deep_counters.not_followed += 1;
             return;
         }
         let split = if ev.flags & RQ_F_POLLED != 0 {
-            self.counters.polled += 1;
+            self.deep_counters.polled += 1;
             false
         } else if ev.kick_ns == 0 {
-            self.counters.no_kick += 1;
+            self.deep_counters.no_kick += 1;
             false
         } else {
             true
@@ -218,6 +263,130 @@ impl Correlator {
     pub fn finish(&mut self) {
         self.settle(true);
         self.stitch.finish();
+        self.refresh();
+    }
+
+    /// The always-on tier's windows and unsplit requests as the kernel
+    /// has them now (cumulative); `followed`: whether a virtual disk's
+    /// windows can be split here at all (its unsplit requests are counted
+    /// as not followed where not). Refreshes the view.
+    pub fn set_kernel(
+        &mut self,
+        splits: &BTreeMap<VmSplitKey, JoinedWindows>,
+        unsplit: &BTreeMap<VdiskKey, VmUnsplit>,
+        followed: impl Fn(u32) -> bool,
+    ) {
+        let mut view = KernelView::default();
+        let bases = queue_bases(splits.keys());
+        self.kernel_bases = bases.clone();
+        for (k, w) in splits {
+            let key = SplitKey {
+                vm: k.vm,
+                dev: Dev(k.dev),
+                op: Op::from_index(usize::from(k.op)).unwrap_or(Op::Other),
+                vdisk: k.vdisk,
+            };
+            view.splits.entry(key).or_default().add_joined(w);
+            if let Some(q) = self.kernel_queue(k, &bases) {
+                view.queue_splits.entry((key, q)).or_default().add_joined(w);
+            }
+        }
+        for (k, u) in unsplit {
+            let c = &mut view.counters;
+            if followed(k.vdisk) {
+                c.no_kick += u.no_kick;
+                c.polled += u.polled;
+            } else {
+                c.not_followed += u.no_kick + u.polled;
+            }
+            c.no_signal += u.no_signal;
+            c.unordered += u.unordered;
+        }
+        self.kernel = view;
+        self.refresh();
+    }
+
+    /// Each virtual disk's whole windows so far (both tiers', all its
+    /// VM's host disks and ops), from the last `refresh`.
+    pub fn vdisk_windows(&self) -> BTreeMap<u32, Hist> {
+        let mut out: BTreeMap<u32, Hist> = BTreeMap::new();
+        for (k, s) in &self.splits {
+            out.entry(k.vdisk).or_default().merge_any(&s.window);
+        }
+        out
+    }
+
+    /// The view readers see: both tiers' figures together.
+    pub fn refresh(&mut self) {
+        fn both<K: Ord + Copy>(
+            a: &BTreeMap<K, HostSplit>,
+            b: &BTreeMap<K, HostSplit>,
+        ) -> BTreeMap<K, HostSplit> {
+            let mut out = a.clone();
+            for (k, v) in b {
+                match out.get_mut(k) {
+                    Some(mine) => mine.merge(v),
+                    None => {
+                        out.insert(*k, v.clone());
+                    }
+                }
+            }
+            out
+        }
+        self.splits = both(&self.deep_splits, &self.kernel.splits);
+        self.queue_splits = both(&self.deep_queue_splits, &self.kernel.queue_splits);
+        let (d, k) = (&self.deep_counters, &self.kernel.counters);
+        self.counters = SplitCounters {
+            no_kick: d.no_kick + k.no_kick,
+            no_signal: d.no_signal + k.no_signal,
+            unordered: d.unordered + k.unordered,
+            not_followed: d.not_followed + k.not_followed,
+            polled: d.polled + k.polled,
+        };
+    }
+
+    /// A VM request the kernel joined and streamed (sampled, or every one
+    /// of a VM whose guest agent joins them): to the guest's side, or kept
+    /// for export. Its figures are the kernel's already.
+    pub fn on_joined(&mut self, ev: &VmSplitEvent, followed: bool) {
+        if !followed {
+            return;
+        }
+        let io = ev.io;
+        if self.stitch.has_guest(io.vm) {
+            self.stitch.on_host(HostIo {
+                ev: io,
+                signal_ns: ev.signal_ns,
+                signal_wait_ns: 0,
+            });
+            return;
+        }
+        let mut span = IoSpan::host_only(&io, ev.signal_ns, 0);
+        span.queue = self.queue_of(&io);
+        self.stitch.tail(&span);
+        if self.stitch.keeping_spans() {
+            self.stitch.keep(span);
+        }
+    }
+
+    /// A kernel entry's guest queue, its notifier named by the disk's
+    /// device model; notifiers named by order or page counted from the
+    /// disk's lowest (`bases`).
+    fn kernel_queue(&self, k: &VmSplitKey, bases: &HashMap<(u32, u32), QueueBases>) -> Option<u32> {
+        let (layout, limit) = self
+            .vdisks
+            .get(&k.vdisk)
+            .copied()
+            .unwrap_or((Layout::Virtio, None));
+        let b = bases.get(&(k.vm, k.vdisk)).copied().unwrap_or_default();
+        let q = match QueueIndex::of(k.queue, layout) {
+            QueueIndex::Order(o) => QueueIndex::Order(o).rebased(b.order),
+            QueueIndex::Page(_) if b.offsets && layout != Layout::Nvme => Some(0),
+            QueueIndex::Page(_) if b.offsets => None,
+            QueueIndex::Page(p) => QueueIndex::Page(p).rebased(b.page),
+            other => other.rebased(0),
+        };
+        q.filter(|&q| limit.is_none_or(|n| q < n))
     }
 
     /// Settles requests from the oldest on, stopping at the first that must
@@ -247,7 +416,7 @@ impl Correlator {
             let (ev, split) = self.pending.pop_front().expect("front exists");
             match sig {
                 Some(sig) if split => self.record(&ev, sig),
-                None if split => self.counters.no_signal += 1,
+                None if split => self.deep_counters.no_signal += 1,
                 _ => {}
             }
         }
@@ -270,7 +439,7 @@ impl Correlator {
         let signal_wait_ns = signal.waited_since(ev.done_ns);
         let (kick, pick, start, done) = (ev.kick_ns, ev.pick_ns, ev.start_ns, ev.done_ns);
         if !(kick <= pick && pick <= start && start <= done && done <= sig) {
-            self.counters.unordered += 1;
+            self.deep_counters.unordered += 1;
             return;
         }
         let key = SplitKey {
@@ -280,10 +449,13 @@ impl Correlator {
             vdisk: ev.vdisk,
         };
         let mut span = IoSpan::host_only(ev, sig, signal_wait_ns);
-        self.splits.entry(key).or_default().record(&span);
+        self.deep_splits.entry(key).or_default().record(&span);
         span.queue = self.queue_of(ev);
         if let Some(q) = span.queue {
-            self.queue_splits.entry((key, q)).or_default().record(&span);
+            self.deep_queue_splits
+                .entry((key, q))
+                .or_default()
+                .record(&span);
         }
         if self.stitch.has_guest(ev.vm) {
             self.stitch.on_host(HostIo {
@@ -309,6 +481,16 @@ impl Correlator {
         let index = QueueIndex::of(ev.queue, layout);
         let base = match index {
             QueueIndex::Order(o) => self.rebase(ev.vm, ev.vdisk, o),
+            QueueIndex::Page(p) => {
+                let b = self.kernel_bases.get(&(ev.vm, ev.vdisk)).copied();
+                match b {
+                    Some(b) if b.offsets => {
+                        return (layout != Layout::Nvme).then_some(0);
+                    }
+                    Some(b) => b.page.min(p),
+                    None => p,
+                }
+            }
             _ => 0,
         };
         index.rebased(base).filter(|&q| limit.is_none_or(|n| q < n))
@@ -322,7 +504,7 @@ impl Correlator {
             return base;
         }
         let shift = u32::from(base - order);
-        self.queue_splits = std::mem::take(&mut self.queue_splits)
+        self.deep_queue_splits = std::mem::take(&mut self.deep_queue_splits)
             .into_iter()
             .map(|((k, q), s)| {
                 let mine = k.vm == vm && k.vdisk == vdisk;
@@ -332,6 +514,43 @@ impl Correlator {
         self.order_base.insert((vm, vdisk), order);
         order
     }
+}
+
+/// Per (VM, virtual disk): the lowest notifier order and page its kernel
+/// entries name, and whether any names an offset within its page.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct QueueBases {
+    order: u16,
+    page: u16,
+    offsets: bool,
+}
+
+/// The lowest queue index of each kind seen per (VM, virtual disk): the
+/// kernel names queues by notify order or page, counted from there.
+fn queue_bases<'a>(keys: impl Iterator<Item = &'a VmSplitKey>) -> HashMap<(u32, u32), QueueBases> {
+    let mut out: HashMap<(u32, u32), QueueBases> = HashMap::new();
+    let mut seen: HashMap<(u32, u32), (bool, bool)> = HashMap::new();
+    for k in keys {
+        let b = out.entry((k.vm, k.vdisk)).or_default();
+        let (order_seen, page_seen) = seen.entry((k.vm, k.vdisk)).or_default();
+        match QueueIndex::of(k.queue, Layout::Virtio) {
+            QueueIndex::Order(o) => {
+                b.order = if *order_seen { b.order.min(o) } else { o };
+                *order_seen = true;
+            }
+            QueueIndex::Page(p) => {
+                b.page = if *page_seen { b.page.min(p) } else { p };
+                *page_seen = true;
+            }
+            QueueIndex::Known(_)
+                if k.queue & !crate::abi::VQ_VALUE_MASK == crate::abi::VQ_BY_ADDR =>
+            {
+                b.offsets = true
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -354,7 +573,7 @@ mod tests {
     }
 
     fn split(c: &Correlator, vm: u32) -> &HostSplit {
-        c.splits
+        c.deep_splits
             .get(&SplitKey {
                 vm,
                 dev: Dev::new(254, 0),
@@ -385,6 +604,52 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_view_adds_the_kernels_windows_to_the_deep_tiers() {
+        let mut c = Correlator::new(1_000);
+        c.on_io(io(1, 100, 130, 200, 900), true);
+        c.on_signal(1, 950);
+        let mut joined = JoinedWindows::default();
+        for (seg, ns) in [
+            (vm_seg::HYPERVISOR, 40),
+            (vm_seg::ENGINE, 60),
+            (vm_seg::DEVICE, 500),
+        ] {
+            joined.segments[seg].record(ns);
+        }
+        joined.segments[vm_seg::WINDOW].record(600);
+        joined.count = 1;
+        let key = VmSplitKey {
+            vm: 1,
+            vdisk: 1,
+            dev: Dev::new(254, 0).0,
+            op: Op::Read as u16,
+            queue: 0,
+        };
+        let unsplit = VmUnsplit {
+            no_kick: 2,
+            ..Default::default()
+        };
+        c.set_kernel(
+            &BTreeMap::from([(key, joined)]),
+            &BTreeMap::from([(VdiskKey { vm: 1, vdisk: 1 }, unsplit)]),
+            |_| true,
+        );
+        let s = c.splits.values().next().expect("a split");
+        assert_eq!(s.window.count, 2, "one window of each tier");
+        assert_eq!(s.window.sum_ns, 850 + 600);
+        assert_eq!(s.device.sum_ns, 700 + 500);
+        assert_eq!(c.counters.no_kick, 2);
+        // The kernel's figures are cumulative: read again, not added twice.
+        c.set_kernel(
+            &BTreeMap::from([(key, JoinedWindows::default())]),
+            &BTreeMap::new(),
+            |_| true,
+        );
+        assert_eq!(c.splits.values().next().expect("a split").window.count, 1);
+        assert_eq!(c.counters.no_kick, 0);
+    }
+
     fn push(c: &mut Correlator, vm: u32, ts_ns: u64, covers: u16) {
         c.on_signal_waits(
             vm,
@@ -411,7 +676,7 @@ mod tests {
         assert_eq!(s.window.count, 3);
         // Windows kick (10) -> push: 120 + 130 + 140.
         assert_eq!(s.window.sum_ns, 120 + 130 + 140);
-        assert_eq!(c.counters.no_signal, 0);
+        assert_eq!(c.deep_counters.no_signal, 0);
         // A push of two completions (virtqueue_flush(vq, 2)) ends two.
         let mut c = Correlator::new(10_000);
         c.on_io(io(1, 10, 20, 30, 100), true);
@@ -433,7 +698,7 @@ mod tests {
         c.finish();
         let s = split(&c, 1);
         assert_eq!((s.window.count, s.window.sum_ns), (1, 110));
-        assert_eq!(c.counters.no_signal, 1);
+        assert_eq!(c.deep_counters.no_signal, 1);
     }
 
     #[test]
@@ -449,7 +714,7 @@ mod tests {
         push(&mut c, 1, 160, 1);
         let s = split(&c, 1);
         assert_eq!((s.window.count, s.window.sum_ns), (1, 150));
-        assert_eq!(c.counters.polled, 1);
+        assert_eq!(c.deep_counters.polled, 1);
         // An interrupt covers every completion before it, pushes or not.
         let mut c = Correlator::new(10_000);
         c.on_io(io(1, 10, 20, 30, 100), true);
@@ -463,7 +728,7 @@ mod tests {
         push(&mut c, 1, 130, 1);
         c.on_io(io(2, 10, 20, 30, 5_000), true);
         assert_eq!(split(&c, 1).window.count, 1);
-        assert_eq!(c.counters.no_signal, 1);
+        assert_eq!(c.deep_counters.no_signal, 1);
     }
 
     #[test]
@@ -493,10 +758,10 @@ mod tests {
         let mut c = Correlator::new(1_000);
         c.on_io(io(1, 100, 130, 200, 900), true);
         c.on_signal(2, 950);
-        assert!(c.splits.is_empty());
+        assert!(c.deep_splits.is_empty());
         c.on_signal(1, 3_000);
         assert_eq!(split(&c, 1).window.sum_ns, 2_900);
-        assert!(!c.splits.contains_key(&SplitKey {
+        assert!(!c.deep_splits.contains_key(&SplitKey {
             vm: 2,
             dev: Dev::new(254, 0),
             op: Op::Read,
@@ -513,7 +778,7 @@ mod tests {
         c.on_io(io(1, 100, 130, 400, 900), true);
         c.on_signal(1, 950);
         c.finish();
-        assert_eq!((c.counters.polled, c.counters.no_kick), (1, 0));
+        assert_eq!((c.deep_counters.polled, c.deep_counters.no_kick), (1, 0));
         assert_eq!(split(&c, 1).window.count, 1);
     }
 
@@ -537,14 +802,14 @@ mod tests {
         }
         c.on_signal(1, 950);
         let counts: Vec<_> = c
-            .queue_splits
+            .deep_queue_splits
             .iter()
             .map(|((_, q), s)| (*q, s.window.count))
             .collect();
         // Queue 4 is past the disk's four: no queue of it.
         assert_eq!(counts, [(1, 2), (3, 1)]);
         // Split without a queue: the disk's split requests less its queues'.
-        let queued: u64 = c.queue_splits.values().map(|s| s.window.count).sum();
+        let queued: u64 = c.deep_queue_splits.values().map(|s| s.window.count).sum();
         assert_eq!(split(&c, 1).window.count - queued, 2);
         assert_eq!(split(&c, 1).window.count, 5);
 
@@ -559,12 +824,12 @@ mod tests {
         }
         c.on_signal(1, 950);
         let counts: Vec<_> = c
-            .queue_splits
+            .deep_queue_splits
             .iter()
             .map(|((k, q), s)| (k.vdisk, *q, s.window.count))
             .collect();
         assert_eq!(counts, [(2, 0, 1), (2, 1, 2)]);
-        assert!(c.queue_splits.keys().all(|(k, _)| *k == key(2)));
+        assert!(c.deep_queue_splits.keys().all(|(k, _)| *k == key(2)));
     }
 
     #[test]
@@ -578,7 +843,7 @@ mod tests {
         c.finish();
         c.on_io(io(1, 100, 130, 200, 900), false);
         assert_eq!(
-            c.counters,
+            c.deep_counters,
             SplitCounters {
                 no_kick: 1,
                 no_signal: 1,
@@ -587,7 +852,7 @@ mod tests {
                 polled: 0,
             }
         );
-        assert!(c.splits.is_empty());
+        assert!(c.deep_splits.is_empty());
     }
 
     #[test]
@@ -595,15 +860,15 @@ mod tests {
         let mut c = Correlator::new(1_000);
         c.on_io(io(1, 100, 130, 200, 900), true);
         c.on_signal(2, 1_500); // other VM's traffic moves stream time, not past the hold
-        assert_eq!(c.counters.no_signal, 0);
+        assert_eq!(c.deep_counters.no_signal, 0);
         c.on_signal(2, 2_000);
         assert_eq!(
-            c.counters.no_signal, 1,
+            c.deep_counters.no_signal, 1,
             "settled without a signal once the hold passed"
         );
         c.on_signal(1, 2_100);
         assert!(
-            c.splits.is_empty(),
+            c.deep_splits.is_empty(),
             "a late signal does not revive a settled request"
         );
     }

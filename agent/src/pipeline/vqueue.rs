@@ -17,7 +17,7 @@
 //!   disk's first notifier, which is known once its queue 0 kicked: until
 //!   then the lowest seen stands for it (see [`QueueIndex::rebased`]).
 
-use crate::abi::{VQ_BY_ADDR, VQ_BY_INDEX, VQ_BY_ORDER, VQ_VALUE_MASK};
+use crate::abi::{VQ_ADDR_PAGE, VQ_BY_ADDR, VQ_BY_INDEX, VQ_BY_ORDER, VQ_VALUE_MASK};
 
 /// How a virtual disk's notifiers are laid out, by its device model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +49,11 @@ pub enum QueueIndex {
     Known(u32),
     /// The notifier's order of creation in its VM (no address to go by).
     Order(u16),
+    /// A notifier learnt from a KVM exit at offset 0 of its page: its page
+    /// number. Queue 0 where the disk's other notifiers are offsets within
+    /// a page; with a page per queue (virtio's `page-per-vq`), counted from
+    /// the disk's lowest page.
+    Page(u16),
     /// None: no kick, a notifier that is no submission queue's (an NVMe
     /// completion doorbell), or one iospan did not see registered.
     Unknown,
@@ -62,6 +67,9 @@ impl QueueIndex {
                 Layout::VirtioScsi => value.checked_sub(2).map_or(Self::Unknown, Self::Known),
                 Layout::Virtio | Layout::Nvme => Self::Known(value),
             },
+            VQ_BY_ADDR if value & u32::from(VQ_ADDR_PAGE) != 0 => {
+                Self::Page((value & u32::from(VQ_ADDR_PAGE - 1)) as u16)
+            }
             VQ_BY_ADDR => match layout {
                 Layout::Virtio => Self::Known(value / 4),
                 Layout::VirtioScsi => (value / 4)
@@ -84,7 +92,7 @@ impl QueueIndex {
     pub fn rebased(self, base: u16) -> Option<u32> {
         match self {
             Self::Known(i) => Some(i),
-            Self::Order(o) => o.checked_sub(base).map(u32::from),
+            Self::Order(o) | Self::Page(o) => o.checked_sub(base).map(u32::from),
             Self::Unknown => None,
         }
     }

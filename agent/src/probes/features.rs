@@ -23,16 +23,20 @@ pub enum ProbeType {
     Kprobe,
     Fentry,
     Uprobe,
+    /// Not a program type: the atomic operations every iospan program
+    /// uses (Linux 5.12), on a raw tracepoint.
+    Atomics,
 }
 
 impl ProbeType {
-    pub const ALL: [ProbeType; 6] = [
+    pub const ALL: [ProbeType; 7] = [
         Self::TpBtf,
         Self::RawTp,
         Self::Tracepoint,
         Self::Kprobe,
         Self::Fentry,
         Self::Uprobe,
+        Self::Atomics,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -43,6 +47,7 @@ impl ProbeType {
             Self::Kprobe => "kprobe",
             Self::Fentry => "fentry",
             Self::Uprobe => "uprobe",
+            Self::Atomics => "atomics",
         }
     }
 
@@ -54,6 +59,7 @@ impl ProbeType {
             Self::Kprobe => "probe_kprobe",
             Self::Fentry => "probe_fentry",
             Self::Uprobe => "probe_uprobe",
+            Self::Atomics => "probe_atomics",
         }
     }
 }
@@ -74,37 +80,77 @@ pub extern "C" fn iospan_uprobe_target(x: u64) -> u64 {
     std::hint::black_box(x.wrapping_mul(31))
 }
 
+/// Each type tried. Where the atomics fail, no type can carry iospan's
+/// programs: each says so rather than "works" for what would not load.
 pub fn probe_all() -> Vec<ProbeResult> {
     let btf = Btf::from_sys_fs().ok();
-    ProbeType::ALL
+    let mut results: Vec<ProbeResult> = ProbeType::ALL
         .iter()
-        .map(|&probe| {
-            // A fresh object per type: one type's failure cannot affect another.
-            let outcome = EbpfLoader::new()
-                .btf(btf.as_ref())
-                .load(OBJECT)
-                .map_err(|e| format!("loading the probe object: {}", error_chain(&e)))
-                .and_then(|mut ebpf| try_probe(&mut ebpf, btf.as_ref(), probe));
-            match outcome {
-                Ok(()) => ProbeResult {
-                    probe,
-                    works: true,
-                    reason: None,
-                },
-                Err(reason) => ProbeResult {
-                    probe,
-                    works: false,
-                    reason: Some(explain(probe, reason)),
-                },
-            }
+        .map(|&probe| match probe_one(btf.as_ref(), probe) {
+            Ok(()) => ProbeResult {
+                probe,
+                works: true,
+                reason: None,
+            },
+            Err(reason) => ProbeResult {
+                probe,
+                works: false,
+                reason: Some(explain(probe, reason)),
+            },
         })
-        .collect()
+        .collect();
+    let atomics = results
+        .iter()
+        .any(|r| r.probe == ProbeType::Atomics && r.works);
+    if !atomics {
+        for r in results.iter_mut().filter(|r| r.works) {
+            r.works = false;
+            r.reason = Some(
+                "loads, but iospan's programs need the BPF atomic operations this kernel lacks (Linux 5.12)".into(),
+            );
+        }
+    }
+    results
+}
+
+fn probe_one(btf: Option<&Btf>, probe: ProbeType) -> Result<(), String> {
+    // A fresh object per type: one type's failure cannot affect another.
+    EbpfLoader::new()
+        .btf(btf)
+        .load(OBJECT)
+        .map_err(|e| format!("loading the probe object: {}", error_chain(&e)))
+        .and_then(|mut ebpf| try_probe(&mut ebpf, btf, probe))
+}
+
+/// Whether this kernel runs the atomic operations iospan's programs use:
+/// the one thing below which it cannot run at all. The error is the one
+/// line a user sees.
+pub fn check_atomics() -> Result<(), String> {
+    let btf = Btf::from_sys_fs().ok();
+    probe_one(btf.as_ref(), ProbeType::Atomics).map_err(|e| {
+        format!(
+            "this kernel ({}) lacks the BPF atomic operations iospan's programs use \
+             (fetch-and-add with its result, compare-and-exchange: Linux 5.12); \
+             iospan supports Linux 5.12 and later ({})",
+            kernel_release(),
+            e.lines().next().unwrap_or("")
+        )
+    })
+}
+
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
 }
 
 /// Puts the usual causes in words before the kernel's own message.
 fn explain(probe: ProbeType, reason: String) -> String {
     let cause = match probe {
         ProbeType::Kprobe if reason.contains("devices/kprobe") => Some("no kprobe PMU in this kernel (perf_kprobe)"),
+        ProbeType::Atomics if reason.contains("reserved fields") || reason.contains("invalid") => {
+            Some("the verifier refuses BPF atomic operations (Linux 5.12): iospan cannot run on this kernel")
+        }
         ProbeType::Fentry if reason.contains("not permitted") => {
             Some("the kernel refuses BPF trampolines here (EPERM at load; lockdown or no trampoline support)")
         }
@@ -131,7 +177,7 @@ fn try_probe(ebpf: &mut Ebpf, btf: Option<&Btf>, probe: ProbeType) -> Result<(),
                 .map_err(|e| step("load", &e))?;
             p.attach().map_err(|e| step("attach", &e))?;
         }
-        ProbeType::RawTp => {
+        ProbeType::RawTp | ProbeType::Atomics => {
             let p: &mut RawTracePoint = prog.try_into().map_err(|e| step("type", &e))?;
             p.load().map_err(|e| step("load", &e))?;
             p.attach("sched_process_exec")
@@ -178,7 +224,7 @@ fn try_probe(ebpf: &mut Ebpf, btf: Option<&Btf>, probe: ProbeType) -> Result<(),
 
 fn trigger(probe: ProbeType) {
     match probe {
-        ProbeType::TpBtf | ProbeType::RawTp | ProbeType::Tracepoint => {
+        ProbeType::TpBtf | ProbeType::RawTp | ProbeType::Tracepoint | ProbeType::Atomics => {
             let _ = Command::new("/bin/true").status();
         }
         ProbeType::Kprobe | ProbeType::Fentry => std::thread::sleep(Duration::from_millis(1)),

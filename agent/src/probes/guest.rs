@@ -65,6 +65,9 @@ impl GuestProbes {
     pub fn load() -> Result<Self, GuestProbeError> {
         let btf = Btf::from_sys_fs()
             .map_err(|e| GuestProbeError::Load(format!("no kernel BTF: {}", error_chain(&e))))?;
+        // The same floor as the host's: below it the task storage and
+        // atomics the programs use are missing, and one line says so.
+        crate::probes::features::check_atomics().map_err(GuestProbeError::Load)?;
         // io_syscalls is task storage, which the loader creates but has no
         // typed handle for (none is needed: only the programs use it).
         let mut ebpf = EbpfLoader::new()

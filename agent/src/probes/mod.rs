@@ -32,6 +32,9 @@ pub enum LoadError {
         #[source]
         source: Option<aya::maps::MapError>,
     },
+    /// A kernel iospan cannot run on, in one line.
+    #[error("{0}")]
+    UnsupportedKernel(String),
     #[error("{given} disks to stream; at most {max} can be named")]
     TooManyStreamDisks { given: usize, max: usize },
     #[error("failed to attach {flavour} program to tracepoint `{tracepoint}`: {reason}")]
@@ -86,6 +89,10 @@ pub enum Flavour {
     Tracepoint,
     /// A uprobe on a function of a VM's QEMU binary.
     Uprobe,
+    /// fentry on a kernel function (BPF trampoline), where the kernel allows.
+    Fentry,
+    /// A kprobe on a kernel function, where fentry is refused.
+    Kprobe,
 }
 
 impl Flavour {
@@ -95,8 +102,16 @@ impl Flavour {
             Flavour::RawTp => "raw_tp",
             Flavour::Tracepoint => "tracepoint",
             Flavour::Uprobe => "uprobe",
+            Flavour::Fentry => "fentry",
+            Flavour::Kprobe => "kprobe",
         }
     }
+}
+
+/// A raw tracepoint program's link, in its flavour: what detaches it.
+pub(crate) enum RawLink {
+    Btf(aya::programs::tp_btf::BtfTracePointLinkId),
+    Raw(aya::programs::raw_trace_point::RawTracePointLinkId),
 }
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -114,32 +129,49 @@ pub(crate) fn attach(
     tracepoint: &str,
     flavour: Flavour,
 ) -> Result<Attachment, LoadError> {
+    attach_linked(ebpf, btf, tracepoint, flavour).map(|(a, _)| a)
+}
+
+/// `attach`, with the link that detaches it again.
+pub(crate) fn attach_linked(
+    ebpf: &mut Ebpf,
+    btf: Option<&Btf>,
+    tracepoint: &str,
+    flavour: Flavour,
+) -> Result<(Attachment, RawLink), LoadError> {
     let name = match flavour {
         Flavour::TpBtf => format!("{tracepoint}_btf"),
-        Flavour::RawTp | Flavour::Tracepoint | Flavour::Uprobe => tracepoint.to_string(),
+        _ => tracepoint.to_string(),
     };
     let result = program(ebpf, &name).and_then(|p| match flavour {
         Flavour::TpBtf => {
             let btf = btf.ok_or("no kernel BTF (/sys/kernel/btf/vmlinux)")?;
             let p: &mut BtfTracePoint = p.try_into().map_err(|e| format!("{e:#}"))?;
-            p.load(tracepoint, btf).map_err(|e| error_chain(&e))?;
-            p.attach().map_err(|e| error_chain(&e))?;
-            Ok(())
+            if p.fd().is_err() {
+                p.load(tracepoint, btf).map_err(|e| error_chain(&e))?;
+            }
+            p.attach().map(RawLink::Btf).map_err(|e| error_chain(&e))
         }
-        Flavour::Tracepoint | Flavour::Uprobe => Err("not a raw tracepoint".to_string()),
         Flavour::RawTp => {
             let p: &mut RawTracePoint = p.try_into().map_err(|e| format!("{e:#}"))?;
-            p.load().map_err(|e| error_chain(&e))?;
-            p.attach(tracepoint).map_err(|e| error_chain(&e))?;
-            Ok(())
+            if p.fd().is_err() {
+                p.load().map_err(|e| error_chain(&e))?;
+            }
+            p.attach(tracepoint)
+                .map(RawLink::Raw)
+                .map_err(|e| error_chain(&e))
         }
+        _ => Err("not a raw tracepoint".to_string()),
     });
     match result {
-        Ok(()) => Ok(Attachment {
-            tracepoint: tracepoint.into(),
-            flavour,
-            program: name,
-        }),
+        Ok(link) => Ok((
+            Attachment {
+                tracepoint: tracepoint.into(),
+                flavour,
+                program: name,
+            },
+            link,
+        )),
         Err(reason) => Err(LoadError::Attach {
             tracepoint: tracepoint.into(),
             flavour: flavour.as_str(),

@@ -45,7 +45,10 @@ pub fn site_in(data: &[u8], symbol: &str) -> Option<Site> {
         .chain(file.symbols())
         .find(|s| s.name() == Ok(symbol))?;
     let section = file.section_by_index(sym.section_index()?).ok()?;
-    let bytes = section.data_range(sym.address(), 8).ok()??;
+    // Its first instruction: up to 8 bytes, fewer at the section's end (a
+    // short function placed last).
+    let left = (section.address() + section.size()).checked_sub(sym.address())?;
+    let bytes = section.data_range(sym.address(), left.min(8)).ok()??;
     let skip = if bytes.starts_with(&[0xf3, 0x0f, 0x1e, 0xfa]) {
         4
     } else {

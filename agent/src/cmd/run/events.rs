@@ -21,9 +21,17 @@ use crate::{
     pipeline::vqueue::Layout,
 };
 
+/// What the ring buffer's reader did: records written to --events-out,
+/// and the exporter's own counts.
+pub(super) struct Drained {
+    pub written: u64,
+    pub export: Option<ExportCounters>,
+}
+
 /// Drains the ring buffer into JSON lines until told to stop, then each
 /// joined guest I/O (those at least `slower_than_ns` long). The kernel
-/// side wakes us only past a backlog threshold, so a timer drains too.
+/// side wakes us only past a backlog threshold, so a timer drains too,
+/// often enough that a deep run's ring never fills between its ticks.
 pub(super) async fn drain_events<W: Write>(
     ring: aya::maps::RingBuf<aya::maps::MapData>,
     mut out: Option<W>,
@@ -32,12 +40,12 @@ pub(super) async fn drain_events<W: Write>(
     mut stop: watch::Receiver<bool>,
     slower_than_ns: u64,
     mut tracer: Option<Tracer>,
-) -> Result<(u64, Option<ExportCounters>)> {
+) -> Result<Drained> {
     // SAFETY: the ring buffer owns its fd and outlives the registration
     // (AsyncFd owns the ring buffer).
     let mut fd = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
         .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
-    let mut timer = tokio::time::interval(Duration::from_millis(100));
+    let mut timer = tokio::time::interval(Duration::from_millis(25));
     let mut written = 0u64;
     let mut malformed = 0u64;
     let mut disk_names = disks::Names::default();
@@ -87,6 +95,14 @@ pub(super) async fn drain_events<W: Write>(
                         ..Default::default()
                     },
                 ),
+                Some(Record::VmSplit(ev)) => {
+                    let followed = known
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .split
+                        .contains(&ev.io.vdisk);
+                    corr.on_joined(&ev, followed);
+                }
                 Some(Record::VmPushes(ev)) => {
                     let waits = [
                         (ev.wait_start[0], ev.wait_end[0]),
@@ -147,7 +163,7 @@ pub(super) async fn drain_events<W: Write>(
         }
         None => None,
     };
-    Ok((written, export))
+    Ok(Drained { written, export })
 }
 
 /// What an I/O's VM, virtual disk and host disk are called.

@@ -46,8 +46,9 @@ pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) ->
             log::warn!("VM attribution off: {}", crate::probes::error_chain(&e));
         }
         {
-            // Exec'd while the probes ran: its notifiers were seen created.
-            vm.kicks = vms::KickSource::QueueNotifiers;
+            // Exec'd while the probes ran: in the deep tier its notifiers
+            // were seen created.
+            vm.kicks = kick_source(probes, &vm, true);
             if !vm.named_threads {
                 // No vCPU to see start the guest: its requests are the
                 // guest's from here (QEMU's own start-up reads included).
@@ -60,7 +61,7 @@ pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) ->
                 vm.name,
                 vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>()
             );
-            attach_vm_probes(probes, &vm);
+            attach_vm_probes(probes, slot, &vm);
             if let Some(src) = &vm.channel {
                 channels.push((slot, vm.pid, src.clone()));
             }
@@ -185,7 +186,8 @@ pub(super) fn guest_channels(known: &Registry) -> Vec<GuestChannel> {
 /// worker switch-in and MSI for kernel vhost disks, and the
 /// probes that end its host windows. A failure costs the VM its split,
 /// not the run.
-pub(super) fn attach_vm_probes(probes: &mut BlockProbes, vm: &vms::Vm) {
+pub(super) fn attach_vm_probes(probes: &mut BlockProbes, slot: u32, vm: &vms::Vm) {
+    let mut flags = 0;
     if !vm.disks.iter().any(|d| d.split_supported()) {
         if let Err(e) = probes.exempt_from_stop(vm.pid) {
             log::warn!("VM {}: {}", vm.name, crate::probes::error_chain(&e));
@@ -207,9 +209,16 @@ pub(super) fn attach_vm_probes(probes: &mut BlockProbes, vm: &vms::Vm) {
         }
     }
     if needs(vms::VDisk::kernel_vhost) {
-        if let Err(e) = probes.ensure_vhost_probes() {
-            unsplit("kernel vhost", e);
-        }
+        // Its vhost workers' interrupts end its windows (vhost-net's, of a
+        // VM without a vhost disk, do not).
+        flags |= crate::abi::VMF_VHOST;
+    }
+    if vm.channel.is_some() {
+        // Its guest agent joins each request: the kernel streams them all.
+        flags |= crate::abi::VMF_STREAM_ALL;
+    }
+    if let Err(e) = probes.set_vm_flags(slot, flags) {
+        log::warn!("VM {}: {}", vm.name, crate::probes::error_chain(&e));
     }
     if let Err(e) = probes.attach_vm_uprobes(vm) {
         log::warn!(
@@ -217,5 +226,24 @@ pub(super) fn attach_vm_probes(probes: &mut BlockProbes, vm: &vms::Vm) {
             vm.name,
             crate::probes::error_chain(&e)
         );
+    }
+}
+
+/// Where a VM's kicks come from, by the tier and what the kernel shows:
+/// `watched` when it was exec'd while the probes ran.
+pub(super) fn kick_source(probes: &BlockProbes, vm: &vms::Vm, watched: bool) -> vms::KickSource {
+    if probes.tier.tier.is_deep() {
+        return if watched {
+            vms::KickSource::QueueNotifiers
+        } else {
+            vms::KickSource::AnyVcpuEventfd
+        };
+    }
+    if vm.kvm {
+        vms::KickSource::KvmExits
+    } else if probes.tier.sees_eventfd_writes() {
+        vms::KickSource::AnyVcpuEventfd
+    } else {
+        vms::KickSource::NotSeen
     }
 }

@@ -330,6 +330,7 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         uuid,
         disks,
         exe: None,
+        kvm: false,
         kicks: KickSource::default(),
         named_threads,
         channel: channel_dev.and_then(|c| socket_of(&c)),

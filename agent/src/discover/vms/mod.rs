@@ -13,7 +13,7 @@ mod registry;
 mod scan;
 mod stack;
 mod symbols;
-pub use symbols::ProbeRole;
+pub use symbols::{ProbeChoice, ProbeRole};
 
 pub use cmdline::{from_args, is_qemu_comm};
 pub use engines::{
@@ -22,7 +22,8 @@ pub use engines::{
 };
 pub use registry::{NotVm, Registry, VmMaps};
 pub use scan::{
-    alive, channel_socket, engine_alive, identify, identify_within, scan, IDENTIFY_LIMIT,
+    alive, channel_socket, engine_alive, holds_kvm_vm, identify, identify_within,
+    kvm_on_command_line, scan, IDENTIFY_LIMIT,
 };
 pub use stack::{file_key, host_disk_of, host_stack_of, host_stack_of_dev, HostStack};
 
@@ -84,6 +85,10 @@ pub struct Vm {
     /// The libvirt domain it runs, when libvirt started it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub libvirt: Option<crate::discover::libvirt::Domain>,
+    /// Its guest runs on KVM (it holds a KVM VM, or its command line asks
+    /// for KVM): its kicks and interrupts are KVM's events.
+    #[serde(default)]
+    pub kvm: bool,
 }
 
 /// Which vCPU eventfd writes count as the guest's kicks.
@@ -93,13 +98,25 @@ pub enum KickSource {
     /// The VM's virtqueue notifiers, seen created by its vCPUs when the
     /// guest started its devices (the VM started while iospan ran).
     QueueNotifiers,
-    /// The VM was running before iospan: any eventfd its vCPUs write counts,
-    /// including the main loop's own notifier, which a vCPU writes when the
-    /// guest reprograms a timer. A request held in the engine (a throttle, a
-    /// busy loop) may then be given a later notification than its own,
-    /// shortening its window.
+    /// Any eventfd its vCPUs write counts (the VM was running before the
+    /// deep tier watched, or the always-on tier sees eventfd writes
+    /// through fentry or kprobes): including the main loop's own notifier,
+    /// which a vCPU writes when the guest reprograms a timer. A request
+    /// held in the engine (a throttle, a busy loop) may then be given a
+    /// later notification than its own, shortening its window.
     #[default]
     AnyVcpuEventfd,
+    /// KVM's exits at the notify addresses learnt from the wake-ups their
+    /// kicks make (the always-on tier on KVM).
+    KvmExits,
+    /// None seen: a guest without KVM whose kicks are eventfd writes, seen
+    /// only by the deep tier's system-call tracepoints where the kernel
+    /// has neither fentry nor kprobes (`iospan run --deep`). Its requests
+    /// are counted not_followed. (A vCPU's wake-up of the engine is no
+    /// stand-in: QEMU's vCPUs wake its loop for timers too, and a kick
+    /// that finds the loop running wakes nothing, so the loop's pickup
+    /// would be an earlier wake-up's, hundreds of µs early.)
+    NotSeen,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -144,6 +161,10 @@ pub struct VDisk {
     /// in LIO's configfs (`naa.…/lun_0`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
+    /// Its VM runs on KVM: a doorbell QEMU takes in the vCPU's exit is seen
+    /// there (kvm:kvm_mmio) even without an eventfd.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub on_kvm: bool,
     /// Its request queues, as the host configured them: `num-queues`
     /// (virtio-blk, vhost-user-blk), `max_ioqpairs` (NVMe), else QEMU's
     /// default (a virtio disk: one per vCPU; NVMe: 64). A guest's queue
@@ -181,9 +202,10 @@ impl VDisk {
     /// doorbell is an eventfd (virtio-blk; NVMe with `ioeventfd=on`) served
     /// by QEMU's own event loop or an iothread, submitting from the thread
     /// that picked the kick up or (aio=threads) a worker it woke.
-    /// NVMe's default doorbell is handled inside the vCPU's exit, leaving no
-    /// trace the host kernel sees under TCG; vhost devices are not followed
-    /// yet. Their requests are counted as not followed.
+    /// NVMe's default doorbell is taken inside the vCPU's exit to QEMU:
+    /// under KVM the exit shows it (kvm:kvm_mmio), under TCG nothing the
+    /// host kernel sees does. Requests of disks not followed are counted as
+    /// such.
     pub fn split_supported(&self) -> bool {
         self.split_support().is_ok()
     }
@@ -219,10 +241,10 @@ impl VDisk {
             Some(m) if m.starts_with("vhost-user-blk") => {
                 return Err("no process listens on its socket (is its vhost-user server running?)")
             }
-            Some("nvme") if self.ioeventfd => {}
+            Some("nvme") if self.ioeventfd || self.on_kvm => {}
             Some("nvme") => {
                 return Err(
-                    "NVMe doorbells without ioeventfd=on are handled inside the vCPU's exit",
+                    "NVMe doorbells without ioeventfd=on are taken in the vCPU's exit to QEMU: seen under KVM (its MMIO exit), not under TCG",
                 )
             }
             Some(m) if m.starts_with("vhost-scsi") && self.host_dev.is_some() => {}

@@ -60,6 +60,10 @@ pub fn identify(pid: u32) -> Option<Vm> {
     vm.exe = fs::read_link(format!("/proc/{pid}/exe"))
         .ok()
         .filter(|p| p.exists());
+    vm.kvm = kvm_on_command_line(&comm, &args) || holds_kvm_vm(pid);
+    for d in &mut vm.disks {
+        d.on_kvm = vm.kvm;
+    }
     if vm.not_vm.is_some() {
         return Some(vm);
     }
@@ -131,4 +135,37 @@ pub fn scan() -> Vec<Vm> {
         .unwrap_or_default();
     v.sort_by_key(|vm| vm.pid);
     v
+}
+
+/// Whether a QEMU command line runs its guest on KVM: `-enable-kvm`,
+/// `-accel kvm`, `-machine …,accel=kvm` (libvirt's older form), or a
+/// binary whose default is KVM (RHEL's qemu-kvm, Proxmox's kvm).
+pub fn kvm_on_command_line(comm: &str, args: &[String]) -> bool {
+    let comm = comm.trim_end();
+    if comm == "qemu-kvm" || comm == "kvm" {
+        return true;
+    }
+    args.iter().enumerate().any(|(i, a)| {
+        let next = args.get(i + 1).map(String::as_str).unwrap_or("");
+        match a.trim_start_matches('-') {
+            "enable-kvm" => a.starts_with('-'),
+            "accel" => next.split(',').next() == Some("kvm") || next.contains("\"accel\":\"kvm\""),
+            "machine" | "M" => next.split(',').any(|o| {
+                o.strip_prefix("accel=")
+                    .is_some_and(|v| v.split(':').next() == Some("kvm"))
+            }),
+            _ => false,
+        }
+    })
+}
+
+/// Whether the process holds a KVM VM (`anon_inode:kvm-vm` among its
+/// open files): a QEMU whose accelerator came from its configuration.
+pub fn holds_kvm_vm(pid: u32) -> bool {
+    let Ok(dir) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    dir.flatten()
+        .filter_map(|e| fs::read_link(e.path()).ok())
+        .any(|t| t.as_os_str() == "anon_inode:kvm-vm")
 }

@@ -48,27 +48,42 @@ impl ProbeRole {
     }
 }
 
+/// What decides a VM's probes in QEMU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProbeChoice {
+    /// Its host windows are split at all (not `--no-vms`).
+    pub split: bool,
+    /// The deep tier runs: each request's push and taking are probed.
+    pub deep: bool,
+    /// Its interrupts are raised in QEMU, where no kernel event shows them
+    /// (no KVM), and its kicks are seen (fentry or kprobes on eventfd
+    /// writes): the always-on tier ends its windows at QEMU's interrupt.
+    pub interrupts_in_qemu: bool,
+}
+
 impl Vm {
-    /// The QEMU functions probed in this VM: with the host-window split,
-    /// those whose hits end its windows (the used-ring push for virtio
-    /// disks, the interrupt for NVMe) and QEMU's device models taking each
-    /// request (its accounting's start); always, virtio-blk's accounting of
-    /// requests it merged.
-    pub fn uprobe_symbols(&self, split: bool) -> Vec<(&'static str, ProbeRole)> {
+    /// The QEMU functions probed in this VM. Always, virtio-blk's
+    /// accounting of requests it merged (hit only when it merges). In the
+    /// deep tier, those whose hits end its windows (the used-ring push for
+    /// virtio disks, the interrupt for NVMe) and QEMU's device models
+    /// taking each request (its accounting's start). In the always-on
+    /// tier, QEMU's interrupt where no kernel event shows it.
+    pub fn uprobe_symbols(&self, c: ProbeChoice) -> Vec<(&'static str, ProbeRole)> {
         let mut v = Vec::new();
         let model = |d: &VDisk, p: &str| d.model.as_deref().is_some_and(|m| m.starts_with(p));
         let virtio = self.disks.iter().any(|d| model(d, "virtio-blk"));
         let nvme = self.disks.iter().any(|d| model(d, "nvme"));
-        if split && virtio {
+        let (deep, split) = (c.split && c.deep, c.split);
+        if deep && virtio {
             v.push(("virtqueue_flush", ProbeRole::Completion));
         }
-        if split && nvme {
+        if (deep && nvme) || (split && !deep && c.interrupts_in_qemu && (virtio || nvme)) {
             v.push(("msix_notify", ProbeRole::Completion));
         }
         if virtio {
             v.push(("block_acct_merge_done", ProbeRole::Merge));
         }
-        if split && (virtio || nvme) {
+        if deep && (virtio || nvme) {
             v.push(("block_acct_start", ProbeRole::Taken));
         }
         v
@@ -83,10 +98,10 @@ impl EngineRef {
         self.comm == STORAGE_DAEMON_COMM
     }
 
-    /// The engine's probes: its used-ring push ends its disks' host
-    /// windows, as QEMU's does.
-    pub fn uprobe_symbols(&self, split: bool) -> Vec<(&'static str, ProbeRole)> {
-        if split && self.followed() {
+    /// The engine's probes, in the deep tier: its used-ring push ends its
+    /// disks' host windows, as QEMU's does.
+    pub fn uprobe_symbols(&self, deep: bool) -> Vec<(&'static str, ProbeRole)> {
+        if deep && self.followed() {
             vec![("vu_queue_push", ProbeRole::Completion)]
         } else {
             Vec::new()

@@ -773,13 +773,22 @@ fn qemu_served_disks_get_a_request_taken_probe_only_with_the_split() {
     let vm = from_args(
         7,
         &args(&[
-            "-drive", "file=/img/a.raw,if=none,id=d0,format=raw",
-            "-device", "virtio-blk-pci,drive=d0,id=vd0",
-            "-drive", "file=/img/b.raw,if=none,id=d1,format=raw",
-            "-device", "nvme,drive=d1,serial=s1",
+            "-drive",
+            "file=/img/a.raw,if=none,id=d0,format=raw",
+            "-device",
+            "virtio-blk-pci,drive=d0,id=vd0",
+            "-drive",
+            "file=/img/b.raw,if=none,id=d1,format=raw",
+            "-device",
+            "nvme,drive=d1,serial=s1",
         ]),
     );
-    let with = vm.uprobe_symbols(true);
+    let deep = ProbeChoice {
+        split: true,
+        deep: true,
+        interrupts_in_qemu: false,
+    };
+    let with = vm.uprobe_symbols(deep);
     let roles: Vec<_> = with.iter().map(|&(s, r)| (s, r)).collect();
     assert_eq!(
         roles,
@@ -792,20 +801,84 @@ fn qemu_served_disks_get_a_request_taken_probe_only_with_the_split() {
     );
     // Only the request-taken probe may be missing from a binary: the
     // split stands on the batch's read without it.
-    assert!(with.iter().all(|&(_, r)| r.optional() == (r == ProbeRole::Taken)));
-    assert!(with.iter().all(|&(_, r)| r.hot() == (r != ProbeRole::Merge)));
+    assert!(with
+        .iter()
+        .all(|&(_, r)| r.optional() == (r == ProbeRole::Taken)));
+    assert!(with
+        .iter()
+        .all(|&(_, r)| r.hot() == (r != ProbeRole::Merge)));
     assert_eq!(
-        vm.uprobe_symbols(false),
+        vm.uprobe_symbols(ProbeChoice::default()),
         [("block_acct_merge_done", ProbeRole::Merge)]
+    );
+    // The always-on tier probes no request of QEMU's: its merges only,
+    // and its interrupts where no kernel event shows them (no KVM) and its
+    // kicks are seen.
+    let always_on = ProbeChoice {
+        split: true,
+        deep: false,
+        interrupts_in_qemu: false,
+    };
+    assert_eq!(
+        vm.uprobe_symbols(always_on),
+        [("block_acct_merge_done", ProbeRole::Merge)]
+    );
+    assert_eq!(
+        vm.uprobe_symbols(ProbeChoice {
+            interrupts_in_qemu: true,
+            ..always_on
+        }),
+        [
+            ("msix_notify", ProbeRole::Completion),
+            ("block_acct_merge_done", ProbeRole::Merge)
+        ]
     );
     // A vhost-user disk is served by its daemon, whose export keeps no
     // accounting: nothing of QEMU's to probe for it.
     let relay = from_args(
         8,
         &args(&[
-            "-chardev", "socket,id=c0,path=/run/vu.sock",
-            "-device", "vhost-user-blk-pci,chardev=c0,id=vu0",
+            "-chardev",
+            "socket,id=c0,path=/run/vu.sock",
+            "-device",
+            "vhost-user-blk-pci,chardev=c0,id=vu0",
         ]),
     );
-    assert!(relay.uprobe_symbols(true).is_empty());
+    assert!(relay.uprobe_symbols(deep).is_empty());
+}
+
+#[test]
+fn kvm_is_read_off_the_command_line_in_each_form() {
+    let a = |v: &[&str]| args(v);
+    assert!(kvm_on_command_line("qemu-system-x86", &a(&["-enable-kvm"])));
+    assert!(kvm_on_command_line(
+        "qemu-system-x86",
+        &a(&["-accel", "kvm"])
+    ));
+    assert!(kvm_on_command_line(
+        "qemu-system-x86",
+        &a(&["-accel", "kvm,kernel-irqchip=split"])
+    ));
+    assert!(kvm_on_command_line(
+        "qemu-system-x86",
+        &a(&["-machine", "pc-q35-7.2,usb=off,accel=kvm"])
+    ));
+    assert!(kvm_on_command_line(
+        "qemu-system-x86",
+        &a(&["-M", "q35,accel=kvm:tcg"])
+    ));
+    assert!(kvm_on_command_line("qemu-kvm", &[]));
+    assert!(kvm_on_command_line("kvm\n", &[]));
+    assert!(!kvm_on_command_line(
+        "qemu-system-x86",
+        &a(&["-accel", "tcg"])
+    ));
+    assert!(!kvm_on_command_line(
+        "qemu-system-x86",
+        &a(&["-machine", "q35,accel=tcg:kvm"])
+    ));
+    assert!(!kvm_on_command_line(
+        "qemu-system-x86",
+        &a(&["-name", "enable-kvm"])
+    ));
 }

@@ -36,10 +36,16 @@ impl BlockProbes {
         }
         if let Err(e) = self.attach_raw("block_io_start") {
             log::info!(
-                "{}; using block_rq_insert for start stamps",
+                "{}; using block_rq_insert for start stamps and block_getrq for VMs' requests",
                 crate::probes::error_chain(&e)
             );
+            // Requests issued directly (no scheduler, an idle queue) are
+            // never inserted: a VM's is taken by its bio as it gets its
+            // request, and joined to the request at its issue.
             self.attach_raw("block_rq_insert")?;
+            if self.vm_segments {
+                self.attach_raw("block_getrq")?;
+            }
         }
         self.start_probe = true;
         Ok(())

@@ -15,8 +15,8 @@ use serde::{Deserialize, Serialize};
 use super::{attach, map_mut_of, map_of, Attachment, Flavour, LoadError};
 use crate::{
     abi::{
-        counter, BlkStats, DiskSlot, VmCounts, VmKey, BLK_NR_OPS, DEFAULT_MAX_DISKS,
-        MAX_STREAM_DEVS,
+        counter, BlkStats, DiskSlot, VmCounts, VmKey, VmProc, BLK_NR_OPS, DEFAULT_MAX_DISKS,
+        MAX_STREAM_DEVS, MAX_VM_COUNTS, VM_GEN_AGENT_STEP, VM_PROC_RUNNING,
     },
     discover::disks::Dev,
     discover::vms::VmMaps,
@@ -24,26 +24,60 @@ use crate::{
 };
 
 mod block;
-mod vhost;
+mod split;
+mod tier;
 mod vm;
 
 pub use block::disks_without_start_time;
+pub use split::KernelSplits;
+pub use tier::{KickPath, TierProbes};
+pub use vm::{io_uring_tracepoints, kvm_tracepoints};
 
 /// Each VM's request counts, read from a handle of its own.
-pub struct VmCountsReader(HashMap<MapData, u32, VmCounts>);
+pub struct VmCountsReader(PerCpuArray<MapData, VmCounts>);
 
 impl VmCountsReader {
-    /// Requests of VM `slot`'s virtual disks submitted so far (None: not
-    /// in the table: no request yet, or the VM has gone).
+    /// Requests of VM `slot`'s virtual disks submitted so far (None: none
+    /// yet, or the VM has gone).
     pub fn submitted(&self, slot: u32) -> Option<u64> {
-        self.0.get(&slot, 0).ok().map(|c| c.submitted)
+        self.0
+            .get(&(slot % MAX_VM_COUNTS), 0)
+            .ok()
+            .map(|per_cpu| per_cpu.iter().map(|c| c.submitted).sum())
+            .filter(|&n| n > 0)
     }
 }
-use vm::{add_vm_maps, dio_end_io_addresses, kvm_tracepoints, mount_tracefs};
+
+/// A per-CPU value of zeroes, for every possible CPU.
+fn zero_per_cpu<T: aya::Pod + Default>(
+    map: &'static str,
+) -> Result<aya::maps::PerCpuValues<T>, LoadError> {
+    let io = |e: std::io::Error| LoadError::Map {
+        map,
+        source: Some(aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+            call: "possible CPUs",
+            io_error: e,
+        })),
+    };
+    let n = aya::util::nr_cpus().map_err(|(_, e)| io(e))?;
+    aya::maps::PerCpuValues::try_from(vec![T::default(); n]).map_err(io)
+}
+
+/// One VM's counts summed over CPUs.
+fn sum_counts(per_cpu: &aya::maps::PerCpuValues<VmCounts>) -> VmCounts {
+    per_cpu.iter().fold(VmCounts::default(), |mut a, c| {
+        a.engine_merges += c.engine_merges;
+        a.bio_merges += c.bio_merges;
+        a.submitted += c.submitted;
+        a
+    })
+}
+use vm::{add_vm_maps, dio_end_io_addresses, mount_tracefs};
 
 /// The hash tables whose fill /metrics shows.
 const FILL_MAPS: &[&str] = &[
     "vm_pids",
+    "vm_flags",
     "ioeventfd_calls",
     "vm_counts",
     "vm_undelivered",
@@ -51,18 +85,22 @@ const FILL_MAPS: &[&str] = &[
     "vm_latency",
     "vm_latency_nested",
     "vm_disks",
-    "pending_kicks",
+    "vm_split",
+    "vm_unsplit",
+    "file_kicks",
+    "thread_kicks",
+    "kvm_notifiers",
     "vq_notifiers",
     "thread_picks",
     "vm_last_pick",
     "vhost_kicks",
     "vhost_kick_files",
     "kvm_notify_addrs",
-    "vm_started",
     "vm_open_notifiers",
     "notifiers_made",
     "thread_waits",
     "vm_signal_due",
+    "vdisk_slow_ns",
 ];
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/host.bpf.o"));
@@ -88,6 +126,16 @@ pub struct BlockConfig {
     pub vm_pids: Vec<u32>,
     /// What the kernel side needs to resolve those VMs' virtual disks.
     pub vm_maps: VmMaps,
+    /// The tier to start in (`set_tier` changes it while loaded).
+    pub tier: crate::model::Tier,
+    /// Joined VM requests the kernel streams besides those of VMs that
+    /// stream all: one in N (0: none), and every one at least this slow
+    /// (0: none by this rule).
+    pub vm_one_in: u32,
+    pub vm_slower_than_ns: u64,
+    /// Program flavours never to use (tp_btf, fentry, kprobe): what a
+    /// kernel without them gets instead.
+    pub avoid: Vec<Flavour>,
 }
 
 impl Default for BlockConfig {
@@ -101,6 +149,10 @@ impl Default for BlockConfig {
             track_vms: false,
             vm_pids: Vec::new(),
             vm_maps: VmMaps::default(),
+            tier: crate::model::Tier::AlwaysOn,
+            vm_one_in: 0,
+            vm_slower_than_ns: 0,
+            avoid: Vec::new(),
         }
     }
 }
@@ -135,6 +187,10 @@ pub struct Counters {
     pub partial_pieces: u64,
     pub requeue_events: u64,
     pub records_streamed: u64,
+    /// Not lost: VM completions an interrupt left for the next one (its
+    /// drain was busy on that CPU, or had settled its most).
+    #[serde(default)]
+    pub join_deferred: u64,
     /// Requests of VMs whose (VM, disk, op) found the VM table full.
     #[serde(default)]
     pub vm_table_full: u64,
@@ -258,9 +314,9 @@ pub struct BlockProbes {
     start_probe: bool,
     vm_segments: bool,
     vm_probes: bool,
-    handoff_probe: bool,
     switch_probe: bool,
-    vhost_probes: bool,
+    /// What the VM path has attached, by tier (`tier.rs`).
+    pub tier: TierProbes,
     /// Each VM process's uprobe links: (program, link).
     vm_links: std::collections::HashMap<u32, Vec<(&'static str, UProbeLinkId)>>,
     /// Exited VMs' figures, taken out of the kernel's tables so that VMs
@@ -273,6 +329,24 @@ pub struct BlockProbes {
 struct Retired {
     vm_stats: BTreeMap<VmStatKey, DiskOpStats>,
     vm_counts: BTreeMap<u32, VmCounts>,
+    splits: KernelSplits,
+}
+
+/// Whether the kernel has block_io_start (v6.5, 5a80bd075f3b): the one
+/// tracepoint every request passes in its submitter's context. Before it,
+/// VMs' requests are taken at block_getrq (by bio) instead.
+fn has_block_io_start(btf: Option<&Btf>) -> bool {
+    match btf {
+        Some(b) => b
+            .id_by_type_name_kind("btf_trace_block_io_start", aya_obj::btf::BtfKind::Typedef)
+            .is_ok(),
+        None => [
+            "/sys/kernel/tracing/events/block/block_io_start",
+            "/sys/kernel/debug/tracing/events/block/block_io_start",
+        ]
+        .iter()
+        .any(|p| std::path::Path::new(p).exists()),
+    }
 }
 
 impl BlockProbes {
@@ -281,7 +355,12 @@ impl BlockProbes {
     /// requests the same way, but one flavour for all keeps cost and
     /// behaviour uniform.
     pub fn load(cfg: &BlockConfig) -> Result<Self, LoadError> {
+        crate::probes::features::check_atomics().map_err(LoadError::UnsupportedKernel)?;
         let btf = Btf::from_sys_fs().ok();
+        if cfg.avoid.contains(&Flavour::TpBtf) {
+            log::info!("tp_btf avoided (--avoid): block probes on raw_tp");
+            return Self::load_flavour(cfg, btf.as_ref(), Flavour::RawTp);
+        }
         match Self::load_flavour(cfg, btf.as_ref(), Flavour::TpBtf) {
             Ok(p) => Ok(p),
             Err(e) => {
@@ -315,6 +394,7 @@ impl BlockProbes {
         let vm_segments = track_vms;
         let next_vm = cfg.vm_pids.len() as u32;
         let dio_end_io = dio_end_io_addresses();
+        let getrq = u32::from(!has_block_io_start(btf));
         let mut ebpf = EbpfLoader::new()
             .btf(btf)
             .override_global("targ_max_disks", &max_disks, true)
@@ -326,6 +406,7 @@ impl BlockProbes {
             .override_global("targ_vm_segments", &vm_segments, true)
             .override_global("next_vm", &next_vm, true)
             .override_global("targ_dio_end_io", &dio_end_io[..], true)
+            .override_global("targ_getrq", &getrq, true)
             .map_max_entries("blk_latency", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("blk_latency_nested", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("disk_queues", max_disks)
@@ -335,77 +416,82 @@ impl BlockProbes {
                 source,
             })?;
 
-        let mut attachments = Vec::new();
         // VMs running now get slots 1..; a QEMU exec'd later takes the next
         // slot itself, before its first request.
         if cfg.track_vms {
-            let mut pids: HashMap<_, u32, u32> = map_mut_of(&mut ebpf, "vm_pids")?;
+            // Running VMs' guests have started: their requests are the guests'.
+            let mut pids: HashMap<_, u32, VmProc> = map_mut_of(&mut ebpf, "vm_pids")?;
             for (i, pid) in cfg.vm_pids.iter().enumerate() {
-                pids.insert(pid, i as u32 + 1, 0)
+                let p = VmProc {
+                    slot: i as u32 + 1,
+                    state: VM_PROC_RUNNING,
+                };
+                pids.insert(pid, p, 0)
                     .map_err(LoadError::map_op("vm_pids"))?;
             }
-            // Running VMs' guests have started: their requests are the guests'.
-            let mut started: HashMap<_, u32, u8> = map_mut_of(&mut ebpf, "vm_started")?;
-            for pid in &cfg.vm_pids {
-                started
-                    .insert(pid, 1, 0)
-                    .map_err(LoadError::map_op("vm_started"))?;
-            }
-            attachments.push(attach(&mut ebpf, btf, "sched_process_exec", flavour)?);
             add_vm_maps(&mut ebpf, &cfg.vm_maps)?;
-        }
-        for tp in ["block_rq_issue", "block_rq_requeue", "block_rq_complete"] {
-            attachments.push(attach(&mut ebpf, btf, tp, flavour)?);
         }
         let mut probes = Self {
             ebpf,
-            attachments,
+            attachments: Vec::new(),
             max_disks,
             flavour,
             btf: btf.cloned(),
             start_probe: false,
             vm_segments: vm_segments != 0,
             vm_probes: false,
-            handoff_probe: false,
             switch_probe: false,
-            vhost_probes: false,
+            tier: TierProbes::new(cfg.tier, &cfg.avoid),
             vm_links: Default::default(),
             retired: Retired::default(),
         };
+        if cfg.track_vms {
+            // Verified before anything is attached, and attached when the
+            // first VM appears: a VM's first requests must not wait for
+            // the verifier, nor the run's figures start before the run.
+            probes.preload_vm_programs();
+            probes.attach_raw("sched_process_exec")?;
+        }
+        for tp in ["block_rq_issue", "block_rq_requeue", "block_rq_complete"] {
+            probes.attach_raw(tp)?;
+        }
         // The start probe takes each request's submitter, in the submitting
         // task (completions run under unrelated tasks), and stamps starts
-        // where the kernel keeps none. Needed once there is a VM (the run
-        // attaches it when the first one appears) or such a disk; until
-        // then each request costs one program run less. Disks without
-        // start times added later are counted as `no_start`.
-        if cfg.start_stamps || !disks_without_start_time().is_empty() {
+        // where the kernel keeps none. Attached from the start when VMs are
+        // followed: a VM is followed from its exec, and its first request
+        // (its firmware's) comes before the agent could name it. Without
+        // VMs or such disks each request costs one program run less.
+        // Disks without start times added later are counted as `no_start`.
+        if cfg.track_vms || cfg.start_stamps || !disks_without_start_time().is_empty() {
             probes.ensure_start_probe()?;
         }
-        // A new VM creates its queue notifiers possibly before the agent
-        // notices it: watched from the start (rare; nothing per I/O).
         if probes.vm_segments {
-            for name in [
-                "sys_exit_eventfd2",
-                "sys_exit_eventfd",
-                "sys_enter_ioctl",
-                "sys_exit_ioctl",
-                "sys_enter_close",
-            ] {
-                probes.attach_syscall(name)?;
-            }
-            // KVM's own view of the kicks, where the kvm module is loaded.
-            if kvm_tracepoints() {
-                for name in ["kvm_mmio", "kvm_fast_mmio"] {
-                    probes.attach_tracepoint("kvm", name)?;
-                }
-            } else {
-                log::info!("no kvm tracepoints (kvm module not loaded): kicks of KVM guests are not followed");
+            probes.write_tier(cfg.vm_one_in, cfg.vm_slower_than_ns)?;
+            // The deep tier sees a new VM create its queue notifiers,
+            // possibly before the agent notices it: watched from the start.
+            if cfg.tier.is_deep() {
+                probes.attach_notifier_watch()?;
             }
         }
         if !cfg.vm_pids.is_empty() {
             probes.ensure_vm_probes()?;
         }
         Ok(probes)
+    }
+
+    /// What a process's requests are attributed to has changed (`vm_pids`,
+    /// a VM's state, its disks): the kernel side's caches of it go.
+    pub(super) fn bump_gen(&mut self) -> Result<(), LoadError> {
+        let mut gen: Array<_, u32> = map_mut_of(&mut self.ebpf, "vm_gen")?;
+        let g = gen.get(&0, 0).map_err(LoadError::map_op("vm_gen"))?;
+        gen.set(0, g.wrapping_add(VM_GEN_AGENT_STEP), 0)
+            .map_err(LoadError::map_op("vm_gen"))
+    }
+
+    /// Whether VMs' host windows are split (the kernel side follows their
+    /// notifications).
+    pub fn vm_segments_on(&self) -> bool {
+        self.vm_segments
     }
 
     /// The ring buffer of per-request records, for one consumer.
@@ -466,10 +552,24 @@ impl BlockProbes {
             let (k, n) = item.map_err(map_err("vm_undelivered"))?;
             snap.vm_stats.entry(key(&k)).or_default().undelivered += n;
         }
-        let counts: HashMap<_, u32, VmCounts> = map_of(&self.ebpf, "vm_counts")?;
-        for item in counts.iter() {
-            let (vm, c) = item.map_err(map_err("vm_counts"))?;
-            snap.vm_counts.insert(vm, c);
+        // The counts of the VMs known by their slots (an array by slot
+        // modulo its size).
+        let counts: PerCpuArray<_, VmCounts> = map_of(&self.ebpf, "vm_counts")?;
+        let pids: HashMap<_, u32, VmProc> = map_of(&self.ebpf, "vm_pids")?;
+        let mut slots: std::collections::BTreeSet<u32> = pids
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(_, p)| p.slot)
+            .collect();
+        slots.extend(snap.vm_stats.keys().map(|k| k.vm));
+        for vm in slots {
+            let per_cpu = counts
+                .get(&(vm % MAX_VM_COUNTS), 0)
+                .map_err(map_err("vm_counts"))?;
+            let c = sum_counts(&per_cpu);
+            if c != VmCounts::default() {
+                snap.vm_counts.insert(vm, c);
+            }
         }
         for (k, st) in &self.retired.vm_stats {
             snap.vm_stats.entry(*k).or_default().merge(st);
@@ -493,11 +593,6 @@ impl BlockProbes {
         Ok(())
     }
 
-    /// A syscalls:NAME tracepoint program of the same name.
-    fn attach_syscall(&mut self, name: &str) -> Result<(), LoadError> {
-        self.attach_tracepoint("syscalls", name)
-    }
-
     /// A CATEGORY:NAME tracepoint program of the same name.
     fn attach_tracepoint(&mut self, category: &str, name: &str) -> Result<(), LoadError> {
         mount_tracefs();
@@ -509,7 +604,9 @@ impl BlockProbes {
             })?;
         let result = (|| -> Result<(), String> {
             let p: &mut TracePoint = prog.try_into().map_err(|e| format!("{e:#}"))?;
-            p.load().map_err(|e| crate::probes::error_chain(&e))?;
+            if p.fd().is_err() {
+                p.load().map_err(|e| crate::probes::error_chain(&e))?;
+            }
             p.attach(category, name)
                 .map_err(|e| crate::probes::error_chain(&e))?;
             Ok(())
@@ -581,6 +678,7 @@ impl BlockProbes {
             partial_pieces: sum(counter::PARTIAL_PIECES)?,
             requeue_events: sum(counter::REQUEUES)?,
             records_streamed: sum(counter::SAMPLED)?,
+            join_deferred: sum(counter::JOIN_DEFERRED)?,
             vm_table_full: sum(counter::VM_TABLE_FULL)?,
             host_split: Default::default(),
             qemu_mismatch: 0,
@@ -595,7 +693,7 @@ impl BlockProbes {
             map: "vm_counts",
             source: e,
         };
-        let Some(aya::maps::Map::HashMap(data)) = self.ebpf.map("vm_counts") else {
+        let Some(aya::maps::Map::PerCpuArray(data)) = self.ebpf.map("vm_counts") else {
             return Err(map(None));
         };
         let fd = data.fd().as_fd().try_clone_to_owned().map_err(|e| {
@@ -605,7 +703,8 @@ impl BlockProbes {
             })))
         })?;
         let data = MapData::from_fd(fd).map_err(|e| map(Some(e)))?;
-        let counts = HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(|e| map(Some(e)))?;
+        let counts =
+            PerCpuArray::try_from(aya::maps::Map::PerCpuArray(data)).map_err(|e| map(Some(e)))?;
         Ok(VmCountsReader(counts))
     }
 

@@ -16,8 +16,8 @@ use super::*;
 use crate::probes::{map_mut_of, map_of, Attachment, Flavour, LoadError};
 use crate::{
     abi::{
-        BlkStats, FileKey, RqSlot, VmCounts, VmDevKey, VmKey, NR_DIO_END_IO, RQ_F_DONE,
-        RQ_F_REQUEUE_PENDING,
+        BlkStats, FileKey, RqSlot, VmCounts, VmDevKey, VmKey, VmProc, NR_DIO_END_IO, RQ_F_DONE,
+        RQ_F_REQUEUE_PENDING, VM_PROC_RUNNING,
     },
     discover::disks::Dev,
     discover::vms::VmMaps,
@@ -47,7 +47,7 @@ pub(super) fn dio_end_io_addresses() -> [u64; NR_DIO_END_IO] {
 /// Syscall tracepoints are attached through tracefs; a host that has not
 /// mounted it gets it mounted (as perf and bpftrace do).
 /// Whether the kvm tracepoints exist (the kvm module is loaded).
-pub(super) fn kvm_tracepoints() -> bool {
+pub fn kvm_tracepoints() -> bool {
     mount_tracefs();
     [
         "/sys/kernel/tracing/events/kvm/kvm_mmio",
@@ -57,7 +57,7 @@ pub(super) fn kvm_tracepoints() -> bool {
     .any(|p| std::path::Path::new(p).exists())
 }
 
-fn io_uring_tracepoints() -> bool {
+pub fn io_uring_tracepoints() -> bool {
     mount_tracefs();
     [
         "/sys/kernel/tracing/events/io_uring/io_uring_queue_async_work",
@@ -130,81 +130,67 @@ impl BlockProbes {
         Ok(out)
     }
 
-    /// What a VM needs: the start probe (its requests' submitter) and, for
-    /// the host-window split, the eventfd read/write tracepoints. Attached
-    /// when the first VM appears; without VMs no request pays for them.
-    pub fn ensure_vm_probes(&mut self) -> Result<(), LoadError> {
-        self.ensure_start_probe()?;
-        if self.vm_probes {
-            return Ok(());
-        }
-        // Bios merged into a VM's requests: guest requests with no host
-        // request of their own.
-        for name in ["block_bio_backmerge", "block_bio_frontmerge"] {
-            self.attach_raw(name)?;
-        }
-        // Whole requests merged into others before issue.
-        self.attach_raw("block_rq_merge")?;
-        if self.vm_segments {
-            // Kicks and pickups; the submitting calls that end a pickup's
-            // batch (what a polling engine submits after it was found with
-            // no kick).
-            for name in [
-                "sys_enter_write",
-                "sys_enter_read",
-                "sys_enter_io_uring_enter",
-                "sys_enter_io_submit",
-            ] {
-                self.attach_syscall(name)?;
-            }
-            // The VM threads' waits for a CPU (`…_cpu_wait`).
-            self.attach_raw("sched_wakeup")?;
-            self.ensure_switch_probe()?;
-            // io_uring requests a busy device refused without waiting are
-            // issued by an io-wq worker: the submitter's pick goes with them.
-            if io_uring_tracepoints() {
-                self.attach_tracepoint("io_uring", "io_uring_queue_async_work")?;
-            } else {
-                log::info!(
-                    "no io_uring tracepoints: requests io_uring hands to its workers are not split"
-                );
-            }
-        }
-        self.vm_probes = true;
-        Ok(())
-    }
-
-    /// The one program on context switches (`bpf/runq.bpf.c`): VM threads'
-    /// waits for a CPU and kernel vhost workers' pickups. A program run per
-    /// switch on the whole host, most leaving at a missed lookup.
-    pub fn ensure_switch_probe(&mut self) -> Result<(), LoadError> {
-        if !self.switch_probe {
-            self.attach_raw("sched_switch")?;
-            self.switch_probe = true;
-        }
-        Ok(())
-    }
-
-    /// The hand-off of kicks from the engine thread to the worker threads
-    /// it wakes (aio=threads). Costs a program run per wake-up on the whole
-    /// host, so attached only once a VM needs it.
-    pub fn ensure_handoff_probe(&mut self) -> Result<(), LoadError> {
-        if !self.vm_segments || self.handoff_probe {
-            return Ok(());
-        }
-        for tp in ["sched_waking", "sched_wakeup_new"] {
-            self.attach_raw(tp)?;
-        }
-        self.handoff_probe = true;
-        Ok(())
-    }
-
     /// A VM's probes in QEMU (see `Vm::uprobe_symbols`), on its process
     /// only: other processes of the binary pay nothing. Kept per VM, to be
-    /// detached when it exits (`forget_vm`).
+    /// detached when it exits (`forget_vm`) or the tier changes (those of
+    /// the other tier).
     pub fn attach_vm_uprobes(&mut self, vm: &crate::discover::vms::Vm) -> Result<(), LoadError> {
-        let symbols = vm.uprobe_symbols(self.vm_segments);
-        self.attach_uprobes(vm.exe.as_deref(), vm.pid, &symbols)
+        let symbols = vm.uprobe_symbols(self.probe_choice(vm.kvm));
+        self.sync_uprobes(vm.exe.as_deref(), vm.pid, &symbols)
+    }
+
+    /// What decides a VM's uprobes here: the tier, and whether the
+    /// kernel shows its kicks and interrupts.
+    fn probe_choice(&self, kvm: bool) -> crate::discover::vms::ProbeChoice {
+        crate::discover::vms::ProbeChoice {
+            split: self.vm_segments,
+            deep: self.tier.tier.is_deep(),
+            // Without KVM no kernel event shows its interrupts; its kicks
+            // are seen in the always-on tier only where eventfd writes are.
+            interrupts_in_qemu: !kvm && self.tier.sees_eventfd_writes(),
+        }
+    }
+
+    /// Detaches the uprobes of `pid` not in `symbols`, attaches those
+    /// missing.
+    fn sync_uprobes(
+        &mut self,
+        exe: Option<&std::path::Path>,
+        pid: u32,
+        symbols: &[(&'static str, crate::discover::vms::ProbeRole)],
+    ) -> Result<(), LoadError> {
+        let links = self.vm_links.remove(&pid).unwrap_or_default();
+        let (keep, stale): (Vec<_>, Vec<_>) = links
+            .into_iter()
+            .partition(|(sym, _)| symbols.iter().any(|(s, _)| s == sym));
+        self.detach_uprobe_links(pid, stale)?;
+        let missing: Vec<_> = symbols
+            .iter()
+            .filter(|(s, _)| !keep.iter().any(|(k, _)| k == s))
+            .copied()
+            .collect();
+        self.vm_links.insert(pid, keep);
+        self.attach_uprobes(exe, pid, &missing)
+    }
+
+    fn detach_uprobe_links(
+        &mut self,
+        pid: u32,
+        links: Vec<(&'static str, UProbeLinkId)>,
+    ) -> Result<(), LoadError> {
+        for (symbol, link) in links {
+            if let Some(prog) = self.ebpf.program_mut(symbol) {
+                let p: &mut UProbe = prog.try_into().map_err(|_| LoadError::MissingProgram {
+                    program: symbol.into(),
+                })?;
+                p.detach(link).map_err(|e| LoadError::Attach {
+                    tracepoint: format!("uprobe {symbol} of pid {pid}"),
+                    flavour: "uprobe",
+                    reason: crate::probes::error_chain(&e),
+                })?;
+            }
+        }
+        Ok(())
     }
 
     /// An engine process serving VM `slot`'s disks from outside QEMU: its
@@ -215,12 +201,24 @@ impl BlockProbes {
         e: &crate::discover::vms::EngineRef,
         slot: u32,
     ) -> Result<(), LoadError> {
-        let mut pids: HashMap<_, u32, u32> = map_mut_of(&mut self.ebpf, "vm_pids")?;
-        pids.insert(e.pid, slot, 0)
+        let mut pids: HashMap<_, u32, VmProc> = map_mut_of(&mut self.ebpf, "vm_pids")?;
+        let p = VmProc {
+            slot,
+            state: VM_PROC_RUNNING,
+        };
+        pids.insert(e.pid, p, 0)
             .map_err(LoadError::map_op("vm_pids"))?;
-        self.flag_vm("vm_started", e.pid)?;
-        let symbols = e.uprobe_symbols(self.vm_segments);
-        self.attach_uprobes(e.exe.as_deref(), e.pid, &symbols)
+        self.bump_gen()?;
+        self.sync_engine_uprobes(e)
+    }
+
+    /// An engine's uprobes for the tier of the moment.
+    pub fn sync_engine_uprobes(
+        &mut self,
+        e: &crate::discover::vms::EngineRef,
+    ) -> Result<(), LoadError> {
+        let symbols = e.uprobe_symbols(self.vm_segments && self.tier.tier.is_deep());
+        self.sync_uprobes(e.exe.as_deref(), e.pid, &symbols)
     }
 
     pub(super) fn attach_uprobes(
@@ -298,26 +296,17 @@ impl BlockProbes {
     /// on the binary's inode for as long as we hold them), and its pid no
     /// longer names a VM (a new process may be given it).
     pub fn forget_vm(&mut self, pid: u32, slot: u32) -> Result<(), LoadError> {
-        for (symbol, link) in self.vm_links.remove(&pid).unwrap_or_default() {
-            if let Some(prog) = self.ebpf.program_mut(symbol) {
-                let p: &mut UProbe = prog.try_into().map_err(|_| LoadError::MissingProgram {
-                    program: symbol.into(),
-                })?;
-                p.detach(link).map_err(|e| LoadError::Attach {
-                    tracepoint: format!("uprobe {symbol} of pid {pid}"),
-                    flavour: "uprobe",
-                    reason: crate::probes::error_chain(&e),
-                })?;
-            }
-        }
+        let links = self.vm_links.remove(&pid).unwrap_or_default();
+        self.detach_uprobe_links(pid, links)?;
         // Absent keys are fine: not every VM has every flag. A pid already
         // taken by a new VM (exec'd since) is that VM's.
-        let mut pids: HashMap<_, u32, u32> = map_mut_of(&mut self.ebpf, "vm_pids")?;
-        if pids.get(&pid, 0).ok() != Some(slot) {
+        let mut pids: HashMap<_, u32, VmProc> = map_mut_of(&mut self.ebpf, "vm_pids")?;
+        if pids.get(&pid, 0).ok().map(|p| p.slot) != Some(slot) {
             return Ok(());
         }
         let _ = pids.remove(&pid);
-        for map in ["vm_started", "vm_notifiers_known", "vm_no_stop"] {
+        self.bump_gen()?;
+        for map in ["vm_notifiers_known", "vm_no_stop"] {
             let mut m: HashMap<_, u32, u8> = map_mut_of(&mut self.ebpf, map)?;
             let _ = m.remove(&pid);
         }
@@ -373,13 +362,16 @@ impl BlockProbes {
             |k, n| retired.vm_stats.entry(key(k)).or_default().undelivered += n,
         )?;
         {
-            let mut counts: HashMap<_, u32, VmCounts> = map_mut_of(&mut self.ebpf, "vm_counts")?;
-            if let Ok(c) = counts.get(&slot, 0) {
+            let mut counts: PerCpuArray<_, VmCounts> = map_mut_of(&mut self.ebpf, "vm_counts")?;
+            let idx = slot % crate::abi::MAX_VM_COUNTS;
+            if let Ok(per_cpu) = counts.get(&idx, 0) {
+                let c = super::sum_counts(&per_cpu);
                 let e = self.retired.vm_counts.entry(slot).or_default();
                 e.submitted += c.submitted;
                 e.bio_merges += c.bio_merges;
                 e.engine_merges += c.engine_merges;
-                counts.remove(&slot).map_err(map_err("vm_counts"))?;
+                let zero = super::zero_per_cpu("vm_counts")?;
+                counts.set(idx, zero, 0).map_err(map_err("vm_counts"))?;
             }
         }
         {
@@ -390,6 +382,7 @@ impl BlockProbes {
             self.retired.vm_stats.retain(|k, _| k.vm != slot);
             self.retired.vm_counts.remove(&slot);
         }
+        self.retire_splits(slot, keep)?;
         take_entries::<VmDevKey, u32>(&mut self.ebpf, "vm_disks", |k| k.vm == slot, |_, _| {})?;
         {
             let mut files: HashMap<_, FileKey, u32> = map_mut_of(&mut self.ebpf, "vdisk_files")?;
@@ -403,18 +396,26 @@ impl BlockProbes {
                 files.remove(&k).map_err(map_err("vdisk_files"))?;
             }
         }
-        Ok(())
+        self.bump_gen()
     }
 
     /// Tells the kernel side about a new VM's virtual disks.
     pub fn add_vm_maps(&mut self, maps: &VmMaps) -> Result<(), LoadError> {
-        add_vm_maps(&mut self.ebpf, maps)
+        add_vm_maps(&mut self.ebpf, maps)?;
+        self.bump_gen()
     }
 
     /// Takes the VM's requests as its guest's from now on, for a VM whose
     /// vCPU threads cannot be told apart (no `debug-threads=on`).
     pub fn mark_started(&mut self, pid: u32) -> Result<(), LoadError> {
-        self.flag_vm("vm_started", pid)
+        let mut pids: HashMap<_, u32, VmProc> = map_mut_of(&mut self.ebpf, "vm_pids")?;
+        let Ok(mut p) = pids.get(&pid, 0) else {
+            return Ok(());
+        };
+        p.state = VM_PROC_RUNNING;
+        pids.insert(pid, p, 0)
+            .map_err(LoadError::map_op("vm_pids"))?;
+        self.bump_gen()
     }
 
     /// The VM stays running through its notifiers all closing (none of its
@@ -431,9 +432,12 @@ impl BlockProbes {
 
     /// (tgid, VM slot) of every process known as a VM so far.
     pub fn vm_pids(&self) -> Result<Vec<(u32, u32)>, LoadError> {
-        let map: HashMap<_, u32, u32> = map_of(&self.ebpf, "vm_pids")?;
+        let map: HashMap<_, u32, VmProc> = map_of(&self.ebpf, "vm_pids")?;
         map.iter()
-            .map(|r| r.map_err(LoadError::map_op("vm_pids")))
+            .map(|r| {
+                r.map(|(pid, p)| (pid, p.slot))
+                    .map_err(LoadError::map_op("vm_pids"))
+            })
             .collect()
     }
 }

@@ -1,0 +1,244 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * Kicks and their pickups, as the programs that see them hand them on:
+ * a kick waits for its engine thread (file_kicks, thread_kicks); the
+ * pickup makes it the thread's pick (thread_picks), which the requests the
+ * thread then starts take (vm_request.bpf.h).
+ */
+#ifndef IOSPAN_PICKS_BPF_H
+#define IOSPAN_PICKS_BPF_H
+
+#include "host.bpf.h"
+
+/* How long thread `tid`, running now, waited for a CPU within [from, to]:
+ * its last RUN_WAITS waits, clipped to the interval (more waits than that
+ * in one interval are not counted; saturates at ~4.3 s). Deep tier only:
+ * thread_waits is kept there. */
+static __always_inline __u32 waited_within(__u32 tid, __u64 from, __u64 to)
+{
+	struct run_waits *w;
+	__u64 sum = 0;
+	int i;
+
+	if (!from || to <= from)
+		return 0;
+	w = bpf_map_lookup_elem(&thread_waits, &tid);
+	if (!w)
+		return 0;
+	for (i = 0; i < RUN_WAITS; i++) {
+		__u64 s = w->start[i] > from ? w->start[i] : from;
+		__u64 e = w->end[i] < to ? w->end[i] : to;
+
+		if (e > s)
+			sum += e - s;
+	}
+	return sum > 0xffffffffULL ? 0xffffffffU : (__u32)sum;
+}
+
+/* A kick at `now` for engine thread `tid`'s notifier in `slot`: the
+ * first one since its last pickup counts. */
+static __always_inline void thread_kick(__u32 tid, __u32 slot, __u64 now)
+{
+	struct thread_kicks *k = bpf_map_lookup_elem(&thread_kicks, &tid);
+
+	if (!k || slot >= KICK_SLOTS || k->ts[slot])
+		return;
+	k->ts[slot] = now;
+	__sync_fetch_and_or(&k->pending, 1u << slot);
+}
+
+/* The slot of `queue` among engine thread `tid`'s notifiers, given one
+ * if it has none yet (KICK_SLOTS at most: a further notifier shares the
+ * last slot). */
+static __always_inline __u32 kick_slot(__u32 tid, __u16 queue)
+{
+	static const struct thread_kicks fresh;
+	struct thread_kicks *k = lookup_or_init(&thread_kicks, &tid, &fresh);
+	__u32 i;
+
+	if (!k)
+		return KICK_SLOTS;
+	for (i = 0; i < KICK_SLOTS; i++) {
+		if (k->queue[i] == queue)
+			return i;
+		if (!k->queue[i]) {
+			k->queue[i] = queue;
+			return i;
+		}
+	}
+	return KICK_SLOTS - 1;
+}
+
+/* Thread `tid` of VM process `tgid` picks up a kick at `now`; `nvcsw` is
+ * its voluntary context switches so far. A polling thread reads a kick
+ * whose requests it may already have found by polling: so it did if it
+ * submitted since the kick, and may have if it has not slept since it last
+ * submitted (a kick that found it asleep woke it; one that came while it
+ * polled was raced by its poll, and the guest's MMIO exit can reach KVM
+ * after the poll took the requests). Nothing after such a pickup is known
+ * to be its batch. */
+static __always_inline void pick_up(__u32 tgid, __u32 tid, __u64 kick_ns, __u32 queue, __u64 now,
+				    __u64 nvcsw)
+{
+	struct pick p = {}, *old;
+
+	p.kick_ns = kick_ns;
+	p.queue = queue;
+	p.pick_ns = now;
+	p.flags = PICK_READ;
+	if (deep_tier())
+		p.hv_wait_ns = waited_within(tid, kick_ns, now);
+	old = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (old && (old->flags & PICK_READ)) {
+		p.last_start_ns = old->last_start_ns;
+		p.nvcsw = old->nvcsw;
+		p.flags |= old->flags & PICK_POLLS;
+		if ((old->flags & PICK_POLLS) && (old->last_start_ns > kick_ns || nvcsw == old->nvcsw))
+			p.flags |= PICK_SPENT;
+	}
+	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
+	bpf_map_update_elem(&vm_last_pick, &tgid, &p, BPF_ANY);
+}
+
+/* Thread `tid`'s earliest kick waiting in thread_kicks, picked up at
+ * `now`: whether there was one. One kick per batch: a thread whose pick
+ * no request has taken yet keeps it (switched in twice before it
+ * submitted, its second switch-in takes nothing); an engine thread whose
+ * pick was taken takes the next kick with its next submitting call, or
+ * when it is switched in after a sleep (`slept_since`: not a preemption
+ * in the middle of a call, see pick_after_sleep). */
+static __always_inline int pick_up_thread_kick(__u32 tgid, __u32 tid, __u64 now, __u64 nvcsw)
+{
+	struct thread_kicks *k = bpf_map_lookup_elem(&thread_kicks, &tid);
+	__u64 best = 0, kick_ns;
+	__u32 i, slot = KICK_SLOTS, pending;
+
+	struct pick *cur;
+
+	if (!k || !(pending = k->pending))
+		return 0;
+	cur = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (cur && (cur->flags & PICK_READ) && !(cur->flags & PICK_TAKEN))
+		return 0;
+	if (!now)
+		now = bpf_ktime_get_ns();
+	for (i = 0; i < KICK_SLOTS; i++) {
+		__u64 t = k->ts[i];
+
+		if (!(pending & (1u << i)))
+			continue;
+		if (!t) {
+			__sync_fetch_and_and(&k->pending, ~(1u << i));
+			continue;
+		}
+		if (t <= now && (!best || t < best)) {
+			best = t;
+			slot = i;
+		}
+	}
+	if (slot >= KICK_SLOTS)
+		return 0;
+	/* The hint first, then the kick: a kick racing in after sets both
+	 * again. Another CPU may have taken it meanwhile. */
+	__sync_fetch_and_and(&k->pending, ~(1u << slot));
+	kick_ns = __sync_lock_test_and_set(&k->ts[slot], 0);
+	if (!kick_ns)
+		return 0;
+	pick_up(tgid, tid, kick_ns, k->queue[slot], now, nvcsw);
+	return 1;
+}
+
+/* Thread `tid` going to sleep: an engine sleeps only once every notifier
+ * ready before it has been read, so each kick waiting for it came before
+ * and was taken — by a batch, or by a read that found the queue already
+ * served (a guest may queue more requests, and kick again, between the
+ * engine's read and its pop). Such a kick never has a submitting call of
+ * its own: without this, the queue's next batch would take it. */
+static __always_inline void kicks_read_by_sleep(__u32 tid)
+{
+	struct thread_kicks *k = bpf_map_lookup_elem(&thread_kicks, &tid);
+	__u64 now;
+	__u32 i;
+
+	if (!k || !k->pending)
+		return;
+	now = bpf_ktime_get_ns();
+	for (i = 0; i < KICK_SLOTS; i++) {
+		__u64 t = k->ts[i];
+
+		if (t && t < now)
+			__sync_val_compare_and_swap(&k->ts[i], t, 0);
+	}
+}
+
+/* The switch-in of thread `tid` after a kick: a pickup if the thread has
+ * slept since its last submission (`nvcsw`: its voluntary switches now);
+ * one back from a preemption is in the middle of its work, whose requests
+ * are not the kick's. */
+static __always_inline void pick_after_sleep(__u32 tgid, __u32 tid, __u64 now, __u64 nvcsw)
+{
+	struct pick *cur = bpf_map_lookup_elem(&thread_picks, &tid);
+
+	if (cur && (cur->flags & PICK_TAKEN) && cur->nvcsw == nvcsw)
+		return;
+	pick_up_thread_kick(tgid, tid, now, nvcsw);
+}
+
+/* An engine thread submitting under its own pick at `now` (a request's
+ * start, or its punt to an io-wq worker): the pick's batch is taken, or,
+ * when an earlier call spent it, the request was found by polling. */
+static __always_inline int take_pick(struct pick *p, __u64 now, __u64 nvcsw)
+{
+	int polled = !!(p->flags & PICK_SPENT);
+
+	p->flags |= polled ? PICK_POLLS : PICK_TAKEN;
+	p->last_start_ns = now;
+	p->nvcsw = nvcsw;
+	return polled;
+}
+
+/* The stamp of the next request of op `op` that thread `tid` starts under
+ * pickup `pick_ns`, or `pick_ns` when it has none. A pickup reads a
+ * notifier once for the whole batch, and each request then waits its turn
+ * behind the ones taken before it, which is not engine time of its own:
+ * a request the thread starts takes the oldest stamp of its op (the batch
+ * is submitted in sector order, not in the order taken: exact for the
+ * batch's sum, not for each request); a batch of more than POPS of an op,
+ * and requests the device model took without accounting, keep the pickup. */
+static __always_inline __u64 take_pop(__u32 tid, __u64 pick_ns, __u32 op)
+{
+	struct pops *q;
+	__u32 h;
+
+	if (op > BLK_OP_WRITE)
+		return pick_ns;
+	q = bpf_map_lookup_elem(&thread_pops, &tid);
+	if (!q || q->pick_ns != pick_ns)
+		return pick_ns;
+	h = q->head[op & 1];
+	if (h == q->tail[op & 1])
+		return pick_ns;
+	q->head[op & 1] = h + 1;
+	return q->ts[op & 1][h & POPS_MASK];
+}
+
+/* The VM's vhost worker taking its pending kick (deep tier: its kick
+ * eventfds known from VHOST_SET_VRING_KICK), if there is one: when it is
+ * switched in, or, when the kick came while it ran (no wake-up needed), at
+ * its next submission (the worker's queueing then counts as the
+ * hypervisor's). */
+static __always_inline void claim_vhost_kick(__u32 tgid, __u32 tid)
+{
+	struct pick p = {};
+	__u64 *kick = bpf_map_lookup_elem(&vhost_kicks, &tgid);
+
+	if (!kick)
+		return;
+	p.kick_ns = *kick;
+	p.pick_ns = bpf_ktime_get_ns();
+	bpf_map_delete_elem(&vhost_kicks, &tgid);
+	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
+	bpf_map_update_elem(&vm_last_pick, &tgid, &p, BPF_ANY);
+}
+
+#endif /* IOSPAN_PICKS_BPF_H */

@@ -1,0 +1,323 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * The engine's pickups. The deep tier sees the engine thread read the
+ * eventfd a kick was on (the read system call's tracepoint); the always-on
+ * tier, eventfd_read itself where fentry or a kprobe reaches it, else the
+ * engine thread's switch-in after the kick woke it (sched.bpf.c) or its
+ * next request start when the kick found it running (vm_request.bpf.h).
+ * Here too: the wake-ups that name a KVM notifier's engine
+ * (kicks.bpf.h), the hand-off of a pick to the worker an engine thread
+ * wakes (aio=threads), QEMU's device models taking each request (the deep
+ * tier), the submitting calls that end a pickup's batch (the deep tier)
+ * and io_uring's hand-offs to its workers.
+ */
+#include "kicks.bpf.h"
+#include "notifiers.bpf.h"
+
+thread_picks_map_t thread_picks SEC(".maps");
+vm_last_pick_map_t vm_last_pick SEC(".maps");
+thread_pops_map_t thread_pops SEC(".maps");
+punted_picks_map_t punted_picks SEC(".maps");
+
+/* The deep tier: an engine thread reading an eventfd a vCPU kicked picks
+ * the kick up: a thread of the VM's own QEMU, or of an engine process
+ * registered under the VM's slot. */
+SEC("tracepoint/syscalls/sys_enter_read")
+int sys_enter_read(struct trace_event_raw_sys_enter *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid(), now;
+	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
+	struct kick *kick;
+	__u64 file, kick_ns, queue;
+
+	if (!targ_vm_segments || ctx->args[2] < 8)
+		return 0;
+	if (!vm_proc_of(tgid) || in_vcpu())
+		return 0;
+	now = bpf_ktime_get_ns();
+	file = fd_file((__u32)ctx->args[0]);
+	kick = file ? bpf_map_lookup_elem(&file_kicks, &file) : 0;
+	if (!kick) {
+		/* A notifier learnt from its kicks' wake-ups. */
+		pick_up_thread_kick(tgid, tid, now, current_nvcsw());
+		return 0;
+	}
+	kick_ns = kick->ts_ns;
+	queue = kick->queue;
+	bpf_map_delete_elem(&file_kicks, &file);
+	pick_up(tgid, tid, kick_ns, (__u32)queue, now, current_nvcsw());
+	return 0;
+}
+
+/* The always-on tier: an engine thread's read of an eventfd (fentry or a
+ * kprobe on eventfd_read: only eventfd reads pay) picks up the kick on it,
+ * or the kick learnt for the thread. */
+static __always_inline void on_eventfd_read(__u64 file)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid(), now;
+	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
+	struct kick *kick;
+	__u64 kick_ns, queue;
+
+	if (!targ_vm_segments || deep_tier() || !vm_proc_of(tgid) || in_vcpu())
+		return;
+	now = bpf_ktime_get_ns();
+	kick = bpf_map_lookup_elem(&file_kicks, &file);
+	if (!kick) {
+		pick_up_thread_kick(tgid, tid, now, current_nvcsw());
+		return;
+	}
+	kick_ns = kick->ts_ns;
+	queue = kick->queue;
+	bpf_map_delete_elem(&file_kicks, &file);
+	pick_up(tgid, tid, kick_ns, (__u32)queue, now, current_nvcsw());
+}
+
+SEC("fentry/eventfd_read")
+int BPF_PROG(eventfd_read_fentry, struct kiocb *iocb)
+{
+	on_eventfd_read((__u64)iocb->ki_filp);
+	return 0;
+}
+
+SEC("kprobe/eventfd_read")
+int BPF_KPROBE(eventfd_read_kprobe, struct kiocb *iocb)
+{
+	on_eventfd_read((__u64)BPF_CORE_READ(iocb, ki_filp));
+	return 0;
+}
+
+/* A VM thread waking another of the same VM hands it the kick it last
+ * picked up: with aio=threads the engine thread picks the kick up and
+ * queues the request to a worker, which wakes and submits it. Picks only
+ * move forward (a worker waking the engine back leaves its newer pick). A
+ * worker that takes its next request without sleeping has used its handed
+ * pick: it takes the VM's latest (vm_last_pick). Only while a VM with
+ * such a disk runs (tier_state.handoff). */
+static __always_inline void hand_off(__u32 wakee_tgid, __u32 wakee_tid)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct pick *mine, *theirs, handed;
+
+	if (wakee_tgid != tgid || wakee_tid == tid || !vm_proc_of(tgid))
+		return;
+	mine = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (!mine)
+		return;
+	theirs = bpf_map_lookup_elem(&thread_picks, &wakee_tid);
+	if (theirs && theirs->pick_ns >= mine->pick_ns)
+		return;
+	handed = *mine;
+	handed.flags = PICK_HANDED;
+	bpf_map_update_elem(&thread_picks, &wakee_tid, &handed, BPF_ANY);
+}
+
+/* Thread `wakee_tid` of process `wakee_tgid` woken by the current thread:
+ * first what it says of KVM's notifiers (a vCPU's write just before it
+ * woke that thread), then the hand-off. Run per wake-up on the whole host
+ * while a KVM VM runs: most leave after two per-CPU lookups. */
+static __always_inline void on_waking(__u32 wakee_tgid, __u32 wakee_tid, const char *wakee_comm)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tid = (__u32)id, zero = 0;
+	struct mmio_mark *m;
+	struct wake *w;
+	struct tier_state *t;
+	int vcpu = vcpu_comm(wakee_comm);
+
+	if (!targ_vm_segments)
+		return;
+	w = bpf_map_lookup_elem(&last_wake, &zero);
+	if (w) {
+		w->waker = tid;
+		w->wakee = wakee_tid;
+		w->wakee_tgid = wakee_tgid;
+		w->wakee_vcpu = vcpu;
+	}
+	m = bpf_map_lookup_elem(&mmio_marks, &zero);
+	if (m && m->tid == tid) {
+		__u64 now = bpf_ktime_get_ns();
+
+		m->tid = 0;
+		if (m->tgid == wakee_tgid && !vcpu && wakee_tid != tid && now - m->ts_ns < MARK_NS)
+			learnt_kick(wakee_tgid, m->gpa, wakee_tid, m->ts_ns);
+	}
+	t = tier_now();
+	if (t && t->handoff)
+		hand_off(wakee_tgid, wakee_tid);
+}
+
+SEC("tp_btf/sched_waking")
+int BPF_PROG(sched_waking_btf, struct task_struct *p)
+{
+	on_waking(p->tgid, p->pid, p->comm);
+	return 0;
+}
+
+SEC("raw_tp/sched_waking")
+int BPF_PROG(sched_waking, struct task_struct *p)
+{
+	char comm[4];
+
+	BPF_CORE_READ_INTO(&comm, p, comm);
+	on_waking(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid), comm);
+	return 0;
+}
+
+/* A worker the engine thread starts for the request it just queued. */
+SEC("tp_btf/sched_wakeup_new")
+int BPF_PROG(sched_wakeup_new_btf, struct task_struct *p)
+{
+	if (targ_vm_segments)
+		hand_off(p->tgid, p->pid);
+	return 0;
+}
+
+SEC("raw_tp/sched_wakeup_new")
+int BPF_PROG(sched_wakeup_new, struct task_struct *p)
+{
+	if (targ_vm_segments)
+		hand_off(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid));
+	return 0;
+}
+
+/* QEMU's device models start their clock for a guest request as they
+ * take it (block_acct_start(stats, cookie, bytes, type), one call per read
+ * or write): in an engine thread that read a kick, the stamp of when its
+ * request was taken (see struct pops). BLOCK_ACCT_READ is 1, _WRITE 2. */
+SEC("uprobe")
+int BPF_KPROBE(block_acct_start, void *stats, void *cookie, __s64 bytes, int type)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	static const struct pops fresh;
+	struct pick *p;
+	struct pops *q;
+	__u32 op, t;
+
+	if (!targ_vm_segments || (type != 1 && type != 2))
+		return 0;
+	p = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (!p || !(p->flags & PICK_READ) || (p->flags & PICK_SPENT))
+		return 0;
+	q = lookup_or_init(&thread_pops, &tid, &fresh);
+	if (!q)
+		return 0;
+	if (q->pick_ns != p->pick_ns) {
+		q->pick_ns = p->pick_ns;
+		q->head[0] = q->tail[0] = 0;
+		q->head[1] = q->tail[1] = 0;
+	}
+	op = type == 2;
+	t = q->tail[op];
+	if (t - q->head[op] >= POPS)
+		return 0;
+	q->ts[op][t & POPS_MASK] = bpf_ktime_get_ns();
+	q->tail[op] = t + 1;
+	return 0;
+}
+
+/* A submitting system call of a VM thread: the pick whose batch an
+ * earlier call submitted is spent (see struct pick). */
+static __always_inline void on_submit_call(__u64 nr)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct pick *p;
+
+	if (!targ_vm_segments || !nr || !vm_proc_of(tgid))
+		return;
+	p = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (!p || !(p->flags & PICK_READ))
+		return;
+	/* An iothread submits a kick's batch in one call (virtio-blk plugs
+	 * it); other engines may submit theirs one request per call (QEMU's
+	 * NVMe, unplugged io_uring), and never poll. */
+	if ((p->flags & PICK_TAKEN) && in_iothread())
+		p->flags |= PICK_SPENT;
+	p->flags |= PICK_ENTERED;
+}
+
+SEC("tracepoint/syscalls/sys_enter_io_uring_enter")
+int sys_enter_io_uring_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	on_submit_call(ctx->args[1]);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_io_submit")
+int sys_enter_io_submit(struct trace_event_raw_sys_enter *ctx)
+{
+	on_submit_call(ctx->args[1]);
+	return 0;
+}
+
+/* io_uring:io_uring_queue_async_work, as its format file gives it since
+ * 5.5: the request follows the ring. */
+struct io_uring_async_record {
+	__u64 common;
+	__u64 ctx;
+	__u64 req;
+};
+
+/* The io_uring submitting call a request is part of: its ring and the
+ * ring's submission head, which the kernel moves only at the call's end. */
+static __always_inline __u64 io_call_of(__u64 req)
+{
+	struct io_kiocb *r = (struct io_kiocb *)req;
+	struct io_ring_ctx *ctx = BPF_CORE_READ(r, ctx);
+	__u32 head = BPF_CORE_READ(ctx, rings, sq.head);
+
+	return ((__u64)ctx << 32) ^ head;
+}
+
+/* An engine thread's io_uring request punted to an io-wq worker: the
+ * worker issues it later, with the pick it was submitted under. */
+SEC("tracepoint/io_uring/io_uring_queue_async_work")
+int io_uring_queue_async_work(struct io_uring_async_record *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct pick *p;
+	__u64 req = ctx->req;
+
+	if (!targ_vm_segments || !vm_proc_of(tgid))
+		return 0;
+	if (!deep_tier()) {
+		/* The always-on tier sees no submitting call: a punt of a call
+		 * the thread's pick has not served yet (the ring's head moves
+		 * at each call's end) picks up its next kick, as a request's
+		 * start does. */
+		__u64 call = io_call_of(req);
+
+		p = bpf_map_lookup_elem(&thread_picks, &tid);
+		if (!p || !(p->flags & PICK_READ) || p->call != call)
+			pick_up_thread_kick(tgid, tid, bpf_ktime_get_ns(), current_nvcsw());
+		p = bpf_map_lookup_elem(&thread_picks, &tid);
+		if (!p)
+			return 0;
+		p->call = call;
+		if (p->flags & PICK_READ)
+			take_pick(p, bpf_ktime_get_ns(), current_nvcsw());
+		bpf_map_update_elem(&punted_picks, &req, p, BPF_ANY);
+		return 0;
+	}
+	p = bpf_map_lookup_elem(&thread_picks, &tid);
+	if (!p)
+		return 0;
+	if ((p->flags & PICK_READ) && !(p->flags & PICK_ENTERED)) {
+		/* No submitting call since the pickup: a request of an earlier
+		 * call, whose retry io_uring queued as task work (a busy
+		 * device refused it without waiting); its pickup is not known. */
+		struct pick unknown = {};
+
+		bpf_map_update_elem(&punted_picks, &req, &unknown, BPF_ANY);
+		return 0;
+	}
+	if (p->flags & PICK_READ)
+		take_pick(p, bpf_ktime_get_ns(), current_nvcsw());
+	bpf_map_update_elem(&punted_picks, &req, p, BPF_ANY);
+	return 0;
+}
+
+/* Linked into host.bpf.o with block.bpf.c, whose license section it shares. */

@@ -1,0 +1,145 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * Context switches. The always-on tier's pickup where no eventfd read is
+ * seen: an engine thread a kick woke picks it up as it is switched in.
+ * The deep tier's CPU waits of VMs' threads: how long each was runnable but
+ * not running (woken or preempted, until switched in) — esxtop's %RDY, for
+ * the threads of the I/O path; the pickup, the request start and the
+ * signal take from here how much of their segment the thread that owned it
+ * spent waiting for a CPU. And the kernel's vhost worker (a thread of
+ * QEMU since v6.4) picking up a kick on the eventfds QEMU handed it: it
+ * runs all its device's work when it runs.
+ */
+#include "picks.bpf.h"
+#include "signals.bpf.h"
+
+thread_waits_map_t thread_waits SEC(".maps");
+vhost_kick_files_map_t vhost_kick_files SEC(".maps");
+vhost_kicks_map_t vhost_kicks SEC(".maps");
+
+/* A VM thread made runnable: its wait starts, unless one already runs
+ * (a thread woken while still on its CPU is not waiting; switching out
+ * sets the mark right, below). */
+static __always_inline void on_wakeup(__u32 tgid, __u32 tid)
+{
+	static const struct run_waits zero;
+	struct run_waits *w;
+
+	if (!targ_vm_segments || !deep_tier() || !vm_proc_of(tgid))
+		return;
+	w = lookup_or_init(&thread_waits, &tid, &zero);
+	if (w && !w->runnable_since)
+		w->runnable_since = bpf_ktime_get_ns();
+}
+
+/* The deep tier's part of a switch from prev to next: prev, if still
+ * runnable (preempted), starts waiting, else sleeps; next's wait, if it had
+ * one, ends. Only VM threads have entries: any other switch costs two
+ * missed lookups (and a VM lookup when it was preempted). */
+static __always_inline void waits_at_switch(__u32 prev_tgid, __u32 prev_tid, int preempted, __u32 next_tgid,
+					    __u32 next_tid, struct task_struct *next, __u64 *now)
+{
+	char comm[16];
+	struct run_waits *w;
+
+	w = bpf_map_lookup_elem(&thread_waits, &prev_tid);
+	if (!w && preempted && vm_proc_of(prev_tgid)) {
+		static const struct run_waits zero;
+
+		w = lookup_or_init(&thread_waits, &prev_tid, &zero);
+	}
+	if (w) {
+		if (!*now)
+			*now = bpf_ktime_get_ns();
+		w->runnable_since = preempted ? *now : 0;
+		send_pushes_of(prev_tid);
+	}
+	w = bpf_map_lookup_elem(&thread_waits, &next_tid);
+	if (!w)
+		return;
+	BPF_CORE_READ_INTO(&comm, next, comm);
+	if (vhost_comm(comm))
+		claim_vhost_kick(next_tgid, next_tid);
+	if (w->runnable_since) {
+		__u32 i = w->next & (RUN_WAITS - 1);
+
+		if (!*now)
+			*now = bpf_ktime_get_ns();
+		w->start[i & (RUN_WAITS - 1)] = w->runnable_since;
+		w->end[i & (RUN_WAITS - 1)] = *now;
+		w->next++;
+		w->runnable_since = 0;
+	}
+}
+
+/* A CPU switching from prev to next. The always-on tier: next, an engine
+ * thread a kick is waiting for (it slept, and the kick woke it), picks it
+ * up as it is switched in — unless pickups come from its eventfd read
+ * (fentry or kprobes). One lookup per switch on the whole host, missed
+ * unless a kick waits. */
+static __always_inline void on_switch(__u32 prev_tgid, __u32 prev_tid, int preempted, __u32 next_tgid,
+				      __u32 next_tid, struct task_struct *next, __u64 next_nvcsw)
+{
+	struct tier_state *t = tier_now();
+	__u64 now = 0;
+
+	if (!targ_vm_segments || !t)
+		return;
+	if (t->deep)
+		waits_at_switch(prev_tgid, prev_tid, preempted, next_tgid, next_tid, next, &now);
+	if (!t->pick_at_read && !preempted)
+		kicks_read_by_sleep(prev_tid);
+	if (!t->pick_at_read) {
+		struct thread_kicks *k = bpf_map_lookup_elem(&thread_kicks, &next_tid);
+
+		if (k && k->pending) {
+			if (!now)
+				now = bpf_ktime_get_ns();
+			pick_after_sleep(next_tgid, next_tid, now, next_nvcsw);
+		}
+	}
+}
+
+/* The task's state as it leaves the CPU: TASK_RUNNING (0) is a preemption.
+ * `__state` since v5.14, `state` before. */
+struct task_struct___pre514 {
+	long state;
+} __attribute__((preserve_access_index));
+
+static __always_inline int still_runnable(struct task_struct *t)
+{
+	if (bpf_core_field_exists(t->__state))
+		return BPF_CORE_READ(t, __state) == 0;
+	return BPF_CORE_READ((struct task_struct___pre514 *)t, state) == 0;
+}
+
+SEC("tp_btf/sched_wakeup")
+int BPF_PROG(sched_wakeup_btf, struct task_struct *p)
+{
+	on_wakeup(p->tgid, p->pid);
+	return 0;
+}
+
+SEC("raw_tp/sched_wakeup")
+int BPF_PROG(sched_wakeup, struct task_struct *p)
+{
+	on_wakeup(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid));
+	return 0;
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(sched_switch_btf, bool preempt, struct task_struct *prev, struct task_struct *next)
+{
+	on_switch(prev->tgid, prev->pid, still_runnable(prev), next->tgid, next->pid, next, next->nvcsw);
+	return 0;
+}
+
+SEC("raw_tp/sched_switch")
+int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_struct *next)
+{
+	on_switch(BPF_CORE_READ(prev, tgid), BPF_CORE_READ(prev, pid), still_runnable(prev),
+		  BPF_CORE_READ(next, tgid), BPF_CORE_READ(next, pid), next, BPF_CORE_READ(next, nvcsw));
+	return 0;
+}
+
+/* Linked into host.bpf.o with block.bpf.c, whose license section it shares. */

@@ -1,0 +1,275 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * The engine's signals back to the guest. The always-on tier ends every
+ * waiting request of a VM at its next interrupt (vm_join.bpf.h): under KVM
+ * an MSI, through an irqfd or KVM_SIGNAL_MSI (kvm:kvm_msi_set_irq, in the
+ * signalling thread); without KVM, QEMU's msix_notify. The deep tier ends
+ * each virtio request at its own used-ring push (virtqueue_flush,
+ * vu_queue_push) and an NVMe or vhost request at the interrupt
+ * (signals.bpf.h).
+ */
+#include "picks.bpf.h"
+#include "signals.bpf.h"
+#include "vm_join.bpf.h"
+
+vm_signal_due_map_t vm_signal_due SEC(".maps");
+thread_pushes_map_t thread_pushes SEC(".maps");
+vm_done_map_t vm_done SEC(".maps");
+vm_split_map_t vm_split SEC(".maps");
+vm_unsplit_map_t vm_unsplit SEC(".maps");
+vdisk_slow_ns_map_t vdisk_slow_ns SEC(".maps");
+draining_map_t draining SEC(".maps");
+
+static __always_inline void split_hist(struct vm_split_stats *st, int seg, __u64 v)
+{
+	__u32 b = hist_bucket(v);
+
+	if (b >= HIST_BUCKETS)
+		b = HIST_BUCKETS - 1;
+	if (seg < 0 || seg >= VM_NR_SEGS)
+		return;
+	st->hist[seg][b] += 1;
+	st->sum_ns[seg] += v;
+	if (v > st->max_ns[seg])
+		st->max_ns[seg] = v;
+}
+
+/* Where a drain keeps what consecutive requests share: their histograms'
+ * entry (one per VM, virtual disk, host disk, op and queue) and their
+ * virtual disk's streaming threshold. */
+struct settle_cache {
+	struct vm_split_key key;
+	struct vm_split_stats *st;
+	__u32 slow_vdisk;
+	__u64 slow_ns;
+};
+
+/* Whether the agent wants this joined request streamed, and why. */
+static __always_inline __u32 sampled_by(__u32 vm_flags, const struct tier_state *t,
+					struct settle_cache *c, __u32 vdisk, __u64 window)
+{
+	__u32 why = 0;
+
+	if (vdisk != c->slow_vdisk) {
+		__u64 *slow = bpf_map_lookup_elem(&vdisk_slow_ns, &vdisk);
+
+		c->slow_vdisk = vdisk;
+		c->slow_ns = slow ? *slow : 0;
+	}
+	if (vm_flags & VMF_STREAM_ALL)
+		why |= SAMPLED_ALL;
+	if ((t->slower_than_ns && window >= t->slower_than_ns) || (c->slow_ns && window >= c->slow_ns))
+		why |= SAMPLED_SLOW;
+	if (t->one_in && bpf_get_prandom_u32() % t->one_in == 0)
+		why |= SAMPLED_ONE_IN;
+	return why;
+}
+
+static __always_inline void stream_joined(const struct done_ent *e, __u32 vm, __u64 sig, __u32 why)
+{
+	struct vm_split_event ev = {};
+
+	ev.io.kind = EVENT_VM_SPLIT;
+	ev.io.op = e->op;
+	ev.io.flags = e->flags;
+	ev.io.dev = e->dev;
+	ev.io.kick_ns = e->kick_ns;
+	ev.io.pick_ns = e->pick_ns;
+	ev.io.start_ns = e->start_ns;
+	ev.io.issue_ns = e->issue_ns;
+	ev.io.done_ns = e->done_ns;
+	ev.io.bytes = e->bytes;
+	ev.io.vm = vm;
+	ev.io.vdisk = e->vdisk;
+	ev.io.queue = e->queue;
+	ev.io.pos = e->pos;
+	ev.signal_ns = sig;
+	ev.sampled_by = why;
+	if (!emit(&ev, sizeof(ev)))
+		count(CNT_SAMPLED);
+}
+
+/* A request's window ended by the signal at `sig`: its segments into its
+ * histograms, and out through the ring when sampled. */
+static __always_inline void settle(const struct done_ent *e, __u32 vm, __u64 sig, __u32 flags,
+				   const struct tier_state *t, struct settle_cache *c)
+{
+	struct vm_split_key k = {
+		.vm = vm, .vdisk = e->vdisk, .dev = e->dev, .op = e->op, .queue = e->queue,
+	};
+	struct vm_split_stats *st;
+	__u32 why;
+
+	if (!(e->kick_ns <= e->pick_ns && e->pick_ns <= e->start_ns && e->start_ns <= e->done_ns &&
+	      e->done_ns <= sig)) {
+		count_unsplit(vm, e->vdisk, UNSPLIT_UNORDERED);
+		return;
+	}
+	if (sig - e->done_ns > SIGNAL_HOLD_NS) {
+		count_unsplit(vm, e->vdisk, UNSPLIT_NO_SIGNAL);
+		return;
+	}
+	if (c->st && c->key.vm == k.vm && c->key.vdisk == k.vdisk && c->key.dev == k.dev &&
+	    c->key.op == k.op && c->key.queue == k.queue) {
+		st = c->st;
+	} else {
+		st = lookup_or_init(&vm_split, &k, &zero_split);
+		if (!st) {
+			count(CNT_VM_TABLE_FULL);
+			return;
+		}
+		c->key = k;
+		c->st = st;
+	}
+	st->count += 1;
+	st->bytes += e->bytes;
+	split_hist(st, VM_SEG_HYPERVISOR, e->pick_ns - e->kick_ns);
+	split_hist(st, VM_SEG_ENGINE, (e->start_ns - e->pick_ns) + (sig - e->done_ns));
+	split_hist(st, VM_SEG_DEVICE, e->done_ns - e->start_ns);
+	split_hist(st, VM_SEG_WINDOW, sig - e->kick_ns);
+	split_hist(st, VM_SEG_PICKUP_TO_DONE, e->done_ns - e->pick_ns);
+	why = sampled_by(flags, t, c, e->vdisk, sig - e->kick_ns);
+	if (why)
+		stream_joined(e, vm, sig, why);
+}
+
+/* Slots one call of settle_batch settles at most. */
+#define SETTLE_BATCH 16
+/* settle_batch's answer: the drain stops (a slot unwritten yet, or
+ * completed after the signal: it and those after it wait for the next). */
+#define SETTLE_STOP (1 << 16)
+
+/* Up to SETTLE_BATCH slots of VM slot `vm`'s ring, at its signal `sig`:
+ * how many it settled, with SETTLE_STOP when the drain should stop. A
+ * slot another CPU's drain took is skipped: each slot is settled once. A
+ * function of its own, verified once: a drain calls it in a loop. */
+__noinline int settle_batch(__u32 vm, __u64 sig, __u32 vm_flags)
+{
+	struct tier_state *t = tier_now();
+	struct done_ring *r = ring_of(vm);
+	struct settle_cache c = {};
+	int i, n = 0;
+
+	if (!r || !t)
+		return SETTLE_STOP;
+	for (i = 0; i < SETTLE_BATCH; i++) {
+		__u64 h = r->head;
+		struct done_ent *e = &r->ent[h & DONE_MASK], copy;
+
+		if (e->seq != h + 1 || e->done_ns > sig)
+			return n | SETTLE_STOP;
+		copy = *e;
+		if (e->seq != h + 1)
+			return n | SETTLE_STOP;
+		if (__sync_val_compare_and_swap(&r->head, h, h + 1) != h)
+			continue;
+		settle(&copy, vm, sig, vm_flags, t, &c);
+		n++;
+	}
+	return n;
+}
+
+/* VM slot `vm`'s signal at `sig`: every request waiting in its ring that
+ * completed before it is settled, up to DRAIN_MAX. */
+static __always_inline void join_signal(__u32 vm, __u64 sig)
+{
+	__u32 zero = 0, *busy, *flags, vmf = 0;
+	int i, stop = 0;
+
+	busy = bpf_map_lookup_elem(&draining, &zero);
+	if (!busy)
+		return;
+	if (*busy) {
+		count(CNT_JOIN_DEFERRED);
+		return;
+	}
+	*busy = 1;
+	flags = bpf_map_lookup_elem(&vm_flags, &vm);
+	if (flags)
+		vmf = *flags;
+	for (i = 0; i < DRAIN_MAX / SETTLE_BATCH && !stop; i++)
+		stop = settle_batch(vm, sig, vmf) & SETTLE_STOP;
+	if (!stop)
+		count(CNT_JOIN_DEFERRED);
+	*busy = 0;
+}
+
+/* The always-on tier: an interrupt of VM slot `vm` from the current
+ * thread. An iothread delivering completions after it submitted its
+ * pickup's batch went round its loop: what it submits before its next
+ * pickup was found by polling (as on_signal has it for the deep tier). */
+static __always_inline void join_interrupt(__u32 vm)
+{
+	if (in_iothread()) {
+		__u32 tid = (__u32)bpf_get_current_pid_tgid();
+		struct pick *p = bpf_map_lookup_elem(&thread_picks, &tid);
+
+		if (p && (p->flags & PICK_READ) && (p->flags & (PICK_TAKEN | PICK_POLLS)))
+			p->flags |= PICK_SPENT;
+	}
+	join_signal(vm, bpf_ktime_get_ns());
+}
+
+/* An MSI KVM delivers, in the thread that raised it: the engine's signal
+ * through its irqfd (or QEMU's KVM_SIGNAL_MSI). A kernel vhost worker's
+ * counts for a VM with a vhost disk only: vhost-net's workers signal the
+ * guest's network queues from the same process. The deep tier takes only
+ * the vhost worker's (its virtio requests end at their pushes). */
+SEC("tracepoint/kvm/kvm_msi_set_irq")
+int kvm_msi_set_irq(void *ctx)
+{
+	struct vm_proc *p = vm_proc_of(bpf_get_current_pid_tgid() >> 32);
+	__u32 vm, *flags;
+	int vhost;
+
+	if (!targ_vm_segments || !p)
+		return 0;
+	vm = p->slot;
+	vhost = in_vhost_worker();
+	if (vhost) {
+		flags = bpf_map_lookup_elem(&vm_flags, &vm);
+		if (!flags || !(*flags & VMF_VHOST))
+			return 0;
+	}
+	if (deep_tier())
+		return vhost ? on_signal(0) : 0;
+	join_interrupt(vm);
+	return 0;
+}
+
+/* virtqueue_flush(vq, count): count completions pushed (virtqueue_push
+ * flushes one). */
+SEC("uprobe")
+int BPF_KPROBE(virtqueue_flush, void *vq, unsigned int count)
+{
+	return on_signal(count ? count : 1);
+}
+
+/* QEMU raising an MSI-X interrupt (NVMe's completions; any device
+ * under TCG, where no kernel event shows the interrupt): the deep tier's
+ * signal, and the always-on tier's for a VM without KVM (attached there
+ * only where its kicks are seen: fentry or kprobes). */
+SEC("uprobe")
+int msix_notify(void *ctx)
+{
+	struct vm_proc *p;
+
+	if (deep_tier())
+		return on_signal(0);
+	p = vm_proc_of(bpf_get_current_pid_tgid() >> 32);
+	if (targ_vm_segments && p)
+		join_interrupt(p->slot);
+	return 0;
+}
+
+/* libvhost-user's used-ring push (fill, then flush), in an engine serving
+ * the VM's disk over vhost-user (qemu-storage-daemon): once per request,
+ * as virtqueue_flush in QEMU, and entered with a push where the flush is
+ * not. The engine process is registered under the VM's slot. */
+SEC("uprobe")
+int vu_queue_push(void *ctx)
+{
+	return on_signal(1);
+}
+
+/* Linked into host.bpf.o with block.bpf.c, whose license section it shares. */
