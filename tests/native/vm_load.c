@@ -14,26 +14,36 @@
  * iospan's probe attaches, as on QEMU's) and the queue is signalled through
  * its irqfd (an MSI route of the in-kernel irqchip).
  *
+ * Under `-accel tcg` (QEMU's software emulation, for a kernel without KVM)
+ * there is no KVM: the vCPU threads ("CPU <q>/TCG") kick by writing the
+ * queue's eventfd themselves, as QEMU's emulated notify write does, and the
+ * engine raises a queue's interrupt by calling msix_notify (probed as on
+ * QEMU's), as QEMU's emulated interrupt controller takes it in user space.
+ *
  * With IOSPAN_VM_POLL_NS > 0 the engine is an iothread ("IO iothread0")
  * and polls as QEMU's do (poll-max-ns): after work it suppresses the
  * queues' notifications and
  * spins on their rings for that long before it re-enables them and
  * sleeps, so most requests arrive with no kick at all.
  *
- * Arguments, QEMU-style: -name guest=NAME,... -drive file=DISK,...; only
- * those two are read. Environment:
+ * Arguments, QEMU-style: -name guest=NAME,... -drive file=DISK,...
+ * -accel kvm|tcg (default kvm); only those are read. Environment:
  *   IOSPAN_VM_QUEUES   queues (default 1, at most 64)
  *   IOSPAN_VM_QD       requests in flight per queue (default 32)
  *   IOSPAN_VM_IOS      requests per queue, then exit (default 1000), or
  *   IOSPAN_VM_SECONDS  run this long instead
  *   IOSPAN_VM_POLL_NS  poll this long before sleeping (default 0: event-driven)
+ *   IOSPAN_VM_DELAY_MS wait this long before the device starts (default 500),
+ *                      as a guest's firmware and boot would
  *   IOSPAN_VM_NOTIFY_STRIDE  bytes between the queues' notify addresses
  *                      (default 4, virtio-pci's; 4096: a page per queue,
  *                      QEMU's page-per-vq=on)
  *   IOSPAN_VM_LOG      write one line per request: queue, number, offset,
  *                      when it was made available, when the engine popped it,
  *                      when the engine began reading the kick that led to
- *                      that pop (0: found by polling; CLOCK_MONOTONIC ns);
+ *                      that pop (0: found by polling), when it pushed its
+ *                      completion, when it raised its queue's interrupt
+ *                      after (CLOCK_MONOTONIC ns);
  *                      offsets are then distinct
  *                      within the VM and never adjacent (the disk must hold
  *                      2 x Q x IOS blocks of 4 KiB past the offset below).
@@ -88,7 +98,7 @@ struct vq {
 };
 
 struct logent {
-	uint64_t avail_ns, pop_ns, read_ns, pos;
+	uint64_t avail_ns, pop_ns, read_ns, pos, push_ns, signal_ns;
 };
 
 static struct vq *vqs;
@@ -98,7 +108,10 @@ static long blocks, first_block;
 static uint64_t poll_ns;
 static uint64_t notify_stride = 4;
 static _Atomic int stop, failed;
+static int tcg; /* -accel tcg: no KVM */
 static struct logent *logv; /* [q * ios_per_q + seq] */
+/* The log entries of the completions one reap pushed. */
+static struct logent *reaped[4 * RING];
 static void *bufs;
 /* Before a pop: when the engine began reading the kick it serves (0: the
  * pop is a poll's). */
@@ -128,6 +141,13 @@ __attribute__((noinline, used, optimize("O0"))) void virtqueue_flush(void *vq, u
 	__asm__ volatile("" ::"r"(vq), "r"(count) : "memory");
 }
 
+/* QEMU raising a queue's MSI-X interrupt in user space (TCG): probed as
+ * on QEMU's, unoptimised likewise. */
+__attribute__((noinline, used, optimize("O0"))) void msix_notify(void *dev, unsigned vector)
+{
+	__asm__ volatile("" ::"r"(dev), "r"(vector) : "memory");
+}
+
 /* QEMU's merge accounting, probed beside the flush: this engine never
  * merges requests, so it is never called. */
 __attribute__((noinline, used, optimize("O0"))) void block_acct_merge_done(void *stats, int type, int num_merged)
@@ -140,7 +160,17 @@ __attribute__((noinline, used, optimize("O0"))) void block_acct_merge_done(void 
 static void kick(struct vq *v, int q)
 {
 	struct kvm_regs regs = { .rip = 0, .rflags = 2, .rbx = NOTIFY_GPA + notify_stride * q };
+	uint64_t one = 1;
 
+	if (tcg) {
+		/* QEMU's emulated notify write: event_notifier_set(). */
+		if (write(v->kick, &one, sizeof(one)) != sizeof(one)) {
+			fprintf(stderr, "vm_load: kick: %s\n", strerror(errno));
+			failed = 1;
+		}
+		v->kicks++;
+		return;
+	}
 	if (ioctl(v->vcpu, KVM_SET_REGS, &regs) < 0 || ioctl(v->vcpu, KVM_RUN, 0) < 0 ||
 	    v->run->exit_reason != KVM_EXIT_IO) {
 		fprintf(stderr, "vm_load: KVM_RUN: %s (exit %u)\n", strerror(errno), v->run->exit_reason);
@@ -156,8 +186,20 @@ static void *vcpu(void *arg)
 	char name[16];
 	uint32_t made = 0;
 
-	snprintf(name, sizeof(name), "CPU %d/KVM", q);
+	snprintf(name, sizeof(name), tcg ? "CPU %d/TCG" : "CPU %d/KVM", q);
 	prctl(PR_SET_NAME, name);
+	if (tcg) {
+		/* QEMU's queue notifier, made when the guest driver starts the
+		 * device: in the vCPU thread. */
+		struct epoll_event ev = { .events = EPOLLIN, .data.u32 = q };
+
+		v->kick = eventfd(0, EFD_NONBLOCK);
+		if (v->kick < 0 || epoll_ctl(ep, EPOLL_CTL_ADD, v->kick, &ev) < 0) {
+			fprintf(stderr, "vm_load: notifier: %s\n", strerror(errno));
+			failed = 1;
+			return NULL;
+		}
+	}
 	for (;;) {
 		uint32_t used = atomic_load_explicit(&v->used_idx, memory_order_acquire);
 		int n = 0;
@@ -315,6 +357,12 @@ static int reap(void)
 			fprintf(stderr, "vm_load: read: %s\n", c->res < 0 ? strerror(-c->res) : "short");
 			failed = 1;
 		}
+		if (logv) {
+			struct logent *l = &logv[q * ios_per_q + vqs[q].seq[(uint32_t)c->user_data]];
+
+			l->push_ns = now_ns();
+			reaped[n] = l;
+		}
 		vqs[q].done++;
 		atomic_fetch_add(&vqs[q].used_idx, 1);
 		virtqueue_flush(&vqs[q], 1);
@@ -325,7 +373,17 @@ static int reap(void)
 	atomic_store_explicit((_Atomic unsigned *)ring.cq_head, head, memory_order_release);
 	for (int q = 0; q < nq; q++)
 		if (touched[q / 64] & (1ull << (q % 64))) {
-			if (write(vqs[q].call, &one, sizeof(one)) != sizeof(one))
+			if (logv) {
+				/* When the interrupt of each request's queue was raised. */
+				uint64_t t = now_ns();
+
+				for (int i = 0; i < n; i++)
+					if (reaped[i] >= &logv[q * ios_per_q] && reaped[i] < &logv[(q + 1) * ios_per_q])
+						reaped[i]->signal_ns = t;
+			}
+			if (tcg)
+				msix_notify(&vqs[q], (unsigned)q);
+			else if (write(vqs[q].call, &one, sizeof(one)) != sizeof(one))
 				failed = 1;
 			if (atomic_load(&vqs[q].waiting))
 				syscall(SYS_futex, &vqs[q].used_idx, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
@@ -441,15 +499,62 @@ static void *engine(void *name)
 	return NULL;
 }
 
-int main(int argc, char **argv)
+/* The VM: one page of guest code, a vCPU per queue. */
+static int vm = -1;
+
+static int kvm_setup(void)
 {
 	/* mov al, 1; mov [bx], al; out 0x10, al */
 	static const uint8_t code[] = { 0xb0, 0x01, 0x88, 0x07, 0xe6, 0x10 };
 	struct kvm_userspace_memory_region mem = { .slot = 0, .guest_phys_addr = 0, .memory_size = 0x1000 };
-	const char *image = NULL, *name = "vm", *logpath = getenv("IOSPAN_VM_LOG");
-	int kvm, vm, sz;
-	struct stat st;
 	uint8_t *ram;
+	int kvm, sz;
+
+	kvm = open("/dev/kvm", O_RDWR);
+	if (kvm < 0)
+		return die("/dev/kvm");
+	vm = ioctl(kvm, KVM_CREATE_VM, 0);
+	if (vm < 0)
+		return die("KVM_CREATE_VM");
+	ram = mmap(NULL, 0x1000, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	if (ram == MAP_FAILED)
+		return die("guest memory");
+	memcpy(ram, code, sizeof(code));
+	mem.userspace_addr = (uint64_t)ram;
+	if (ioctl(vm, KVM_SET_USER_MEMORY_REGION, &mem) < 0)
+		return die("KVM_SET_USER_MEMORY_REGION");
+	if (ioctl(vm, KVM_CREATE_IRQCHIP, 0) < 0)
+		return die("KVM_CREATE_IRQCHIP");
+	sz = ioctl(kvm, KVM_GET_VCPU_MMAP_SIZE, 0);
+	for (int q = 0; q < nq; q++) {
+		struct vq *v = &vqs[q];
+		struct kvm_sregs sregs;
+
+		v->vcpu = ioctl(vm, KVM_CREATE_VCPU, q);
+		if (v->vcpu < 0)
+			return die("KVM_CREATE_VCPU");
+		v->run = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, v->vcpu, 0);
+		if (v->run == MAP_FAILED || ioctl(v->vcpu, KVM_GET_SREGS, &sregs) < 0)
+			return die("vCPU state");
+		sregs.cs.base = sregs.cs.selector = sregs.ds.base = sregs.ds.selector = 0;
+		if (ioctl(v->vcpu, KVM_SET_SREGS, &sregs) < 0)
+			return die("KVM_SET_SREGS");
+		/* With the in-kernel irqchip a vCPU other than the first
+		 * waits for a startup IPI; each runs its queue's code now. */
+		{
+			struct kvm_mp_state mp = { .mp_state = KVM_MP_STATE_RUNNABLE };
+
+			if (ioctl(v->vcpu, KVM_SET_MP_STATE, &mp) < 0)
+				return die("KVM_SET_MP_STATE");
+		}
+	}
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	const char *image = NULL, *name = "vm", *logpath = getenv("IOSPAN_VM_LOG");
+	struct stat st;
 	uint64_t t1, kicks = 0;
 	long total = 0;
 
@@ -459,6 +564,8 @@ int main(int argc, char **argv)
 
 			if (f)
 				image = strndup(f + 5, strcspn(f + 5, ","));
+		} else if (!strcmp(argv[i], "-accel")) {
+			tcg = !strncmp(argv[i + 1], "tcg", 3);
 		} else if (!strcmp(argv[i], "-name")) {
 			char *g = strstr(argv[i + 1], "guest=");
 
@@ -509,48 +616,13 @@ int main(int argc, char **argv)
 		return die("queues");
 	memset(vqs, 0, sizeof(*vqs) * nq);
 
-	kvm = open("/dev/kvm", O_RDWR);
-	if (kvm < 0)
-		return die("/dev/kvm");
-	vm = ioctl(kvm, KVM_CREATE_VM, 0);
-	if (vm < 0)
-		return die("KVM_CREATE_VM");
-	ram = mmap(NULL, 0x1000, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-	if (ram == MAP_FAILED)
-		return die("guest memory");
-	memcpy(ram, code, sizeof(code));
-	mem.userspace_addr = (uint64_t)ram;
-	if (ioctl(vm, KVM_SET_USER_MEMORY_REGION, &mem) < 0)
-		return die("KVM_SET_USER_MEMORY_REGION");
-	if (ioctl(vm, KVM_CREATE_IRQCHIP, 0) < 0)
-		return die("KVM_CREATE_IRQCHIP");
-	sz = ioctl(kvm, KVM_GET_VCPU_MMAP_SIZE, 0);
-	for (int q = 0; q < nq; q++) {
-		struct vq *v = &vqs[q];
-		struct kvm_sregs sregs;
-
-		v->total = seconds > 0 ? -1 : ios_per_q;
-		v->vcpu = ioctl(vm, KVM_CREATE_VCPU, q);
-		if (v->vcpu < 0)
-			return die("KVM_CREATE_VCPU");
-		v->run = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, v->vcpu, 0);
-		if (v->run == MAP_FAILED || ioctl(v->vcpu, KVM_GET_SREGS, &sregs) < 0)
-			return die("vCPU state");
-		sregs.cs.base = sregs.cs.selector = sregs.ds.base = sregs.ds.selector = 0;
-		if (ioctl(v->vcpu, KVM_SET_SREGS, &sregs) < 0)
-			return die("KVM_SET_SREGS");
-		/* With the in-kernel irqchip a vCPU other than the first
-		 * waits for a startup IPI; each runs its queue's code now. */
-		{
-			struct kvm_mp_state mp = { .mp_state = KVM_MP_STATE_RUNNABLE };
-
-			if (ioctl(v->vcpu, KVM_SET_MP_STATE, &mp) < 0)
-				return die("KVM_SET_MP_STATE");
-		}
-	}
+	for (int q = 0; q < nq; q++)
+		vqs[q].total = seconds > 0 ? -1 : ios_per_q;
+	if (!tcg && kvm_setup() != 0)
+		return 1;
 	/* Give the host agent time to see this VM before its device starts,
 	 * as a guest's boot would. */
-	usleep(500 * 1000);
+	usleep((getenv("IOSPAN_VM_DELAY_MS") ? atol(getenv("IOSPAN_VM_DELAY_MS")) : 500) * 1000);
 	done_efd = eventfd(0, EFD_NONBLOCK);
 	ep = epoll_create1(0);
 	if (done_efd < 0 || ep < 0 || uring_setup(4 * RING, done_efd) < 0)
@@ -565,10 +637,16 @@ int main(int argc, char **argv)
 		struct kvm_irqfd irqfd = { .gsi = 24 + q };
 		struct epoll_event ev = { .events = EPOLLIN, .data.u32 = q };
 
-		v->kick = eventfd(0, EFD_NONBLOCK);
 		v->call = eventfd(0, 0);
+		if (v->call < 0)
+			return die("eventfd");
+		if (tcg)
+			continue; /* its notifier comes from its vCPU thread */
+		v->kick = eventfd(0, EFD_NONBLOCK);
 		notify.fd = v->kick;
-		if (v->kick < 0 || v->call < 0 || ioctl(vm, KVM_IOEVENTFD, &notify) < 0)
+		if (v->kick < 0)
+			return die("eventfd");
+		if (ioctl(vm, KVM_IOEVENTFD, &notify) < 0)
 			return die("KVM_IOEVENTFD");
 		/* Every queue's interrupt, as an MSI route (the table is set whole). */
 		for (int r = 0; r <= q; r++) {
@@ -627,9 +705,10 @@ int main(int argc, char **argv)
 			for (long i = 0; i < ios_per_q; i++) {
 				struct logent *l = &logv[q * ios_per_q + i];
 
-				fprintf(f, "%d %ld %llu %llu %llu %llu\n", q, i, (unsigned long long)l->pos,
+				fprintf(f, "%d %ld %llu %llu %llu %llu %llu %llu\n", q, i, (unsigned long long)l->pos,
 					(unsigned long long)l->avail_ns, (unsigned long long)l->pop_ns,
-					(unsigned long long)l->read_ns);
+					(unsigned long long)l->read_ns, (unsigned long long)l->push_ns,
+					(unsigned long long)l->signal_ns);
 			}
 		if (fclose(f))
 			return die(logpath);

@@ -292,12 +292,18 @@ fn fetch_kernel(kernel_dir: &Path, kernel: &Path) -> Result<()> {
 /// The modules to load, dependencies first. A package's modules.dep is
 /// made by depmod at install time, so dependencies are read from each
 /// module's own `.modinfo` (its `depends=` entry).
-fn module_order(kernel_dir: &Path) -> Result<Vec<PathBuf>> {
-    let base = std::fs::read_dir(kernel_dir.join("lib/modules"))?
+pub(crate) fn module_order(kernel_dir: &Path, names: &[&str]) -> Result<Vec<PathBuf>> {
+    // usr/lib/modules in packages of a merged /usr (Debian 13 on).
+    let modules = ["lib/modules", "usr/lib/modules"]
+        .iter()
+        .map(|d| kernel_dir.join(d))
+        .find(|d| d.is_dir())
+        .context("no lib/modules in the kernel package")?;
+    let base = std::fs::read_dir(&modules)?
         .flatten()
         .map(|e| e.path())
         .next()
-        .context("no lib/modules in the kernel package")?;
+        .context("no kernel version under lib/modules in the kernel package")?;
     let mut by_name = std::collections::HashMap::new();
     let mut stack = vec![base.join("kernel")];
     while let Some(d) = stack.pop() {
@@ -305,17 +311,17 @@ fn module_order(kernel_dir: &Path) -> Result<Vec<PathBuf>> {
             let p = e.path();
             if p.is_dir() {
                 stack.push(p);
-            } else if let Some(n) = p
-                .file_name()
-                .and_then(|n| n.to_str())
-                .and_then(|n| n.strip_suffix(".ko"))
-            {
+            } else if let Some(n) = p.file_name().and_then(|n| n.to_str()).and_then(|n| {
+                [".ko", ".ko.xz", ".ko.zst"]
+                    .iter()
+                    .find_map(|ext| n.strip_suffix(ext))
+            }) {
                 by_name.insert(n.replace('-', "_"), p.clone());
             }
         }
     }
     let depends = |p: &Path| -> Result<Vec<String>> {
-        let bytes = std::fs::read(p)?;
+        let bytes = module_bytes(p)?;
         let key = b"depends=";
         let at = bytes
             .windows(key.len())
@@ -350,15 +356,54 @@ fn module_order(kernel_dir: &Path) -> Result<Vec<PathBuf>> {
     }
     let mut order = Vec::new();
     let mut seen = BTreeSet::new();
-    for name in MODULES {
+    let builtin = std::fs::read_to_string(base.join("modules.builtin")).unwrap_or_default();
+    for name in names {
+        if !by_name.contains_key(*name) {
+            let file = |l: &str| {
+                l.rsplit('/')
+                    .next()
+                    .map(|f| f.trim_end_matches(".ko").replace('-', "_"))
+            };
+            if builtin.lines().any(|l| file(l).as_deref() == Some(*name)) {
+                // Built into this kernel: nothing to load.
+                continue;
+            }
+        }
         visit(name, &by_name, &depends, &mut seen, &mut order)?;
     }
     Ok(order)
 }
 
+/// A module file's contents, decompressed (busybox insmod takes plain
+/// modules; newer kernel packages ship them compressed).
+pub(crate) fn module_bytes(p: &Path) -> Result<Vec<u8>> {
+    let tool = match p.extension().and_then(|e| e.to_str()) {
+        Some("xz") => "xz",
+        Some("zst") => "zstd",
+        _ => return std::fs::read(p).with_context(|| format!("reading {}", p.display())),
+    };
+    let out = sh::output(Command::new(tool).arg("-dc").arg(p))?;
+    if !out.status.success() {
+        bail!(
+            "{tool} -dc {}: {}",
+            p.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(out.stdout)
+}
+
+/// The module's file name once decompressed.
+pub(crate) fn module_name(p: &Path) -> Result<String> {
+    let n = p.file_name().context("module name")?.to_string_lossy();
+    Ok(n.trim_end_matches(".xz")
+        .trim_end_matches(".zst")
+        .to_string())
+}
+
 /// `iospan`, static (musl), for the guest: cargo rebuilds it only when
 /// the agent changed.
-fn build_guest_agent() -> Result<PathBuf> {
+pub(crate) fn build_guest_agent() -> Result<PathBuf> {
     setup::ensure_rust_target(GUEST_TARGET)?;
     sh::cargo(&[
         "build",
@@ -401,16 +446,9 @@ fn build_initrd(kernel_dir: &Path, initrd: &Path, agent: &Path) -> Result<()> {
             .arg(agent),
     )?;
     let mut names = Vec::new();
-    for m in module_order(kernel_dir)? {
-        let name = m
-            .file_name()
-            .context("module name")?
-            .to_string_lossy()
-            .into_owned();
-        if m.extension().is_some_and(|e| e == "xz" || e == "zst") {
-            bail!("compressed module {name}: busybox insmod needs plain .ko");
-        }
-        std::fs::copy(&m, stage.join("modules").join(&name))?;
+    for m in module_order(kernel_dir, MODULES)? {
+        let name = module_name(&m)?;
+        std::fs::write(stage.join("modules").join(&name), module_bytes(&m)?)?;
         names.push(name);
     }
     std::fs::write(stage.join("modules.order"), names.join("\n") + "\n")?;

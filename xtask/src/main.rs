@@ -43,6 +43,17 @@ enum Cmd {
         #[command(subcommand)]
         cmd: guest::GuestCmd,
     },
+    /// The kernel matrix: iospan inside Debian's cloud kernels (5.10, 6.1,
+    /// 6.12) booted under QEMU; each step's output under
+    /// target/matrix/SUITE/out. The tests check it (tests/tests/matrix.rs).
+    Matrix {
+        /// Kernels by series or suite (5.10, bookworm, …); all when none.
+        kernels: Vec<String>,
+        /// Only these steps (doctor, guest, block, vm-always-on,
+        /// vm-avoiding, vm-deep).
+        #[arg(long, value_delimiter = ',')]
+        steps: Vec<String>,
+    },
     /// Regenerate bpf/include/vmlinux/<arch>/vmlinux.h from this kernel's BTF.
     Vmlinux,
     /// Tracing backends (Jaeger) built from source and cached outside the
@@ -109,6 +120,7 @@ fn main() -> Result<()> {
             bench_vm::vm(&a)
         }
         Cmd::Guest { cmd } => guest::main(cmd),
+        Cmd::Matrix { kernels, steps } => xtask::matrix::main(&kernels, &steps),
         Cmd::Vmlinux => setup::vmlinux(),
         Cmd::Backends { cmd } => backends::main(cmd),
         Cmd::Dashboards => xtask::dashboards::check(),

@@ -361,7 +361,12 @@ fn traced_boot(a: RunArgs) {
         "streamed records of {}/{}",
         a.name, a.disk_id
     );
-    if followed && a.disk != DiskModel::VhostUser && a.aio != Aio::Threads && a.qd > 1 && a.rw == "randread" {
+    if followed
+        && a.disk != DiskModel::VhostUser
+        && a.aio != Aio::Threads
+        && a.qd > 1
+        && a.rw == "randread"
+    {
         own_pickups(&events, &a);
     }
     // A passing boot's files go (a failing one's stay in the temp
@@ -384,8 +389,14 @@ fn own_pickups(events: &[Value], a: &RunArgs) {
         .filter(|e| (e["kind"] == "guest_io" || e["kind"] == "vm_io") && e["vm"] == a.name.as_str())
     {
         let kick = sp["kick_ns"].as_u64().unwrap();
-        let (pick, start) = (sp["pick_ns"].as_u64().unwrap(), sp["start_ns"].as_u64().unwrap());
-        assert!(kick <= pick && pick <= start, "pickup outside kick → start: {sp}");
+        let (pick, start) = (
+            sp["pick_ns"].as_u64().unwrap(),
+            sp["start_ns"].as_u64().unwrap(),
+        );
+        assert!(
+            kick <= pick && pick <= start,
+            "pickup outside kick → start: {sp}"
+        );
         batches.entry(kick).or_default().push((pick, start));
     }
     let shared: Vec<_> = batches.values().filter(|b| b.len() > 1).collect();

@@ -1,0 +1,343 @@
+//! The kernel matrix: the release binary inside Debian's cloud kernels of
+//! bullseye (5.10), bookworm (6.1) and trixie (6.12), booted under QEMU
+//! (`xtask::matrix`). On each: `iospan doctor`'s verdicts against what then
+//! loads; the block split exact against the disk's own counters; the VM
+//! split of a VM-shaped process (vm_load under -accel tcg: vCPU threads
+//! kicking eventfds, an io_uring engine, interrupts raised in user space)
+//! exact and tiling in every flavour iospan may choose there — fentry and
+//! kprobes on eventfd_read/eventfd_write, which this machine's kernel
+//! lacks, among them — and in the deep tier; the guest agent recording.
+//! A kernel iospan does not support is refused with one line.
+
+use std::collections::BTreeSet;
+
+use serde_json::Value;
+use xtask::matrix::{self, Outcome};
+
+fn boot(series: &str) -> Outcome {
+    let r = matrix::release(series).unwrap();
+    let o = matrix::run(r).unwrap_or_else(|e| panic!("{e:#}"));
+    eprintln!(
+        "Debian {} ({}): {:.0} s",
+        r.suite,
+        o.file("kernel").unwrap().trim(),
+        o.seconds
+    );
+    o
+}
+
+fn works(doctor: &Value, probe: &str) -> bool {
+    doctor["probes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["probe"] == probe)
+        .unwrap_or_else(|| panic!("doctor did not try {probe}: {doctor:#}"))["works"]
+        == true
+}
+
+/// The flavour of each attachment in a report: tracepoint (or function)
+/// name → flavour.
+fn flavours(rep: &Value) -> Vec<(String, String)> {
+    rep["probes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["tracepoint"].as_str().unwrap().to_string(),
+                p["flavour"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+fn field(text: &str, key: &str) -> u64 {
+    text.split_whitespace()
+        .find_map(|w| w.strip_prefix(key))
+        .unwrap_or_else(|| panic!("no {key} in {text}"))
+        .parse()
+        .unwrap()
+}
+
+/// Reads and writes the disk completed between two /sys/block/*/stat lines.
+fn stat_ios(before: &str, after: &str) -> u64 {
+    let f = |s: &str| -> Vec<u64> { s.split_whitespace().map(|v| v.parse().unwrap()).collect() };
+    let (b, a) = (f(before), f(after));
+    (a[0] - b[0]) + (a[4] - b[4])
+}
+
+/// The block split: every request the disk completed, counted.
+fn block_split_exact(o: &Outcome, doctor: &Value) {
+    assert_eq!(
+        o.rc("block").unwrap(),
+        0,
+        "{}",
+        o.file("block.err").unwrap()
+    );
+    let rep = o.json("block.json").unwrap();
+    let ios: u64 = rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["disk"] == "vda" && e["vm"].is_null())
+        .map(|e| e["ios"].as_u64().unwrap())
+        .sum();
+    let disk = stat_ios(
+        &o.file("block.before").unwrap(),
+        &o.file("block.after").unwrap(),
+    );
+    assert_eq!(
+        ios + rep["lost"]["unseen"].as_u64().unwrap(),
+        disk,
+        "{}",
+        rep["lost"]
+    );
+    assert!(disk >= 3000, "the workload's 3000 reads: {disk}");
+    let want = if works(doctor, "tp_btf") {
+        "tp_btf"
+    } else {
+        "raw_tp"
+    };
+    for (tp, f) in flavours(&rep) {
+        if tp.starts_with("block_") {
+            assert_eq!(
+                f,
+                want,
+                "{tp}: doctor says tp_btf works: {}",
+                want == "tp_btf"
+            );
+        }
+    }
+}
+
+/// The guest agent on this kernel as a guest's: its probes attached and
+/// every I/O of the workload recorded (sent over the channel, held, or
+/// dropped and counted).
+fn guest_agent_records(o: &Outcome) {
+    let err = o.file("guest.err").unwrap();
+    assert_eq!(o.rc("guest").unwrap(), 0, "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("records sent"))
+        .unwrap_or_else(|| panic!("no account from the guest agent: {err}"));
+    let n = |after: &str| -> u64 {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let i = words
+            .iter()
+            .position(|w| w.trim_end_matches(',') == after)
+            .unwrap_or_else(|| panic!("no {after} in the guest agent's account: {line}"));
+        words[i - 1]
+            .parse()
+            .unwrap_or_else(|_| panic!("no count before {after}: {line}"))
+    };
+    let recorded = n("records") + n("dropped") + n("undelivered");
+    assert!(
+        recorded >= 2000,
+        "the workload's 2000 reads, {recorded} recorded: {line}"
+    );
+    let channel = std::fs::metadata(o.out.join("channel.bin"))
+        .map(|m| m.len())
+        .unwrap_or(0);
+    assert!(channel > 0, "nothing written to the guest channel");
+}
+
+/// Programs that may rightly not run in a short run (requeues, merges,
+/// io-wq hand-offs of a device that never refused a request).
+const MAY_NOT_FIRE: &[&str] = &[
+    "block_rq_requeue",
+    // Requests issued directly (no I/O scheduler) are never inserted.
+    "block_rq_insert",
+    "block_bio_backmerge",
+    "block_bio_frontmerge",
+    "block_rq_merge",
+    "io_uring_queue_async_work",
+    "sys_enter_io_submit",
+    "sys_enter_close",
+    // The old eventfd(2): C libraries make eventfd2.
+    "sys_exit_eventfd",
+    "block_acct_merge_done",
+];
+
+/// A VM run: its requests counted exactly, split, the segments tiling the
+/// window, every program it attached run.
+fn vm_split_exact(o: &Outcome, mode: &str) -> Value {
+    let err = o.file(&format!("vm-{mode}.err")).unwrap();
+    assert_eq!(o.rc(&format!("vm-{mode}")).unwrap(), 0, "{mode}: {err}");
+    let rep = o.json(&format!("vm-{mode}.json")).unwrap();
+    let made = field(&o.file(&format!("vm-{mode}.out")).unwrap(), "requests=");
+    assert_eq!(made, 2000, "{mode}");
+    let vm = format!("matrix-{mode}");
+    let e = rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == vm.as_str() && e["disk"] == "d0" && e["op"] == "read")
+        .unwrap_or_else(|| panic!("{mode}: no entry of {vm}/d0: {:#}", rep["entries"]));
+    let v = rep["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == vm.as_str())
+        .unwrap();
+    let merged = v["host_merged"].as_u64().unwrap() + v["engine_merged"].as_u64().unwrap();
+    let ios = e["ios"].as_u64().unwrap();
+    assert_eq!(
+        ios + merged + e["undelivered"].as_u64().unwrap_or(0),
+        made,
+        "{mode}: {e}"
+    );
+    let split = &rep["lost"]["host_split"];
+    let unsplit: u64 = [
+        "no_kick",
+        "no_signal",
+        "unordered",
+        "not_followed",
+        "polled",
+    ]
+    .iter()
+    .map(|k| split[k].as_u64().unwrap())
+    .sum();
+    let seg = |k: &str| e["segments"][k].clone();
+    let count = seg("host_window")["count"].as_u64().unwrap();
+    assert_eq!(
+        count + unsplit,
+        ios,
+        "{mode}: every request split or counted unsplit: {split}"
+    );
+    assert!(
+        count * 100 >= ios * 95,
+        "{mode}: {count} of {ios} split: {split}"
+    );
+    let mean = |k: &str| seg(k)["mean_us"].as_f64().unwrap();
+    let tiled = mean("hypervisor") + mean("engine") + mean("device");
+    assert!(
+        (tiled - mean("host_window")).abs() <= 0.01 * mean("host_window"),
+        "{mode}: segments {tiled} vs window {}",
+        mean("host_window")
+    );
+    let fired: BTreeSet<String> = rep["agent"]["bpf"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{mode}: no program statistics: {:#}", rep["agent"]))
+        .iter()
+        .filter(|p| p["run_count"].as_u64().unwrap_or(0) > 0)
+        .map(|p| p["name"].as_str().unwrap().to_string())
+        .collect();
+    // Loaded is not attached: each attached program must have run.
+    for p in rep["probes"].as_array().unwrap() {
+        let name = p["program"].as_str().unwrap();
+        let base = name
+            .trim_end_matches("_btf")
+            .trim_end_matches("_fentry")
+            .trim_end_matches("_kprobe");
+        assert!(
+            fired.contains(name) || MAY_NOT_FIRE.contains(&base),
+            "{mode}: {name} attached and never ran (ran: {fired:?})"
+        );
+    }
+    rep
+}
+
+/// The eventfd probes the always-on tier chose: their flavour, if any.
+fn eventfd_flavour(rep: &Value) -> Option<String> {
+    let f = flavours(rep);
+    let of = |name: &str| {
+        f.iter()
+            .find(|(tp, _)| tp == name)
+            .map(|(_, fl)| fl.clone())
+    };
+    let (r, w) = (of("eventfd_read"), of("eventfd_write"));
+    assert_eq!(
+        r, w,
+        "eventfd_read and eventfd_write in different flavours: {f:?}"
+    );
+    r
+}
+
+fn supported_kernel(series: &str) {
+    let o = boot(series);
+    assert_eq!(
+        o.rc("doctor").unwrap(),
+        0,
+        "{}",
+        o.file("doctor.err").unwrap()
+    );
+    let doctor = o.json("doctor.json").unwrap();
+    assert!(works(&doctor, "atomics"), "doctor: {doctor:#}");
+    block_split_exact(&o, &doctor);
+    guest_agent_records(&o);
+
+    // The flavours iospan picks: doctor's verdicts are what then loads.
+    let rep = vm_split_exact(&o, "always-on");
+    let want = if works(&doctor, "fentry") {
+        Some("fentry")
+    } else if works(&doctor, "kprobe") {
+        Some("kprobe")
+    } else {
+        None
+    };
+    assert_eq!(
+        eventfd_flavour(&rep).as_deref(),
+        want,
+        "doctor: fentry {}, kprobe {}",
+        works(&doctor, "fentry"),
+        works(&doctor, "kprobe")
+    );
+    assert!(
+        !flavours(&rep)
+            .iter()
+            .any(|(tp, _)| tp.starts_with("syscalls:")),
+        "the always-on tier attached a system-call tracepoint: {:?}",
+        flavours(&rep)
+    );
+    assert_eq!(
+        rep["vms"][0]["kicks"], "any-vcpu-eventfd",
+        "{}",
+        rep["vms"][0]
+    );
+
+    // Told to avoid tp_btf and fentry: raw_tp, and kprobes where they work.
+    let rep = vm_split_exact(&o, "avoiding");
+    let want = works(&doctor, "kprobe").then_some("kprobe");
+    assert_eq!(eventfd_flavour(&rep).as_deref(), want);
+    for (tp, f) in flavours(&rep) {
+        assert!(f != "tp_btf" && f != "fentry", "{tp} on {f} though avoided");
+    }
+
+    let rep = vm_split_exact(&o, "deep");
+    assert_eq!(rep["tier"], "deep");
+    assert!(flavours(&rep)
+        .iter()
+        .any(|(tp, _)| tp == "syscalls:sys_enter_read"));
+}
+
+#[test]
+fn kernel_5_10_bullseye_is_refused_with_one_line() {
+    let o = boot("5.10");
+    let doctor = o.json("doctor.json").unwrap();
+    // Doctor says so, and never "ok" for what then fails to load.
+    assert!(!works(&doctor, "atomics"), "{doctor:#}");
+    let seg = doctor["segments"].as_array().unwrap();
+    assert!(seg.iter().all(|s| s["measurable"] == "no"), "{seg:#?}");
+    for step in ["block", "vm-always-on", "guest"] {
+        assert_ne!(o.rc(step).unwrap(), 0, "{step} ran on 5.10");
+        let err = o.file(&format!("{step}.err")).unwrap();
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{step}: {err}");
+        assert!(
+            lines[0].contains("atomic") && lines[0].contains("5.12"),
+            "{step}: {}",
+            lines[0]
+        );
+    }
+}
+
+#[test]
+fn kernel_6_1_bookworm() {
+    supported_kernel("6.1");
+}
+
+#[test]
+fn kernel_6_12_trixie() {
+    supported_kernel("6.12");
+}
