@@ -268,7 +268,8 @@ fn supported_kernel(series: &str) {
     guest_agent_records(&o);
 
     // The flavours iospan picks: doctor's verdicts are what then loads.
-    let rep = vm_split_exact(&o, "always-on");
+    let always_on = vm_split_exact(&o, "always-on");
+    let rep = &always_on;
     let want = if works(&doctor, "fentry") {
         Some("fentry")
     } else if works(&doctor, "kprobe") {
@@ -304,11 +305,29 @@ fn supported_kernel(series: &str) {
         assert!(f != "tp_btf" && f != "fentry", "{tp} on {f} though avoided");
     }
 
-    let rep = vm_split_exact(&o, "deep");
-    assert_eq!(rep["tier"], "deep");
-    assert!(flavours(&rep)
+    let deep = vm_split_exact(&o, "deep");
+    assert_eq!(deep["tier"], "deep");
+    assert!(flavours(&deep)
         .iter()
         .any(|(tp, _)| tp == "syscalls:sys_enter_read"));
+
+    // Doctor's verdicts, type by type, are what the three runs loaded.
+    let loaded: BTreeSet<String> = [&always_on, &rep, &deep]
+        .iter()
+        .flat_map(|r| flavours(r))
+        .map(|(_, f)| f)
+        .collect();
+    let said: BTreeSet<String> = doctor["probes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["works"] == true && p["probe"] != "atomics")
+        .map(|p| p["probe"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        said, loaded,
+        "doctor's working program types vs what the runs attached: {doctor:#}"
+    );
 }
 
 #[test]

@@ -83,6 +83,8 @@ pub extern "C" fn iospan_uprobe_target(x: u64) -> u64 {
 /// Each type tried. Where the atomics fail, no type can carry iospan's
 /// programs: each says so rather than "works" for what would not load.
 pub fn probe_all() -> Vec<ProbeResult> {
+    // As a run would: tracefs mounted where the host has not.
+    crate::probes::host::mount_tracefs();
     let btf = Btf::from_sys_fs().ok();
     let mut results: Vec<ProbeResult> = ProbeType::ALL
         .iter()
@@ -206,8 +208,10 @@ fn try_probe(ebpf: &mut Ebpf, btf: Option<&Btf>, probe: ProbeType) -> Result<(),
             p.load().map_err(|e| step("load", &e))?;
             let exe =
                 std::env::current_exe().map_err(|e| format!("finding our own binary: {e}"))?;
+            // By file offset, not symbol: a packaged binary is stripped.
+            let offset = own_file_offset(iospan_uprobe_target as *const () as usize)?;
             p.attach(
-                "iospan_uprobe_target",
+                offset,
                 &exe,
                 aya::programs::uprobe::UProbeScope::CallingProcess,
             )
@@ -220,6 +224,28 @@ fn try_probe(ebpf: &mut Ebpf, btf: Option<&Btf>, probe: ProbeType) -> Result<(),
         return Err("attached, but did not fire when triggered".into());
     }
     Ok(())
+}
+
+/// Where a code address of this process lies in its executable's file,
+/// from the mapping that holds it.
+fn own_file_offset(addr: usize) -> Result<u64, String> {
+    let maps = std::fs::read_to_string("/proc/self/maps")
+        .map_err(|e| format!("reading /proc/self/maps: {e}"))?;
+    maps.lines()
+        .find_map(|line| {
+            let mut f = line.split_whitespace();
+            let (start, end) = f.next()?.split_once('-')?;
+            let (start, end) = (
+                usize::from_str_radix(start, 16).ok()?,
+                usize::from_str_radix(end, 16).ok()?,
+            );
+            let _perms = f.next()?;
+            let offset = u64::from_str_radix(f.next()?, 16).ok()?;
+            (start..end)
+                .contains(&addr)
+                .then(|| offset + (addr - start) as u64)
+        })
+        .ok_or_else(|| format!("no mapping of this binary holds {addr:#x}"))
 }
 
 fn trigger(probe: ProbeType) {
@@ -317,7 +343,7 @@ pub fn uprobe_costs() -> Result<Vec<UprobeCost>, String> {
             let p: &mut UProbe = prog.try_into().map_err(|e| step("type", &e))?;
             p.load().map_err(|e| step("load", &e))?;
             p.attach(
-                symbol,
+                own_file_offset(f as *const () as usize)?,
                 &exe,
                 aya::programs::uprobe::UProbeScope::CallingProcess,
             )

@@ -72,7 +72,8 @@ fn sum_counts(per_cpu: &aya::maps::PerCpuValues<VmCounts>) -> VmCounts {
         a
     })
 }
-use vm::{add_vm_maps, dio_end_io_addresses, mount_tracefs};
+pub(crate) use vm::mount_tracefs;
+use vm::{add_vm_maps, dio_end_io_addresses};
 
 /// The hash tables whose fill /metrics shows.
 const FILL_MAPS: &[&str] = &[

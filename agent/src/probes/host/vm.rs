@@ -67,7 +67,7 @@ pub fn io_uring_tracepoints() -> bool {
     .any(|p| std::path::Path::new(p).exists())
 }
 
-pub(super) fn mount_tracefs() {
+pub(crate) fn mount_tracefs() {
     if std::path::Path::new("/sys/kernel/tracing/events").exists()
         || std::path::Path::new("/sys/kernel/debug/tracing/events").exists()
     {
