@@ -293,6 +293,16 @@ static __always_inline int vm_bio_start(struct bio *bio, __u32 dev, __u32 op, __
 	v->stamp_ns = start;
 	if (!bio)
 		return 1;
+	if (c->proc.state == VM_PROC_STARTING && in_vcpu()) {
+		/* A vCPU submitting it: QEMU serves a device in the vCPU's exit
+		 * until the guest driver starts its notifiers — the firmware's
+		 * first reads. The guest runs. */
+		struct vm_proc *p = vm_proc_of(tgid);
+
+		if (p)
+			vm_proc_set_state(p, VM_PROC_RUNNING);
+		c->proc.state = VM_PROC_RUNNING;
+	}
 	if (c->proc.state == VM_PROC_RUNNING)
 		v->vdisk = vdisk_of(bio, v->vm, v->dev, &v->pos, btf, c);
 	if (targ_vm_segments)

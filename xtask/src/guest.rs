@@ -104,6 +104,17 @@ pub struct RunArgs {
     /// vCPU (num-queues, QEMU's default made explicit).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub cpus: u32,
+    /// The QEMU system emulator to boot with (default: qemu-system-x86_64
+    /// on PATH), e.g. another release unpacked beside the installed one.
+    #[arg(long, value_name = "PATH")]
+    pub qemu: Option<PathBuf>,
+    /// That QEMU's firmware directory (its `-L`), when not the installed one's.
+    #[arg(long, value_name = "DIR", requires = "qemu")]
+    pub qemu_data: Option<PathBuf>,
+    /// Boot through SeaBIOS, QEMU's default firmware, which reads the disk
+    /// before the guest kernel runs (default: qboot, which reads none).
+    #[arg(long)]
+    pub seabios: bool,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -157,6 +168,9 @@ impl Default for RunArgs {
             console_out: None,
             idle_ms: 300,
             cpus: 1,
+            qemu: None,
+            qemu_data: None,
+            seabios: false,
         }
     }
 }
@@ -606,13 +620,16 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
         DiskModel::VirtioBlk | DiskModel::VhostUser => "vda",
         DiskModel::Nvme => "nvme0n1",
     };
-    let mut c = Command::new("qemu-system-x86_64");
+    let mut c = Command::new(a.qemu.as_deref().unwrap_or(Path::new("qemu-system-x86_64")));
+    if let Some(data) = &a.qemu_data {
+        c.arg("-L").arg(data);
+    }
     let smp = a.cpus.to_string();
     c.args(["-accel", "tcg", "-m", "512", "-smp", &smp, "-display", "none", "-serial", "stdio", "-monitor", "none"])
         .args(if a.reboot { &[][..] } else { &["-no-reboot"][..] })
         // qboot: a firmware that loads -kernel without touching the disks,
         // so the guest kernel's own counters cover all guest I/O.
-        .args(["-bios", "qboot.rom"])
+        .args(if a.seabios { &[][..] } else { &["-bios", "qboot.rom"][..] })
         .args(["-name", &format!("guest={},debug-threads=on", a.name)])
         .arg("-kernel")
         .arg(&rig.kernel)

@@ -12,5 +12,6 @@ pub mod fuzz;
 pub mod guest;
 pub mod layers;
 pub mod matrix;
+pub mod qemu_release;
 pub mod setup;
 pub mod sh;

@@ -18,18 +18,24 @@ fn traced_boot(a: RunArgs) {
         .then(|| guest::storage_daemon(&a, &image).unwrap_or_else(|e| panic!("{e:#}")));
     let (qemu, guest_dev) = guest::qemu_command(&rig, &a, &image);
     // One name per case: two cases of one process never share a report.
-    let report = std::env::temp_dir().join(format!(
-        "iospan-rig-{}-{:?}-{:?}-{}-qd{}{}{}{}-cpus{}.json",
-        std::process::id(),
-        a.disk,
-        a.aio,
-        a.rw,
-        a.qd,
-        if a.iothread { "-iothread" } else { "" },
-        if a.ioeventfd { "-ioeventfd" } else { "" },
-        if a.no_guest_agent { "-host-only" } else { "" },
-        a.cpus
-    ));
+    let report = std::env::temp_dir()
+        .join(format!(
+            "iospan-rig-{}-{:?}-{:?}-{}-qd{}{}{}{}-cpus{}.json",
+            std::process::id(),
+            a.disk,
+            a.aio,
+            a.rw,
+            a.qd,
+            if a.iothread { "-iothread" } else { "" },
+            if a.ioeventfd { "-ioeventfd" } else { "" },
+            if a.no_guest_agent { "-host-only" } else { "" },
+            a.cpus
+        ))
+        .with_extension(if a.qemu.is_some() {
+            "other-qemu.json"
+        } else {
+            "json"
+        });
     let events = report.with_extension("jsonl");
     let mut cmd = Command::new(iospan_bin());
     cmd.args(["run", "--quiet", "--disk", &host, "--json-out"])
@@ -725,3 +731,40 @@ rig_case!(nvme_native_qd16, Nvme, Native, 16, no_guest_agent: true);
 rig_case!(vhost_user_io_uring_qd1, VhostUser, IoUring, 1, per_io: true);
 rig_case!(vhost_user_io_uring_qd16, VhostUser, IoUring, 16, per_io: true);
 rig_case!(vhost_user_io_uring_qd16_host_only, VhostUser, IoUring, 16, no_guest_agent: true);
+
+/// QEMU 10.0 (Debian's bookworm-backports), unpacked beside the installed
+/// 7.2: the same boots, the same checks. Its vhost-user disk is still
+/// served by the installed qemu-storage-daemon (the backport ships none).
+fn on_qemu_10_0(a: RunArgs) -> RunArgs {
+    let q = xtask::qemu_release::unpacked("10.0").unwrap_or_else(|e| panic!("{e:#}"));
+    RunArgs {
+        qemu: Some(q.binary),
+        qemu_data: Some(q.data),
+        ..a
+    }
+}
+
+macro_rules! qemu_10_0_case {
+    ($name:ident, $disk:ident, $aio:ident, $qd:expr $(, $field:ident: $value:expr)*) => {
+        #[test]
+        fn $name() {
+            traced_boot(on_qemu_10_0(RunArgs {
+                disk: DiskModel::$disk,
+                aio: Aio::$aio,
+                qd: $qd,
+                ios: 2000,
+                $($field: $value,)*
+                ..Default::default()
+            }));
+        }
+    };
+}
+
+qemu_10_0_case!(qemu_10_0_virtio_blk_io_uring_qd16, VirtioBlk, IoUring, 16, per_io: true);
+qemu_10_0_case!(qemu_10_0_virtio_blk_native_qd16, VirtioBlk, Native, 16, no_guest_agent: true);
+qemu_10_0_case!(qemu_10_0_virtio_blk_threads_qd16, VirtioBlk, Threads, 16, no_guest_agent: true);
+qemu_10_0_case!(qemu_10_0_virtio_blk_threads_iothread_qd16, VirtioBlk, Threads, 16, iothread: true, no_guest_agent: true);
+qemu_10_0_case!(qemu_10_0_virtio_blk_io_uring_two_queues_qd16, VirtioBlk, IoUring, 16, cpus: 2, no_guest_agent: true);
+qemu_10_0_case!(qemu_10_0_nvme_ioeventfd_io_uring_qd16, Nvme, IoUring, 16, ioeventfd: true, per_io: true);
+qemu_10_0_case!(qemu_10_0_nvme_native_qd16, Nvme, Native, 16, no_guest_agent: true);
+qemu_10_0_case!(qemu_10_0_vhost_user_io_uring_qd16, VhostUser, IoUring, 16, no_guest_agent: true);
