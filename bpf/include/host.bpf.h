@@ -28,10 +28,8 @@ extern const volatile __u32 targ_vm_segments;
  * order (from kallsyms; 0 when absent). */
 extern const volatile __u64 targ_dio_end_io[NR_DIO_END_IO];
 
-/* Records to the agent (block.bpf.c). Sized for the deep tier, whose
- * records of every I/O at a loaded host's full rate (~30 MB/s) must ride
- * out the agent waiting for a CPU for half a second; the always-on tier's
- * sampled records touch a few of its pages. */
+/* Records to the agent (block.bpf.c). Sized by the agent at load, by the
+ * tier (events_ring_bytes). */
 typedef struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 16 << 20);

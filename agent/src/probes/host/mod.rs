@@ -411,6 +411,10 @@ impl BlockProbes {
             .map_max_entries("blk_latency", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("blk_latency_nested", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("disk_queues", max_disks)
+            .map_max_entries(
+                "events",
+                events_ring_bytes(cfg.tier.is_deep(), nr_stream_devs),
+            )
             .load(OBJECT)
             .map_err(|source| LoadError::Object {
                 object: "host.bpf.o",
@@ -711,5 +715,21 @@ impl BlockProbes {
 
     pub fn program_stats(&self) -> Vec<crate::probes::progstats::ProgStats> {
         crate::probes::program_stats(&self.ebpf)
+    }
+}
+
+/// The ring buffer's size. A record of every I/O (the deep tier, or
+/// `--events-out`) at a loaded host's full rate (~30 MB/s) must ride out
+/// the agent waiting for a CPU for half a second; the always-on tier's
+/// sampled records (and the streams of VMs whose guest agent joins them)
+/// need less, and every page of the ring becomes the
+/// agent's resident memory (twice: it is mapped twice) as the producer
+/// goes round. An always-on agent a deep API run switches later keeps the
+/// small ring: what it cannot hold is counted as `ringbuf_drops`.
+fn events_ring_bytes(deep: bool, stream_devs: u32) -> u32 {
+    if deep || stream_devs > 0 {
+        16 << 20
+    } else {
+        4 << 20
     }
 }
