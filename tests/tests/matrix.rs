@@ -278,18 +278,18 @@ fn supported_kernel(series: &str) {
         None
     };
     assert_eq!(
-        eventfd_flavour(&rep).as_deref(),
+        eventfd_flavour(rep).as_deref(),
         want,
         "doctor: fentry {}, kprobe {}",
         works(&doctor, "fentry"),
         works(&doctor, "kprobe")
     );
     assert!(
-        !flavours(&rep)
+        !flavours(rep)
             .iter()
             .any(|(tp, _)| tp.starts_with("syscalls:")),
         "the always-on tier attached a system-call tracepoint: {:?}",
-        flavours(&rep)
+        flavours(rep)
     );
     assert_eq!(
         rep["vms"][0]["kicks"], "any-vcpu-eventfd",

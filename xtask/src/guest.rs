@@ -31,7 +31,7 @@ pub enum GuestCmd {
     /// Fetch the kernel and build the initramfs into target/rig (cached).
     Build,
     /// Boot the rig guest once and print what it measured.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
 }
 
 #[derive(clap::Args, Clone, Debug)]

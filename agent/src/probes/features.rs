@@ -84,7 +84,7 @@ pub extern "C" fn iospan_uprobe_target(x: u64) -> u64 {
 /// programs: each says so rather than "works" for what would not load.
 pub fn probe_all() -> Vec<ProbeResult> {
     // As a run would: tracefs mounted where the host has not.
-    crate::probes::host::mount_tracefs();
+    mount_tracefs();
     let btf = Btf::from_sys_fs().ok();
     let mut results: Vec<ProbeResult> = ProbeType::ALL
         .iter()
@@ -366,4 +366,22 @@ pub fn uprobe_costs() -> Result<Vec<UprobeCost>, String> {
 #[cfg(not(target_arch = "x86_64"))]
 pub fn uprobe_costs() -> Result<Vec<UprobeCost>, String> {
     Err("measured on x86_64 only".into())
+}
+
+/// Classic tracepoints are attached through tracefs; a host that has not
+/// mounted it gets it mounted (as perf and bpftrace do).
+pub fn mount_tracefs() {
+    if std::path::Path::new("/sys/kernel/tracing/events").exists()
+        || std::path::Path::new("/sys/kernel/debug/tracing/events").exists()
+    {
+        return;
+    }
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tracefs", "nodev", "/sys/kernel/tracing"])
+        .status()
+        .is_ok_and(|s| s.success());
+    log::info!(
+        "mounting tracefs at /sys/kernel/tracing: {}",
+        if ok { "done" } else { "failed" }
+    );
 }

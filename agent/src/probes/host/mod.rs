@@ -72,7 +72,7 @@ fn sum_counts(per_cpu: &aya::maps::PerCpuValues<VmCounts>) -> VmCounts {
         a
     })
 }
-pub(crate) use vm::mount_tracefs;
+use crate::probes::features::mount_tracefs;
 use vm::{add_vm_maps, dio_end_io_addresses};
 
 /// The hash tables whose fill /metrics shows.

@@ -44,8 +44,6 @@ pub(super) fn dio_end_io_addresses() -> [u64; NR_DIO_END_IO] {
     out
 }
 
-/// Syscall tracepoints are attached through tracefs; a host that has not
-/// mounted it gets it mounted (as perf and bpftrace do).
 /// Whether the kvm tracepoints exist (the kvm module is loaded).
 pub fn kvm_tracepoints() -> bool {
     mount_tracefs();
@@ -65,22 +63,6 @@ pub fn io_uring_tracepoints() -> bool {
     ]
     .iter()
     .any(|p| std::path::Path::new(p).exists())
-}
-
-pub(crate) fn mount_tracefs() {
-    if std::path::Path::new("/sys/kernel/tracing/events").exists()
-        || std::path::Path::new("/sys/kernel/debug/tracing/events").exists()
-    {
-        return;
-    }
-    let ok = std::process::Command::new("mount")
-        .args(["-t", "tracefs", "nodev", "/sys/kernel/tracing"])
-        .status()
-        .is_ok_and(|s| s.success());
-    log::info!(
-        "mounting tracefs at /sys/kernel/tracing: {}",
-        if ok { "done" } else { "failed" }
-    );
 }
 
 pub(super) fn insert_all<K: aya::Pod>(
