@@ -13,8 +13,12 @@
  * no read of the eventfd), reads the backing and signals the call
  * eventfd, an irqfd KVM turns into an MSI in that thread.
  *
+ * With -device nvme, the queue's doorbell is QEMU's NVMe's by default: no
+ * KVM_IOEVENTFD, the write exits to user space and the vCPU thread wakes
+ * the engine with an eventfd write of its own.
+ *
  * Run as a file named qemu-system-* with QEMU-style arguments; only
- * -drive file= and -device vhost-scsi-pci are read here (the worker's
+ * -drive file=, -device vhost-scsi-pci and -device nvme are read here (the worker's
  * backing is KVM_VM_BACKSTORE, the LUN's). IOSPAN_KVM_IOS sets the
  * request count. */
 #define _GNU_SOURCE
@@ -42,6 +46,11 @@ static struct kvm_run *run;
 static sem_t go, done;
 static long ios = 100;
 static volatile int failed;
+/* -device nvme: QEMU's NVMe at its default doorbells (no ioeventfd). The
+ * guest's doorbell write exits to user space, where the vCPU thread
+ * schedules the queue's work in the engine's loop (a bottom half: an
+ * eventfd write that wakes it). */
+static int nvme, kick_efd = -1;
 
 /* The engine pushing a completion to the used ring: the symbol iospan probes
  * (unoptimised: entered with a push, as QEMU's is). */
@@ -58,6 +67,29 @@ static void *vcpu(void *arg)
 		struct kvm_regs regs = { .rip = 0, .rflags = 2 };
 
 		sem_wait(&go);
+		if (nvme) {
+			uint64_t one = 1;
+
+			if (ioctl(vcpu_fd, KVM_SET_REGS, &regs) < 0 || ioctl(vcpu_fd, KVM_RUN, 0) < 0 ||
+			    run->exit_reason != KVM_EXIT_MMIO || !run->mmio.is_write ||
+			    run->mmio.phys_addr != NOTIFY_GPA) {
+				fprintf(stderr, "kvm_vm: doorbell: %s (exit %u)\n", strerror(errno), run->exit_reason);
+				failed = 1;
+				return NULL;
+			}
+			if (write(kick_efd, &one, sizeof(one)) != sizeof(one)) {
+				fprintf(stderr, "kvm_vm: doorbell: %s\n", strerror(errno));
+				failed = 1;
+				return NULL;
+			}
+			/* On past the doorbell, to the OUT below. */
+			if (ioctl(vcpu_fd, KVM_RUN, 0) < 0 || run->exit_reason != KVM_EXIT_IO) {
+				fprintf(stderr, "kvm_vm: KVM_RUN: %s (exit %u)\n", strerror(errno), run->exit_reason);
+				failed = 1;
+				return NULL;
+			}
+			continue;
+		}
 		/* The guest ends each request with an OUT: with the in-kernel
 		 * irqchip (vhost mode) a HLT would stay in the kernel. */
 		if (ioctl(vcpu_fd, KVM_SET_REGS, &regs) < 0 || ioctl(vcpu_fd, KVM_RUN, 0) < 0 ||
@@ -130,15 +162,18 @@ int main(int argc, char **argv)
 	void *buf;
 	uint8_t *ram;
 
-	for (int i = 1; i + 1 < argc; i++)
+	for (int i = 1; i + 1 < argc; i++) {
 		if (!strcmp(argv[i], "-device") && !strncmp(argv[i + 1], "vhost-scsi-pci,", 15))
 			vhost = 1;
+		else if (!strcmp(argv[i], "-device") && !strncmp(argv[i + 1], "nvme,", 5))
+			nvme = 1;
 		else if (!strcmp(argv[i], "-drive")) {
 			char *f = strstr(argv[i + 1], "file=");
 			if (f) {
 				image = strndup(f + 5, strcspn(f + 5, ","));
 			}
 		}
+	}
 	if (vhost && getenv("KVM_VM_BACKSTORE"))
 		image = getenv("KVM_VM_BACKSTORE");
 	if (getenv("IOSPAN_KVM_IOS"))
@@ -180,7 +215,8 @@ int main(int argc, char **argv)
 	usleep(500 * 1000);
 	efd = eventfd(0, 0);
 	notify.fd = efd;
-	if (efd < 0 || ioctl(vm, KVM_IOEVENTFD, &notify) < 0)
+	kick_efd = efd;
+	if (efd < 0 || (!nvme && ioctl(vm, KVM_IOEVENTFD, &notify) < 0))
 		return die("KVM_IOEVENTFD");
 	sem_init(&go, 0, 0);
 	sem_init(&done, 0, 0);

@@ -164,6 +164,29 @@ fn kvm_kicks_start_the_host_window() {
     every_request_split(&rep, "kd0", n);
 }
 
+/// QEMU's NVMe at its default doorbells (no `ioeventfd=on`): the guest's
+/// doorbell write exits to user space, where QEMU's vCPU thread schedules
+/// the queue's work in its loop — an eventfd write that wakes the engine.
+/// Under TCG no kernel event shows such a doorbell; under KVM the exit
+/// does (kvm:kvm_mmio, before KVM hands the write to user space), tied to
+/// its engine by the wake-up that follows it: split like a virtio kick.
+#[test]
+fn nvme_doorbells_through_mmio_exits_are_split() {
+    let n = 400u64;
+    let disk = [
+        "-drive",
+        "file={image},if=none,id=kn0,format=raw,cache=none,aio=native",
+        "-device",
+        "nvme,drive=kn0,serial=iospan",
+    ];
+    let rep = traced_vm("kvm-nvme", n, &disk, &[]);
+    assert_eq!(rep["tier"], "always-on", "{}", rep["tier"]);
+    let vm = the_vm(&rep);
+    assert_eq!(vm["kicks"], "kvm-exits", "{vm}");
+    assert_eq!(vm["vdisks"][0]["model"], "nvme", "{vm}");
+    every_request_split(&rep, "kn0", n);
+}
+
 /// The deep tier: the same VM's kicks on the eventfds QEMU registered
 /// (KVM_IOEVENTFD, watched), picked up by the engine's read of the
 /// eventfd; its end at virtqueue_flush (the used-ring push).
