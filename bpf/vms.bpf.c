@@ -96,6 +96,21 @@ int BPF_PROG(sched_process_exec)
  * layer in the VM's submitting thread. Both are rare under random I/O and
  * the rule under sequential I/O: without them a VM's request count would
  * fall short of its guest's. */
+/* Whether a bio is a guest's: direct I/O (QEMU's cache=none and
+ * cache=directsync engines) or a kernel vhost worker's. A VM's own buffered
+ * reads (its firmware, kernel and option ROM files, often on the disk that
+ * holds its images) are not, and neither are their merges. */
+static __always_inline int guest_bio(struct bio *bio, int btf)
+{
+	__u64 end_io = (__u64)READ(btf, bio, bi_end_io);
+	int i;
+
+	for (i = 0; i < NR_DIO_END_IO; i++)
+		if (targ_dio_end_io[i] && end_io == targ_dio_end_io[i])
+			return 1;
+	return in_vhost_worker();
+}
+
 static __always_inline void note_merges(__u64 n, int engine, __u32 dev)
 {
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
@@ -146,28 +161,32 @@ int BPF_KPROBE(block_acct_merge_done, void *stats, int type, int num_merged)
 SEC("tp_btf/block_bio_backmerge")
 int BPF_PROG(block_bio_backmerge_btf, struct bio *bio)
 {
-	note_merges(1, 0, bio_disk_dev(bio));
+	if (guest_bio(bio, 1))
+		note_merges(1, 0, bio_disk_dev(bio));
 	return 0;
 }
 
 SEC("raw_tp/block_bio_backmerge")
 int BPF_PROG(block_bio_backmerge, struct bio *bio)
 {
-	note_merges(1, 0, bio_disk_dev(bio));
+	if (guest_bio(bio, 0))
+		note_merges(1, 0, bio_disk_dev(bio));
 	return 0;
 }
 
 SEC("tp_btf/block_bio_frontmerge")
 int BPF_PROG(block_bio_frontmerge_btf, struct bio *bio)
 {
-	note_merges(1, 0, bio_disk_dev(bio));
+	if (guest_bio(bio, 1))
+		note_merges(1, 0, bio_disk_dev(bio));
 	return 0;
 }
 
 SEC("raw_tp/block_bio_frontmerge")
 int BPF_PROG(block_bio_frontmerge, struct bio *bio)
 {
-	note_merges(1, 0, bio_disk_dev(bio));
+	if (guest_bio(bio, 0))
+		note_merges(1, 0, bio_disk_dev(bio));
 	return 0;
 }
 

@@ -2,7 +2,7 @@
 /*
  * Records and constants shared by the eBPF programs and the agent.
  *
- * Every struct here is mirrored in agent/src/abi.rs; the agent-integration
+ * Every struct here is mirrored in agent/src/abi/mod.rs; the agent-integration
  * test `abi_layout` compiles this header natively and fails on any size or
  * offset drift. Rules: fixed-width types only, no bool, no pointers, explicit
  * padding, a leading `kind` on records that travel through the ring buffer.

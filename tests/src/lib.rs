@@ -628,6 +628,15 @@ impl Drop for Reap {
 /// TCG, whose kicks the always-on tier sees only through fentry or kprobes
 /// on eventfd_write; on a kernel with neither (this development machine's)
 /// only the deep tier sees them.
+/// The same for an API run of the agent service: its query's tier.
+pub fn rig_split_query() -> &'static str {
+    if rig_split_args().is_empty() {
+        ""
+    } else {
+        "&tier=deep"
+    }
+}
+
 pub fn rig_split_args() -> &'static [&'static str] {
     static ARGS: std::sync::OnceLock<&'static [&'static str]> = std::sync::OnceLock::new();
     ARGS.get_or_init(|| {

@@ -101,7 +101,7 @@ fn every_request_split<'a>(rep: &'a Value, disk: &str, n: u64) -> &'a Value {
         .find(|e| e["vm"] == "kvm-probe" && e["disk"] == disk && e["op"] == "read")
         .unwrap_or_else(|| panic!("no kvm-probe/{disk} entry: {rep:#}"));
     // Every request, timed or, its completion never having reached iospan
-    // (a softirq completion the kernel ran no program for: see README,
+    // (a softirq completion the kernel ran no program for: see docs/lost.md,
     // "Nothing is lost silently"), counted as undelivered.
     let ios = e["ios"].as_u64().unwrap();
     assert_eq!(ios + e["undelivered"].as_u64().unwrap_or(0), n, "{e}");

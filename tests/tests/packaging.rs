@@ -196,7 +196,10 @@ fn the_units_system_call_filter_allows_every_call_the_agent_makes() {
             .read_to_string()
             .unwrap()
     };
-    post("/api/v1/runs?label=scf");
+    post(&format!(
+        "/api/v1/runs?label=scf{}",
+        agent_integration::rig_split_query()
+    ));
     let a = RunArgs {
         qd: 2,
         ios: 300,
@@ -329,7 +332,12 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
             .unwrap();
         serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap()
     };
-    let id = post("/api/v1/runs?label=caps")["id"].as_u64().unwrap();
+    let id = post(&format!(
+        "/api/v1/runs?label=caps{}",
+        agent_integration::rig_split_query()
+    ))["id"]
+        .as_u64()
+        .unwrap();
     let a = RunArgs {
         qd: 4,
         ios: 2000,

@@ -17,6 +17,7 @@ fn labelled(runs: &Path, label: &str, a: &RunArgs, extra: &[&str]) -> (String, i
     let out = run(Command::new(iospan_bin())
         .env("IOSPAN_RUNS_DIR", runs)
         .args(["run", "--quiet", "--disk", &host, "--label", label])
+        .args(agent_integration::rig_split_args())
         .args(extra)
         .arg("--")
         .arg(qemu.get_program())

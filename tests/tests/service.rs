@@ -164,7 +164,14 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
     tmux.until("the header", |s| s.contains("VM / DISK"));
 
     // A labelled run around a guest's workload.
-    let started = post(&addr, "/api/v1/runs?label=qd4", token);
+    let started = post(
+        &addr,
+        &format!(
+            "/api/v1/runs?label=qd4{}",
+            agent_integration::rig_split_query()
+        ),
+        token,
+    );
     let id = started["id"].as_u64().unwrap();
     assert_eq!(started["label"], "qd4");
     let a = RunArgs {
@@ -182,7 +189,9 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
     let t0 = Instant::now();
     let out = run_around(
         Command::new(iospan_bin())
-            .args(["run", "--quiet", "--disk", &host, "--json-out"])
+            .args(["run", "--quiet", "--disk", &host])
+            .args(agent_integration::rig_split_args())
+            .arg("--json-out")
             .arg(&standalone),
         &qemu,
     );

@@ -226,7 +226,12 @@ fn an_api_run_carries_qemus_own_count() {
         std::thread::sleep(Duration::from_millis(300));
     }
     std::thread::sleep(Duration::from_secs(1));
-    let id = post("/api/v1/runs?label=qemu")["id"].as_u64().unwrap();
+    let id = post(&format!(
+        "/api/v1/runs?label=qemu{}",
+        agent_integration::rig_split_query()
+    ))["id"]
+        .as_u64()
+        .unwrap();
     std::thread::sleep(Duration::from_secs(3));
     let run = post(&format!("/api/v1/runs/{id}/stop"));
     let report = &run["report"];

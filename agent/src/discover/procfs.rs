@@ -110,6 +110,28 @@ pub fn read_executable(pid: u32, cap: u64) -> std::io::Result<Vec<u8>> {
     read_file(Path::new(&format!("/proc/{pid}/exe")), cap, 0)
 }
 
+/// The same file opened, not read: for reading only the parts needed
+/// (a symbol table, not tens of MB of code). The same checks: a regular
+/// file (never a FIFO that would block) no larger than `cap`.
+pub fn open_executable(pid: u32, cap: u64) -> std::io::Result<fs::File> {
+    use std::io::{Error, ErrorKind};
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(format!("/proc/{pid}/exe"))?;
+    let meta = f.metadata()?;
+    if !meta.file_type().is_file() {
+        return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
+    }
+    if meta.len() > cap {
+        return Err(Error::new(
+            ErrorKind::InvalidData,
+            format!("larger than {cap} bytes"),
+        ));
+    }
+    Ok(f)
+}
+
 fn read_file(path: &Path, cap: u64, flags: i32) -> std::io::Result<Vec<u8>> {
     use std::io::{Error, ErrorKind};
     let f = fs::OpenOptions::new()

@@ -23,8 +23,11 @@ pub struct Site {
 /// path that something else may sit at now. None when the symbol is not
 /// found or the executable cannot be read.
 pub fn uprobe_site(pid: u32, symbol: &str) -> Option<Site> {
-    let data = procfs::read_executable(pid, MAX_EXECUTABLE).ok()?;
-    site_in(&data, symbol)
+    // Only the headers, symbol tables and the symbol's first bytes are
+    // read: QEMU's executable is tens of MB, and the agent's resident
+    // memory is no place for it.
+    let file = procfs::open_executable(pid, MAX_EXECUTABLE).ok()?;
+    site_in(&object::read::ReadCache::new(file), symbol)
 }
 
 /// The kernel's own path to a process's executable, for attaching: it
@@ -37,7 +40,7 @@ pub fn exe_path(pid: u32) -> std::path::PathBuf {
 /// a push (cheap), single-stepped out of line otherwise (see `iospan
 /// doctor` for both costs here). An endbr64 (CET builds) is stepped over:
 /// calls run through it to the push after it.
-pub fn site_in(data: &[u8], symbol: &str) -> Option<Site> {
+pub fn site_in<'data, R: object::ReadRef<'data>>(data: R, symbol: &str) -> Option<Site> {
     use object::{Object, ObjectSection, ObjectSymbol};
     let file = object::File::parse(data).ok()?;
     let sym = file
@@ -96,14 +99,14 @@ mod tests {
         let me = std::process::id();
         let data = std::fs::read(std::env::current_exe().unwrap()).unwrap();
         let sym = "iospan_uprobe_site_target";
-        let from_file = site_in(&data, sym);
+        let from_file = site_in(data.as_slice(), sym);
         assert!(from_file.is_some(), "{sym} in this test binary");
         assert_eq!(uprobe_site(me, sym), from_file);
         // The offset lands on the symbol's bytes in the file.
         let s = from_file.unwrap();
         assert!((s.file_offset as usize) < data.len());
-        assert_eq!(site_in(&data, "no_such_symbol_anywhere"), None);
-        assert_eq!(site_in(b"not an ELF file", sym), None);
+        assert_eq!(site_in(data.as_slice(), "no_such_symbol_anywhere"), None);
+        assert_eq!(site_in(&b"not an ELF file"[..], sym), None);
     }
 
     #[no_mangle]

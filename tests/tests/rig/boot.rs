@@ -38,7 +38,9 @@ fn traced_boot(a: RunArgs) {
         });
     let events = report.with_extension("jsonl");
     let mut cmd = Command::new(iospan_bin());
-    cmd.args(["run", "--quiet", "--disk", &host, "--json-out"])
+    cmd.args(["run", "--quiet", "--disk", &host])
+        .args(agent_integration::rig_split_args())
+        .arg("--json-out")
         .arg(&report)
         .arg("--events-out")
         .arg(&events)
@@ -285,7 +287,7 @@ fn traced_boot(a: RunArgs) {
         // completion and our engine + device, each widened by 10 %.
         // Sequential reads: QEMU counts a request it merged once per guest
         // request in it, we once (measured 1.035-1.09 above our engine +
-        // device over 11 boots): 15 % above there (see README, "Checked
+        // device over 11 boots): 15 % above there (see docs/verify.md, "Checked
         // against QEMU's own accounting").
         if let Some(qm) = vm["qemu"]["mean_us"].as_f64() {
             let upper = mean("engine") + mean("device");

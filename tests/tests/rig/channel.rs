@@ -124,7 +124,8 @@ fn the_guest_channel_survives_a_host_agent_restart() {
             if i == 1 { "2s" } else { "5m" },
             "--json-out",
         ])
-        .arg(report(i));
+        .arg(report(i))
+        .args(agent_integration::rig_split_args());
         c
     };
     let load = |i: u32, out: std::process::Output| -> Value {

@@ -9,7 +9,7 @@ use xtask::guest::{self, Aio, DiskModel, RunArgs};
 
 use super::*;
 
-/// Some completions reach no eBPF program at all (README, "lost"), more
+/// Some completions reach no eBPF program at all (docs/lost.md), more
 /// of them while the host is busy with small system calls. Under such a
 /// storm the VM's count stays exact: its disk's timed requests, those whose
 /// completion never reached us, and those merged into others are the
@@ -197,6 +197,7 @@ fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
             "--json-out",
         ])
         .arg(&report)
+        .args(agent_integration::rig_split_args())
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();

@@ -23,7 +23,9 @@ fn traced_run(qemu: &Command, host: &str, tag: &str) -> (Vec<String>, Value) {
     let report = std::env::temp_dir().join(format!("iospan-{tag}-{}.json", std::process::id()));
     let out = run_around(
         Command::new(iospan_bin())
-            .args(["run", "--quiet", "--disk", host, "--json-out"])
+            .args(["run", "--quiet", "--disk", host])
+            .args(agent_integration::rig_split_args())
+            .arg("--json-out")
             .arg(&report),
         qemu,
     );

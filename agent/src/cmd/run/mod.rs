@@ -120,7 +120,17 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     tokio::time::sleep(Duration::from_millis(5)).await;
     s.metrics = match (&opts.api, opts.metrics_listen) {
         (Some(shared), _) => Some(shared.clone()),
-        (None, Some(addr)) => Some(serve_metrics(addr).await?),
+        (None, Some(addr)) => {
+            let shared = serve_metrics(addr).await?;
+            // `--deep` is this run's own tier: its API's runs may deepen
+            // it, never take it back to always-on.
+            if opts.tier.is_deep() {
+                shared
+                    .deep_runs
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            Some(shared)
+        }
         (None, None) => None,
     };
     let start = Start::now();

@@ -430,7 +430,7 @@ pub(super) fn node_aio(files: &Nodes, aio: &[(String, String)], id: &str) -> Str
 /// Whether a program name (a comm) is a QEMU system emulator's, as
 /// distributions install it: `qemu-system-*` (upstream, Debian, SUSE),
 /// `qemu-kvm` (RHEL and Fedora's /usr/libexec/qemu-kvm), `kvm` (Proxmox's
-/// /usr/bin/kvm). Mirrors vm_comm() in vm.bpf.c, which gives such a
+/// /usr/bin/kvm). Mirrors vm_comm() in vms.bpf.c, which gives such a
 /// process a VM slot at exec.
 pub fn is_qemu_comm(comm: &str) -> bool {
     let comm = comm.trim_end_matches('\n');

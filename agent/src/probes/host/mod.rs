@@ -451,11 +451,15 @@ impl BlockProbes {
             retired: Retired::default(),
         };
         if cfg.track_vms {
-            // Verified before anything is attached, and attached when the
-            // first VM appears: a VM's first requests must not wait for
-            // the verifier, nor the run's figures start before the run.
-            probes.preload_vm_programs();
+            // The exec watch first: a QEMU started after the start-up scan,
+            // while the rest is verified (seconds on a busy host), is
+            // followed from its exec, not missed.
             probes.attach_raw("sched_process_exec")?;
+            // Verified before the block programs are attached, and attached
+            // when the first VM appears: a VM's first requests must not
+            // wait for the verifier, nor the run's figures start before the
+            // run.
+            probes.preload_vm_programs();
         }
         for tp in ["block_rq_issue", "block_rq_requeue", "block_rq_complete"] {
             probes.attach_raw(tp)?;

@@ -1,4 +1,4 @@
-//! VM attribution and the host window (`bpf/vm.bpf.c`): the VM tables the
+//! VM attribution and the host window (`bpf/vms.bpf.c` and the files of its path): the VM tables the
 //! agent fills, the notification probes, QEMU's and engines' uprobes.
 
 use std::collections::BTreeMap;
