@@ -111,28 +111,14 @@ pub fn read_executable(pid: u32, cap: u64) -> std::io::Result<Vec<u8>> {
 }
 
 /// The same file opened, not read: for reading only the parts needed
-/// (a symbol table, not tens of MB of code). The same checks: a regular
-/// file (never a FIFO that would block) no larger than `cap`.
+/// (a symbol table, not tens of MB of code), with `read_file`'s checks.
 pub fn open_executable(pid: u32, cap: u64) -> std::io::Result<fs::File> {
-    use std::io::{Error, ErrorKind};
-    let f = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(format!("/proc/{pid}/exe"))?;
-    let meta = f.metadata()?;
-    if !meta.file_type().is_file() {
-        return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
-    }
-    if meta.len() > cap {
-        return Err(Error::new(
-            ErrorKind::InvalidData,
-            format!("larger than {cap} bytes"),
-        ));
-    }
-    Ok(f)
+    open_checked(Path::new(&format!("/proc/{pid}/exe")), cap, 0)
 }
 
-fn read_file(path: &Path, cap: u64, flags: i32) -> std::io::Result<Vec<u8>> {
+/// `path` opened if it is a regular file (never a FIFO that would block)
+/// no larger than `cap`.
+fn open_checked(path: &Path, cap: u64, flags: i32) -> std::io::Result<fs::File> {
     use std::io::{Error, ErrorKind};
     let f = fs::OpenOptions::new()
         .read(true)
@@ -148,6 +134,13 @@ fn read_file(path: &Path, cap: u64, flags: i32) -> std::io::Result<Vec<u8>> {
             format!("larger than {cap} bytes"),
         ));
     }
+    Ok(f)
+}
+
+fn read_file(path: &Path, cap: u64, flags: i32) -> std::io::Result<Vec<u8>> {
+    use std::io::{Error, ErrorKind};
+    let f = open_checked(path, cap, flags)?;
+    let meta = f.metadata()?;
     let mut buf = Vec::with_capacity(meta.len() as usize);
     f.take(cap + 1).read_to_end(&mut buf)?;
     if buf.len() as u64 > cap {

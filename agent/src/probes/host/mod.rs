@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, os::fd::AsFd};
 
 use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
-    programs::{uprobe::UProbeLinkId, TracePoint},
+    programs::uprobe::UProbeLinkId,
     Btf, Ebpf, EbpfLoader,
 };
 use serde::{Deserialize, Serialize};
@@ -602,37 +602,10 @@ impl BlockProbes {
         Ok(())
     }
 
-    /// A CATEGORY:NAME tracepoint program of the same name.
+    /// A CATEGORY:NAME tracepoint program of the same name, attached for
+    /// the probes' lifetime.
     fn attach_tracepoint(&mut self, category: &str, name: &str) -> Result<(), LoadError> {
-        mount_tracefs();
-        let prog = self
-            .ebpf
-            .program_mut(name)
-            .ok_or_else(|| LoadError::MissingProgram {
-                program: name.into(),
-            })?;
-        let result = (|| -> Result<(), String> {
-            let p: &mut TracePoint = prog.try_into().map_err(|e| format!("{e:#}"))?;
-            if p.fd().is_err() {
-                p.load().map_err(|e| crate::probes::error_chain(&e))?;
-            }
-            p.attach(category, name)
-                .map_err(|e| crate::probes::error_chain(&e))?;
-            Ok(())
-        })();
-        let tracepoint = format!("{category}:{name}");
-        result.map_err(|reason| LoadError::Attach {
-            tracepoint: tracepoint.clone(),
-            flavour: "tracepoint",
-            reason,
-        })?;
-        log::info!("attached {tracepoint} via tracepoint");
-        self.attachments.push(Attachment {
-            tracepoint,
-            flavour: Flavour::Tracepoint,
-            program: name.into(),
-        });
-        Ok(())
+        self.attach_tracepoint_linked(category, name).map(drop)
     }
 
     /// Fill of the kernel side's hash tables: (map, entries, capacity).
