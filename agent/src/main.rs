@@ -91,6 +91,10 @@ enum Cmd {
         /// the system's web roots otherwise.
         #[arg(long, value_name = "FILE", requires = "connect")]
         ca_cert: Option<PathBuf>,
+        /// The deep tier here (see `run --deep` and docs/tiers.md); an agent's tier is set by
+        /// its runs.
+        #[arg(long, conflicts_with = "connect")]
+        deep: bool,
     },
     /// Export a recorded run's I/Os (`run --events-out FILE`) over OTLP again, each as the
     /// agent exports it (a trace, a child span per segment), as if it had just completed: a past
@@ -176,6 +180,9 @@ enum Cmd {
         /// The workload, after `--`.
         #[arg(last = true, value_name = "CMD", required = true)]
         command: Vec<String>,
+        /// The deep tier (see `run --deep` and docs/tiers.md).
+        #[arg(long)]
+        deep: bool,
     },
     /// Check iospan against QEMU's own accounting on this host: trace for --duration, then
     /// each VM disk's count and mean beside QEMU's (read over the VM's QMP monitor, or
@@ -433,7 +440,18 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             disks,
             runs_dir,
             command,
-        } => bench::sweep_command(qd, jobs, &label, disks, &runs_dir, &command),
+            deep,
+        } => bench::sweep_command(
+            bench::Sweep {
+                qd,
+                jobs,
+                label,
+                disks,
+                tier: iospan::model::Tier::of_deep(deep),
+            },
+            &runs_dir,
+            &command,
+        ),
         Cmd::Compare { runs, runs_dir } => bench::compare(&runs, &runs_dir),
         Cmd::Agent {
             guest,
@@ -464,6 +482,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             token_file,
             token,
             ca_cert,
+            deep,
         } => {
             if token.is_some() {
                 anyhow::bail!(
@@ -486,6 +505,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 connect,
                 token,
                 ca_cert,
+                tier: iospan::model::Tier::of_deep(deep),
             })?;
             Ok(ExitCode::SUCCESS)
         }
@@ -516,11 +536,7 @@ impl RunArgs {
             bpf_stats: a.bpf_stats,
             start_stamps: a.start_stamps,
             vms: !a.no_vms,
-            tier: if a.deep {
-                iospan::model::Tier::Deep
-            } else {
-                iospan::model::Tier::AlwaysOn
-            },
+            tier: iospan::model::Tier::of_deep(a.deep),
             avoid: a.avoid.iter().map(|f| f.flavour()).collect(),
             quiet: a.quiet,
             command: a.command,

@@ -654,3 +654,58 @@ pub fn rig_split_args() -> &'static [&'static str] {
         }
     })
 }
+
+/// A run's standard error, read as it comes: `attached` waits for its
+/// first progress line (printed once its probes are attached, a second
+/// into the run), `finish` collects the rest after the run ended.
+pub struct RunStderr {
+    lines: std::sync::mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl RunStderr {
+    pub fn of(child: &mut std::process::Child) -> Self {
+        use std::io::BufRead;
+        let err = child.stderr.take().expect("the run's stderr piped");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            // Read to the end even when nobody listens: a full pipe would
+            // stall the run.
+            for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Self {
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Blocks until the run shows progress (its probes attached), or
+    /// panics with what it printed instead.
+    pub fn attached(&mut self, within: std::time::Duration) {
+        let t = std::time::Instant::now();
+        while let Some(left) = within.checked_sub(t.elapsed()) {
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    let progress = l.trim_start().starts_with("iospan:");
+                    self.seen.push(l);
+                    if progress {
+                        return;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        panic!(
+            "the run showed no progress within {within:?}: {}",
+            self.seen.join("\n")
+        );
+    }
+
+    /// Everything it printed, once it has exited.
+    pub fn finish(mut self) -> String {
+        self.seen.extend(self.lines.iter());
+        self.seen.join("\n")
+    }
+}

@@ -308,8 +308,9 @@ fn a_sweep_finds_the_knee() {
             "sw",
             "--disk",
             &host,
-            "--",
         ])
+        .args(agent_integration::rig_split_args())
+        .arg("--")
         .arg(qemu.get_program())
         .args(&args));
     let text = String::from_utf8_lossy(&out.stdout);

@@ -30,8 +30,9 @@ fn top_shows_a_guests_segments_and_answers_its_keys() {
     let host = host_disk_of(&image);
     let tmux = Tmux::start(
         &format!(
-            "{} top --disk {host} --interval 500ms",
-            iospan_bin().display()
+            "{} top --disk {host} --interval 500ms {}",
+            iospan_bin().display(),
+            agent_integration::rig_split_args().join(" ")
         ),
         200,
         50,

@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agent_integration::{iospan_bin, rig_and_image, run, Reap};
+use agent_integration::{iospan_bin, rig_and_image, run, Reap, RunStderr};
 use xtask::guest::{self, RunArgs};
 
 /// `iospan verify` around a rig guest started inside its window: a pass,
@@ -21,7 +21,7 @@ fn verify_passes(a: RunArgs) -> (u64, u64) {
         a.name,
         std::process::id()
     ));
-    let verify = Command::new(iospan_bin())
+    let mut verify = Command::new(iospan_bin())
         .args(["verify", "--vm", &a.name, "--duration", "45s", "--json-out"])
         .arg(&report)
         .stdout(Stdio::piped())
@@ -29,7 +29,8 @@ fn verify_passes(a: RunArgs) -> (u64, u64) {
         .spawn()
         .unwrap();
     // The guest inside the window: booted after the probes are attached.
-    std::thread::sleep(Duration::from_secs(3));
+    let mut stderr = RunStderr::of(&mut verify);
+    stderr.attached(Duration::from_secs(60));
     let (mut qemu, dev) = guest::qemu_command(&rig, &a, &image);
     let t = Instant::now();
     let out = run(&mut qemu);
@@ -44,11 +45,7 @@ fn verify_passes(a: RunArgs) -> (u64, u64) {
     );
     let out = verify.wait_with_output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{text}\n{}", stderr.finish());
     let line = text
         .lines()
         .find(|l| l.starts_with(a.name.as_str()))
@@ -121,13 +118,13 @@ fn a_vm_without_a_monitor_is_said_so_and_fails_verify() {
         no_guest_agent: true,
         ..Default::default()
     };
-    let verify = Command::new(iospan_bin())
+    let mut verify = Command::new(iospan_bin())
         .args(["verify", "--vm", "verify-nomon", "--duration", "30s"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_secs(3));
+    RunStderr::of(&mut verify).attached(Duration::from_secs(60));
     let (qemu, _) = guest::qemu_command(&rig, &a, &image);
     // The same guest without its QMP monitor.
     let args: Vec<String> = qemu

@@ -646,7 +646,10 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
             a.agent_restart_s.map(|s| format!(" iospan.agentrestart={s}")).unwrap_or_default()
         ) + if a.reboot { " iospan.reboot=1" } else { "" }
             + if a.per_io { " iospan.perio=1" } else { "" }
-            + &format!(" iospan.idle={} iospan.jobs={}", a.idle_ms, a.cpus));
+            + &format!(" iospan.idle={} iospan.jobs={}", a.idle_ms, a.cpus)
+            // QEMU 10's NVMe namespaces sit in a subsystem: one path each,
+            // seen by the guest as such, not as a multipath head.
+            + if a.disk == DiskModel::Nvme { " nvme_core.multipath=N" } else { "" });
     if a.disk != DiskModel::VhostUser {
         c.arg("-drive").arg(format!(
             "file={},if=none,id={},format=raw,cache=none,aio={}{}",

@@ -155,8 +155,11 @@ pub struct BenchReport {
     pub entries: Vec<BenchEntry>,
     /// Per host disk and op.
     pub disks: Vec<BenchEntry>,
-    /// Losses counted during the run.
+    /// Requests or events lost during the run (not counted, or untimed).
     pub lost: u64,
+    /// VM requests of the run counted whole but whose host window was not
+    /// split (see the frame's `unsplit`).
+    pub unsplit: u64,
     /// Per VM: where QEMU's own counters were read, or why not.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub qemu_counts: BTreeMap<String, String>,
@@ -266,6 +269,7 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
         entries,
         disks: side(&end.disks, &start.disks),
         lost: end.lost.saturating_sub(start.lost),
+        unsplit: end.unsplit.saturating_sub(start.unsplit),
         qemu_counts,
     }
 }

@@ -232,30 +232,33 @@ pub fn compare(runs: &[String], runs_dir: &Path) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// What `iospan sweep` sweeps, and how it traces.
+pub struct Sweep {
+    pub qd: Vec<u32>,
+    pub jobs: Vec<u32>,
+    pub label: String,
+    pub disks: Vec<String>,
+    pub tier: crate::model::Tier,
+}
+
 /// `iospan sweep`: over queue depths, or job counts when none are given.
-pub fn sweep_command(
-    qd: Vec<u32>,
-    jobs: Vec<u32>,
-    label: &str,
-    disks: Vec<String>,
-    runs_dir: &Path,
-    command: &[String],
-) -> Result<ExitCode> {
-    let (over, values) = if qd.is_empty() {
-        ("jobs", jobs)
+pub fn sweep_command(s: Sweep, runs_dir: &Path, command: &[String]) -> Result<ExitCode> {
+    let (over, values) = if s.qd.is_empty() {
+        ("jobs", s.jobs)
     } else {
-        ("qd", qd)
+        ("qd", s.qd)
     };
     let make = |cmd: Vec<String>| RunOptions {
-        disks: disks.clone(),
+        disks: s.disks.clone(),
         max_disks: DEFAULT_MAX_DISKS,
         vms: true,
         quiet: true,
         command: cmd,
+        tier: s.tier,
         ..Default::default()
     };
     let (result, path) =
-        runtime()?.block_on(sweep(make, command, over, &values, label, runs_dir))?;
+        runtime()?.block_on(sweep(make, command, over, &values, &s.label, runs_dir))?;
     print!("{}", result.text());
     eprintln!("sweep stored in {}", path.display());
     Ok(ExitCode::SUCCESS)

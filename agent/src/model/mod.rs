@@ -45,6 +45,15 @@ impl Tier {
     pub fn is_deep(self) -> bool {
         self == Self::Deep
     }
+
+    /// The tier a command line's `--deep` asks for.
+    pub fn of_deep(deep: bool) -> Self {
+        if deep {
+            Self::Deep
+        } else {
+            Self::AlwaysOn
+        }
+    }
 }
 
 impl fmt::Display for Tier {

@@ -42,8 +42,15 @@ pub struct Frame {
     #[serde(default)]
     pub queues: Vec<Row>,
     pub disks: Vec<Row>,
-    /// Losses of every kind so far (the report's `lost`, but `polled`).
+    /// Requests or events lost so far: not counted, or counted untimed
+    /// (the report's `lost`, but the VM requests whose host window was
+    /// not split: those are `unsplit`).
     pub lost: u64,
+    /// VM requests counted and timed whose host window was not split
+    /// (no kick, no signal, out of order, disks not followed), so far;
+    /// `polled` aside.
+    #[serde(default)]
+    pub unsplit: u64,
     /// VM requests a polling engine found with no kick of their own, so
     /// far (`lost.host_split.polled`): counted, not split.
     #[serde(default)]
@@ -248,7 +255,14 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
             .counters
             .losses()
             .iter()
-            .filter(|l| l.0 != "polled")
+            .filter(|l| !SPLIT_LOSSES.contains(&l.0) && l.0 != "polled")
+            .map(|l| l.2)
+            .sum(),
+        unsplit: snap
+            .counters
+            .losses()
+            .iter()
+            .filter(|l| SPLIT_LOSSES.contains(&l.0))
             .map(|l| l.2)
             .sum(),
         polled: snap.counters.host_split.polled,
@@ -256,6 +270,10 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
         qemu: None,
     }
 }
+
+/// The losses that leave a request counted and timed, its host window
+/// whole (`Counters::losses` keys).
+const SPLIT_LOSSES: [&str; 4] = ["no_kick", "no_signal", "unordered", "not_followed"];
 
 fn host_segs(h: &HostSplit) -> BTreeMap<String, Hist> {
     let mut segs: BTreeMap<String, Hist> = [

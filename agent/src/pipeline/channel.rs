@@ -196,6 +196,13 @@ fn handle(vm: u32, frame: Frame, known: &Mutex<Registry>, correlator: &Mutex<Cor
             let (map, queues): (Vec<_>, Vec<_>) = {
                 let known = known.lock().unwrap_or_else(|p| p.into_inner());
                 let map = disk_map(vm, &h, &known);
+                log::debug!(
+                    "VM slot {vm}: guest disks {:?} mapped {map:?}",
+                    h.disks
+                        .iter()
+                        .map(|d| (&d.name, d.dev, &d.serial))
+                        .collect::<Vec<_>>()
+                );
                 let queues = map.iter().map(|&(_, v)| known.vdisk_queues(v)).collect();
                 (map, queues)
             };
@@ -243,6 +250,8 @@ fn disk_map(vm: u32, hello: &Hello, known: &Registry) -> Vec<(u32, u32)> {
             }
         }
     }
+    // A disk seen as several: an NVMe namespace a subsystem shares is a
+    // multipath head (nvme0n1) whose requests run on its paths (nvme0c0n1).
     let real: Vec<_> = hello
         .disks
         .iter()
@@ -252,15 +261,60 @@ fn disk_map(vm: u32, hello: &Hello, known: &Registry) -> Vec<(u32, u32)> {
                 .any(|p| d.name.starts_with(p))
         })
         .collect();
-    if out.is_empty() && slots.len() == 1 && real.len() == 1 {
-        out.push((real[0].dev, slots[0].0));
+    let heads: Vec<_> = real
+        .iter()
+        .filter(|d| nvme_head_of(&d.name).is_none())
+        .collect();
+    if out.is_empty() && slots.len() == 1 && heads.len() == 1 {
+        out.extend(real.iter().map(|d| (d.dev, slots[0].0)));
+    }
+    // A head's paths are its disk.
+    let paths: Vec<(u32, u32)> = real
+        .iter()
+        .filter_map(|p| {
+            let head = nvme_head_of(&p.name)?;
+            let head_dev = real.iter().find(|d| d.name == head)?.dev;
+            let slot = out.iter().find(|(dev, _)| *dev == head_dev)?.1;
+            Some((p.dev, slot))
+        })
+        .collect();
+    for m in paths {
+        if !out.contains(&m) {
+            out.push(m);
+        }
     }
     out
+}
+
+/// The multipath head of an NVMe path device: nvme0c1n2 is a path of
+/// nvme0n2.
+fn nvme_head_of(name: &str) -> Option<String> {
+    let rest = name.strip_prefix("nvme")?;
+    let (subsys, rest) = rest.split_once('c')?;
+    let (ctrl, ns) = rest.split_once('n')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(subsys) && digits(ctrl) && digits(ns)).then(|| format!("nvme{subsys}n{ns}"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_nvme_path_names_its_head() {
+        assert_eq!(nvme_head_of("nvme0c0n1").as_deref(), Some("nvme0n1"));
+        assert_eq!(nvme_head_of("nvme12c3n45").as_deref(), Some("nvme12n45"));
+        for not_a_path in [
+            "nvme0n1",
+            "nvme0n1p1",
+            "nvmec0n1",
+            "nvme0c0n",
+            "vda",
+            "nvme0c0n1p2",
+        ] {
+            assert_eq!(nvme_head_of(not_a_path), None, "{not_a_path}");
+        }
+    }
 
     #[test]
     fn a_guests_malformed_frames_are_logged_once_per_interval_with_a_count() {

@@ -66,9 +66,10 @@ fn the_guest_channel_survives_a_host_agent_restart() {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let a = RunArgs {
-        // 6-9 s of workload: the first host agent hears its first seconds,
-        // the second the rest and the guest agent's exit.
-        ios: 20000,
+        // 15-25 s of workload: the first host agent hears its first
+        // seconds, the second (after seconds of loading its programs) the
+        // rest and the guest agent's exit.
+        ios: 60000,
         name: "hostrestart".into(),
         ..Default::default()
     };
@@ -131,8 +132,10 @@ fn the_guest_channel_survives_a_host_agent_restart() {
     let load = |i: u32, out: std::process::Output| -> Value {
         assert!(
             out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+            "host run {i}: {}\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
         );
         serde_json::from_slice(&std::fs::read(report(i)).unwrap()).unwrap()
     };

@@ -40,36 +40,45 @@ pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) ->
                 continue;
             }
         };
-        // A VM's requests need their submitter taken at their start, and
-        // its notifications followed.
-        if let Err(e) = probes.ensure_vm_probes() {
-            log::warn!("VM attribution off: {}", crate::probes::error_chain(&e));
-        }
         {
             // Exec'd while the probes ran: in the deep tier its notifiers
             // were seen created.
             vm.kicks = kick_source(probes, &vm, true);
-            if !vm.named_threads {
-                // No vCPU to see start the guest: its requests are the
-                // guest's from here (QEMU's own start-up reads included).
-                if let Err(e) = probes.mark_started(tgid) {
-                    log::warn!("VM pid {tgid}: {}", crate::probes::error_chain(&e));
-                }
-            }
+            let started = !vm.named_threads
+                || !probes.saw_start_of(tgid)
+                || vm.kicks == vms::KickSource::NotSeen;
             log::info!(
                 "VM {} (pid {tgid}) with disks {:?}",
                 vm.name,
                 vm.disks.iter().map(|d| &d.id).collect::<Vec<_>>()
             );
-            attach_vm_probes(probes, slot, &vm);
             if let Some(src) = &vm.channel {
                 channels.push((slot, vm.pid, src.clone()));
             }
+            // Its disks first: the kernel side names its requests' virtual
+            // disks from them, and its firmware reads as soon as it runs;
+            // attaching probes (reading QEMU's symbols) takes longer.
             let maps = known.add(slot, vm);
             if let Err(e) = probes.add_vm_maps(&maps) {
                 log::warn!("VM pid {tgid}: {}", crate::probes::error_chain(&e));
             }
+            // No vCPU to see start the guest, no kick of it to be seen, or
+            // its start may have come before the start probe was attached
+            // (a VM exec'd while the agent started): its requests are the
+            // guest's from here (QEMU's own start-up reads included), its
+            // disks now known.
+            if started {
+                if let Err(e) = probes.mark_started(tgid) {
+                    log::warn!("VM pid {tgid}: {}", crate::probes::error_chain(&e));
+                }
+            }
+            // A VM's requests need their submitter taken at their start, and
+            // its notifications followed.
+            if let Err(e) = probes.ensure_vm_probes() {
+                log::warn!("VM attribution off: {}", crate::probes::error_chain(&e));
+            }
             if let Some(vm) = known.vms.get(&slot) {
+                attach_vm_probes(probes, slot, vm);
                 add_engines(probes, slot, vm);
             }
         }

@@ -91,6 +91,9 @@ pub struct RunOutcome {
 }
 
 pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
+    // Taken before the seconds of loading: a Ctrl-C or SIGTERM then ends
+    // the run as soon as it starts, with its report, not the process.
+    let mut signals = Signals::take()?;
     preflight::require_bpf_privileges()?;
     let only = resolve_disks(&opts.disks)?;
     check_options(&opts)?;
@@ -148,7 +151,9 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
         tokio::spawn(qemu::watch(s.known.clone(), stop_rx.clone(), ours))
     });
     let child = spawn_command(&opts.command)?;
-    let child_status = s.trace(&opts, child, &start, &stop_rx).await?;
+    let child_status = s
+        .trace(&opts, child, &start, &stop_rx, &mut signals)
+        .await?;
     let mut ended = s.end(&start)?;
     let _ = stop_tx.send(true);
     let qemu = match qemu_task {
@@ -274,6 +279,21 @@ enum Ending {
     Stop,
 }
 
+/// The signals that end a run.
+pub(crate) struct Signals {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn take() -> Result<Self> {
+        Ok(Self {
+            interrupt: signal(SignalKind::interrupt()).context("handling SIGINT")?,
+            terminate: signal(SignalKind::terminate()).context("handling SIGTERM")?,
+        })
+    }
+}
+
 impl Session {
     /// Traces until the command exits, the deadline passes, or a signal or
     /// a live view ends the run. Returns the command's exit status.
@@ -283,6 +303,7 @@ impl Session {
         mut child: Option<tokio::process::Child>,
         start: &Start,
         stop_rx: &watch::Receiver<bool>,
+        signals: &mut Signals,
     ) -> Result<Option<ExitStatus>> {
         let progress = Progress::new(opts.quiet);
         let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
@@ -300,15 +321,13 @@ impl Session {
         tick.tick().await;
         // New VMs are named quickly, before a short-lived one can exit.
         let mut vm_tick = tokio::time::interval(Duration::from_millis(100));
-        let mut sigint = signal(SignalKind::interrupt()).context("handling SIGINT")?;
-        let mut sigterm = signal(SignalKind::terminate()).context("handling SIGTERM")?;
         let ending = loop {
             tokio::select! {
                 status = async { child.as_mut().expect("guarded").wait().await }, if child.is_some() => {
                     return Ok(Some(status.context("waiting for the traced command")?));
                 }
-                _ = sigint.recv() => break Ending::Interrupt,
-                _ = sigterm.recv() => break Ending::Stop,
+                _ = signals.interrupt.recv() => break Ending::Interrupt,
+                _ = signals.terminate.recv() => break Ending::Stop,
                 _ = sleep_until(deadline) => break Ending::Stop,
                 _ = async { stop.as_mut().expect("guarded").wait_for(|s| *s).await.ok() }, if stop.is_some() => break Ending::Stop,
                 _ = vm_tick.tick(), if opts.vms => self.follow_vms(stop_rx),

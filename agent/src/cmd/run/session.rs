@@ -137,12 +137,15 @@ impl Session {
     pub(super) fn follow_running_vms(&mut self) {
         let known = self.known.clone();
         let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slots = Vec::new();
         for (slot, vm) in known.vms.iter_mut() {
             vm.kicks = kick_source(&self.probes, vm, false);
             attach_vm_probes(&mut self.probes, *slot, vm);
             add_engines(&mut self.probes, *slot, vm);
-            self.corr().pushes_live_from(*slot, monotonic_ns());
+            slots.push(*slot);
         }
+        drop(known);
+        self.pushes_live_from(&slots);
         for a in &self.probes.attachments {
             log::info!("attached {} via {}", a.tracepoint, a.flavour.as_str());
         }
@@ -233,16 +236,25 @@ impl Session {
             }
         }
         let sees_writes = self.probes.tier.sees_eventfd_writes() || self.probes.tier.tier.is_deep();
-        let known = self.known();
-        let followed = |vdisk: u32| {
-            known.split.contains(&vdisk)
-                && known
-                    .vdisks
-                    .get(&vdisk)
-                    .and_then(|(slot, _)| known.vms.get(slot))
-                    .is_some_and(|vm| vm.kvm || sees_writes)
+        // The registry is let go before the correlator is taken: the
+        // event drain takes them the other way round.
+        let followed: BTreeSet<u32> = {
+            let known = self.known();
+            known
+                .split
+                .iter()
+                .copied()
+                .filter(|vdisk| {
+                    known
+                        .vdisks
+                        .get(vdisk)
+                        .and_then(|(slot, _)| known.vms.get(slot))
+                        .is_some_and(|vm| vm.kvm || sees_writes)
+                })
+                .collect()
         };
-        self.corr().set_kernel(&ks.splits, &ks.unsplit, followed);
+        self.corr()
+            .set_kernel(&ks.splits, &ks.unsplit, |v| followed.contains(&v));
     }
 
     /// Each virtual disk's streaming threshold for the second to come: its
@@ -310,6 +322,7 @@ impl Session {
         log::info!("the {want} tier runs");
         let known = self.known.clone();
         let known = known.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slots = Vec::new();
         for (slot, vm) in known.vms.iter().filter(|(s, _)| !known.exited.contains(s)) {
             if let Err(e) = self.probes.attach_vm_uprobes(vm) {
                 log::warn!("VM {}: {}", vm.name, crate::probes::error_chain(&e));
@@ -319,7 +332,19 @@ impl Session {
                     log::warn!("VM {}: {}", vm.name, crate::probes::error_chain(&err));
                 }
             }
-            self.corr().pushes_live_from(*slot, monotonic_ns());
+            slots.push(*slot);
+        }
+        // Never the correlator under the registry: the event drain takes
+        // them the other way round.
+        drop(known);
+        self.pushes_live_from(&slots);
+    }
+
+    fn pushes_live_from(&self, slots: &[u32]) {
+        let now = monotonic_ns();
+        let mut corr = self.corr();
+        for slot in slots {
+            corr.pushes_live_from(*slot, now);
         }
     }
 

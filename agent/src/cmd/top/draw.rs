@@ -109,6 +109,12 @@ pub fn draw(f: &mut ratatui::Frame, st: &State) {
     } else {
         Span::raw("lost 0  ")
     });
+    if st.unsplit > 0 {
+        spans.push(Span::styled(
+            format!("unsplit {}  ", st.unsplit),
+            Style::new().fg(Color::Yellow),
+        ));
+    }
     if st.polled > 0 {
         spans.push(Span::styled(
             format!("polled {}  ", st.polled),
@@ -173,7 +179,8 @@ fn help_text() -> Vec<String> {
         "       worker) was runnable but waited for a CPU (esxtop's %RDY)",
         "",
         "q0, q1 … a virtual disk's queues (the guest's, else by the kicks' notifier)",
-        "lost: events or requests lost; unmatched: guest or host requests",
+        "lost: events or requests lost; unsplit: VM requests whose host window",
+        "was not split; unmatched: guest or host requests",
         "of a VM with a guest agent that found no partner; polled: requests",
         "a polling engine found with no kick (HV not measurable host-side)",
     ]

@@ -34,6 +34,8 @@ pub struct TopOptions {
     pub token: Option<String>,
     /// Certificates to trust for an https agent.
     pub ca_cert: Option<std::path::PathBuf>,
+    /// The tier of the probes loaded here.
+    pub tier: crate::model::Tier,
 }
 
 /// The latest frame of each source: one per agent for `--connect A,B,…`
@@ -127,6 +129,7 @@ pub async fn top(opts: TopOptions) -> Result<()> {
         max_disks: opts.max_disks,
         vms: true,
         quiet: true,
+        tier: opts.tier,
         live: Some(LiveFeed {
             tx,
             every: opts.interval,

@@ -158,6 +158,7 @@ impl Sources {
         st.disks = self.last.values().flat_map(|l| l.2.clone()).collect();
         st.interval_s = self.last.values().map(|l| l.3).fold(0.0, f64::max);
         st.lost = self.last.values().map(|l| l.0.lost).sum();
+        st.unsplit = self.last.values().map(|l| l.0.unsplit).sum();
         st.polled = self.last.values().map(|l| l.0.polled).sum();
         st.unmatched = self.last.values().map(|l| l.0.unmatched).sum();
     }

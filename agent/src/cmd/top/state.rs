@@ -154,6 +154,8 @@ pub struct State {
     pub disks: Vec<Item>,
     pub interval_s: f64,
     pub lost: u64,
+    /// VM requests counted whose host window was not split.
+    pub unsplit: u64,
     pub polled: u64,
     pub unmatched: u64,
     pub sort: Col,
@@ -178,6 +180,7 @@ impl Default for State {
             disks: Vec::new(),
             interval_s: 0.0,
             lost: 0,
+            unsplit: 0,
             polled: 0,
             unmatched: 0,
             sort: Col::Seg(0),

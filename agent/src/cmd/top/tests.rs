@@ -62,6 +62,7 @@ fn state() -> State {
         ],
         disks: vec![row("", "nvme0n1", Op::Read, 2100, 5_000)],
         lost: 0,
+        unsplit: 0,
         polled: 0,
         unmatched: 7,
         qemu: None,
@@ -97,6 +98,7 @@ fn several_agents_rows_are_grouped_under_their_hosts() {
             vdisks: vec![row("db", "vd0", Op::Read, ios, 10_000)],
             disks: vec![row("", "nvme0n1", Op::Read, ios, 5_000)],
             lost: 1,
+            unsplit: 4,
             polled: 5,
             ..Default::default()
         })
@@ -133,9 +135,11 @@ fn several_agents_rows_are_grouped_under_their_hosts() {
     assert_eq!(st.lost, 2);
     // Requests found by polling are said apart from losses.
     assert_eq!(st.polled, 10);
+    // So are requests counted whole but not split.
+    assert_eq!(st.unsplit, 8);
     let shown = screen(&st, 200, 12).join("\n");
     assert!(shown.contains("h2:9464/db"));
-    assert!(shown.contains("lost 2  polled 10"), "{shown}");
+    assert!(shown.contains("lost 2  unsplit 8  polled 10"), "{shown}");
 }
 
 #[test]

@@ -117,9 +117,52 @@ pub fn alive(vm: &Vm) -> bool {
     is_qemu_comm(comm) && !matches!(state, Some('Z' | 'X' | 'x'))
 }
 
+/// When a process started, as time since boot (`/proc/PID/stat`'s
+/// `starttime`, in clock ticks).
+pub fn started_since_boot(pid: u32) -> Option<std::time::Duration> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after "(comm)": state is field 3, starttime field 22.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let ticks: u64 = rest.split_whitespace().nth(19)?.parse().ok()?;
+    // SAFETY: sysconf reads a constant of the C library.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let hz = u64::try_from(hz).ok().filter(|&h| h > 0)?;
+    Some(std::time::Duration::from_nanos(
+        ticks.saturating_mul(1_000_000_000) / hz,
+    ))
+}
+
+/// Time since boot now, on the clock `started_since_boot` counts.
+pub fn since_boot() -> std::time::Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec for the kernel to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    std::time::Duration::new(
+        ts.tv_sec.max(0) as u64,
+        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
+}
+
 /// Whether an engine process still runs (as the same program).
 pub fn engine_alive(e: &EngineRef) -> bool {
     fs::read_to_string(format!("/proc/{}/comm", e.pid)).is_ok_and(|c| c.trim_end() == e.comm)
+}
+
+/// The processes running now whose program is a QEMU system emulator's
+/// (VMs or not: the agent finds out when it names them).
+pub fn qemu_pids() -> Vec<u32> {
+    let Ok(rd) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| is_qemu_comm(&c))
+        })
+        .collect()
 }
 
 /// Every QEMU VM running now.

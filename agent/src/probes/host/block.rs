@@ -31,7 +31,7 @@ impl BlockProbes {
     /// block_io_start appeared in v6.5 (5a80bd075f3b); before it the insert
     /// is the closest point.
     pub fn ensure_start_probe(&mut self) -> Result<(), LoadError> {
-        if self.start_probe {
+        if self.start_probe_since.is_some() {
             return Ok(());
         }
         if let Err(e) = self.attach_raw("block_io_start") {
@@ -47,7 +47,15 @@ impl BlockProbes {
                 self.attach_raw("block_getrq")?;
             }
         }
-        self.start_probe = true;
+        self.start_probe_since = Some(crate::discover::vms::since_boot());
         Ok(())
+    }
+
+    /// Whether a process started after the start probe was attached: its
+    /// first request (a VM's first, which marks its guest running) was
+    /// then seen.
+    pub fn saw_start_of(&self, pid: u32) -> bool {
+        let started = crate::discover::vms::started_since_boot(pid);
+        matches!((self.start_probe_since, started), (Some(probe), Some(proc)) if probe <= proc)
     }
 }

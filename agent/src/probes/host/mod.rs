@@ -16,7 +16,7 @@ use super::{attach, map_mut_of, map_of, Attachment, Flavour, LoadError};
 use crate::{
     abi::{
         counter, BlkStats, DiskSlot, VmCounts, VmKey, VmProc, BLK_NR_OPS, DEFAULT_MAX_DISKS,
-        MAX_STREAM_DEVS, MAX_VM_COUNTS, VM_GEN_AGENT_STEP, VM_PROC_RUNNING,
+        MAX_STREAM_DEVS, MAX_VM_COUNTS, VM_GEN_AGENT_STEP, VM_PROC_RUNNING, VM_PROC_STARTING,
     },
     discover::disks::Dev,
     discover::vms::VmMaps,
@@ -74,6 +74,12 @@ fn sum_counts(per_cpu: &aya::maps::PerCpuValues<VmCounts>) -> VmCounts {
 }
 use crate::probes::features::mount_tracefs;
 use vm::{add_vm_maps, dio_end_io_addresses};
+
+/// VM slots kept for QEMUs exec'd while the probes load.
+const LATE_VM_SLOTS: u32 = 16;
+
+/// `BPF_NOEXIST`: insert only where the key is absent.
+const BPF_NOEXIST: u64 = 1;
 
 /// The hash tables whose fill /metrics shows.
 const FILL_MAPS: &[&str] = &[
@@ -312,7 +318,9 @@ pub struct BlockProbes {
     max_disks: u32,
     flavour: Flavour,
     btf: Option<Btf>,
-    start_probe: bool,
+    /// When the start probe was attached (time since boot): a VM started
+    /// before then may have made its first request unseen.
+    start_probe_since: Option<std::time::Duration>,
     vm_segments: bool,
     vm_probes: bool,
     switch_probe: bool,
@@ -393,7 +401,9 @@ impl BlockProbes {
         let nr_stream_devs = cfg.stream_devs.len() as u32;
         let track_vms = u32::from(cfg.track_vms);
         let vm_segments = track_vms;
-        let next_vm = cfg.vm_pids.len() as u32;
+        // Slots after the running VMs' are kept for QEMUs exec'd between
+        // the caller's scan and the exec watch (see `adopt_late_vms`).
+        let next_vm = cfg.vm_pids.len() as u32 + LATE_VM_SLOTS;
         let dio_end_io = dio_end_io_addresses();
         let getrq = u32::from(!has_block_io_start(btf));
         let mut ebpf = EbpfLoader::new()
@@ -442,7 +452,7 @@ impl BlockProbes {
             max_disks,
             flavour,
             btf: btf.cloned(),
-            start_probe: false,
+            start_probe_since: None,
             vm_segments: vm_segments != 0,
             vm_probes: false,
             switch_probe: false,
@@ -455,6 +465,7 @@ impl BlockProbes {
             // while the rest is verified (seconds on a busy host), is
             // followed from its exec, not missed.
             probes.attach_raw("sched_process_exec")?;
+            probes.adopt_late_vms(&cfg.vm_pids);
             // Verified before the block programs are attached, and attached
             // when the first VM appears: a VM's first requests must not
             // wait for the verifier, nor the run's figures start before the
@@ -486,6 +497,41 @@ impl BlockProbes {
             probes.ensure_vm_probes()?;
         }
         Ok(probes)
+    }
+
+    /// QEMU processes exec'd after the caller's scan of running VMs but
+    /// before the exec watch was attached: neither saw them. Given the
+    /// slots kept for them, as starting VMs (the agent names them as it
+    /// names exec'd ones).
+    fn adopt_late_vms(&mut self, scanned: &[u32]) {
+        let late: Vec<u32> = crate::discover::vms::qemu_pids()
+            .into_iter()
+            .filter(|p| !scanned.contains(p))
+            .collect();
+        let Ok(mut pids) = map_mut_of::<HashMap<_, u32, VmProc>>(&mut self.ebpf, "vm_pids") else {
+            return;
+        };
+        let first = scanned.len() as u32 + 1;
+        for (i, pid) in late.iter().enumerate() {
+            let Some(slot) = u32::try_from(i)
+                .ok()
+                .filter(|&i| i < LATE_VM_SLOTS)
+                .map(|i| first + i)
+            else {
+                log::warn!(
+                    "{} QEMU processes started while the probes loaded: pid {pid} and later \
+                     ones not followed (their requests are the host's)",
+                    late.len()
+                );
+                break;
+            };
+            let p = VmProc {
+                slot,
+                state: VM_PROC_STARTING,
+            };
+            // An exec the watch saw already has its slot.
+            let _ = pids.insert(pid, p, BPF_NOEXIST);
+        }
     }
 
     /// What a process's requests are attributed to has changed (`vm_pids`,
