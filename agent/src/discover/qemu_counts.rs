@@ -7,7 +7,7 @@
 //! to its completion callback: the engine and device segments together.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     io::{BufRead, BufReader, Write},
     os::unix::{io::AsRawFd, net::UnixStream},
     path::{Path, PathBuf},
@@ -385,8 +385,11 @@ fn counts_of(stats: &serde_json::Value) -> DiskCounts {
 /// `virsh domstats --block` output (`block.N.name=vda`, `block.N.rd.reqs=…`)
 /// as counters per virtual disk: libvirt names a disk by its target dev,
 /// which the domain's status gives the device alias (the disk's id) of.
+/// A disk listed without its counters (libvirt answers so while QEMU
+/// cannot give them: a domain stopping) is no reading, not a reading of 0.
 pub fn parse_domstats(text: &str, vm: &Vm) -> Counts {
     let mut by_index: BTreeMap<u32, (String, DiskCounts)> = BTreeMap::new();
+    let mut counted: BTreeSet<u32> = BTreeSet::new();
     for line in text.lines() {
         let Some((key, value)) = line.trim().split_once('=') else {
             continue;
@@ -402,6 +405,9 @@ pub fn parse_domstats(text: &str, vm: &Vm) -> Counts {
         };
         let e = by_index.entry(n).or_default();
         let v = value.parse::<u64>().unwrap_or(0);
+        if field == "rd.reqs" || field == "wr.reqs" {
+            counted.insert(n);
+        }
         match field {
             "name" => e.0 = value.to_string(),
             "rd.reqs" => e.1.rd_ops = v,
@@ -416,7 +422,10 @@ pub fn parse_domstats(text: &str, vm: &Vm) -> Counts {
         }
     }
     let mut out = Counts::new();
-    for (_, (target, c)) in by_index {
+    for (n, (target, c)) in by_index {
+        if !counted.contains(&n) {
+            continue;
+        }
         if let Some(d) = vm
             .disks
             .iter()
@@ -481,6 +490,10 @@ mod tests {
         assert_eq!(c["virtio-disk0"].rd_ops, 1504);
         assert_eq!(c["virtio-disk0"].rd_ns, 1_203_000_000);
         assert_eq!(c["virtio-disk0"].fl_ops, 2);
+        // A stopping domain's disk, listed without counters: no reading.
+        let stopping = "Domain: 'db01'\n  block.count=1\n  block.0.name=vda\n  \
+                        block.0.path=/var/lib/libvirt/images/db01.img\n  block.0.capacity=1073741824\n";
+        assert!(parse_domstats(stopping, &v).is_empty());
     }
 
     #[test]
