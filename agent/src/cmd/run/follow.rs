@@ -23,7 +23,7 @@ pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) ->
         if known.vms.contains_key(&slot) || known.not_vms.contains_key(&slot) {
             continue;
         }
-        let mut vm = match vms::identify_within(tgid, vms::IDENTIFY_LIMIT) {
+        let vm = match vms::identify_within(tgid, vms::IDENTIFY_LIMIT) {
             Some(vm) if vm.not_vm.is_none() => vm,
             other => {
                 let why = other
@@ -41,12 +41,6 @@ pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) ->
             }
         };
         {
-            // Exec'd while the probes ran: in the deep tier its notifiers
-            // were seen created.
-            vm.kicks = kick_source(probes, &vm, true);
-            let started = !vm.named_threads
-                || !probes.saw_start_of(tgid)
-                || vm.kicks == vms::KickSource::NotSeen;
             log::info!(
                 "VM {} (pid {tgid}) with disks {:?}",
                 vm.name,
@@ -55,6 +49,7 @@ pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) ->
             if let Some(src) = &vm.channel {
                 channels.push((slot, vm.pid, src.clone()));
             }
+            let named_threads = vm.named_threads;
             // Its disks first: the kernel side names its requests' virtual
             // disks from them, and its firmware reads as soon as it runs;
             // attaching probes (reading QEMU's symbols) takes longer.
@@ -62,20 +57,31 @@ pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) ->
             if let Err(e) = probes.add_vm_maps(&maps) {
                 log::warn!("VM pid {tgid}: {}", crate::probes::error_chain(&e));
             }
+            // A VM's requests need their submitter taken at their start, and
+            // its notifications followed: what the tier then sees of its
+            // kicks is known.
+            if let Err(e) = probes.ensure_vm_probes() {
+                log::warn!("VM attribution off: {}", crate::probes::error_chain(&e));
+            }
+            // Exec'd while the probes ran: in the deep tier its notifiers
+            // were seen created.
+            let kicks = known
+                .vms
+                .get(&slot)
+                .map(|vm| kick_source(probes, vm, true))
+                .unwrap_or_default();
+            if let Some(vm) = known.vms.get_mut(&slot) {
+                vm.kicks = kicks;
+            }
             // No vCPU to see start the guest, no kick of it to be seen, or
             // its start may have come before the start probe was attached
             // (a VM exec'd while the agent started): its requests are the
             // guest's from here (QEMU's own start-up reads included), its
             // disks now known.
-            if started {
+            if !named_threads || !probes.saw_start_of(tgid) || kicks == vms::KickSource::NotSeen {
                 if let Err(e) = probes.mark_started(tgid) {
                     log::warn!("VM pid {tgid}: {}", crate::probes::error_chain(&e));
                 }
-            }
-            // A VM's requests need their submitter taken at their start, and
-            // its notifications followed.
-            if let Err(e) = probes.ensure_vm_probes() {
-                log::warn!("VM attribution off: {}", crate::probes::error_chain(&e));
             }
             if let Some(vm) = known.vms.get(&slot) {
                 attach_vm_probes(probes, slot, vm);
