@@ -151,6 +151,9 @@ fn traced(
         .arg(&report)
         .arg("--events-out")
         .arg(&events)
+        // Its vCPU threads kick eventfds as TCG's do: split by the tier
+        // that sees those writes here (see rig_split_args).
+        .args(agent_integration::rig_split_args())
         .args(["--", "sh", "-c", &script]));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
