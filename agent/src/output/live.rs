@@ -251,29 +251,21 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
         vdisks,
         queues,
         disks,
-        lost: snap
-            .counters
-            .losses()
-            .iter()
-            .filter(|l| !SPLIT_LOSSES.contains(&l.0) && l.0 != "polled")
-            .map(|l| l.2)
-            .sum(),
-        unsplit: snap
-            .counters
-            .losses()
-            .iter()
-            .filter(|l| SPLIT_LOSSES.contains(&l.0))
-            .map(|l| l.2)
-            .sum(),
+        lost: snap.counters.losses().iter().map(|l| l.2).sum::<u64>()
+            - unsplit(&snap.counters.host_split)
+            - snap.counters.host_split.polled,
+        unsplit: unsplit(&snap.counters.host_split),
         polled: snap.counters.host_split.polled,
         unmatched: stitch.counters.unmatched_guest + stitch.counters.unmatched_host,
         qemu: None,
     }
 }
 
-/// The losses that leave a request counted and timed, its host window
-/// whole (`Counters::losses` keys).
-const SPLIT_LOSSES: [&str; 4] = ["no_kick", "no_signal", "unordered", "not_followed"];
+/// VM requests counted and timed whose host window was not split
+/// (`polled` aside).
+fn unsplit(h: &crate::model::SplitCounters) -> u64 {
+    h.no_kick + h.no_signal + h.unordered + h.not_followed
+}
 
 fn host_segs(h: &HostSplit) -> BTreeMap<String, Hist> {
     let mut segs: BTreeMap<String, Hist> = [

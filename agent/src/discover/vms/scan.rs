@@ -167,15 +167,11 @@ pub fn qemu_pids() -> Vec<u32> {
 
 /// Every QEMU VM running now.
 pub fn scan() -> Vec<Vm> {
-    let mut v: Vec<Vm> = fs::read_dir("/proc")
-        .map(|rd| {
-            rd.flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-                .filter_map(|pid| identify_within(pid, IDENTIFY_LIMIT))
-                .filter(|vm| vm.not_vm.is_none())
-                .collect()
-        })
-        .unwrap_or_default();
+    let mut v: Vec<Vm> = qemu_pids()
+        .into_iter()
+        .filter_map(|pid| identify_within(pid, IDENTIFY_LIMIT))
+        .filter(|vm| vm.not_vm.is_none())
+        .collect();
     v.sort_by_key(|vm| vm.pid);
     v
 }
