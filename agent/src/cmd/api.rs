@@ -33,6 +33,10 @@ pub struct Shared {
     /// API runs of the deep tier starting or running: while any is, the
     /// agent runs the deep tier.
     pub deep_runs: std::sync::atomic::AtomicU32,
+    /// How many times the agent has looked at the tier the runs want (and
+    /// switched to it where it could): a deep run starts after a look that
+    /// began once it asked.
+    pub tier_looks: watch::Sender<u64>,
     /// The current frame (cumulative figures).
     pub frames: watch::Sender<Option<Arc<Frame>>>,
     #[cfg_attr(not(feature = "serve"), allow(dead_code))]
@@ -124,6 +128,7 @@ impl Shared {
             wanted: AtomicBool::new(true),
             qemu_wanted: AtomicBool::new(false),
             deep_runs: std::sync::atomic::AtomicU32::new(0),
+            tier_looks: watch::channel(0).0,
             frames: watch::channel(None).0,
             runs: Mutex::new(Vec::new()),
             access,
@@ -602,6 +607,20 @@ mod server {
         f
     }
 
+    /// Waits for a look at the wanted tier that began after the call: the
+    /// one under way may have read the tier before it was asked. False
+    /// when none comes within 5 s (the agent's loop is stalled).
+    async fn tier_looked_since(s: &Shared) -> bool {
+        let mut rx = s.tier_looks.subscribe();
+        let from = *rx.borrow_and_update();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            rx.wait_for(|n| n.wrapping_sub(from) >= 2),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok())
+    }
+
     #[derive(serde::Deserialize)]
     struct StartQuery {
         label: Option<String>,
@@ -631,10 +650,19 @@ mod server {
                 return (StatusCode::BAD_REQUEST, format!("tier: {e}\n")).into_response();
             }
         };
-        // The deep tier is attached before the run's first figures: the
-        // agent switches at its next look (within 100 ms), the figures
-        // come at the next frame.
+        // The deep tier is attached before the run's first figures, and
+        // before the run is answered: a VM its caller starts next is then
+        // followed from its exec by the deep tier's probes. The agent
+        // switches at its next look (within 100 ms); the figures come at
+        // the next frame.
         let deep = DeepGuard::new(&s, tier);
+        if tier.is_deep() && !tier_looked_since(&s).await {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the agent did not look at the deep tier within 5 s: try again\n",
+            )
+                .into_response();
+        }
         let Some(start) = fresh_with_qemu(&s).await else {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,

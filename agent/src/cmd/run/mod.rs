@@ -330,7 +330,15 @@ impl Session {
                 _ = signals.terminate.recv() => break Ending::Stop,
                 _ = sleep_until(deadline) => break Ending::Stop,
                 _ = async { stop.as_mut().expect("guarded").wait_for(|s| *s).await.ok() }, if stop.is_some() => break Ending::Stop,
-                _ = vm_tick.tick(), if opts.vms => self.follow_vms(stop_rx),
+                _ = vm_tick.tick() => {
+                    if opts.vms {
+                        self.follow_vms(stop_rx);
+                    } else {
+                        // No VM to follow, no tier to switch: the look is
+                        // still counted, for a deep run waiting on it.
+                        self.apply_wanted_tier();
+                    }
+                }
                 _ = live_tick.tick(), if feed.is_some() => {
                     if let Some(feed) = feed.as_ref() {
                         self.send_frame(feed, start.at.elapsed().as_secs_f64());

@@ -306,9 +306,14 @@ impl Session {
     /// The tier an API run asks for, applied: the deep tier's probes
     /// attached (and each VM's pushes seen from now), or detached again.
     pub(super) fn apply_wanted_tier(&mut self) {
-        let Some(want) = self.metrics.as_ref().map(|m| m.wanted_tier()) else {
+        let Some(m) = self.metrics.clone() else {
             return;
         };
+        self.switch_to(m.wanted_tier());
+        m.tier_looks.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    fn switch_to(&mut self, want: crate::model::Tier) {
         if want == self.probes.tier.tier || !self.probes.vm_segments_on() {
             return;
         }
