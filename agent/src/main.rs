@@ -64,38 +64,7 @@ enum Cmd {
     /// where the latency goes (total, guest, hypervisor, engine, device, host queue), refreshed
     /// every interval. Keys: s sort, / filter, m mean/p99, space pause, h histogram, ? help.
     #[cfg(feature = "tui")]
-    Top {
-        /// Only these host disks (name, /dev path or MAJ:MIN); all by default.
-        #[arg(short, long = "disk", value_name = "DISK")]
-        disks: Vec<String>,
-        /// Refresh interval.
-        #[arg(short, long, default_value = "1s", value_parser = humantime::parse_duration, value_name = "D")]
-        interval: Duration,
-        /// Block-layer table size (disks).
-        #[arg(long, default_value_t = DEFAULT_MAX_DISKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
-        max_disks: u32,
-        /// Watch the agent service at HOST:PORT (its api.listen) instead of loading probes here;
-        /// https://HOST:PORT for an agent with api.tls_cert. Several, comma-separated: one view
-        /// of them all, each agent's rows under its address (HOST:PORT/VM).
-        #[arg(long, value_name = "HOST:PORT[,…]")]
-        connect: Option<String>,
-        /// A file holding the agent's api.token (or set IOSPAN_TOKEN). Never the token itself on
-        /// the command line: every user can read a process's arguments.
-        #[arg(long, value_name = "FILE", requires = "connect")]
-        token_file: Option<PathBuf>,
-        /// Refused: the token would show in every user's process list. Use IOSPAN_TOKEN or
-        /// --token-file.
-        #[arg(long, value_name = "TOKEN", hide = true)]
-        token: Option<String>,
-        /// PEM certificate(s) to trust for an https agent (its own, or the CA that signed it);
-        /// the system's web roots otherwise.
-        #[arg(long, value_name = "FILE", requires = "connect")]
-        ca_cert: Option<PathBuf>,
-        /// The deep tier here (see `run --deep` and docs/tiers.md); an agent's tier is set by
-        /// its runs.
-        #[arg(long, conflicts_with = "connect")]
-        deep: bool,
-    },
+    Top(TopArgs),
     /// Export a recorded run's I/Os (`run --events-out FILE`) over OTLP again, each as the
     /// agent exports it (a trace, a child span per segment), as if it had just completed: a past
     /// run in a tracing backend, or real traffic to size a collector tier (--repeat, --speed 0).
@@ -391,6 +360,42 @@ fn main() -> ExitCode {
     }
 }
 
+/// `iospan top`'s options.
+#[cfg(feature = "tui")]
+#[derive(clap::Args)]
+struct TopArgs {
+    /// Only these host disks (name, /dev path or MAJ:MIN); all by default.
+    #[arg(short, long = "disk", value_name = "DISK")]
+    disks: Vec<String>,
+    /// Refresh interval.
+    #[arg(short, long, default_value = "1s", value_parser = humantime::parse_duration, value_name = "D")]
+    interval: Duration,
+    /// Block-layer table size (disks).
+    #[arg(long, default_value_t = DEFAULT_MAX_DISKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    max_disks: u32,
+    /// Watch the agent service at HOST:PORT (its api.listen) instead of loading probes here;
+    /// https://HOST:PORT for an agent with api.tls_cert. Several, comma-separated: one view
+    /// of them all, each agent's rows under its address (HOST:PORT/VM).
+    #[arg(long, value_name = "HOST:PORT[,…]")]
+    connect: Option<String>,
+    /// A file holding the agent's api.token (or set IOSPAN_TOKEN). Never the token itself on
+    /// the command line: every user can read a process's arguments.
+    #[arg(long, value_name = "FILE", requires = "connect")]
+    token_file: Option<PathBuf>,
+    /// Refused: the token would show in every user's process list. Use IOSPAN_TOKEN or
+    /// --token-file.
+    #[arg(long, value_name = "TOKEN", hide = true)]
+    token: Option<String>,
+    /// PEM certificate(s) to trust for an https agent (its own, or the CA that signed it);
+    /// the system's web roots otherwise.
+    #[arg(long, value_name = "FILE", requires = "connect")]
+    ca_cert: Option<PathBuf>,
+    /// The deep tier here (see `run --deep` and docs/tiers.md); an agent's tier is set by
+    /// its runs.
+    #[arg(long, conflicts_with = "connect")]
+    deep: bool,
+}
+
 /// Arguments to each command's options; the commands are `iospan::cmd`'s.
 fn real_main(cli: Cli) -> Result<ExitCode> {
     match cli.command {
@@ -474,41 +479,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         #[cfg(feature = "tui")]
-        Cmd::Top {
-            disks,
-            interval,
-            max_disks,
-            connect,
-            token_file,
-            token,
-            ca_cert,
-            deep,
-        } => {
-            if token.is_some() {
-                anyhow::bail!(
-                    "--token: a token on the command line shows in every user's process list \
-                     (ps, /proc/PID/cmdline); set IOSPAN_TOKEN, or --token-file FILE (mode 0600)"
-                );
-            }
-            let token = match (token_file, std::env::var("IOSPAN_TOKEN")) {
-                (Some(f), _) => Some(
-                    iospan::cmd::token::read(&f)
-                        .map_err(|e| e.context(format!("--token-file {}", f.display())))?,
-                ),
-                (None, Ok(t)) if !t.trim().is_empty() => Some(t.trim().to_string()),
-                _ => None,
-            };
-            iospan::cmd::top::main(iospan::cmd::top::TopOptions {
-                disks,
-                interval,
-                max_disks,
-                connect,
-                token,
-                ca_cert,
-                tier: iospan::model::Tier::of_deep(deep),
-            })?;
-            Ok(ExitCode::SUCCESS)
-        }
+        Cmd::Top(a) => top(a),
         Cmd::Demo { json_out } => demo::main(json_out),
         Cmd::Verify {
             vm,
@@ -520,6 +491,46 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             json_out,
         }),
     }
+}
+
+/// `iospan top`: here, or watching agents; a token only from a file or
+/// the environment.
+#[cfg(feature = "tui")]
+fn top(a: TopArgs) -> Result<ExitCode> {
+    let TopArgs {
+        disks,
+        interval,
+        max_disks,
+        connect,
+        token_file,
+        token,
+        ca_cert,
+        deep,
+    } = a;
+    if token.is_some() {
+        anyhow::bail!(
+            "--token: a token on the command line shows in every user's process list \
+             (ps, /proc/PID/cmdline); set IOSPAN_TOKEN, or --token-file FILE (mode 0600)"
+        );
+    }
+    let token = match (token_file, std::env::var("IOSPAN_TOKEN")) {
+        (Some(f), _) => Some(
+            iospan::cmd::token::read(&f)
+                .map_err(|e| e.context(format!("--token-file {}", f.display())))?,
+        ),
+        (None, Ok(t)) if !t.trim().is_empty() => Some(t.trim().to_string()),
+        _ => None,
+    };
+    iospan::cmd::top::main(iospan::cmd::top::TopOptions {
+        disks,
+        interval,
+        max_disks,
+        connect,
+        token,
+        ca_cert,
+        tier: iospan::model::Tier::of_deep(deep),
+    })?;
+    Ok(ExitCode::SUCCESS)
 }
 
 impl RunArgs {

@@ -127,10 +127,49 @@ pub fn examine() -> Result<Doctor> {
     // whether or not tracefs is mounted.
     let kvm_tracepoints = Path::new("/sys/module/kvm").exists()
         || Path::new("/sys/kernel/tracing/events/kvm").exists();
+    let segments = segments(&probes, kvm_tracepoints);
+    let uprobe_costs = if privileged && works(ProbeType::Uprobe) {
+        features::uprobe_costs().map_err(|e| format!("not measured: {e}"))
+    } else {
+        Err("not measured: uprobes do not work here".into())
+    };
+    let fn_probe = if works(ProbeType::Fentry) {
+        Some("fentry")
+    } else if works(ProbeType::Kprobe) {
+        Some("kprobe")
+    } else {
+        None
+    };
+    let tiers = tier_plan(
+        fn_probe,
+        kvm_tracepoints,
+        crate::probes::host::io_uring_tracepoints(),
+        if works(ProbeType::TpBtf) {
+            "tp_btf"
+        } else {
+            "raw_tp"
+        },
+    );
+    Ok(Doctor {
+        tiers,
+        kernel: kernel_release(),
+        btf: Path::new("/sys/kernel/btf/vmlinux").exists(),
+        privileged,
+        probes,
+        kvm_tracepoints,
+        segments,
+        uprobe_costs_error: uprobe_costs.as_ref().err().cloned(),
+        uprobe_costs: uprobe_costs.unwrap_or_default(),
+        vms: crate::discover::vms::scan(),
+    })
+}
+
+/// What each segment needs, and whether this host has it.
+fn segments(probes: &[features::ProbeResult], kvm_tracepoints: bool) -> Vec<SegmentSupport> {
+    let works = |t: ProbeType| probes.iter().any(|p| p.probe == t && p.works);
     // Without the atomics every program uses, nothing iospan has loads.
     let tp = (works(ProbeType::TpBtf) || works(ProbeType::RawTp)) && works(ProbeType::Atomics);
     let fn_probes = works(ProbeType::Kprobe) || works(ProbeType::Fentry);
-
     let mut segments = Vec::new();
     segments.push(SegmentSupport {
         segment: "device",
@@ -190,41 +229,7 @@ pub fn examine() -> Result<Doctor> {
         measurable: Support::No,
         how: "not visible from the host: needs iospan running inside the guest".into(),
     });
-
-    let uprobe_costs = if privileged && works(ProbeType::Uprobe) {
-        features::uprobe_costs().map_err(|e| format!("not measured: {e}"))
-    } else {
-        Err("not measured: uprobes do not work here".into())
-    };
-    let fn_probe = if works(ProbeType::Fentry) {
-        Some("fentry")
-    } else if works(ProbeType::Kprobe) {
-        Some("kprobe")
-    } else {
-        None
-    };
-    let tiers = tier_plan(
-        fn_probe,
-        kvm_tracepoints,
-        crate::probes::host::io_uring_tracepoints(),
-        if works(ProbeType::TpBtf) {
-            "tp_btf"
-        } else {
-            "raw_tp"
-        },
-    );
-    Ok(Doctor {
-        tiers,
-        kernel: kernel_release(),
-        btf: Path::new("/sys/kernel/btf/vmlinux").exists(),
-        privileged,
-        probes,
-        kvm_tracepoints,
-        segments,
-        uprobe_costs_error: uprobe_costs.as_ref().err().cloned(),
-        uprobe_costs: uprobe_costs.unwrap_or_default(),
-        vms: crate::discover::vms::scan(),
-    })
+    segments
 }
 
 fn kernel_release() -> String {
@@ -252,6 +257,17 @@ fn kernel_release() -> String {
 impl Doctor {
     pub fn render(&self) -> String {
         let mut out = String::new();
+        self.render_host(&mut out);
+        self.render_tiers(&mut out);
+        let _ = writeln!(out, "\nQEMU processes ({}):", self.vms.len());
+        for vm in &self.vms {
+            render_vm(&mut out, vm);
+        }
+        out
+    }
+
+    /// The kernel, privileges, program types and measurable segments.
+    fn render_host(&self, out: &mut String) {
         let yes = |b: bool| if b { "yes" } else { "no" };
         let _ = writeln!(out, "kernel        {}", self.kernel);
         let _ = writeln!(
@@ -296,6 +312,10 @@ impl Doctor {
                 s.how
             );
         }
+    }
+
+    /// The tiers' probes and what a uprobe costs here.
+    fn render_tiers(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "\ntiers: {} runs by default (`iospan agent`, `iospan run`); deep: `iospan run --deep`, an API run with tier=deep",
@@ -326,58 +346,62 @@ impl Doctor {
                 let _ = writeln!(out, "\nuprobe cost per hit: {e}");
             }
         }
-        let _ = writeln!(out, "\nQEMU processes ({}):", self.vms.len());
-        for vm in &self.vms {
-            let _ = writeln!(out, "  {} (pid {})", vm.name, vm.pid);
-            if let Some(dom) = &vm.libvirt {
-                let _ = writeln!(
-                    out,
-                    "    libvirt domain {}{}",
-                    dom.name,
-                    dom.uuid
-                        .as_deref()
-                        .map_or(String::new(), |u| format!(", uuid {u}"))
-                );
-            } else if let Some(u) = &vm.uuid {
-                let _ = writeln!(out, "    uuid {u}");
+    }
+}
+
+/// A QEMU process: its identity, uprobe sites, kicks, guest channel,
+/// QEMU's own counts and virtual disks.
+fn render_vm(out: &mut String, vm: &crate::discover::vms::Vm) {
+    let _ = writeln!(out, "  {} (pid {})", vm.name, vm.pid);
+    if let Some(dom) = &vm.libvirt {
+        let _ = writeln!(
+            out,
+            "    libvirt domain {}{}",
+            dom.name,
+            dom.uuid
+                .as_deref()
+                .map_or(String::new(), |u| format!(", uuid {u}"))
+        );
+    } else if let Some(u) = &vm.uuid {
+        let _ = writeln!(out, "    uuid {u}");
+    }
+    for (symbol, role) in vm.uprobe_symbols(crate::discover::vms::ProbeChoice {
+        split: true,
+        deep: true,
+        interrupts_in_qemu: !vm.kvm,
+    }) {
+        let site = crate::probes::uprobe::uprobe_site(vm.pid, symbol).map(|s| s.prologue);
+        let how = match site {
+            Some(crate::probes::uprobe::Prologue::Push) => {
+                "entered with a push: emulated, the cheap kind".to_string()
             }
-            for (symbol, role) in vm.uprobe_symbols(crate::discover::vms::ProbeChoice {
-                split: true,
-                deep: true,
-                interrupts_in_qemu: !vm.kvm,
-            }) {
-                let site = crate::probes::uprobe::uprobe_site(vm.pid, symbol).map(|s| s.prologue);
-                let how = match site {
-                    Some(crate::probes::uprobe::Prologue::Push) => {
-                        "entered with a push: emulated, the cheap kind".to_string()
-                    }
-                    Some(crate::probes::uprobe::Prologue::SingleStepped) => {
-                        "single-stepped: the expensive kind".to_string()
-                    }
-                    None => format!("not exported by this binary: {}", role.missing()),
-                };
-                let role = role.describe();
-                let _ = writeln!(out, "    {role}: {symbol}, {how}");
+            Some(crate::probes::uprobe::Prologue::SingleStepped) => {
+                "single-stepped: the expensive kind".to_string()
             }
-            if vm.vdisks_over_cap > 0 {
-                let _ = writeln!(
-                    out,
-                    "    {} more virtual disks on its command line not followed (at most {} per VM)",
-                    vm.vdisks_over_cap,
-                    crate::discover::vms::MAX_VDISKS
-                );
-            }
-            let _ = writeln!(
-                out,
-                "    kicks: {}",
-                if vm.named_threads {
-                    "running before iospan: any eventfd its vCPUs write counts (a VM started while iospan runs \
+            None => format!("not exported by this binary: {}", role.missing()),
+        };
+        let role = role.describe();
+        let _ = writeln!(out, "    {role}: {symbol}, {how}");
+    }
+    if vm.vdisks_over_cap > 0 {
+        let _ = writeln!(
+            out,
+            "    {} more virtual disks on its command line not followed (at most {} per VM)",
+            vm.vdisks_over_cap,
+            crate::discover::vms::MAX_VDISKS
+        );
+    }
+    let _ = writeln!(
+        out,
+        "    kicks: {}",
+        if vm.named_threads {
+            "running before iospan: any eventfd its vCPUs write counts (a VM started while iospan runs \
                      has its queue notifiers known)"
-                } else {
-                    "none: QEMU's threads are unnamed (add debug-threads=on to -name), vCPUs cannot be told apart"
-                }
-            );
-            let _ = writeln!(
+        } else {
+            "none: QEMU's threads are unnamed (add debug-threads=on to -name), vCPUs cannot be told apart"
+        }
+    );
+    let _ = writeln!(
                 out,
                 "    guest channel: {}",
                 match (&vm.guest_channel, &vm.channel) {
@@ -396,36 +420,41 @@ impl Doctor {
                     ),
                 }
             );
-            let _ = writeln!(
-                out,
-                "    QEMU's own counts: {}",
-                crate::discover::qemu_counts::describe_all(
-                    &crate::discover::qemu_counts::sources_of(vm)
-                )
-            );
-            for d in &vm.disks {
-                let host = d
-                    .host_dev
-                    .map(crate::discover::disks::name_of)
-                    .unwrap_or_else(|| "no host disk".into());
-                let served = d.engine.as_ref().map_or_else(String::new, |e| {
-                    format!(" served by {} (pid {}, {})", e.program, e.pid, e.export)
-                });
-                let host = if d.host_stack.is_empty() {
-                    host
-                } else {
-                    // Device-mapper: the dm device, then the disks under it.
-                    format!("{} ({})", d.host_stack[0], d.host_stack[1..].join(", "))
-                };
-                let id = match &d.target_dev {
-                    Some(t) => format!("{} {t}", d.id),
-                    None => d.id.clone(),
-                };
-                let iothread = d
-                    .iothread
-                    .as_deref()
-                    .map_or(String::new(), |t| format!(", iothread {t}"));
-                let _ = writeln!(
+    let _ = writeln!(
+        out,
+        "    QEMU's own counts: {}",
+        crate::discover::qemu_counts::describe_all(&crate::discover::qemu_counts::sources_of(vm))
+    );
+    for d in &vm.disks {
+        render_vdisk(out, d);
+    }
+}
+
+/// A virtual disk: its host disk, engine, iothread and whether its host
+/// window splits.
+fn render_vdisk(out: &mut String, d: &crate::discover::vms::VDisk) {
+    let host = d
+        .host_dev
+        .map(crate::discover::disks::name_of)
+        .unwrap_or_else(|| "no host disk".into());
+    let served = d.engine.as_ref().map_or_else(String::new, |e| {
+        format!(" served by {} (pid {}, {})", e.program, e.pid, e.export)
+    });
+    let host = if d.host_stack.is_empty() {
+        host
+    } else {
+        // Device-mapper: the dm device, then the disks under it.
+        format!("{} ({})", d.host_stack[0], d.host_stack[1..].join(", "))
+    };
+    let id = match &d.target_dev {
+        Some(t) => format!("{} {t}", d.id),
+        None => d.id.clone(),
+    };
+    let iothread = d
+        .iothread
+        .as_deref()
+        .map_or(String::new(), |t| format!(", iothread {t}"));
+    let _ = writeln!(
                     out,
                     "    {:<16} {:<18} {} on {host}{served}{iothread}: host block requests attributed to the VM; host window {}",
                     id,
@@ -438,10 +467,6 @@ impl Doctor {
                         Err(why) => format!("not split: {why}"),
                     }
                 );
-            }
-        }
-        out
-    }
 }
 
 /// `iospan doctor`.

@@ -345,6 +345,30 @@ fn hello(coverage: &str) -> Hello {
     }
 }
 
+/// SCHED_IDLE: the agent runs only when the guest has nothing else to.
+fn run_when_idle() {
+    // SAFETY: sched_param is plain integers (musl adds fields glibc
+    // lacks): zeroed is priority 0, the only one SCHED_IDLE takes.
+    let param: libc::sched_param = unsafe { std::mem::zeroed() };
+    // The system call itself: musl's sched_setscheduler() is a stub
+    // that always fails with ENOSYS.
+    // SAFETY: a valid sched_param for this thread (pid 0 = caller).
+    if unsafe {
+        libc::syscall(
+            libc::SYS_sched_setscheduler,
+            0,
+            libc::SCHED_IDLE,
+            &param as *const libc::sched_param,
+        )
+    } != 0
+    {
+        log::warn!(
+            "could not run as SCHED_IDLE ({}): the agent may delay the guest's work",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 pub fn run(opts: &GuestOptions) -> Result<()> {
     if opts.port.is_some() && opts.connect.is_some() {
         bail!("--port and --connect both given: the guest channel is one or the other");
@@ -353,26 +377,7 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
     let mut ring = probes.take_events()?;
     let mut ch = open_channel(opts)?;
     if opts.idle_priority {
-        // SAFETY: sched_param is plain integers (musl adds fields glibc
-        // lacks): zeroed is priority 0, the only one SCHED_IDLE takes.
-        let param: libc::sched_param = unsafe { std::mem::zeroed() };
-        // The system call itself: musl's sched_setscheduler() is a stub
-        // that always fails with ENOSYS.
-        // SAFETY: a valid sched_param for this thread (pid 0 = caller).
-        if unsafe {
-            libc::syscall(
-                libc::SYS_sched_setscheduler,
-                0,
-                libc::SCHED_IDLE,
-                &param as *const libc::sched_param,
-            )
-        } != 0
-        {
-            log::warn!(
-                "could not run as SCHED_IDLE ({}): the agent may delay the guest's work",
-                std::io::Error::last_os_error()
-            );
-        }
+        run_when_idle();
     }
     // SAFETY: the handler only stores to an atomic.
     unsafe {

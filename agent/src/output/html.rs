@@ -74,6 +74,17 @@ pub fn render(run: &StoredRun) -> String {
             h += &series_plots(s);
         }
     }
+    h += &fio_table(run);
+    h += &qemu_table(run);
+    h += "<h2>Report</h2><pre>";
+    h += &esc(&run.report.table());
+    h += "</pre></body></html>\n";
+    h
+}
+
+/// fio's own figures, where the run has them.
+fn fio_table(run: &StoredRun) -> String {
+    let mut h = String::new();
     if !run.fio.is_empty() {
         h += "<h2>fio's own figures</h2><table><tr><th>job</th><th>op</th><th>I/Os</th><th>IOPS</th><th>mean µs</th><th>p99 µs</th><th>p99.9 µs</th></tr>";
         for f in &run.fio {
@@ -92,6 +103,12 @@ pub fn render(run: &StoredRun) -> String {
         }
         h += "</table>";
     }
+    h
+}
+
+/// QEMU's own accounting beside ours, where the run read it.
+fn qemu_table(run: &StoredRun) -> String {
+    let mut h = String::new();
     let checked: Vec<_> = run
         .report
         .entries
@@ -123,9 +140,6 @@ pub fn render(run: &StoredRun) -> String {
         }
         h += "</table>";
     }
-    h += "<h2>Report</h2><pre>";
-    h += &esc(&run.report.table());
-    h += "</pre></body></html>\n";
     h
 }
 

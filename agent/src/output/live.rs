@@ -114,8 +114,25 @@ pub struct Row {
 
 /// The frame of one snapshot.
 pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registry) -> Frame {
-    let (splits, stitch) = (&corr.splits, &corr.stitch);
-    let stitched = &stitch.stitched;
+    let stitch = &corr.stitch;
+    Frame {
+        at_s,
+        vdisks: vdisk_rows(snap, corr, known),
+        queues: queue_rows(corr, known),
+        disks: disk_rows(snap),
+        lost: snap.counters.losses().iter().map(|l| l.2).sum::<u64>()
+            - unsplit(&snap.counters.host_split)
+            - snap.counters.host_split.polled,
+        unsplit: unsplit(&snap.counters.host_split),
+        polled: snap.counters.host_split.polled,
+        unmatched: stitch.counters.unmatched_guest + stitch.counters.unmatched_host,
+        qemu: None,
+    }
+}
+
+/// A row per VM, virtual disk and op: the guest-observed segments where a
+/// guest agent joined, else the host window's split, else the host disk's.
+fn vdisk_rows(snap: &BlockSnapshot, corr: &Correlator, known: &Registry) -> Vec<Row> {
     let finished = snap.vm_finished();
     let inflight = |vm: u32| {
         if known.exited.contains(&vm) {
@@ -134,13 +151,15 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
         };
         let mut segs = BTreeMap::new();
         segs.insert("queue".to_string(), s.segment(BlkSegment::Queue).clone());
-        let split = splits.get(&SplitKey {
+        let split = corr.splits.get(&SplitKey {
             vm: k.vm,
             dev: k.dev,
             op: k.op,
             vdisk: k.vdisk,
         });
-        let joined = stitched
+        let joined = corr
+            .stitch
+            .stitched
             .get(&StitchKey {
                 vm: k.vm,
                 vdisk: k.vdisk,
@@ -170,8 +189,12 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
             segs,
         });
     }
-    let disks = snap
-        .stats
+    vdisks
+}
+
+/// A row per host disk and op: the host block layer's segments.
+fn disk_rows(snap: &BlockSnapshot) -> Vec<Row> {
+    snap.stats
         .iter()
         .map(|((dev, op), s)| Row {
             vm: String::new(),
@@ -192,7 +215,13 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
             .map(|(n, h)| (n.to_string(), h.clone()))
             .collect(),
         })
-        .collect();
+        .collect()
+}
+
+/// A row per virtual disk's queue: the guest agent's where it gave the
+/// disk's, else the host window per queue its kicks came through.
+fn queue_rows(corr: &Correlator, known: &Registry) -> Vec<Row> {
+    let stitch = &corr.stitch;
     // A virtual disk's queue: its VM, disk and op, its count, bytes and
     // segments, and whether they are the guest's view.
     let queue_row = |(vm, vdisk, op): (u32, u32, Op), q: u32, ios, bytes, guest, segs| {
@@ -224,8 +253,6 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
             )
         })
         .collect();
-    // Host-side queues where no guest agent gave the disk's: the host
-    // window per queue its kicks came through.
     let guest_queues: std::collections::BTreeSet<_> =
         stitch.queues.keys().map(|(k, _)| *k).collect();
     queues.extend(corr.queue_splits.iter().filter_map(|((k, q), h)| {
@@ -246,19 +273,7 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
             host_segs(h),
         )
     }));
-    Frame {
-        at_s,
-        vdisks,
-        queues,
-        disks,
-        lost: snap.counters.losses().iter().map(|l| l.2).sum::<u64>()
-            - unsplit(&snap.counters.host_split)
-            - snap.counters.host_split.polled,
-        unsplit: unsplit(&snap.counters.host_split),
-        polled: snap.counters.host_split.polled,
-        unmatched: stitch.counters.unmatched_guest + stitch.counters.unmatched_host,
-        qemu: None,
-    }
+    queues
 }
 
 /// VM requests counted and timed whose host window was not split

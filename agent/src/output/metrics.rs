@@ -127,9 +127,21 @@ fn hist(
 pub fn render(v: &View<'_>, f: Format) -> String {
     let bounds = bounds_ns();
     let mut out = String::new();
+    disk_families(&mut out, v, f, &bounds);
+    vm_latency_families(&mut out, v, f, &bounds);
+    vm_count_families(&mut out, v, f);
+    lost(&mut out, f, &v.snap.counters);
+    agent_families(&mut out, v, f);
+    if f == Format::OpenMetrics {
+        out.push_str("# EOF\n");
+    }
+    out
+}
 
+/// The host disks': latency by segment, requests and bytes.
+fn disk_families(out: &mut String, v: &View<'_>, f: Format, bounds: &[u64]) {
     family(
-        &mut out,
+        out,
         f,
         "iospan_disk_latency_seconds",
         "histogram",
@@ -144,17 +156,17 @@ pub fn render(v: &View<'_>, f: Format) -> String {
                 ("segment", seg.as_str()),
             ]);
             hist(
-                &mut out,
+                out,
                 "iospan_disk_latency_seconds",
                 &l,
                 s.segment(seg),
-                &bounds,
+                bounds,
                 None,
             );
         }
     }
     family(
-        &mut out,
+        out,
         f,
         "iospan_disk_ios_total",
         "counter",
@@ -165,7 +177,7 @@ pub fn render(v: &View<'_>, f: Format) -> String {
         let _ = writeln!(out, "iospan_disk_ios_total{{{l}}} {}", s.ios);
     }
     family(
-        &mut out,
+        out,
         f,
         "iospan_disk_bytes_total",
         "counter",
@@ -175,11 +187,14 @@ pub fn render(v: &View<'_>, f: Format) -> String {
         let l = labels(&[("disk", &disks::name_of(*dev)), ("op", op.as_str())]);
         let _ = writeln!(out, "iospan_disk_bytes_total{{{l}}} {}", s.bytes);
     }
+}
 
-    // Per VM and virtual disk: the host block layer's segments, the host
-    // window's split, and (guest agent) the guest-observed four.
+/// Per VM and virtual disk: the host block layer's segments, the host
+/// window's split, and (guest agent) the guest-observed four; requests and
+/// bytes.
+fn vm_latency_families(out: &mut String, v: &View<'_>, f: Format, bounds: &[u64]) {
     family(
-        &mut out,
+        out,
         f,
         "iospan_vm_latency_seconds",
         "histogram",
@@ -189,7 +204,6 @@ pub fn render(v: &View<'_>, f: Format) -> String {
     );
     let exemplars = v.exemplars.filter(|_| f == Format::OpenMetrics);
     let (mut ios, mut bytes) = (String::new(), String::new());
-    let finished = v.snap.vm_finished();
     // Slots of QEMU processes that are not VMs are the host's requests.
     for (k, s) in v.snap.vm_stats.iter().filter(|(k, _)| v.known.is_vm(k.vm)) {
         let vm = v.known.name(k.vm);
@@ -244,11 +258,11 @@ pub fn render(v: &View<'_>, f: Format) -> String {
                 segment: seg,
             };
             hist(
-                &mut out,
+                out,
                 "iospan_vm_latency_seconds",
                 &labels(&l),
                 h,
-                &bounds,
+                bounds,
                 exemplars.map(|x| (x, &key)),
             );
         }
@@ -273,11 +287,16 @@ pub fn render(v: &View<'_>, f: Format) -> String {
             &bytes,
         ),
     ] {
-        family(&mut out, f, name, "counter", help);
+        family(out, f, name, "counter", help);
         out.push_str(samples);
     }
+}
+
+/// Per VM: undelivered, merged and in-flight requests, and what names it.
+fn vm_count_families(out: &mut String, v: &View<'_>, f: Format) {
+    let finished = v.snap.vm_finished();
     family(
-        &mut out,
+        out,
         f,
         "iospan_vm_undelivered_total",
         "counter",
@@ -298,7 +317,7 @@ pub fn render(v: &View<'_>, f: Format) -> String {
         );
     }
     family(
-        &mut out,
+        out,
         f,
         "iospan_vm_merged_total",
         "counter",
@@ -321,7 +340,7 @@ pub fn render(v: &View<'_>, f: Format) -> String {
         }
     }
     family(
-        &mut out,
+        out,
         f,
         "iospan_vm_inflight_requests",
         "gauge",
@@ -344,7 +363,7 @@ pub fn render(v: &View<'_>, f: Format) -> String {
         );
     }
     family(
-        &mut out,
+        out,
         f,
         "iospan_vm_info",
         "gauge",
@@ -361,11 +380,13 @@ pub fn render(v: &View<'_>, f: Format) -> String {
             ])
         );
     }
+}
 
-    lost(&mut out, f, &v.snap.counters);
+/// The agent's own: traces by outcome, CPU time, kernel-side tables.
+fn agent_families(out: &mut String, v: &View<'_>, f: Format) {
     if let Some(e) = &v.export {
         family(
-            &mut out,
+            out,
             f,
             "iospan_traces_total",
             "counter",
@@ -382,7 +403,7 @@ pub fn render(v: &View<'_>, f: Format) -> String {
         }
     }
     family(
-        &mut out,
+        out,
         f,
         "iospan_agent_cpu_seconds_total",
         "counter",
@@ -406,15 +427,11 @@ pub fn render(v: &View<'_>, f: Format) -> String {
             |m| m.2,
         ),
     ] {
-        family(&mut out, f, name, "gauge", help);
+        family(out, f, name, "gauge", help);
         for m in v.maps {
             let _ = writeln!(out, "{name}{{map=\"{}\"}} {}", m.0, pick(m));
         }
     }
-    if f == Format::OpenMetrics {
-        out.push_str("# EOF\n");
-    }
-    out
 }
 
 fn lost(out: &mut String, f: Format, c: &Counters) {

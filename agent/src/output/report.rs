@@ -653,58 +653,16 @@ impl RunReport {
             let _ = writeln!(out, "(no block I/O completed on the traced disks)");
         }
         for e in &self.entries {
-            // Block segments, then the host window's split (with the
-            // owning threads' waits for a CPU), then the window.
-            const ORDER: [(&str, &str); 8] = [
-                ("queue", "queue"),
-                ("service", "service"),
-                ("hypervisor", "hypervisor"),
-                ("hypervisor_cpu_wait", " cpu wait"),
-                ("engine", "engine"),
-                ("engine_cpu_wait", " cpu wait"),
-                ("device", "device"),
-                ("host_window", "host_window"),
-            ];
-            let rows = std::iter::once(("total", &e.total)).chain(
-                ORDER
-                    .iter()
-                    .filter_map(|(k, label)| e.segments.get(*k).map(|v| (*label, v))),
-            );
-            // The guest agent's view after the host's: guest-observed latency
-            // and its four segments.
-            const STITCHED: [&str; 5] = ["total", "guest", "hypervisor", "engine", "device"];
-            let stitched: Vec<(String, &Summary)> = e
-                .stitched
-                .iter()
-                .flat_map(|st| {
-                    STITCHED
-                        .iter()
-                        .filter_map(move |k| st.segments.get(*k).map(|v| (format!("g.{k}"), v)))
-                })
-                .collect();
-            let rows = rows.map(|(k, v)| (k.to_string(), v)).chain(stitched);
-            let label = disk_label(e);
-            for (i, (seg, s)) in rows.enumerate() {
-                let (vm, disk, op, ios, iops, mbs) = if i == 0 {
-                    (
-                        e.vm.as_deref().unwrap_or("-"),
-                        label.as_str(),
-                        e.op.as_str(),
-                        e.ios.to_string(),
-                        format!("{:.1}", e.iops),
-                        format!("{:.2}", e.mb_per_s),
-                    )
-                } else {
-                    ("", "", "", String::new(), String::new(), String::new())
-                };
-                let _ = writeln!(
-                    out,
-                    "{:<vw$} {:<dw$} {:<7} {:>9} {:>10} {:>8}  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-                    vm, disk, op, ios, iops, mbs, seg,
-                    us(s.mean_us), us(s.p50_us), us(s.p90_us), us(s.p99_us), us(s.p999_us), us(s.max_us)
-                );
-            }
+            entry_rows(&mut out, e, &disk_label(e), vw, dw);
         }
+        self.table_notes(&mut out);
+        out += &qemu_table(self);
+        out
+    }
+
+    /// Beneath the table: the run's time and losses, QEMU processes that
+    /// were not VMs, VMs whose kicks were taken from any eventfd.
+    fn table_notes(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "latencies in µs over {:.2} s; {}",
@@ -734,10 +692,75 @@ impl RunReport {
                 guessed.join(", ")
             );
         }
-        out += &qemu_table(self);
-        out
     }
+}
 
+/// An entry's rows: its total, block segments, the host window's split
+/// (with the owning threads' waits for a CPU), the window, then the guest
+/// agent's view.
+fn entry_rows(out: &mut String, e: &Entry, label: &str, vw: usize, dw: usize) {
+    const ORDER: [(&str, &str); 8] = [
+        ("queue", "queue"),
+        ("service", "service"),
+        ("hypervisor", "hypervisor"),
+        ("hypervisor_cpu_wait", " cpu wait"),
+        ("engine", "engine"),
+        ("engine_cpu_wait", " cpu wait"),
+        ("device", "device"),
+        ("host_window", "host_window"),
+    ];
+    let rows = std::iter::once(("total", &e.total)).chain(
+        ORDER
+            .iter()
+            .filter_map(|(k, label)| e.segments.get(*k).map(|v| (*label, v))),
+    );
+    // The guest agent's view after the host's: guest-observed latency
+    // and its four segments.
+    const STITCHED: [&str; 5] = ["total", "guest", "hypervisor", "engine", "device"];
+    let stitched: Vec<(String, &Summary)> = e
+        .stitched
+        .iter()
+        .flat_map(|st| {
+            STITCHED
+                .iter()
+                .filter_map(move |k| st.segments.get(*k).map(|v| (format!("g.{k}"), v)))
+        })
+        .collect();
+    let rows = rows.map(|(k, v)| (k.to_string(), v)).chain(stitched);
+    for (i, (seg, s)) in rows.enumerate() {
+        let (vm, disk, op, ios, iops, mbs) = if i == 0 {
+            (
+                e.vm.as_deref().unwrap_or("-"),
+                label,
+                e.op.as_str(),
+                e.ios.to_string(),
+                format!("{:.1}", e.iops),
+                format!("{:.2}", e.mb_per_s),
+            )
+        } else {
+            ("", "", "", String::new(), String::new(), String::new())
+        };
+        let _ = writeln!(
+            out,
+            "{:<vw$} {:<dw$} {:<7} {:>9} {:>10} {:>8}  {:<11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            vm,
+            disk,
+            op,
+            ios,
+            iops,
+            mbs,
+            seg,
+            us(s.mean_us),
+            us(s.p50_us),
+            us(s.p90_us),
+            us(s.p99_us),
+            us(s.p999_us),
+            us(s.max_us)
+        );
+    }
+}
+
+impl RunReport {
     pub fn lost_line(&self) -> String {
         let parts: Vec<String> = self
             .lost

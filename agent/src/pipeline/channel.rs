@@ -94,29 +94,7 @@ pub async fn follow(
                 break;
             }
             reader.push(&buf[..n]);
-            loop {
-                match reader.next_frame() {
-                    Ok(Some(frame)) => handle(vm, frame, &known, &correlator),
-                    Ok(None) => break,
-                    Err(e) => {
-                        // The reader skipped to the next frame's start. The
-                        // guest decides how many: logged at most once per
-                        // interval, with how many were not.
-                        if let Some(quiet) = warned.due() {
-                            log::warn!(
-                                "VM slot {vm}: guest channel {}: {e}{}",
-                                path.display(),
-                                if quiet > 0 {
-                                    format!(" ({quiet} more malformed frames not logged)")
-                                } else {
-                                    String::new()
-                                }
-                            );
-                        }
-                        with_stats(&correlator, vm, |s| s.decode_errors += 1);
-                    }
-                }
-            }
+            take_frames(vm, &mut reader, &mut warned, &path, &known, &correlator);
             // Handled: the guest agent may forget them. (Again after each
             // read: frames resent after a crossing acknowledgement are
             // acknowledged anew.)
@@ -139,6 +117,41 @@ pub async fn follow(
             tokio::select! {
                 _ = tokio::time::sleep(backoff) => backoff = (backoff * 2).min(BACKOFF_MAX),
                 _ = stop.changed() => return,
+            }
+        }
+    }
+}
+
+/// Handles every whole frame read so far; a malformed one is skipped
+/// (the reader finds the next frame's start) and counted.
+fn take_frames(
+    vm: u32,
+    reader: &mut FrameReader,
+    warned: &mut RateLimited,
+    path: &std::path::Path,
+    known: &Mutex<Registry>,
+    correlator: &Mutex<Correlator>,
+) {
+    loop {
+        match reader.next_frame() {
+            Ok(Some(frame)) => handle(vm, frame, known, correlator),
+            Ok(None) => break,
+            Err(e) => {
+                // The reader skipped to the next frame's start. The
+                // guest decides how many: logged at most once per
+                // interval, with how many were not.
+                if let Some(quiet) = warned.due() {
+                    log::warn!(
+                        "VM slot {vm}: guest channel {}: {e}{}",
+                        path.display(),
+                        if quiet > 0 {
+                            format!(" ({quiet} more malformed frames not logged)")
+                        } else {
+                            String::new()
+                        }
+                    );
+                }
+                with_stats(correlator, vm, |s| s.decode_errors += 1);
             }
         }
     }

@@ -34,21 +34,27 @@ pub(super) struct Drained {
 /// often enough that a deep run's ring never fills between its ticks.
 pub(super) async fn drain_events<W: Write>(
     ring: aya::maps::RingBuf<aya::maps::MapData>,
-    mut out: Option<W>,
+    out: Option<W>,
     known: Arc<Mutex<Registry>>,
     correlator: Arc<Mutex<Correlator>>,
     mut stop: watch::Receiver<bool>,
     slower_than_ns: u64,
-    mut tracer: Option<Tracer>,
+    tracer: Option<Tracer>,
 ) -> Result<Drained> {
     // SAFETY: the ring buffer owns its fd and outlives the registration
     // (AsyncFd owns the ring buffer).
     let mut fd = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
         .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
     let mut timer = tokio::time::interval(Duration::from_millis(25));
-    let mut written = 0u64;
-    let mut malformed = 0u64;
-    let mut disk_names = disks::Names::default();
+    let mut d = Drain {
+        out,
+        known,
+        slower_than_ns,
+        tracer,
+        written: 0,
+        malformed: 0,
+        disk_names: disks::Names::default(),
+    };
     loop {
         let stopping = tokio::select! {
             r = fd.readable_mut() => { if let Ok(mut g) = r { g.clear_ready(); } false }
@@ -58,112 +64,157 @@ pub(super) async fn drain_events<W: Write>(
         let ring = fd.get_mut();
         let mut corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
         while let Some(item) = ring.next() {
-            match Record::from_bytes(&item) {
-                Some(Record::BlkIo(ev)) => {
-                    if let Some(out) = out.as_mut() {
-                        let json = event_json(
-                            &ev,
-                            &known.lock().unwrap_or_else(|p| p.into_inner()),
-                            &mut disk_names,
-                        );
-                        serde_json::to_writer(&mut *out, &json)?;
-                        out.write_all(b"\n")?;
-                        written += 1;
-                    }
-                }
-                Some(Record::VmIo(ev)) => {
-                    let known = known.lock().unwrap_or_else(|p| p.into_inner());
-                    let followed = known.split.contains(&ev.vdisk);
-                    if !corr.knows_vdisk(ev.vdisk) && known.vdisk(ev.vdisk).is_some() {
-                        corr.set_vdisk(
-                            ev.vdisk,
-                            Layout::of_model(known.vdisk_model(ev.vdisk)),
-                            known.vdisk_queues(ev.vdisk),
-                        );
-                    }
-                    drop(known);
-                    corr.on_io(ev, followed)
-                }
-                Some(Record::VmSignal(ev)) => corr.on_signal_waits(
-                    ev.vm,
-                    Signal {
-                        ts_ns: ev.ts_ns,
-                        waits: [
-                            (ev.wait_start[0], ev.wait_end[0]),
-                            (ev.wait_start[1], ev.wait_end[1]),
-                        ],
-                        ..Default::default()
-                    },
-                ),
-                Some(Record::VmSplit(ev)) => {
-                    let followed = known
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .split
-                        .contains(&ev.io.vdisk);
-                    corr.on_joined(&ev, followed);
-                }
-                Some(Record::VmPushes(ev)) => {
-                    let waits = [
-                        (ev.wait_start[0], ev.wait_end[0]),
-                        (ev.wait_start[1], ev.wait_end[1]),
-                    ];
-                    for &ts_ns in ev.pushes() {
-                        corr.on_signal_waits(
-                            ev.vm,
-                            Signal {
-                                ts_ns,
-                                waits,
-                                covers: 1,
-                                taken: 0,
-                            },
-                        );
-                    }
-                }
-                // Guest records travel the guest channel, never this ring.
-                Some(Record::GuestIo(_) | Record::GuestReap(_)) | None => malformed += 1,
-            }
+            d.record(&mut corr, &item)?;
         }
         if stopping {
             corr.finish();
         }
         let spans = corr.stitch.take_spans();
         drop(corr);
-        {
-            let known = known.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(out) = out.as_mut() {
-                for sp in spans.iter().filter(|s| s.total_ns >= slower_than_ns) {
-                    serde_json::to_writer(&mut *out, &span_json(sp, &known, &mut disk_names))?;
-                    out.write_all(b"\n")?;
-                    written += 1;
-                }
-            }
-            if let Some(t) = tracer.as_mut() {
-                for sp in spans {
-                    t.offer(sp, |sp| names_of(sp, &known));
-                }
-                t.tick(|sp| names_of(sp, &known));
-            }
-        }
+        d.joined(spans)?;
         if stopping {
             break;
         }
     }
-    if let Some(out) = out.as_mut() {
-        out.flush()?;
+    d.finish().await
+}
+
+/// The drain's outputs and counts.
+struct Drain<W> {
+    out: Option<W>,
+    known: Arc<Mutex<Registry>>,
+    slower_than_ns: u64,
+    tracer: Option<Tracer>,
+    written: u64,
+    malformed: u64,
+    disk_names: disks::Names,
+}
+
+impl<W: Write> Drain<W> {
+    fn known(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.known.lock().unwrap_or_else(|p| p.into_inner())
     }
-    if malformed > 0 {
-        log::warn!("{malformed} ring-buffer records of unexpected size or kind were dropped");
-    }
-    let export = match tracer {
-        Some(t) => {
-            let names =
-                |sp: &IoSpan| names_of(sp, &known.lock().unwrap_or_else(|p| p.into_inner()));
-            Some(t.finish(names, Duration::from_secs(10)).await)
+
+    /// One record from the ring: a host request written out, a VM's
+    /// request, signal, split or pushes to the correlator.
+    fn record(&mut self, corr: &mut Correlator, item: &[u8]) -> Result<()> {
+        match Record::from_bytes(item) {
+            Some(Record::BlkIo(ev)) => {
+                if self.out.is_some() {
+                    let known = self.known.clone();
+                    let json = event_json(
+                        &ev,
+                        &known.lock().unwrap_or_else(|p| p.into_inner()),
+                        &mut self.disk_names,
+                    );
+                    self.write(&json)?;
+                }
+            }
+            Some(Record::VmIo(ev)) => {
+                let known = self.known();
+                let followed = known.split.contains(&ev.vdisk);
+                if !corr.knows_vdisk(ev.vdisk) && known.vdisk(ev.vdisk).is_some() {
+                    corr.set_vdisk(
+                        ev.vdisk,
+                        Layout::of_model(known.vdisk_model(ev.vdisk)),
+                        known.vdisk_queues(ev.vdisk),
+                    );
+                }
+                drop(known);
+                corr.on_io(ev, followed);
+            }
+            Some(Record::VmSignal(ev)) => corr.on_signal_waits(
+                ev.vm,
+                Signal {
+                    ts_ns: ev.ts_ns,
+                    waits: [
+                        (ev.wait_start[0], ev.wait_end[0]),
+                        (ev.wait_start[1], ev.wait_end[1]),
+                    ],
+                    ..Default::default()
+                },
+            ),
+            Some(Record::VmSplit(ev)) => {
+                let followed = self.known().split.contains(&ev.io.vdisk);
+                corr.on_joined(&ev, followed);
+            }
+            Some(Record::VmPushes(ev)) => {
+                let waits = [
+                    (ev.wait_start[0], ev.wait_end[0]),
+                    (ev.wait_start[1], ev.wait_end[1]),
+                ];
+                for &ts_ns in ev.pushes() {
+                    corr.on_signal_waits(
+                        ev.vm,
+                        Signal {
+                            ts_ns,
+                            waits,
+                            covers: 1,
+                            taken: 0,
+                        },
+                    );
+                }
+            }
+            // Guest records travel the guest channel, never this ring.
+            Some(Record::GuestIo(_) | Record::GuestReap(_)) | None => self.malformed += 1,
         }
-        None => None,
-    };
-    Ok(Drained { written, export })
+        Ok(())
+    }
+
+    fn write(&mut self, json: &serde_json::Value) -> Result<()> {
+        if let Some(out) = self.out.as_mut() {
+            serde_json::to_writer(&mut *out, json)?;
+            out.write_all(b"\n")?;
+            self.written += 1;
+        }
+        Ok(())
+    }
+
+    /// Joined guest I/Os: written out (the slow enough ones) and offered
+    /// to the tracer.
+    fn joined(&mut self, spans: Vec<IoSpan>) -> Result<()> {
+        let known = self.known.clone();
+        let known = known.lock().unwrap_or_else(|p| p.into_inner());
+        let slower_than_ns = self.slower_than_ns;
+        for sp in spans.iter().filter(|s| s.total_ns >= slower_than_ns) {
+            if self.out.is_some() {
+                let json = span_json(sp, &known, &mut self.disk_names);
+                self.write(&json)?;
+            }
+        }
+        if let Some(t) = self.tracer.as_mut() {
+            for sp in spans {
+                t.offer(sp, |sp| names_of(sp, &known));
+            }
+            t.tick(|sp| names_of(sp, &known));
+        }
+        Ok(())
+    }
+
+    async fn finish(mut self) -> Result<Drained> {
+        if let Some(out) = self.out.as_mut() {
+            out.flush()?;
+        }
+        if self.malformed > 0 {
+            log::warn!(
+                "{} ring-buffer records of unexpected size or kind were dropped",
+                self.malformed
+            );
+        }
+        let export = match self.tracer {
+            Some(t) => {
+                let known = self.known.clone();
+                let names =
+                    |sp: &IoSpan| names_of(sp, &known.lock().unwrap_or_else(|p| p.into_inner()));
+                Some(t.finish(names, Duration::from_secs(10)).await)
+            }
+            None => None,
+        };
+        Ok(Drained {
+            written: self.written,
+            export,
+        })
+    }
 }
 
 /// What an I/O's VM, virtual disk and host disk are called.

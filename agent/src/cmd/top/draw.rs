@@ -87,6 +87,24 @@ pub fn draw(f: &mut ratatui::Frame, st: &State) {
         TableState::default().with_selected(Some(st.selected.min(visible.len().saturating_sub(1))));
     f.render_stateful_widget(table, main, &mut ts);
 
+    f.render_widget(Paragraph::new(Line::from(footer_spans(st))), footer);
+
+    match st.screen {
+        Screen::Table => {}
+        Screen::Help => overlay(f, main, "help", help_text()),
+        Screen::Histogram => {
+            let text = visible.get(st.selected).map_or_else(
+                || vec!["nothing selected".to_string()],
+                |l| histogram_text(l),
+            );
+            overlay(f, main, "histogram", text)
+        }
+    }
+}
+
+/// The footer: interval, sort, filter, pause, and what was lost,
+/// unsplit, polled or unmatched.
+fn footer_spans(st: &State) -> Vec<Span<'static>> {
     let mut spans = vec![Span::raw(format!(
         " {:.1}s  {}  sort {}{}  ",
         st.interval_s,
@@ -130,19 +148,7 @@ pub fn draw(f: &mut ratatui::Frame, st: &State) {
         Span::raw("unmatched 0  ")
     });
     spans.push(Span::raw("* host window only  ? help  q quit"));
-    f.render_widget(Paragraph::new(Line::from(spans)), footer);
-
-    match st.screen {
-        Screen::Table => {}
-        Screen::Help => overlay(f, main, "help", help_text()),
-        Screen::Histogram => {
-            let text = visible.get(st.selected).map_or_else(
-                || vec!["nothing selected".to_string()],
-                |l| histogram_text(l),
-            );
-            overlay(f, main, "histogram", text)
-        }
-    }
+    spans
 }
 
 fn overlay(f: &mut ratatui::Frame, area: Rect, title: &str, text: Vec<String>) {

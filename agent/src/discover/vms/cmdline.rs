@@ -94,25 +94,7 @@ pub(super) fn get<'a>(opts: &'a [(String, String)], key: &str) -> Option<&'a str
 /// Identity from QEMU's arguments (argv without argv[0]): every form
 /// QEMU takes them in, keyval or JSON (libvirt's), in one pass.
 pub fn from_args(pid: u32, args: &[String]) -> Vm {
-    let mut name = None;
-    let mut uuid = None;
-    let mut named_threads = false;
-    let mut machine: Option<String> = None;
-    let (mut paused, mut kernel) = (false, false);
-    let mut iothreads: Vec<String> = Vec::new();
-    let mut chardevs: Vec<(String, SocketSource)> = Vec::new(); // (id, unix socket)
-    let mut channel_dev: Option<String> = None; // chardev of the guest agent's port
-    let mut serials: Vec<(String, String)> = Vec::new(); // (device or drive id, serial)
-                                                         // drive/node id -> backing file
-    let mut files: Vec<(String, Option<PathBuf>, Option<String>)> = Vec::new(); // (id, file, child node)
-    let mut aio: Vec<(String, String)> = Vec::new(); // (drive/node id, aio mode)
-    let mut devices: Vec<Device> = Vec::new();
-    let mut cpus: Option<u32> = None;
-    let mut vhost: Vec<(String, Option<String>, String, Option<u32>)> = Vec::new(); // (model, id, chardev, queues)
-    let mut vscsi: Vec<(String, Option<String>, String)> = Vec::new(); // (model, id, wwpn)
-    let mut qmp: Option<PathBuf> = None; // -qmp unix:PATH,server
-    let mut mon_dev: Option<String> = None; // chardev of a -mon in control mode
-    let on = |v: Option<&str>| v.is_some_and(|v| matches!(v, "on" | "true" | "yes"));
+    let mut p = Parsed::default();
     let mut i = 0;
     while i < args.len() {
         let is_opt = args[i].starts_with('-');
@@ -120,228 +102,311 @@ pub fn from_args(pid: u32, args: &[String]) -> Vm {
         let v = args.get(i + 1).map(String::as_str).unwrap_or("");
         // Options that take no value.
         match (is_opt, a) {
-            (true, "S") => {
-                paused = true;
-                i += 1;
-                continue;
-            }
-            (false, _) => {
-                i += 1;
-                continue;
-            }
+            (true, "S") => p.paused = true,
+            (false, _) => {}
+            _ if p.take(a, v) => i += 1,
             _ => {}
         }
+        i += 1;
+    }
+    p.into_vm(pid)
+}
+
+/// An option's truth as QEMU reads it.
+fn on(v: Option<&str>) -> bool {
+    v.is_some_and(|v| matches!(v, "on" | "true" | "yes"))
+}
+
+/// A vhost-user disk's device: served by whoever exports on its chardev.
+struct VhostUser {
+    model: String,
+    id: Option<String>,
+    chardev: String,
+    queues: Option<u32>,
+}
+
+/// A kernel vhost-scsi device: its LUNs are LIO's target's.
+struct VhostScsi {
+    model: String,
+    id: Option<String>,
+    wwpn: String,
+}
+
+/// What the command line said, option by option.
+#[derive(Default)]
+struct Parsed {
+    name: Option<String>,
+    uuid: Option<String>,
+    named_threads: bool,
+    machine: Option<String>,
+    paused: bool,
+    kernel: bool,
+    iothreads: Vec<String>,
+    /// (id, unix socket) of each socket chardev.
+    chardevs: Vec<(String, SocketSource)>,
+    /// The chardev of the guest agent's port.
+    channel_dev: Option<String>,
+    /// (device or drive id, serial).
+    serials: Vec<(String, String)>,
+    /// (drive or node id, backing file, child node).
+    files: Vec<(String, Option<PathBuf>, Option<String>)>,
+    /// (drive or node id, aio mode).
+    aio: Vec<(String, String)>,
+    devices: Vec<Device>,
+    cpus: Option<u32>,
+    vhost: Vec<VhostUser>,
+    vscsi: Vec<VhostScsi>,
+    /// `-qmp unix:PATH,server`.
+    qmp: Option<PathBuf>,
+    /// The chardev of a `-mon` in control mode.
+    mon_dev: Option<String>,
+}
+
+impl Parsed {
+    /// Takes option `a` with value `v`; false for an option it does not
+    /// know (whose next word is then read as an option or skipped).
+    fn take(&mut self, a: &str, v: &str) -> bool {
         match a {
             "name" => {
                 let o = options(v);
-                name = get(&o, "guest").or_else(|| get(&o, "")).map(str::to_string);
-                named_threads = on(get(&o, "debug-threads"));
+                self.name = get(&o, "guest").or_else(|| get(&o, "")).map(str::to_string);
+                self.named_threads = on(get(&o, "debug-threads"));
             }
-            "uuid" => uuid = Some(v.to_string()),
-            "smp" => cpus = smp_cpus(v),
+            "uuid" => self.uuid = Some(v.to_string()),
+            "smp" => self.cpus = smp_cpus(v),
             "machine" | "M" => {
                 let o = options(v);
-                machine = get(&o, "type").or_else(|| get(&o, "")).map(str::to_string);
+                self.machine = get(&o, "type").or_else(|| get(&o, "")).map(str::to_string);
             }
-            "kernel" => kernel = true,
+            "kernel" => self.kernel = true,
             "object" => {
                 let o = options(v);
                 if get(&o, "qom-type").or_else(|| get(&o, "")) == Some("iothread") {
                     if let Some(id) = get(&o, "id") {
-                        iothreads.push(id.to_string());
+                        self.iothreads.push(id.to_string());
                     }
                 }
             }
-            "drive" => {
-                let o = options(v);
-                if let Some(id) = get(&o, "id") {
-                    files.push((id.to_string(), get(&o, "file").map(PathBuf::from), None));
-                    aio.push((
-                        id.to_string(),
-                        get(&o, "aio").unwrap_or("threads").to_string(),
-                    ));
-                }
-            }
+            "drive" => self.drive(&options(v)),
             "blockdev" => {
                 if let Some((id, file, child, a)) = blockdev(v) {
-                    files.push((id.clone(), file, child));
+                    self.files.push((id.clone(), file, child));
                     if let Some(a) = a {
-                        aio.push((id, a));
+                        self.aio.push((id, a));
                     }
                 }
             }
-            "device" => {
-                let o = options(v);
-                let model = get(&o, "").or_else(|| get(&o, "driver")).unwrap_or("");
-                let id = get(&o, "id").map(str::to_string);
-                if let (false, Some(drive)) = (model.is_empty(), get(&o, "drive")) {
-                    if let Some(serial) = get(&o, "serial") {
-                        serials.push((
-                            id.clone().unwrap_or_else(|| drive.to_string()),
-                            serial.to_string(),
-                        ));
-                    }
-                    devices.push(Device {
-                        model: model.to_string(),
-                        id: id.clone(),
-                        drive: drive.to_string(),
-                        ioeventfd: on(get(&o, "ioeventfd")),
-                        iothread: get(&o, "iothread").map(str::to_string),
-                        queues: queues_of(&o),
-                    });
-                }
-                match (get(&o, "chardev"), get(&o, "wwpn")) {
-                    (Some(chardev), _) if model.starts_with("vhost-user-blk") => {
-                        vhost.push((model.to_string(), id, chardev.to_string(), queues_of(&o)));
-                    }
-                    (_, Some(wwpn)) if model.starts_with("vhost-scsi") => {
-                        vscsi.push((model.to_string(), id, wwpn.to_string()));
-                    }
-                    (chardev, _)
-                        if model == "virtserialport"
-                            && get(&o, "name") == Some(crate::abi::PORT_NAME) =>
-                    {
-                        channel_dev = chardev.map(str::to_string);
-                    }
-                    _ => {}
-                }
-            }
-            // QEMU's monitors in QMP mode (the first usable one): a unix
-            // socket QEMU listens on; a client socket or TCP is not ours.
-            "qmp" | "qmp-pretty" => {
-                if let Some(rest) = v.strip_prefix("unix:") {
-                    let mut parts = rest.split(',');
-                    let path = parts.next().unwrap_or("");
-                    let server = parts.any(|p| {
-                        p == "server" || p.strip_prefix("server=").is_some_and(|x| on(Some(x)))
-                    });
-                    if server && !path.is_empty() && qmp.is_none() {
-                        qmp = Some(PathBuf::from(path));
-                    }
-                }
-            }
+            "device" => self.device(&options(v)),
+            "qmp" | "qmp-pretty" => self.qmp(v),
             "mon" => {
                 let o = options(v);
-                if get(&o, "mode") == Some("control") && mon_dev.is_none() {
-                    mon_dev = get(&o, "chardev").map(str::to_string);
+                if get(&o, "mode") == Some("control") && self.mon_dev.is_none() {
+                    self.mon_dev = get(&o, "chardev").map(str::to_string);
                 }
             }
             "chardev" => {
                 if let Some(c) = socket_chardev(&options(v)) {
-                    chardevs.push(c);
+                    self.chardevs.push(c);
                 }
             }
-            _ => {
-                i += 1;
-                continue;
+            _ => return false,
+        }
+        true
+    }
+
+    fn drive(&mut self, o: &[(String, String)]) {
+        if let Some(id) = get(o, "id") {
+            self.files
+                .push((id.to_string(), get(o, "file").map(PathBuf::from), None));
+            self.aio.push((
+                id.to_string(),
+                get(o, "aio").unwrap_or("threads").to_string(),
+            ));
+        }
+    }
+
+    fn device(&mut self, o: &[(String, String)]) {
+        let model = get(o, "").or_else(|| get(o, "driver")).unwrap_or("");
+        let id = get(o, "id").map(str::to_string);
+        if let (false, Some(drive)) = (model.is_empty(), get(o, "drive")) {
+            if let Some(serial) = get(o, "serial") {
+                self.serials.push((
+                    id.clone().unwrap_or_else(|| drive.to_string()),
+                    serial.to_string(),
+                ));
+            }
+            self.devices.push(Device {
+                model: model.to_string(),
+                id: id.clone(),
+                drive: drive.to_string(),
+                ioeventfd: on(get(o, "ioeventfd")),
+                iothread: get(o, "iothread").map(str::to_string),
+                queues: queues_of(o),
+            });
+        }
+        match (get(o, "chardev"), get(o, "wwpn")) {
+            (Some(chardev), _) if model.starts_with("vhost-user-blk") => {
+                self.vhost.push(VhostUser {
+                    model: model.to_string(),
+                    id,
+                    chardev: chardev.to_string(),
+                    queues: queues_of(o),
+                });
+            }
+            (_, Some(wwpn)) if model.starts_with("vhost-scsi") => {
+                self.vscsi.push(VhostScsi {
+                    model: model.to_string(),
+                    id,
+                    wwpn: wwpn.to_string(),
+                });
+            }
+            (chardev, _)
+                if model == "virtserialport" && get(o, "name") == Some(crate::abi::PORT_NAME) =>
+            {
+                self.channel_dev = chardev.map(str::to_string);
+            }
+            _ => {}
+        }
+    }
+
+    /// QEMU's monitors in QMP mode (the first usable one): a unix socket
+    /// QEMU listens on; a client socket or TCP is not ours.
+    fn qmp(&mut self, v: &str) {
+        if let Some(rest) = v.strip_prefix("unix:") {
+            let mut parts = rest.split(',');
+            let path = parts.next().unwrap_or("");
+            let server = parts
+                .any(|p| p == "server" || p.strip_prefix("server=").is_some_and(|x| on(Some(x))));
+            if server && !path.is_empty() && self.qmp.is_none() {
+                self.qmp = Some(PathBuf::from(path));
             }
         }
-        i += 2;
     }
-    let file_of = |id: &str| node_file(&files, id);
-    let aio_of = |id: &str| Some(node_aio(&files, &aio, id));
-    let socket_of = |chardev: &str| {
-        chardevs
+
+    fn socket_of(&self, chardev: &str) -> Option<SocketSource> {
+        self.chardevs
             .iter()
             .find(|(c, _)| c == chardev)
             .map(|(_, s)| s.clone())
-    };
-    let mut disks: Vec<VDisk> = devices
-        .iter()
-        .map(|d| VDisk {
-            id: d.id.clone().unwrap_or_else(|| d.drive.clone()),
-            model: Some(d.model.clone()),
-            file: file_of(&d.drive),
-            aio: aio_of(&d.drive),
-            ioeventfd: d.ioeventfd,
-            iothread: d.iothread.clone(),
-            queues: d.queues,
-            ..Default::default()
-        })
-        .collect();
-    // vhost-user disks: served by whoever exports on the chardev's socket.
-    for (model, id, chardev, queues) in &vhost {
-        disks.push(VDisk {
-            id: id.clone().unwrap_or_else(|| chardev.clone()),
-            model: Some(model.clone()),
-            ioeventfd: true,
-            queues: *queues,
-            socket: match socket_of(chardev) {
-                Some(SocketSource::Path(p)) => Some(p),
-                _ => None,
-            },
-            ..Default::default()
-        });
     }
-    // Kernel vhost-scsi disks: their LUNs are LIO's (Vm::find_luns).
-    for (model, id, wwpn) in &vscsi {
-        disks.push(VDisk {
-            id: id.clone().unwrap_or_else(|| wwpn.clone()),
-            model: Some(model.clone()),
-            ioeventfd: true,
-            target: Some(wwpn.clone()),
-            ..Default::default()
-        });
-    }
-    // -drive with if=virtio (or default) and no -device: the drive is the disk.
-    for (id, file, _) in &files {
-        let used = devices.iter().any(|d| d.drive == *id)
-            || files.iter().any(|(_, _, c)| c.as_deref() == Some(id));
-        if !used && file.is_some() {
+
+    /// Every virtual disk: devices with a drive, vhost-user and vhost-scsi
+    /// devices, and drives that are their own disk; at most MAX_VDISKS,
+    /// with how many more there were.
+    fn disks(&self) -> (Vec<VDisk>, usize) {
+        let aio_of = |id: &str| Some(node_aio(&self.files, &self.aio, id));
+        let mut disks: Vec<VDisk> = self
+            .devices
+            .iter()
+            .map(|d| VDisk {
+                id: d.id.clone().unwrap_or_else(|| d.drive.clone()),
+                model: Some(d.model.clone()),
+                file: node_file(&self.files, &d.drive),
+                aio: aio_of(&d.drive),
+                ioeventfd: d.ioeventfd,
+                iothread: d.iothread.clone(),
+                queues: d.queues,
+                ..Default::default()
+            })
+            .collect();
+        for v in &self.vhost {
             disks.push(VDisk {
-                id: id.clone(),
-                file: file.clone(),
-                aio: aio_of(id),
+                id: v.id.clone().unwrap_or_else(|| v.chardev.clone()),
+                model: Some(v.model.clone()),
+                ioeventfd: true,
+                queues: v.queues,
+                socket: match self.socket_of(&v.chardev) {
+                    Some(SocketSource::Path(p)) => Some(p),
+                    _ => None,
+                },
                 ..Default::default()
             });
         }
+        // Kernel vhost-scsi disks: their LUNs are LIO's (Vm::find_luns).
+        for v in &self.vscsi {
+            disks.push(VDisk {
+                id: v.id.clone().unwrap_or_else(|| v.wwpn.clone()),
+                model: Some(v.model.clone()),
+                ioeventfd: true,
+                target: Some(v.wwpn.clone()),
+                ..Default::default()
+            });
+        }
+        // -drive with if=virtio (or default) and no -device: the drive is the disk.
+        for (id, file, _) in &self.files {
+            let used = self.devices.iter().any(|d| d.drive == *id)
+                || self.files.iter().any(|(_, _, c)| c.as_deref() == Some(id));
+            if !used && file.is_some() {
+                disks.push(VDisk {
+                    id: id.clone(),
+                    file: file.clone(),
+                    aio: aio_of(id),
+                    ..Default::default()
+                });
+            }
+        }
+        let over_cap = disks.len().saturating_sub(MAX_VDISKS);
+        disks.truncate(MAX_VDISKS);
+        for d in &mut disks {
+            // QEMU's defaults: a virtio disk gets a queue per vCPU (-smp, 1
+            // without it), an NVMe controller 64 I/O queue pairs.
+            let nvme = d.model.as_deref().is_some_and(|m| m.starts_with("nvme"));
+            d.queues = d
+                .queues
+                .or(Some(if nvme { 64 } else { self.cpus.unwrap_or(1) }));
+            d.resolve_host();
+            // A device naming an iothread no -object made is QEMU's error;
+            // keep only what exists.
+            d.iothread = d.iothread.take().filter(|t| self.iothreads.contains(t));
+        }
+        (disks, over_cap)
     }
-    let vdisks_over_cap = disks.len().saturating_sub(MAX_VDISKS);
-    disks.truncate(MAX_VDISKS);
-    for d in &mut disks {
-        // QEMU's defaults: a virtio disk gets a queue per vCPU (-smp, 1
-        // without it), an NVMe controller 64 I/O queue pairs.
-        let nvme = d.model.as_deref().is_some_and(|m| m.starts_with("nvme"));
-        d.queues = d.queues.or(Some(if nvme { 64 } else { cpus.unwrap_or(1) }));
-        d.resolve_host();
-        // A device naming an iothread no -object made is QEMU's error;
-        // keep only what exists.
-        d.iothread = d.iothread.take().filter(|t| iothreads.contains(t));
+
+    fn not_vm(&self, disks: &[VDisk]) -> Option<String> {
+        if self.machine.as_deref() == Some("none") {
+            Some("runs no machine (-machine none): a capability probe".to_string())
+        } else if self.paused && disks.is_empty() && !self.kernel {
+            Some("paused (-S) with no disk and no kernel to run".to_string())
+        } else {
+            None
+        }
     }
-    let not_vm = if machine.as_deref() == Some("none") {
-        Some("runs no machine (-machine none): a capability probe".to_string())
-    } else if paused && disks.is_empty() && !kernel {
-        Some("paused (-S) with no disk and no kernel to run".to_string())
-    } else {
-        None
-    };
-    // Whoever started the process chose these: kept printable only.
-    let mut name = name.unwrap_or_else(|| format!("qemu-{pid}"));
-    make_printable(&mut name);
-    if let Some(u) = uuid.as_mut() {
-        make_printable(u);
-    }
-    for d in &mut disks {
-        make_printable(&mut d.id);
-    }
-    Vm {
-        pid,
-        name,
-        uuid,
-        disks,
-        exe: None,
-        kvm: false,
-        kicks: KickSource::default(),
-        named_threads,
-        channel: channel_dev.and_then(|c| socket_of(&c)),
-        monitor: qmp
-            .map(SocketSource::Path)
-            .or_else(|| mon_dev.and_then(|c| socket_of(&c))),
-        guest_channel: None,
-        serials,
-        not_vm,
-        libvirt: None,
-        vdisks_over_cap,
+
+    fn into_vm(self, pid: u32) -> Vm {
+        let (mut disks, vdisks_over_cap) = self.disks();
+        let not_vm = self.not_vm(&disks);
+        // Whoever started the process chose these: kept printable only.
+        let mut name = self.name.clone().unwrap_or_else(|| format!("qemu-{pid}"));
+        make_printable(&mut name);
+        let mut uuid = self.uuid.clone();
+        if let Some(u) = uuid.as_mut() {
+            make_printable(u);
+        }
+        for d in &mut disks {
+            make_printable(&mut d.id);
+        }
+        let channel = self.channel_dev.as_deref().and_then(|c| self.socket_of(c));
+        let monitor = match &self.qmp {
+            Some(q) => Some(SocketSource::Path(q.clone())),
+            None => self.mon_dev.as_deref().and_then(|c| self.socket_of(c)),
+        };
+        Vm {
+            pid,
+            name,
+            uuid,
+            disks,
+            exe: None,
+            kvm: false,
+            kicks: KickSource::default(),
+            named_threads: self.named_threads,
+            channel,
+            monitor,
+            guest_channel: None,
+            serials: self.serials,
+            not_vm,
+            libvirt: None,
+            vdisks_over_cap,
+        }
     }
 }
 

@@ -166,24 +166,50 @@ impl Traces {
         root: &SpanContext,
         same_signal: &[SpanContext],
     ) -> Vec<SpanData> {
-        let (clock, ids, scope) = (&self.clock, &self.ids, &self.scope);
-        let run_label = self.run_label.as_deref();
-        let trace_id = root.trace_id();
         let root_id = root.span_id();
-        let ctx = |id| SpanContext::new(trace_id, id, TraceFlags::SAMPLED, false, TraceState::NONE);
-        // Guest stamps are on the host clock once the VM's clock offset is
-        // known; before that they are the guest's own, and this I/O's kick
-        // (seen on both sides within the hypervisor's notification time)
-        // places them.
-        let guest_at = |g: u64| match s.clock_offset_ns {
-            Some(_) => g,
-            None => g.saturating_add(s.kick_ns).saturating_sub(s.guest_kick_ns),
-        };
         let start_ns = if s.has_guest {
-            guest_at(s.begin_ns)
+            guest_at(s, s.begin_ns)
         } else {
             s.kick_ns
         };
+        let mut out = vec![self.span(
+            root,
+            root_id,
+            SpanId::INVALID,
+            Cow::Borrowed(root_name(s.op)),
+            (start_ns, start_ns.saturating_add(s.total_ns)),
+            self.attributes(s, names, reason),
+            self.events(s),
+            same_signal
+                .iter()
+                .map(|c| {
+                    Link::new(
+                        c.clone(),
+                        vec![KeyValue::new("iospan.link", "same_signal")],
+                        0,
+                    )
+                })
+                .collect(),
+        )];
+        let mut at = start_ns;
+        for piece in pieces(s) {
+            out.push(self.span(
+                root,
+                self.ids.new_span_id(),
+                root_id,
+                Cow::Borrowed(piece.name),
+                (at, at.saturating_add(piece.ns)),
+                vec![KeyValue::new("iospan.segment", piece.segment)],
+                vec![],
+                vec![],
+            ));
+            at = at.saturating_add(piece.ns);
+        }
+        out
+    }
+
+    /// The root span's attributes: the I/O, its names and its segments.
+    fn attributes(&self, s: &IoSpan, names: &Names, reason: Reason) -> Vec<KeyValue> {
         let mut attrs = vec![
             KeyValue::new("virt.vm.name", names.vm.clone()),
             KeyValue::new("virt.vm.uuid", names.vm_uuid.clone().unwrap_or_default()),
@@ -206,7 +232,7 @@ impl Traces {
             ),
             KeyValue::new("iospan.engine_cpu_wait_ns", s.cpu_wait.engine_ns as i64),
         ];
-        if let Some(l) = run_label {
+        if let Some(l) = self.run_label.as_deref() {
             attrs.push(KeyValue::new("iospan.run.label", l.to_string()));
         }
         // The guest's queue (its block layer's hardware context): the
@@ -220,6 +246,11 @@ impl Traces {
         if let Some(o) = s.clock_offset_ns {
             attrs.push(KeyValue::new("iospan.clock_offset_ns", o));
         }
+        attrs
+    }
+
+    fn events(&self, s: &IoSpan) -> Vec<Event> {
+        let clock = &self.clock;
         // Instants on the host clock: the kick seen, the interrupt raised.
         let mut events = vec![
             Event::new("kick", clock.at(s.kick_ns), vec![], 0),
@@ -228,77 +259,67 @@ impl Traces {
         if s.has_guest {
             events.push(Event::new(
                 "interrupt.received",
-                clock.at(guest_at(s.guest_irq_ns)),
+                clock.at(guest_at(s, s.guest_irq_ns)),
                 vec![],
                 0,
             ));
         }
-        let span = |id,
-                    parent,
-                    name: Cow<'static, str>,
-                    from: u64,
-                    to: u64,
-                    attributes,
-                    events,
-                    links: Vec<Link>| {
-            SpanData {
-                span_context: ctx(id),
-                parent_span_id: parent,
-                parent_span_is_remote: false,
-                span_kind: SpanKind::Internal,
-                name,
-                start_time: clock.at(from),
-                end_time: clock.at(to),
-                attributes,
-                dropped_attributes_count: 0,
-                events: {
-                    let mut e = SpanEvents::default();
-                    e.events = events;
-                    e
-                },
-                links: {
-                    let mut l = SpanLinks::default();
-                    l.links = links;
-                    l
-                },
-                status: Status::Unset,
-                instrumentation_scope: scope.clone(),
-            }
-        };
-        let mut out = vec![span(
-            root_id,
-            SpanId::INVALID,
-            Cow::Borrowed(root_name(s.op)),
-            start_ns,
-            start_ns.saturating_add(s.total_ns),
-            attrs,
-            events,
-            same_signal
-                .iter()
-                .map(|c| {
-                    Link::new(
-                        c.clone(),
-                        vec![KeyValue::new("iospan.link", "same_signal")],
-                        0,
-                    )
-                })
-                .collect(),
-        )];
-        let mut at = start_ns;
-        for piece in pieces(s) {
-            out.push(span(
-                ids.new_span_id(),
-                root_id,
-                Cow::Borrowed(piece.name),
-                at,
-                at.saturating_add(piece.ns),
-                vec![KeyValue::new("iospan.segment", piece.segment)],
-                vec![],
-                vec![],
-            ));
-            at = at.saturating_add(piece.ns);
+        events
+    }
+
+    /// A span of the trace `root` heads, `from` and `to` on the host clock.
+    #[allow(clippy::too_many_arguments)]
+    fn span(
+        &self,
+        root: &SpanContext,
+        id: SpanId,
+        parent: SpanId,
+        name: Cow<'static, str>,
+        (from, to): (u64, u64),
+        attributes: Vec<KeyValue>,
+        events: Vec<Event>,
+        links: Vec<Link>,
+    ) -> SpanData {
+        let clock = &self.clock;
+        SpanData {
+            span_context: SpanContext::new(
+                root.trace_id(),
+                id,
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::NONE,
+            ),
+            parent_span_id: parent,
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name,
+            start_time: clock.at(from),
+            end_time: clock.at(to),
+            attributes,
+            dropped_attributes_count: 0,
+            events: {
+                let mut e = SpanEvents::default();
+                e.events = events;
+                e
+            },
+            links: {
+                let mut l = SpanLinks::default();
+                l.links = links;
+                l
+            },
+            status: Status::Unset,
+            instrumentation_scope: self.scope.clone(),
         }
-        out
+    }
+}
+
+/// Guest stamps are on the host clock once the VM's clock offset is
+/// known; before that they are the guest's own, and this I/O's kick (seen
+/// on both sides within the hypervisor's notification time) places them.
+fn guest_at(s: &IoSpan, g: u64) -> u64 {
+    match s.clock_offset_ns {
+        Some(_) => g,
+        None => g.saturating_add(s.kick_ns).saturating_sub(s.guest_kick_ns),
     }
 }
 

@@ -161,79 +161,85 @@ pub fn compare_text(runs: &[StoredRun]) -> Result<String> {
             );
         }
         for (x, y) in ps {
-            let _ = writeln!(
-                out,
-                "{} vs {} — {} {} (A: {} {} I/Os{}; B: {} {} I/Os{})",
-                name(base),
-                name(other),
-                x.disk,
-                x.op,
-                x.vm,
-                x.ios,
-                if x.guest_observed {
-                    ""
-                } else {
-                    ", host window"
-                },
-                y.vm,
-                y.ios,
-                if y.guest_observed {
-                    ""
-                } else {
-                    ", host window"
-                },
-            );
-            let _ = writeln!(
-                out,
-                "  {:<14} {:>10} {:>10} {:>10} {:>10} {:>10}",
-                "µs", "total", "guest", "hv", "engine", "device"
-            );
-            for d in differences(x, y) {
-                let row = |name: &str, v: [f64; 5]| {
-                    format!(
-                        "  {:<14} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}\n",
-                        name, v[0], v[1], v[2], v[3], v[4]
-                    )
-                };
-                let label = if d.at == "mean" {
-                    "mean".to_string()
-                } else {
-                    format!("{}+ tail", d.at)
-                };
-                out += &row(&format!("{label} A"), d.a_us);
-                out += &row(&format!("{label} B"), d.b_us);
-                let delta: [f64; 5] = std::array::from_fn(|i| d.b_us[i] - d.a_us[i]);
-                out += &row("  B − A", delta);
-                let _ = writeln!(
-                    out,
-                    "  → at {}: {} explains {:.0}% of the change ({:+.1} of {:+.1} µs){}",
-                    d.at,
-                    d.segment,
-                    d.share * 100.0,
-                    delta[PARTS.iter().position(|p| *p == d.segment).unwrap_or(0)],
-                    delta[0],
-                    if d.at == "mean" {
-                        String::new()
-                    } else {
-                        format!(
-                            "; {} and {} I/Os{}",
-                            d.a_ios,
-                            d.b_ios,
-                            if d.few() {
-                                format!(
-                                    ": too few to speak for the runs' tails (at {} they need {} I/Os or more each)",
-                                    d.at,
-                                    tail_needs(&d.at)
-                                )
-                            } else {
-                                String::new()
-                            }
-                        )
-                    }
-                );
-            }
+            pair_text(&mut out, (&name(base), &name(other)), x, y);
             out.push('\n');
         }
     }
     Ok(out)
+}
+
+/// One virtual disk of two runs: each tail's segments, A, B and B − A,
+/// and the segment that explains the change.
+fn pair_text(out: &mut String, (a_name, b_name): (&str, &str), x: &TailEntry, y: &TailEntry) {
+    let _ = writeln!(
+        out,
+        "{} vs {} — {} {} (A: {} {} I/Os{}; B: {} {} I/Os{})",
+        a_name,
+        b_name,
+        x.disk,
+        x.op,
+        x.vm,
+        x.ios,
+        if x.guest_observed {
+            ""
+        } else {
+            ", host window"
+        },
+        y.vm,
+        y.ios,
+        if y.guest_observed {
+            ""
+        } else {
+            ", host window"
+        },
+    );
+    let _ = writeln!(
+        out,
+        "  {:<14} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "µs", "total", "guest", "hv", "engine", "device"
+    );
+    for d in differences(x, y) {
+        let row = |name: &str, v: [f64; 5]| {
+            format!(
+                "  {:<14} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}\n",
+                name, v[0], v[1], v[2], v[3], v[4]
+            )
+        };
+        let label = if d.at == "mean" {
+            "mean".to_string()
+        } else {
+            format!("{}+ tail", d.at)
+        };
+        *out += &row(&format!("{label} A"), d.a_us);
+        *out += &row(&format!("{label} B"), d.b_us);
+        let delta: [f64; 5] = std::array::from_fn(|i| d.b_us[i] - d.a_us[i]);
+        *out += &row("  B − A", delta);
+        let _ = writeln!(
+            out,
+            "  → at {}: {} explains {:.0}% of the change ({:+.1} of {:+.1} µs){}",
+            d.at,
+            d.segment,
+            d.share * 100.0,
+            delta[PARTS.iter().position(|p| *p == d.segment).unwrap_or(0)],
+            delta[0],
+            if d.at == "mean" {
+                String::new()
+            } else {
+                format!(
+                    "; {} and {} I/Os{}",
+                    d.a_ios,
+                    d.b_ios,
+                    if d.few() {
+                        format!(
+                            ": too few to speak for the runs' tails (at {} they need {} I/Os or more each)",
+                            d.at,
+                            tail_needs(&d.at)
+                        )
+                    } else {
+                        String::new()
+                    }
+                )
+            }
+        );
+    }
 }

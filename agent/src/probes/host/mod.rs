@@ -431,22 +431,10 @@ impl BlockProbes {
                 source,
             })?;
 
-        // VMs running now get slots 1..; a QEMU exec'd later takes the next
-        // slot itself, before its first request.
         if cfg.track_vms {
-            // Running VMs' guests have started: their requests are the guests'.
-            let mut pids: HashMap<_, u32, VmProc> = map_mut_of(&mut ebpf, "vm_pids")?;
-            for (i, pid) in cfg.vm_pids.iter().enumerate() {
-                let p = VmProc {
-                    slot: i as u32 + 1,
-                    state: VM_PROC_RUNNING,
-                };
-                pids.insert(pid, p, 0)
-                    .map_err(LoadError::map_op("vm_pids"))?;
-            }
-            add_vm_maps(&mut ebpf, &cfg.vm_maps)?;
+            add_running_vms(&mut ebpf, cfg)?;
         }
-        let mut probes = Self {
+        let probes = Self {
             ebpf,
             attachments: Vec::new(),
             max_disks,
@@ -460,6 +448,13 @@ impl BlockProbes {
             vm_links: Default::default(),
             retired: Retired::default(),
         };
+        probes.attach_at_load(cfg)
+    }
+
+    /// The programs a run starts with, in the order that loses no VM's
+    /// first request.
+    fn attach_at_load(mut self, cfg: &BlockConfig) -> Result<Self, LoadError> {
+        let probes = &mut self;
         if cfg.track_vms {
             // The exec watch first: a QEMU started after the start-up scan,
             // while the rest is verified (seconds on a busy host), is
@@ -496,7 +491,7 @@ impl BlockProbes {
         if !cfg.vm_pids.is_empty() {
             probes.ensure_vm_probes()?;
         }
-        Ok(probes)
+        Ok(self)
     }
 
     /// QEMU processes exec'd after the caller's scan of running VMs but
@@ -755,4 +750,20 @@ fn events_ring_bytes(deep: bool, stream_devs: u32) -> u32 {
     } else {
         4 << 20
     }
+}
+
+/// VMs running now get slots 1..; a QEMU exec'd later takes the next slot
+/// itself, before its first request. Running VMs' guests have started:
+/// their requests are the guests'.
+fn add_running_vms(ebpf: &mut Ebpf, cfg: &BlockConfig) -> Result<(), LoadError> {
+    let mut pids: HashMap<_, u32, VmProc> = map_mut_of(ebpf, "vm_pids")?;
+    for (i, pid) in cfg.vm_pids.iter().enumerate() {
+        let p = VmProc {
+            slot: i as u32 + 1,
+            state: VM_PROC_RUNNING,
+        };
+        pids.insert(pid, p, 0)
+            .map_err(LoadError::map_op("vm_pids"))?;
+    }
+    add_vm_maps(ebpf, &cfg.vm_maps)
 }
