@@ -1,8 +1,11 @@
 //! `cargo xtask fuzz`: the fuzz targets of `tests/fuzz` (cargo-fuzz,
-//! libFuzzer, on the nightly toolchain), each for a while over its corpus
-//! in `tests/fuzz/corpus/TARGET`, which keeps what the runs found
-//! interesting. A finding is saved under `tests/fuzz/artifacts/TARGET` and
-//! fails the command.
+//! libFuzzer, on the nightly toolchain), each for a while over its inputs:
+//! the seeds (`tests/fuzz/seeds/TARGET`) and named regressions
+//! (`tests/fuzz/regressions/TARGET`) kept in git, and the working corpus
+//! the runs grow, kept outside the tree (`~/.cache/iospan/fuzz-corpus/TARGET`)
+//! so a run leaves the checkout as it was. A finding is saved under
+//! `tests/fuzz/artifacts/TARGET` (ignored) and fails the command: once
+//! fixed, it is kept as a named regression.
 
 use std::process::Command;
 
@@ -79,13 +82,15 @@ pub fn run(a: &FuzzArgs) -> Result<()> {
 /// what a run finds new goes to a scratch directory, not the checkout.
 /// Returns the targets that passed and failed.
 pub fn smoke(seconds: u64) -> Result<(u64, u64)> {
-    ensure_tools()?;
+    crate::phases::time("fuzz tools", ensure_tools)?;
     let scratch = std::env::temp_dir().join(format!("iospan-fuzz-{}", std::process::id()));
     let (mut passed, mut failed) = (0, 0);
     for t in TARGETS {
         let new = scratch.join(t);
         std::fs::create_dir_all(&new)?;
-        match one(t, seconds, Some(&new), Build::Quick) {
+        match crate::phases::time(&format!("fuzz {t}"), || {
+            one(t, seconds, Some(&new), Build::Quick)
+        }) {
             Ok(()) => passed += 1,
             Err(e) => {
                 eprintln!("xtask: fuzz: {t} FAILED: {e:#}");
@@ -106,12 +111,22 @@ enum Build {
     Quick,
 }
 
-/// One target: its corpus read, new inputs written to `new` (default: the
-/// corpus itself).
+/// The working corpus of target `t`: what runs found, outside the tree.
+pub fn working_corpus(t: &str) -> std::path::PathBuf {
+    crate::backends::cache_dir().join("fuzz-corpus").join(t)
+}
+
+/// One target: its working corpus, seeds and regressions read, new inputs
+/// written to `new` (default: the working corpus).
 fn one(t: &str, seconds: u64, new: Option<&std::path::Path>, build: Build) -> Result<()> {
     let dir = sh::root().join("tests/fuzz");
-    let corpus = dir.join("corpus").join(t);
+    let corpus = working_corpus(t);
     std::fs::create_dir_all(&corpus)?;
+    let kept: Vec<std::path::PathBuf> = ["seeds", "regressions"]
+        .iter()
+        .map(|k| dir.join(k).join(t))
+        .filter(|d| d.is_dir())
+        .collect();
     eprintln!("xtask: fuzz: {t} for {seconds} s");
     let mut cmd = Command::new("cargo");
     cmd.args(["+nightly", "fuzz", "run", "--fuzz-dir"])
@@ -130,6 +145,7 @@ fn one(t: &str, seconds: u64, new: Option<&std::path::Path>, build: Build) -> Re
         cmd.arg(n);
     }
     cmd.arg(&corpus)
+        .args(&kept)
         .arg("--")
         .arg(format!("-max_total_time={seconds}"))
         // A leak is not a finding here; memory is: 2 GiB.

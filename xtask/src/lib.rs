@@ -12,6 +12,7 @@ pub mod fuzz;
 pub mod guest;
 pub mod layers;
 pub mod matrix;
+pub mod phases;
 pub mod qemu_release;
 pub mod setup;
 pub mod sh;

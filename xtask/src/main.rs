@@ -3,7 +3,7 @@
 //! xtask depends on nothing of the agent, so it builds on a machine that
 //! still lacks clang and libbpf: `setup` is what installs them.
 
-use xtask::{backends, bench, bench_vm, dist, fuzz, guest, layers, setup, sh};
+use xtask::{backends, bench, bench_vm, dist, fuzz, guest, layers, phases, setup, sh};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -73,7 +73,8 @@ enum Cmd {
     Dist,
     /// Fuzz what iospan takes from others (a guest's channel, QEMU command
     /// lines, the configuration) with libFuzzer: each target for --seconds
-    /// over its corpus in tests/fuzz/corpus.
+    /// over its seeds and regressions (tests/fuzz) and its working corpus
+    /// (~/.cache/iospan/fuzz-corpus), which takes what the run finds.
     Fuzz(fuzz::FuzzArgs),
 }
 
@@ -172,18 +173,37 @@ fn demo() -> Result<()> {
 const FUZZ_SECONDS: u64 = 10;
 
 fn test(args: &[String]) -> Result<()> {
-    setup::ensure_test()?;
+    let start = std::time::Instant::now();
+    let r = test_phases(args);
+    // The budget, read: at the end whether the suite passed or not.
+    eprintln!(
+        "\nxtask: test: time per phase\n{}",
+        phases::table(&phases::all(), start.elapsed())
+    );
+    r
+}
+
+fn test_phases(args: &[String]) -> Result<()> {
+    phases::time("packages", setup::ensure_test)?;
     // The rig's kernel and initramfs, before the tests that boot it.
-    guest::build()?;
-    // The tracing backend the export tests send to (cached outside the
+    phases::time("rig guest", guest::build)?;
+    // The tracing backends the export tests send to (cached outside the
     // checkout: minutes on a fresh machine, nothing after).
-    backends::ensure(backends::Backend::Jaeger)?;
-    backends::ensure(backends::Backend::Prometheus)?;
-    backends::ensure(backends::Backend::Tempo)?;
-    backends::ensure(backends::Backend::Otelcol)?;
+    for b in [
+        backends::Backend::Jaeger,
+        backends::Backend::Prometheus,
+        backends::Backend::Tempo,
+        backends::Backend::Otelcol,
+    ] {
+        phases::time(&format!("backend {b:?}").to_lowercase(), || {
+            backends::ensure(b)
+        })?;
+    }
     // The packaging test builds the .deb.
-    dist::ensure_cargo_deb()?;
-    sh::cargo(&["build", "--release", "-p", "iospan"])?;
+    phases::time("cargo-deb", dist::ensure_cargo_deb)?;
+    phases::time("build iospan", || {
+        sh::cargo(&["build", "--release", "-p", "iospan"])
+    })?;
     // One test thread: the integration tests share the kernel's tracepoints
     // and the machine's two CPUs, and compare latencies. Every test binary
     // runs even after one fails: the closing count is the whole suite's.

@@ -44,16 +44,39 @@ pub fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
     let mut cmd = Command::new(cargo);
     cmd.args(args)
         .current_dir(root())
-        .stdout(std::process::Stdio::piped());
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
     eprintln!("xtask: {}", show(&cmd));
+    let started = std::time::Instant::now();
     let mut child = cmd
         .spawn()
         .with_context(|| format!("starting `{}`", show(&cmd)))?;
+    // Cargo names each test binary on stderr as it starts it: passed on,
+    // and kept to name the binary's time (its results come on stdout).
+    let running = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+    let stderr = child.stderr.take().expect("piped");
+    let names = running.clone();
+    let forward = std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("{line}");
+            if let Some(bin) = test_binary(&line) {
+                let mut n = names.lock().unwrap_or_else(|p| p.into_inner());
+                if n.is_none() {
+                    crate::phases::record("build tests", started.elapsed());
+                }
+                *n = Some(bin);
+            }
+        }
+    });
     let (mut passed, mut failed) = (0, 0);
     for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
         let line = line?;
         println!("{line}");
         if let Some(rest) = line.strip_prefix("test result: ") {
+            if let Some(took) = finished_in(rest) {
+                let name = running.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                crate::phases::record(format!("test {}", name.as_deref().unwrap_or("?")), took);
+            }
             let num = |word: &str| {
                 rest.split(';')
                     .find_map(|part| {
@@ -70,10 +93,38 @@ pub fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
         }
     }
     let status = child.wait()?;
+    let _ = forward.join();
     if !status.success() && failed == 0 {
         bail!("`{}` failed ({status})", show(&cmd));
     }
     Ok((passed, failed))
+}
+
+/// The test binary a cargo `Running` line starts: `tests/block.rs`,
+/// `unittests src/lib.rs` of a crate (named by its binary's file).
+fn test_binary(line: &str) -> Option<String> {
+    let rest = line.trim_start().strip_prefix("Running ")?;
+    let (what, bin) = rest.split_once(" (")?;
+    let what = what.trim_start_matches("unittests ");
+    match what.strip_prefix("tests/") {
+        Some(t) => Some(t.trim_end_matches(".rs").to_string()),
+        // Unit tests: the crate, from the binary's name (`iospan-1a2b…`).
+        None => {
+            let file = bin.trim_end_matches(')').rsplit('/').next()?;
+            let krate = file.rsplit_once('-').map_or(file, |(k, _)| k);
+            Some(format!("{krate} ({what})"))
+        }
+    }
+}
+
+/// `… finished in 52.07s` of a test result line.
+fn finished_in(result: &str) -> Option<std::time::Duration> {
+    let s = result
+        .rsplit("finished in ")
+        .next()?
+        .trim()
+        .strip_suffix('s')?;
+    std::time::Duration::try_from_secs_f64(s.parse().ok()?).ok()
 }
 
 pub fn which(tool: &str) -> bool {
@@ -87,4 +138,36 @@ pub fn show(cmd: &Command) -> String {
         .chain(cmd.get_args().map(|a| a.to_string_lossy().into_owned()))
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_test_binary_is_named_by_its_running_line() {
+        assert_eq!(
+            test_binary("     Running tests/block.rs (target/release/deps/block-20a55b660013a9e1)")
+                .as_deref(),
+            Some("block")
+        );
+        assert_eq!(
+            test_binary(
+                "     Running unittests src/lib.rs (target/release/deps/iospan-e4aacccd8be57871)"
+            )
+            .as_deref(),
+            Some("iospan (src/lib.rs)")
+        );
+        assert_eq!(test_binary("   Compiling png v0.18.1"), None);
+    }
+
+    #[test]
+    fn a_result_line_gives_its_time() {
+        let r = "ok. 2 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 52.07s";
+        assert_eq!(
+            finished_in(r),
+            Some(std::time::Duration::from_secs_f64(52.07))
+        );
+        assert_eq!(finished_in("ok. 2 passed"), None);
+    }
 }

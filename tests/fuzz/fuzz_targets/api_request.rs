@@ -61,6 +61,8 @@ fuzz_target!(|data: &[u8]| {
                     at_s: at,
                     ..Frame::default()
                 })));
+                // And looks at the tier the runs want, as the agent's loop does.
+                shared.tier_looks.send_modify(|n| *n = n.wrapping_add(1));
                 tokio::task::yield_now().await;
             }
         };
