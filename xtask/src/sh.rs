@@ -69,12 +69,18 @@ pub fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
         }
     });
     let (mut passed, mut failed) = (0, 0);
+    // Named at the binary's own first line: cargo may announce the next
+    // binary on stderr before this one's result is read here.
+    let mut this_binary = None;
     for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
         let line = line?;
         println!("{line}");
+        if line.starts_with("running ") {
+            this_binary = running.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        }
         if let Some(rest) = line.strip_prefix("test result: ") {
             if let Some(took) = finished_in(rest) {
-                let name = running.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let name = this_binary.take();
                 crate::phases::record(format!("test {}", name.as_deref().unwrap_or("?")), took);
             }
             let num = |word: &str| {

@@ -63,6 +63,38 @@ struct State {
     ticks: u64,
 }
 
+impl WatchedVm {
+    /// Sources not found yet (QEMU still starting, an engine not yet
+    /// named) are looked for again each tick; one found is kept.
+    fn refresh_sources(&mut self, vm: &Vm) {
+        let usable = |s: &Source| !matches!(s, Source::None { .. });
+        if self.sources.is_empty() || self.sources.iter().any(|s| !usable(&s.source)) {
+            let mut kept: Vec<Watched> = std::mem::take(&mut self.sources)
+                .into_iter()
+                .filter(|s| usable(&s.source))
+                .collect();
+            for f in qemu_counts::sources_of(vm) {
+                if !kept.iter().any(|k| same_place(&k.source, &f)) {
+                    kept.push(Watched {
+                        source: f,
+                        first: None,
+                        last: None,
+                        submitted_at_last: None,
+                        submitted_at_first: None,
+                        last_at: None,
+                        failures: 0,
+                        next_try: 0,
+                        logged: false,
+                        error: None,
+                    });
+                }
+            }
+            // The unusable ones stay only while nothing else says why.
+            self.sources = kept;
+        }
+    }
+}
+
 impl State {
     /// One pass over the VMs alive now; `last`: the run's closing one, which
     /// reads every VM whatever its pace or its failures.
@@ -85,33 +117,7 @@ impl State {
             });
             // Seen again: not gone.
             w.gone_at = None;
-            // Sources not found yet (QEMU still starting, an engine not yet
-            // named) are looked for again each tick; one found is kept.
-            let usable = |s: &Source| !matches!(s, Source::None { .. });
-            if w.sources.is_empty() || w.sources.iter().any(|s| !usable(&s.source)) {
-                let mut kept: Vec<Watched> = std::mem::take(&mut w.sources)
-                    .into_iter()
-                    .filter(|s| usable(&s.source))
-                    .collect();
-                for f in qemu_counts::sources_of(&vm) {
-                    if !kept.iter().any(|k| same_place(&k.source, &f)) {
-                        kept.push(Watched {
-                            source: f,
-                            first: None,
-                            last: None,
-                            submitted_at_last: None,
-                            submitted_at_first: None,
-                            last_at: None,
-                            failures: 0,
-                            next_try: 0,
-                            logged: false,
-                            error: None,
-                        });
-                    }
-                }
-                // The unusable ones stay only while nothing else says why.
-                w.sources = kept;
-            }
+            w.refresh_sources(&vm);
             for src in &mut w.sources {
                 match &src.source {
                     Source::None { .. } => continue,
