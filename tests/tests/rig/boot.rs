@@ -286,13 +286,22 @@ fn traced_boot(a: RunArgs) {
         // 1.0): for those QEMU's mean is held between our pickup → host
         // completion and our engine + device, each widened by 10 %.
         // Sequential reads: QEMU counts a request it merged once per guest
-        // request in it, we once (measured 1.035-1.09 above our engine +
-        // device over 11 boots): 15 % above there (see docs/verify.md, "Checked
-        // against QEMU's own accounting").
+        // request in it, we once, so its mean weighs the merged (larger,
+        // longer) requests more than ours: measured 1.035-1.09 above our
+        // engine + device over 11 boots, 1.20 on one where QEMU merged a
+        // quarter of the guest's requests. Held 15 % above there plus the
+        // share QEMU merged (see docs/verify.md, "Checked against QEMU's
+        // own accounting").
         if let Some(qm) = vm["qemu"]["mean_us"].as_f64() {
             let upper = mean("engine") + mean("device");
             let lower = mean("pickup_to_done").min(upper);
-            let over = if a.rw == "read" { 0.15 } else { 0.1 };
+            let over = if a.rw == "read" {
+                let merged = vm["qemu"]["merged_allowance"].as_f64().unwrap_or(0.0);
+                let ops = vm["qemu"]["ops"].as_f64().unwrap_or(1.0).max(1.0);
+                0.15 + merged / ops
+            } else {
+                0.1
+            };
             assert!(
                 qm >= 0.9 * lower && qm <= (1.0 + over) * upper,
                 "QEMU's mean {qm} µs vs our pickup → completion {lower} µs and engine + device {upper} µs: {:#}",
