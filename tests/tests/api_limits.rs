@@ -297,3 +297,141 @@ fn stream_clients_that_never_read_hold_no_queue() {
     }
     drop(idle);
 }
+
+/// The agent's open sockets.
+fn sockets(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    std::fs::read_link(e.path())
+                        .is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Connections the API keeps at once.
+const CAP: usize = iospan::cmd::api::MAX_CONNECTIONS;
+
+/// Floods `port` with `CAP + 904` connections that never send a byte,
+/// as a scanner or a slow-loris does: the agent holds at most `CAP` of
+/// them, closes the rest at once, and the held ones by its deadline
+/// (headers for plain HTTP, the handshake for TLS); then it answers
+/// again. Returns how many the flood opened.
+fn flood_to_the_cap(pid: u32, port: u16) -> usize {
+    let n = CAP + 904;
+    let base = sockets(pid);
+    let mut held: Vec<TcpStream> = (0..n)
+        .map(|i| {
+            TcpStream::connect(("127.0.0.1", port))
+                .unwrap_or_else(|e| panic!("connection {i} of the flood: {e}"))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let peak = sockets(pid);
+    assert!(
+        peak <= base + CAP + 16,
+        "the agent held {peak} sockets under a flood of {n} ({base} before): its cap is {CAP}"
+    );
+    let closed = |held: &mut Vec<TcpStream>| {
+        held.iter_mut()
+            .map(|s| {
+                s.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+                let mut b = [0u8; 256];
+                match s.read(&mut b) {
+                    // EOF, or a timeout response then EOF.
+                    Ok(n) => n <= b.len(),
+                    Err(e) => e.kind() == ErrorKind::ConnectionReset,
+                }
+            })
+            .filter(|&c| c)
+            .count()
+    };
+    let at_once = closed(&mut held);
+    assert!(
+        at_once >= n - CAP,
+        "{at_once} of {n} closed at once: those past the cap of {CAP} stay open"
+    );
+    // Every deadline is 5 s.
+    std::thread::sleep(Duration::from_secs(6));
+    let by_deadline = closed(&mut held);
+    assert_eq!(by_deadline, n, "connections left open past the deadline");
+    n
+}
+
+#[test]
+fn the_plain_api_holds_its_connection_cap_under_a_flood() {
+    raise_open_files();
+    let (port, agent) = start_agent();
+    let n = flood_to_the_cap(agent.0.id(), port);
+    let (status, metrics) = request(port, "GET", "/metrics", "127.0.0.1");
+    assert_eq!(status, 200, "the API after the flood: {metrics}");
+    assert!(
+        refused(&metrics, "connections") >= (n - CAP) as u64,
+        "{} refused of a flood of {n}",
+        refused(&metrics, "connections")
+    );
+}
+
+/// `curl` over https trusting `ca`, with the token: (status, body).
+fn curl_tls(url: &str, ca: &std::path::Path, token: &str) -> (u16, String) {
+    let out = agent_integration::run(
+        Command::new("curl")
+            .args(["-sS", "--max-time", "5", "-w", "\n%{http_code}", "--cacert"])
+            .arg(ca)
+            .args(["-H", &format!("Authorization: Bearer {token}")])
+            .arg(url),
+    );
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// The API off the host (TLS) is served by the same stack as on it: the
+/// same cap, and a deadline on the handshake as on the headers.
+#[test]
+fn the_tls_api_holds_the_same_connection_cap_under_a_flood() {
+    raise_open_files();
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = agent_integration::test_ca(dir.path(), "api");
+    let port = free_port();
+    let token = "fl00d";
+    let conf = dir.path().join("agent.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "[agent]\nmax_disks = 4\n[api]\nlisten = \"127.0.0.1:{port}\"\ntoken = \"{token}\"\n\
+             tls_cert = {:?}\ntls_key = {:?}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        ),
+    )
+    .unwrap();
+    let agent = Agent(
+        Command::new(iospan_bin())
+            .args(["agent", "--config"])
+            .arg(&conf)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let base = format!("https://127.0.0.1:{port}");
+    let t = Instant::now();
+    while curl_tls(&format!("{base}/healthz"), &ca, token).0 != 200 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "never healthy over https"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let n = flood_to_the_cap(agent.0.id(), port);
+    let (status, metrics) = curl_tls(&format!("{base}/metrics"), &ca, token);
+    assert_eq!(status, 200, "the TLS API after the flood: {metrics}");
+    assert!(
+        refused(&metrics, "connections") >= (n - CAP) as u64,
+        "{} refused of a flood of {n}",
+        refused(&metrics, "connections")
+    );
+}

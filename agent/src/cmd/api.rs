@@ -82,6 +82,8 @@ pub enum Access {
 pub const MAX_CONNECTIONS: usize = 4096;
 /// A connection's request headers must arrive within this.
 pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// A TLS connection's handshake must end within this.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Labelled runs kept: past it the oldest stopped one goes.
 pub const MAX_RUNS: usize = 1024;
 /// A run label's length, at most.
@@ -301,9 +303,11 @@ mod server {
     use futures_util::stream::{self, Stream};
 
     use super::{
-        bench_report, BenchRun, Shared, HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_LABEL, MAX_RUNS,
+        bench_report, BenchRun, Shared, HANDSHAKE_TIMEOUT, HEADER_TIMEOUT, MAX_CONNECTIONS,
+        MAX_LABEL, MAX_RUNS,
     };
     use crate::{output::live::Frame, output::metrics::Format};
+    use hyper_util::rt::TokioIo;
 
     /// Binds `addr` and serves in the background, over TLS when `tls`
     /// names a certificate and key.
@@ -313,44 +317,50 @@ mod server {
         shared: Arc<Shared>,
     ) -> Result<()> {
         raise_open_files();
+        let acceptor = tls.map(acceptor).transpose()?;
         // Bound here, not in the background: a taken port fails the start.
-        let listener = std::net::TcpListener::bind(addr)
-            .with_context(|| format!("binding the HTTP API to {addr}"))?;
-        listener.set_nonblocking(true).context("the API's socket")?;
+        let listener = listen(addr).with_context(|| format!("binding the HTTP API to {addr}"))?;
         let app = router(shared.clone(), addr);
-        match tls {
-            Some(t) => {
-                crate::cmd::tls::install_provider();
-                let cfg = axum_server::tls_rustls::RustlsConfig::from_pem_file(&t.cert, &t.key)
-                    .await
-                    .with_context(|| {
-                        format!(
-                            "api.tls_cert = {}, api.tls_key = {}: PEM certificate chain and \
-                             private key",
-                            t.cert.display(),
-                            t.key.display()
-                        )
-                    })?;
-                let mut server =
-                    axum_server::from_tcp_rustls(listener, cfg).context("the API's socket")?;
-                server
-                    .http_builder()
-                    .http1()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .header_read_timeout(HEADER_TIMEOUT);
-                tokio::spawn(async move {
-                    if let Err(e) = server.serve(app.into_make_service()).await {
-                        log::warn!("HTTP API stopped: {e}");
-                    }
-                });
-            }
-            None => {
-                let listener =
-                    tokio::net::TcpListener::from_std(listener).context("the API's socket")?;
-                tokio::spawn(accept_loop(listener, app, shared));
-            }
-        }
+        tokio::spawn(accept_loop(listener, acceptor, app, shared));
         Ok(())
+    }
+
+    /// A listening socket whose queue holds a burst of `MAX_CONNECTIONS`
+    /// new connections (the kernel caps it at net.core.somaxconn): with
+    /// the usual 128, a burst of connects fills it between two wake-ups
+    /// of the accept loop and the rest wait a second for their SYN's
+    /// retry, real requests among them.
+    fn listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+        let socket = match addr {
+            SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+            SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+        };
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(u32::try_from(MAX_CONNECTIONS).unwrap_or(u32::MAX))
+    }
+
+    /// The TLS side of the API from its PEM certificate chain and key.
+    fn acceptor(t: &crate::cmd::config::Tls) -> Result<tokio_rustls::TlsAcceptor> {
+        use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer};
+        crate::cmd::tls::install_provider();
+        let named = || {
+            format!(
+                "api.tls_cert = {}, api.tls_key = {}: PEM certificate chain and private key",
+                t.cert.display(),
+                t.key.display()
+            )
+        };
+        let certs = CertificateDer::pem_file_iter(&t.cert)
+            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+            .with_context(named)?;
+        let key = PrivateKeyDer::from_pem_file(&t.key).with_context(named)?;
+        let mut cfg = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .with_context(named)?;
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(tokio_rustls::TlsAcceptor::from(Arc::new(cfg)))
     }
 
     /// The API's routes over `shared`, as served on `addr` (its Host check
@@ -391,10 +401,16 @@ mod server {
         }
     }
 
-    /// Serves each connection with a deadline for its request headers and
-    /// at most `MAX_CONNECTIONS` at once: half-open connections neither
-    /// stay nor keep real requests out.
-    async fn accept_loop(listener: tokio::net::TcpListener, app: Router, shared: Arc<Shared>) {
+    /// Serves each connection, plain or TLS alike, with a deadline for
+    /// its handshake and its request headers and at most
+    /// `MAX_CONNECTIONS` at once: half-open connections neither stay nor
+    /// keep real requests out.
+    async fn accept_loop(
+        listener: tokio::net::TcpListener,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+        app: Router,
+        shared: Arc<Shared>,
+    ) {
         use std::sync::atomic::Ordering::Relaxed;
         let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let mut http = hyper::server::conn::http1::Builder::new();
@@ -416,10 +432,22 @@ mod server {
                 continue;
             };
             let service = hyper_util::service::TowerToHyperService::new(app.clone());
-            let conn = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let (http, tls) = (http.clone(), tls.clone());
             tokio::spawn(async move {
-                let _ = conn.await;
-                drop(permit);
+                let _permit = permit;
+                let Some(tls) = tls else {
+                    let _ = http.serve_connection(TokioIo::new(stream), service).await;
+                    return;
+                };
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
+                    Ok(Ok(stream)) => {
+                        let _ = http.serve_connection(TokioIo::new(stream), service).await;
+                    }
+                    Ok(Err(e)) => log::debug!("HTTP API: TLS handshake: {e}"),
+                    Err(_) => {
+                        log::debug!("HTTP API: TLS handshake took over {HANDSHAKE_TIMEOUT:?}")
+                    }
+                }
             });
         }
     }
