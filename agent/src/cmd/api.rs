@@ -308,6 +308,7 @@ mod server {
     };
     use crate::{output::live::Frame, output::metrics::Format};
     use hyper_util::rt::TokioIo;
+    use subtle::ConstantTimeEq;
 
     /// Binds `addr` and serves in the background, over TLS when `tls`
     /// names a certificate and key.
@@ -521,7 +522,8 @@ mod server {
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "));
-            if !given.is_some_and(|g| same(g.as_bytes(), token.as_bytes())) {
+            // In time that does not depend on where they differ.
+            if !given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(token.as_bytes()))) {
                 s.refused
                     .unauthorized
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -537,11 +539,6 @@ mod server {
             }
         }
         next.run(req).await
-    }
-
-    /// Equal, in time that does not depend on where they differ.
-    fn same(a: &[u8], b: &[u8]) -> bool {
-        a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
     }
 
     async fn metrics(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {

@@ -74,7 +74,7 @@ pub async fn top(opts: TopOptions) -> Result<()> {
             } else {
                 String::new()
             };
-            streams.push((host, agent.open()?));
+            streams.push((host, agent.open().await?));
         }
         // The agents' frames, as they come; the view ends when all stop.
         let fleet_tx = Arc::new(fleet_tx);
@@ -82,14 +82,12 @@ pub async fn top(opts: TopOptions) -> Result<()> {
             .into_iter()
             .map(|(host, stream)| {
                 let tx = fleet_tx.clone();
-                std::thread::spawn(move || {
-                    stream.follow(|f| {
-                        tx.send_modify(|m| {
-                            m.insert(host.clone(), Arc::new(f));
-                        });
-                        !tx.is_closed()
-                    })
-                })
+                tokio::spawn(stream.follow(move |f| {
+                    tx.send_modify(|m| {
+                        m.insert(host.clone(), Arc::new(f));
+                    });
+                    !tx.is_closed()
+                }))
             })
             .collect();
         drop(fleet_tx);
@@ -98,7 +96,7 @@ pub async fn top(opts: TopOptions) -> Result<()> {
             .context("the view")?;
         shown?;
         for f in feeds {
-            match f.join() {
+            match f.await {
                 Ok(r) => r?,
                 Err(_) => anyhow::bail!("a stream reader panicked"),
             }

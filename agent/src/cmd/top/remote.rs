@@ -31,7 +31,7 @@ pub(super) fn host_items(
 pub struct Agent {
     base: String,
     token: Option<String>,
-    http: ureq::Agent,
+    http: reqwest::Client,
 }
 
 impl Agent {
@@ -46,7 +46,11 @@ impl Agent {
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             anyhow::bail!("--connect {addr}: use HOST:PORT, http://HOST:PORT or https://HOST:PORT");
         }
-        let mut tls = ureq::tls::TlsConfig::builder();
+        crate::cmd::tls::install_provider();
+        // The stream lasts as long as the view: a deadline on connecting
+        // only.
+        let mut http =
+            reqwest::Client::builder().connect_timeout(std::time::Duration::from_secs(10));
         if let Some(path) = ca {
             if base.starts_with("http://") {
                 anyhow::bail!(
@@ -55,68 +59,72 @@ impl Agent {
             }
             let pem =
                 std::fs::read(path).with_context(|| format!("--ca-cert {}", path.display()))?;
-            let certs = ureq::tls::parse_pem(&pem)
-                .filter_map(|i| match i {
-                    Ok(ureq::tls::PemItem::Certificate(c)) => Some(Ok(c)),
-                    Ok(_) => None,
-                    Err(e) => Some(Err(e)),
-                })
-                .collect::<Result<Vec<_>, _>>()
+            let certs = reqwest::Certificate::from_pem_bundle(&pem)
                 .with_context(|| format!("--ca-cert {}: PEM certificates", path.display()))?;
             if certs.is_empty() {
                 anyhow::bail!("--ca-cert {}: no PEM certificate in it", path.display());
             }
-            tls = tls.root_certs(ureq::tls::RootCerts::new_with_certs(&certs));
+            http = http.tls_certs_only(certs);
         }
-        crate::cmd::tls::install_provider();
-        let http = ureq::Agent::config_builder()
-            .tls_config(tls.build())
-            .build()
-            .new_agent();
+        let http = http.build().context("the HTTP client")?;
         Ok(Self { base, token, http })
     }
 
     /// Opens the agent's frame stream (`/api/v1/stream`).
-    pub(super) fn open(&self) -> Result<FrameStream> {
+    pub(super) async fn open(&self) -> Result<FrameStream> {
         let url = format!("{}/api/v1/stream", self.base);
         let mut req = self.http.get(&url).header("Accept", "text/event-stream");
         if let Some(t) = &self.token {
-            req = req.header("Authorization", &format!("Bearer {t}"));
+            req = req.bearer_auth(t);
         }
-        let resp = req.call().map_err(|e| {
-            let hint = match &e {
-                ureq::Error::StatusCode(401) => {
-                    "send the agent's api.token: IOSPAN_TOKEN or --token-file"
-                }
-                // TLS failures come wrapped in I/O errors.
-                e if e.to_string().contains("certificate") => {
-                    "the agent's certificate is not trusted: --ca-cert with the CA that signed it"
-                }
-                _ => "is `iospan agent` running there?",
-            };
+        let fail = |e: &dyn std::fmt::Display, hint: &str| {
             anyhow::anyhow!("--connect: {url}: {e} ({hint})")
+        };
+        let resp = req.send().await.map_err(|e| {
+            // The cause of a TLS failure is a few sources down.
+            let chain = crate::probes::error_chain(&e);
+            let hint = if chain.contains("certificate") || chain.contains("UnknownIssuer") {
+                "the agent's certificate is not trusted: --ca-cert with the CA that signed it"
+            } else {
+                "is `iospan agent` running there?"
+            };
+            fail(&chain, hint)
         })?;
-        Ok(FrameStream {
-            url,
-            reader: std::io::BufReader::new(Box::new(resp.into_body().into_reader())),
-        })
+        match resp.status() {
+            s if s.is_success() => Ok(FrameStream { url, resp }),
+            reqwest::StatusCode::UNAUTHORIZED => Err(fail(
+                &"401 Unauthorized",
+                "send the agent's api.token: IOSPAN_TOKEN or --token-file",
+            )),
+            s => Err(fail(&s, "is `iospan agent` running there?")),
+        }
     }
 }
 
 pub(super) struct FrameStream {
     url: String,
-    reader: std::io::BufReader<Box<dyn std::io::Read + Send>>,
+    resp: reqwest::Response,
 }
 
 impl FrameStream {
     /// Hands each frame (server-sent events) to `on_frame` until the
     /// stream ends or `on_frame` says the view is gone.
-    pub(super) fn follow(self, mut on_frame: impl FnMut(Frame) -> bool) -> Result<()> {
-        use std::io::BufRead;
+    pub(super) async fn follow(mut self, mut on_frame: impl FnMut(Frame) -> bool) -> Result<()> {
         let url = self.url;
-        for line in self.reader.lines() {
-            let line = line.with_context(|| format!("reading {url}"))?;
-            if let Some(data) = line.strip_prefix("data:") {
+        let mut pending = Vec::new();
+        while let Some(chunk) = self
+            .resp
+            .chunk()
+            .await
+            .with_context(|| format!("reading {url}"))?
+        {
+            pending.extend_from_slice(&chunk);
+            while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=end).collect();
+                let line = String::from_utf8_lossy(&line);
+                let Some(data) = line.strip_prefix("data:") else {
+                    continue;
+                };
                 let frame: Frame = serde_json::from_str(data.trim())
                     .with_context(|| format!("a frame from {url}"))?;
                 if !on_frame(frame) {
