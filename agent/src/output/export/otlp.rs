@@ -331,29 +331,32 @@ fn direction(op: Op) -> &'static str {
     }
 }
 
-/// The service's resource: `service.name` iospan and `host.name` the
-/// kernel's hostname unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES
-/// name them (a fleet may know its hosts by other names), the agent's version.
+/// The service's resource: `service.name` iospan, `host.name` the
+/// kernel's hostname and the agent's version, under what the SDK's
+/// detectors find: OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME name
+/// them otherwise (a fleet may know its hosts by other names).
 pub fn resource() -> Resource {
-    let attrs = std::env::var("OTEL_RESOURCE_ATTRIBUTES").unwrap_or_default();
-    let given = |key: &str| {
-        attrs
-            .split(',')
-            .any(|kv| kv.split_once('=').is_some_and(|(k, _)| k.trim() == key))
+    use opentelemetry_sdk::resource::{
+        EnvResourceDetector, ResourceDetector, SdkProvidedResourceDetector,
+        TelemetryResourceDetector,
     };
-    let named =
-        std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.is_empty()) || given("service.name");
-    let mut b = Resource::builder();
-    if !named {
-        b = b.with_service_name("iospan");
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
+    let mut detectors: Vec<Box<dyn ResourceDetector>> = vec![
+        Box::new(TelemetryResourceDetector),
+        Box::new(EnvResourceDetector::new()),
+    ];
+    // The SDK's own service detector says "unknown_service" when no
+    // variable names one: ours stands then.
+    if std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.trim().is_empty()) {
+        detectors.push(Box::new(SdkProvidedResourceDetector));
     }
-    if !given("host.name") {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_string())
-            .unwrap_or_default();
-        b = b.with_attribute(KeyValue::new("host.name", host));
-    }
-    b.with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+    Resource::builder_empty()
+        .with_service_name("iospan")
+        .with_attribute(KeyValue::new("host.name", host))
+        .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+        .with_detectors(&detectors)
         .build()
 }
 
@@ -576,6 +579,39 @@ fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::SpanExporter> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The only test of this crate that sets these variables.
+    #[test]
+    fn the_resource_is_ours_unless_the_environment_names_it() {
+        let get = |r: &Resource, k: &'static str| {
+            r.get(&opentelemetry::Key::new(k)).map(|v| v.to_string())
+        };
+        std::env::remove_var("OTEL_SERVICE_NAME");
+        std::env::remove_var("OTEL_RESOURCE_ATTRIBUTES");
+        let r = resource();
+        assert_eq!(get(&r, "service.name").as_deref(), Some("iospan"));
+        assert_eq!(
+            get(&r, "service.version").as_deref(),
+            Some(env!("CARGO_PKG_VERSION"))
+        );
+        assert!(get(&r, "host.name").is_some_and(|h| !h.is_empty()));
+        assert_eq!(get(&r, "telemetry.sdk.language").as_deref(), Some("rust"));
+        std::env::set_var(
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "host.name=hv-7,rack=r2,service.name=io",
+        );
+        let r = resource();
+        assert_eq!(get(&r, "host.name").as_deref(), Some("hv-7"));
+        assert_eq!(get(&r, "rack").as_deref(), Some("r2"));
+        assert_eq!(get(&r, "service.name").as_deref(), Some("io"));
+        std::env::set_var("OTEL_SERVICE_NAME", "iospan-lab");
+        assert_eq!(
+            get(&resource(), "service.name").as_deref(),
+            Some("iospan-lab")
+        );
+        std::env::remove_var("OTEL_SERVICE_NAME");
+        std::env::remove_var("OTEL_RESOURCE_ATTRIBUTES");
+    }
 
     #[test]
     fn children_tile_the_root_with_and_without_the_guest() {
