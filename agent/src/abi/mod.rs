@@ -8,6 +8,8 @@
 
 use std::mem::size_of;
 
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+
 pub const HIST_SUB_BITS: u32 = 3;
 pub const HIST_SUB: u32 = 1 << HIST_SUB_BITS;
 pub const HIST_MAX_LOG2: u32 = 38;
@@ -289,7 +291,7 @@ pub struct VmDevKey {
 pub const VDISK_SEVERAL: u32 = u32::MAX;
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
 pub struct BlkIoEvent {
     pub kind: u16,
     pub op: u8,
@@ -355,7 +357,7 @@ unsafe impl aya::Pod for VmSplitEvent {}
 /// was sampled (`struct vm_split_event`): the request and the signal that
 /// ended its window.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
 pub struct VmSplitEvent {
     pub io: VmIoEvent,
     pub signal_ns: u64,
@@ -367,7 +369,7 @@ pub struct VmSplitEvent {
 /// A VM's request at its final host completion, with the kick and pickup
 /// that led to it (`struct vm_io_event`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
 pub struct VmIoEvent {
     pub kind: u16,
     pub op: u8,
@@ -392,7 +394,7 @@ pub struct VmIoEvent {
 
 /// An engine thread of a VM signalled the guest (`struct vm_signal_event`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
 pub struct VmSignalEvent {
     pub kind: u16,
     pub _pad: u16,
@@ -407,7 +409,7 @@ pub struct VmSignalEvent {
 /// A VM engine thread's used-ring pushes, one request each, sent together
 /// (`struct vm_pushes_event`).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
 pub struct VmPushesEvent {
     pub kind: u16,
     /// Pushes in `ts`, oldest first.
@@ -441,7 +443,9 @@ pub enum Record {
 
 /// One request as the guest saw it (`struct guest_io_event`), guest clock.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable,
+)]
 pub struct GuestIoEvent {
     pub kind: u16,
     pub op: u8,
@@ -466,7 +470,7 @@ const _: () = assert!(size_of::<GuestIoEvent>() == 88);
 /// A system call handing completions back to the application
 /// (`struct guest_reap_event`), guest clock.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
 pub struct GuestReapEvent {
     pub kind: u16,
     pub flags: u8,
@@ -479,24 +483,15 @@ const _: () = assert!(size_of::<GuestReapEvent>() == 16);
 
 impl GuestIoEvent {
     pub const SIZE: usize = size_of::<Self>();
-
-    /// Its bytes as the C struct lays them out (the wire format of the
-    /// guest channel: both ends are little-endian x86_64 or aarch64).
-    pub fn to_bytes(&self) -> [u8; Self::SIZE] {
-        // SAFETY: repr(C) plain integers without padding (asserted above and
-        // by the layout test), so every byte is initialised.
-        unsafe { std::mem::transmute_copy(self) }
-    }
 }
 
 impl Record {
     /// `None` for a record whose kind is unknown or whose length does not
     /// match its kind (the caller counts those).
     pub fn from_bytes(buf: &[u8]) -> Option<Self> {
-        fn read<T: Copy>(buf: &[u8]) -> Option<T> {
-            // SAFETY: length checked; every bit pattern is a valid T (plain integers).
-            (buf.len() == size_of::<T>())
-                .then(|| unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) })
+        // Any length but the record's own is refused; any alignment taken.
+        fn read<T: FromBytes>(buf: &[u8]) -> Option<T> {
+            T::read_from_bytes(buf).ok()
         }
         let kind = u16::from_ne_bytes([*buf.first()?, *buf.get(1)?]);
         match kind {

@@ -21,6 +21,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use zerocopy::{FromBytes, IntoBytes};
+
 use crate::abi::GuestIoEvent;
 use crate::model::SenderStats;
 
@@ -167,7 +169,7 @@ pub enum Frame {
 pub fn encode(sender: u32, seq: u64, frame: &Frame) -> Vec<u8> {
     let (kind, payload) = match frame {
         Frame::Hello(h) => (HELLO, serde_json::to_vec(h).unwrap_or_default()),
-        Frame::Records(r) => (RECORDS, r.iter().flat_map(|e| e.to_bytes()).collect()),
+        Frame::Records(r) => (RECORDS, r.as_bytes().to_vec()),
         Frame::Stats(s) => (STATS, serde_json::to_vec(s).unwrap_or_default()),
     };
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
@@ -362,10 +364,7 @@ impl FrameReader {
                 Frame::Records(
                     payload
                         .chunks_exact(GuestIoEvent::SIZE)
-                        // SAFETY: exact size; every bit pattern is a valid record.
-                        .map(|c| unsafe {
-                            std::ptr::read_unaligned(c.as_ptr().cast::<GuestIoEvent>())
-                        })
+                        .filter_map(|c| GuestIoEvent::read_from_bytes(c).ok())
                         .collect(),
                 )
             }
