@@ -2,6 +2,8 @@
 #ifndef IOSPAN_BLK_OP_BPF_H
 #define IOSPAN_BLK_OP_BPF_H
 
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
 #include "agent_abi.h"
 
 /* include/linux/blk_types.h: the low REQ_OP_BITS of cmd_flags are the op;

@@ -4,6 +4,8 @@
 #ifndef IOSPAN_CORE_FIXES_BPF_H
 #define IOSPAN_CORE_FIXES_BPF_H
 
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
 #include <bpf/bpf_core_read.h>
 
 /* f3fa33acca9f ("block: remove the ->rq_disk field in struct request"),

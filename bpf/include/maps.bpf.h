@@ -2,6 +2,7 @@
 #ifndef IOSPAN_MAPS_BPF_H
 #define IOSPAN_MAPS_BPF_H
 
+#include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include "agent_abi.h"
 

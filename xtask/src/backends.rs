@@ -444,6 +444,11 @@ pub struct Jaeger {
 
 impl Jaeger {
     pub fn start() -> Result<Self> {
+        Self::start_with_ui(None)
+    }
+
+    /// With `ui`, a build of the Jaeger UI served on its query port.
+    pub fn start_with_ui(ui: Option<&std::path::Path>) -> Result<Self> {
         let dir = TempDir::new("jaeger")?;
         let (grpc, http, query, query_grpc, health) = (
             local_addr()?,
@@ -455,7 +460,7 @@ impl Jaeger {
         let config = dir.0.join("config.yaml");
         std::fs::write(
             &config,
-            jaeger_config(&grpc, &http, &query, &query_grpc, &health),
+            jaeger_config(&grpc, &http, &query, &query_grpc, &health, ui),
         )?;
         let args = ["--config".to_string(), config.display().to_string()];
         Ok(Self {
@@ -479,7 +484,17 @@ impl Jaeger {
     }
 }
 
-fn jaeger_config(grpc: &str, http: &str, query: &str, query_grpc: &str, health: &str) -> String {
+fn jaeger_config(
+    grpc: &str,
+    http: &str,
+    query: &str,
+    query_grpc: &str,
+    health: &str,
+    ui: Option<&std::path::Path>,
+) -> String {
+    let ui = ui.map_or_else(String::new, |d| {
+        format!("    ui:\n      assets_path: \"{}\"\n", d.display())
+    });
     format!(
         r#"service:
   extensions: [jaeger_storage, jaeger_query, healthcheckv2]
@@ -499,7 +514,7 @@ extensions:
     http:
       endpoint: "{health}"
   jaeger_query:
-    storage:
+{ui}    storage:
       traces: memstore
     http:
       endpoint: "{query}"

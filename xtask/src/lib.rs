@@ -13,6 +13,7 @@ pub mod guest;
 pub mod layers;
 pub mod matrix;
 pub mod phases;
+pub mod pictures;
 pub mod qemu_release;
 pub mod setup;
 pub mod sh;

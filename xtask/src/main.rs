@@ -68,6 +68,10 @@ enum Cmd {
     /// Check that every module of agent/src uses only the layers below its own
     /// and that no units of one layer reach each other in a circle.
     Layers,
+    /// Make the README's pictures from a real run: `iospan top` beside the rig
+    /// guest (docs/pictures/top.svg) and, with --jaeger-ui, one of its traces
+    /// in Jaeger (docs/pictures/trace.png).
+    Pictures(xtask::pictures::PicturesArgs),
     /// Build the .deb (binary, systemd unit, default configuration,
     /// dashboards) into target/debian/.
     Dist,
@@ -126,6 +130,7 @@ fn main() -> Result<()> {
         Cmd::Backends { cmd } => backends::main(cmd),
         Cmd::Dashboards => xtask::dashboards::check(),
         Cmd::Layers => layers::main(),
+        Cmd::Pictures(a) => xtask::pictures::main(&a),
         Cmd::Fuzz(a) => {
             setup::ensure(false)?;
             fuzz::run(&a)

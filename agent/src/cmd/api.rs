@@ -601,8 +601,6 @@ mod server {
         Sse::new(frames).keep_alive(KeepAlive::default())
     }
 
-    /// The next frame made after this call: a run's edges are never
-    /// earlier than the request that set them.
     /// The next frame with QEMU's own counters beside it (asked for, then
     /// waited for: the frame under way may have been made before the ask).
     async fn fresh_with_qemu(s: &Shared) -> Option<Arc<Frame>> {
@@ -621,6 +619,8 @@ mod server {
         fresh(s).await
     }
 
+    /// The next frame made after this call: a run's edges are never
+    /// earlier than the request that set them.
     async fn fresh(s: &Shared) -> Option<Arc<Frame>> {
         let mut rx = s.frames.subscribe();
         rx.borrow_and_update();

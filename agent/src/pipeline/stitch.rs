@@ -251,12 +251,12 @@ impl Clock {
     }
 }
 
-/// Guest records a VM may have waiting for their host partner: a guest
-/// that reports I/O that never happened fills no more than this.
 /// A guest-observed latency above this is no measurement (the guest's
 /// stamps say so, not its disk): the join is counted inconsistent.
 pub const MAX_GUEST_TOTAL_NS: u64 = 3_600_000_000_000;
 
+/// Guest records a VM may have waiting for their host partner: a guest
+/// that reports I/O that never happened fills no more than this.
 pub const MAX_WAITING_GUEST: usize = 1 << 16;
 
 /// How long a guest record waits, on the wall clock, for its host partner

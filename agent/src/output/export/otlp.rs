@@ -422,12 +422,12 @@ impl Exporter {
         })
     }
 
-    /// Queues one chosen I/O; a full queue drops it, counted.
     /// A new trace's root (see `Traces::new_root`).
     pub fn new_root(&self) -> SpanContext {
         self.traces.new_root()
     }
 
+    /// Queues one chosen I/O; a full queue drops it, counted.
     pub fn send(
         &self,
         s: &IoSpan,
