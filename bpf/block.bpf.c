@@ -23,8 +23,8 @@
 #include "vm_request.bpf.h"
 
 const volatile __u32 targ_max_disks = DEFAULT_MAX_DISKS;
-const volatile __u32 targ_sample_every = 0;     /* stream 1 in N requests; 0: none */
-const volatile __u64 targ_slower_than_ns = 0;   /* stream requests at least this slow; 0: off */
+const volatile __u32 targ_sample_every = 0;	    /* stream 1 in N requests; 0: none */
+const volatile __u64 targ_slower_than_ns = 0;	    /* stream requests at least this slow; 0: off */
 const volatile __u64 targ_wakeup_bytes = 256 << 10; /* wake the reader past this backlog */
 /* Stream only requests of these disks (all when targ_nr_stream_devs is 0);
  * histograms always cover every disk. */
@@ -42,7 +42,7 @@ proc_cache_map_t proc_cache SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, DEFAULT_MAX_DISKS * BLK_NR_OPS);
+	__uint(max_entries, (DEFAULT_MAX_DISKS * BLK_NR_OPS));
 	__type(key, __u32);
 	__type(value, struct blk_stats);
 } blk_latency SEC(".maps");
@@ -51,7 +51,7 @@ struct {
  * shared, so updated atomically. Rare. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, DEFAULT_MAX_DISKS * BLK_NR_OPS);
+	__uint(max_entries, (DEFAULT_MAX_DISKS * BLK_NR_OPS));
 	__type(key, __u32);
 	__type(value, struct blk_stats);
 } blk_latency_nested SEC(".maps");
@@ -149,7 +149,6 @@ static __always_inline void read_rq_raw(struct request *rq, struct rq_fields *f)
 	f->data_len = BPF_CORE_READ(rq, __data_len);
 }
 
-
 /* Two candidate slots per request key (a 2-way set), so two requests
  * rarely evict each other; a miss is counted, never guessed. The second
  * slot is only looked at when the first is not ours. A finished request
@@ -205,8 +204,8 @@ static __always_inline int disk_slot_of(const struct rq_fields *f)
 	return -1;
 }
 
-static __always_inline void stream(const struct rq_outcome *o, const struct rq_fields *f,
-				   __u8 op, __u64 now)
+static __always_inline void stream(const struct rq_outcome *o, const struct rq_fields *f, __u8 op,
+				   __u64 now)
 {
 	struct blk_io_event ev = {};
 
@@ -248,7 +247,8 @@ static __always_inline __s64 *bio_starts_count(void)
 
 /* targ_getrq: the VM's request taken at block_getrq, if this is its
  * first issue, into its slot as block_io_start would have put it. */
-static __always_inline void start_from_bio(struct request *rq, __u64 key, struct rq_slot *s, int btf)
+static __always_inline void start_from_bio(struct request *rq, __u64 key, struct rq_slot *s,
+					   int btf)
 {
 	__s64 *held = bio_starts_count();
 	__u64 bio, kstart;
@@ -264,8 +264,8 @@ static __always_inline void start_from_bio(struct request *rq, __u64 key, struct
 	if (rq_undelivered(s, key))
 		note_undelivered(s);
 	kstart = READ(btf, rq, start_time_ns);
-	rq_on_start(s, key, kstart ? 0 : v->stamp_ns, v->vm, v->vdisk, v->kick_ns, v->pick_ns, v->pos,
-		    v->dev, v->op);
+	rq_on_start(s, key, kstart ? 0 : v->stamp_ns, v->vm, v->vdisk, v->kick_ns, v->pick_ns,
+		    v->pos, v->dev, v->op);
 	s->queue = (__u16)v->queue;
 	s->hv_wait_ns = v->hv_wait_ns;
 	s->eng_wait_ns = v->eng_wait_ns;
@@ -298,8 +298,9 @@ static __always_inline void on_getrq(struct bio *bio, int btf)
 	__u64 key = (__u64)bio;
 	__s64 *held;
 
-	if (!targ_track_vms || !vm_bio_start(bio, bio_disk_dev(bio), op_class(READ(btf, bio, bi_opf)),
-					     bpf_ktime_get_ns(), btf, &v))
+	if (!targ_track_vms ||
+	    !vm_bio_start(bio, bio_disk_dev(bio), op_class(READ(btf, bio, bi_opf)),
+			  bpf_ktime_get_ns(), btf, &v))
 		return;
 	if (bpf_map_update_elem(&bio_starts, &key, &v, BPF_NOEXIST))
 		return;
@@ -331,9 +332,7 @@ static __always_inline void on_requeue(__u64 key)
 		rq_on_requeue(s, key);
 }
 
-
-static __always_inline void on_complete(const struct rq_fields *f,
-					int error, __u32 nr_bytes)
+static __always_inline void on_complete(const struct rq_fields *f, int error, __u32 nr_bytes)
 {
 	struct rq_completion c = {
 		.rq = f->key,
@@ -369,9 +368,10 @@ static __always_inline void on_complete(const struct rq_fields *f,
 	if (final && o.vm)
 		vm_request_done(&o, f->dev, op, seg, c.now_ns);
 
-	if (final && ((targ_sample_every && bpf_get_prandom_u32() % targ_sample_every == 0) ||
-		      (targ_slower_than_ns && seg[BLK_SEG_TOTAL] != ~0ULL &&
-		       seg[BLK_SEG_TOTAL] >= targ_slower_than_ns)) &&
+	if (final &&
+	    ((targ_sample_every && bpf_get_prandom_u32() % targ_sample_every == 0) ||
+	     (targ_slower_than_ns && seg[BLK_SEG_TOTAL] != ~0ULL &&
+	      seg[BLK_SEG_TOTAL] >= targ_slower_than_ns)) &&
 	    stream_wanted(f->dev))
 		stream(&o, f, op, c.now_ns);
 }

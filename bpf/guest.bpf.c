@@ -116,13 +116,19 @@ struct {
 /* x86_64 system calls that submit block I/O or hand completions back:
  * synchronous ones do both for their own thread; io_submit only submits,
  * io_getevents only reaps (for the process), io_uring_enter does both. */
-enum io_call { IO_CALL_NONE, IO_CALL_SYNC, IO_CALL_SUBMIT, IO_CALL_REAP, IO_CALL_ASYNC };
+enum io_call {
+	IO_CALL_NONE,
+	IO_CALL_SYNC,
+	IO_CALL_SUBMIT,
+	IO_CALL_REAP,
+	IO_CALL_ASYNC
+};
 
 static __always_inline enum io_call io_call_of(long nr)
 {
 	switch (nr) {
-	case 0:   /* read */
-	case 1:   /* write */
+	case 0:	  /* read */
+	case 1:	  /* write */
 	case 17:  /* pread64 */
 	case 18:  /* pwrite64 */
 	case 19:  /* readv */

@@ -21,7 +21,8 @@ thread_kicks_map_t thread_kicks SEC(".maps");
 /* The VM a read or write belongs to. An eventfd write moves exactly 8
  * bytes; reads are made with larger buffers (QEMU drains an eventfd with a
  * 512-byte read), so only writes are filtered on size. */
-static __always_inline __u32 vm_of_eventfd_io(const struct trace_event_raw_sys_enter *ctx, int write)
+static __always_inline __u32 vm_of_eventfd_io(const struct trace_event_raw_sys_enter *ctx,
+					      int write)
 {
 	struct vm_proc *p;
 
@@ -123,7 +124,8 @@ static __always_inline void on_kvm_notify(__u64 gpa, int signalled)
 	e = bpf_map_lookup_elem(&kvm_notifiers, &k);
 	if (signalled) {
 		w = bpf_map_lookup_elem(&last_wake, &zero);
-		if (w && w->waker == tid && w->wakee_tgid == tgid && !w->wakee_vcpu && w->wakee != tid) {
+		if (w && w->waker == tid && w->wakee_tgid == tgid && !w->wakee_vcpu &&
+		    w->wakee != tid) {
 			w->waker = 0;
 			learnt_kick(tgid, gpa, w->wakee, now);
 			return;

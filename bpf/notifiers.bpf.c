@@ -96,7 +96,8 @@ int sys_enter_close(struct trace_event_raw_sys_enter *ctx)
 	if (!was_kicked)
 		return 0;
 	open = bpf_map_lookup_elem(&vm_open_notifiers, &k.tgid);
-	if (open && __sync_fetch_and_add(open, -1) <= 1 && !bpf_map_lookup_elem(&vm_no_stop, &k.tgid)) {
+	if (open && __sync_fetch_and_add(open, -1) <= 1 &&
+	    !bpf_map_lookup_elem(&vm_no_stop, &k.tgid)) {
 		struct vm_proc *p = vm_proc_of(k.tgid);
 
 		if (p)
@@ -128,7 +129,7 @@ struct ioeventfd_arg {
 	__u32 flags;
 };
 
-#define KVM_IOEVENTFD_CMD 0x4040ae79 /* _IOW(KVMIO, 0x79, struct kvm_ioeventfd) */
+#define KVM_IOEVENTFD_CMD	 0x4040ae79 /* _IOW(KVMIO, 0x79, struct kvm_ioeventfd) */
 #define VHOST_SET_VRING_KICK_CMD 0x4008af20 /* _IOW(VHOST_VIRTIO, 0x20, struct vhost_vring_file) */
 
 /* struct vhost_vring_file (UAPI). */
@@ -137,8 +138,8 @@ struct vring_file_arg {
 	__s32 fd;
 };
 #define KVM_IOEVENTFD_DATAMATCH (1 << 0)
-#define KVM_IOEVENTFD_DEASSIGN (1 << 2)
-#define KVM_TRACE_MMIO_WRITE 2
+#define KVM_IOEVENTFD_DEASSIGN	(1 << 2)
+#define KVM_TRACE_MMIO_WRITE	2
 
 /* A KVM_IOEVENTFD a VM made, held from the call's entry to its exit: only
  * a registration the kernel accepted is recorded (a refused one, with
@@ -216,8 +217,9 @@ int sys_exit_ioctl(struct trace_event_raw_sys_exit *ctx)
 	 * but for a page of its own per queue (virtio's page-per-vq), where
 	 * every offset is 0: the queue one page below's index plus one (QEMU
 	 * registers a device's queues in index order). */
-	queue = (io->flags & KVM_IOEVENTFD_DATAMATCH) ? VQ_BY_INDEX | (io->datamatch & VQ_VALUE_MASK)
-						      : VQ_BY_ADDR | (io->addr & 0xfff);
+	queue = (io->flags & KVM_IOEVENTFD_DATAMATCH)
+			? VQ_BY_INDEX | (io->datamatch & VQ_VALUE_MASK)
+			: VQ_BY_ADDR | (io->addr & 0xfff);
 	if (!(io->flags & KVM_IOEVENTFD_DATAMATCH) && !(io->addr & 0xfff)) {
 		struct gpa_key below = { .tgid = k.tgid, .gpa = io->addr - 0x1000 };
 		__u32 *below_fd = bpf_map_lookup_elem(&kvm_notify_addrs, &below);
@@ -226,10 +228,12 @@ int sys_exit_ioctl(struct trace_event_raw_sys_exit *ctx)
 			struct fd_key bf = { .tgid = k.tgid, .fd = *below_fd };
 			struct notifier *b = bpf_map_lookup_elem(&vq_notifiers, &bf);
 
-			if (b && (b->queue & ~VQ_VALUE_MASK) == VQ_BY_ADDR && !(b->queue & VQ_VALUE_MASK))
+			if (b && (b->queue & ~VQ_VALUE_MASK) == VQ_BY_ADDR &&
+			    !(b->queue & VQ_VALUE_MASK))
 				queue = VQ_BY_INDEX | 1;
 			else if (b && (b->queue & ~VQ_VALUE_MASK) == VQ_BY_INDEX)
-				queue = VQ_BY_INDEX | (((b->queue & VQ_VALUE_MASK) + 1) & VQ_VALUE_MASK);
+				queue = VQ_BY_INDEX |
+					(((b->queue & VQ_VALUE_MASK) + 1) & VQ_VALUE_MASK);
 		}
 	}
 	n = bpf_map_lookup_elem(&vq_notifiers, &f);

@@ -36,8 +36,9 @@ static __always_inline void on_wakeup(__u32 tgid, __u32 tid)
  * runnable (preempted), starts waiting, else sleeps; next's wait, if it had
  * one, ends. Only VM threads have entries: any other switch costs two
  * missed lookups (and a VM lookup when it was preempted). */
-static __always_inline void waits_at_switch(__u32 prev_tgid, __u32 prev_tid, int preempted, __u32 next_tgid,
-					    __u32 next_tid, struct task_struct *next, __u64 *now)
+static __always_inline void waits_at_switch(__u32 prev_tgid, __u32 prev_tid, int preempted,
+					    __u32 next_tgid, __u32 next_tid,
+					    struct task_struct *next, __u64 *now)
 {
 	char comm[16];
 	struct run_waits *w;
@@ -77,8 +78,9 @@ static __always_inline void waits_at_switch(__u32 prev_tgid, __u32 prev_tid, int
  * up as it is switched in — unless pickups come from its eventfd read
  * (fentry or kprobes). One lookup per switch on the whole host, missed
  * unless a kick waits. */
-static __always_inline void on_switch(__u32 prev_tgid, __u32 prev_tid, int preempted, __u32 next_tgid,
-				      __u32 next_tid, struct task_struct *next, __u64 next_nvcsw)
+static __always_inline void on_switch(__u32 prev_tgid, __u32 prev_tid, int preempted,
+				      __u32 next_tgid, __u32 next_tid, struct task_struct *next,
+				      __u64 next_nvcsw)
 {
 	struct tier_state *t = tier_now();
 	__u64 now = 0;
@@ -130,7 +132,8 @@ int BPF_PROG(sched_wakeup, struct task_struct *p)
 SEC("tp_btf/sched_switch")
 int BPF_PROG(sched_switch_btf, bool preempt, struct task_struct *prev, struct task_struct *next)
 {
-	on_switch(prev->tgid, prev->pid, still_runnable(prev), next->tgid, next->pid, next, next->nvcsw);
+	on_switch(prev->tgid, prev->pid, still_runnable(prev), next->tgid, next->pid, next,
+		  next->nvcsw);
 	return 0;
 }
 
@@ -138,7 +141,8 @@ SEC("raw_tp/sched_switch")
 int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_struct *next)
 {
 	on_switch(BPF_CORE_READ(prev, tgid), BPF_CORE_READ(prev, pid), still_runnable(prev),
-		  BPF_CORE_READ(next, tgid), BPF_CORE_READ(next, pid), next, BPF_CORE_READ(next, nvcsw));
+		  BPF_CORE_READ(next, tgid), BPF_CORE_READ(next, pid), next,
+		  BPF_CORE_READ(next, nvcsw));
 	return 0;
 }
 

@@ -58,7 +58,8 @@ static __always_inline __u32 sampled_by(__u32 vm_flags, const struct tier_state 
 	}
 	if (vm_flags & VMF_STREAM_ALL)
 		why |= SAMPLED_ALL;
-	if ((t->slower_than_ns && window >= t->slower_than_ns) || (c->slow_ns && window >= c->slow_ns))
+	if ((t->slower_than_ns && window >= t->slower_than_ns) ||
+	    (c->slow_ns && window >= c->slow_ns))
 		why |= SAMPLED_SLOW;
 	if (t->one_in && bpf_get_prandom_u32() % t->one_in == 0)
 		why |= SAMPLED_ONE_IN;
@@ -95,7 +96,11 @@ static __always_inline void settle(const struct done_ent *e, __u32 vm, __u64 sig
 				   const struct tier_state *t, struct settle_cache *c)
 {
 	struct vm_split_key k = {
-		.vm = vm, .vdisk = e->vdisk, .dev = e->dev, .op = e->op, .queue = e->queue,
+		.vm = vm,
+		.vdisk = e->vdisk,
+		.dev = e->dev,
+		.op = e->op,
+		.queue = e->queue,
 	};
 	struct vm_split_stats *st;
 	__u32 why;
@@ -137,7 +142,7 @@ static __always_inline void settle(const struct done_ent *e, __u32 vm, __u64 sig
 #define SETTLE_BATCH 16
 /* settle_batch's answer: the drain stops (a slot unwritten yet, or
  * completed after the signal: it and those after it wait for the next). */
-#define SETTLE_STOP (1 << 16)
+#define SETTLE_STOP  (1 << 16)
 
 /* Up to SETTLE_BATCH slots of VM slot `vm`'s ring, at its signal `sig`:
  * how many it settled, with SETTLE_STOP when the drain should stop. A

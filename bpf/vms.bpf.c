@@ -44,8 +44,8 @@ static __always_inline int vm_comm(const char *comm)
 			qemu = 0;
 	if (qemu)
 		return 1;
-	if (comm[0] == 'q' && comm[1] == 'e' && comm[2] == 'm' && comm[3] == 'u' && comm[4] == '-' &&
-	    comm[5] == 'k' && comm[6] == 'v' && comm[7] == 'm' && comm[8] == 0)
+	if (comm[0] == 'q' && comm[1] == 'e' && comm[2] == 'm' && comm[3] == 'u' &&
+	    comm[4] == '-' && comm[5] == 'k' && comm[6] == 'v' && comm[7] == 'm' && comm[8] == 0)
 		return 1;
 	return comm[0] == 'k' && comm[1] == 'v' && comm[2] == 'm' && comm[3] == 0;
 }

@@ -18,11 +18,21 @@ static __always_inline __u32 log2_u64(__u64 v)
 {
 	__u32 r = 0, s;
 
-	s = (v > 0xFFFFFFFFULL) << 5; v >>= s; r |= s;
-	s = (v > 0xFFFF) << 4; v >>= s; r |= s;
-	s = (v > 0xFF) << 3; v >>= s; r |= s;
-	s = (v > 0xF) << 2; v >>= s; r |= s;
-	s = (v > 0x3) << 1; v >>= s; r |= s;
+	s = (v > 0xFFFFFFFFULL) << 5;
+	v >>= s;
+	r |= s;
+	s = (v > 0xFFFF) << 4;
+	v >>= s;
+	r |= s;
+	s = (v > 0xFF) << 3;
+	v >>= s;
+	r |= s;
+	s = (v > 0xF) << 2;
+	v >>= s;
+	r |= s;
+	s = (v > 0x3) << 1;
+	v >>= s;
+	r |= s;
 	r |= (__u32)(v >> 1);
 	return r;
 }

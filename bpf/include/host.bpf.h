@@ -200,9 +200,9 @@ extern file_kicks_map_t file_kicks SEC(".maps");
 #define KICK_SLOTS 16
 
 struct thread_kicks {
-	__u64 ts[KICK_SLOTS];    /* 0: none waiting */
+	__u64 ts[KICK_SLOTS];	 /* 0: none waiting */
 	__u16 queue[KICK_SLOTS]; /* VQ_*: the slot's notifier (0: slot unused) */
-	__u32 pending;           /* slots with a kick, a hint (ts decides) */
+	__u32 pending;		 /* slots with a kick, a hint (ts decides) */
 	__u32 _pad;
 };
 
@@ -225,20 +225,20 @@ extern thread_kicks_map_t thread_kicks SEC(".maps");
 struct pick {
 	__u64 kick_ns;
 	__u64 pick_ns;
-	__u64 flags;         /* PICK_* */
+	__u64 flags;	     /* PICK_* */
 	__u64 last_start_ns; /* the thread's latest request start (own reads) */
-	__u64 nvcsw;         /* its voluntary context switches then */
-	__u32 queue;         /* VQ_*: the notifier the kick came through */
+	__u64 nvcsw;	     /* its voluntary context switches then */
+	__u32 queue;	     /* VQ_*: the notifier the kick came through */
 	__u32 hv_wait_ns;    /* the picking thread's CPU waits within kick -> pickup */
-	__u64 call;          /* the io_uring call that last punted under it */
+	__u64 call;	     /* the io_uring call that last punted under it */
 };
 
-#define PICK_HANDED (1 << 0) /* handed to a worker it woke (aio=threads) */
-#define PICK_USED (1 << 1)   /* a worker submitted with it */
-#define PICK_READ (1 << 2)   /* the thread's own pickup of the notifier */
-#define PICK_TAKEN (1 << 3)  /* a request of its batch was submitted */
-#define PICK_SPENT (1 << 4)  /* its batch is over: what follows was polled */
-#define PICK_POLLS (1 << 5)  /* the thread has submitted polled requests */
+#define PICK_HANDED  (1 << 0) /* handed to a worker it woke (aio=threads) */
+#define PICK_USED    (1 << 1) /* a worker submitted with it */
+#define PICK_READ    (1 << 2) /* the thread's own pickup of the notifier */
+#define PICK_TAKEN   (1 << 3) /* a request of its batch was submitted */
+#define PICK_SPENT   (1 << 4) /* its batch is over: what follows was polled */
+#define PICK_POLLS   (1 << 5) /* the thread has submitted polled requests */
 #define PICK_ENTERED (1 << 6) /* a submitting call began since the pickup */
 
 typedef struct {
@@ -265,13 +265,13 @@ extern vm_last_pick_map_t vm_last_pick SEC(".maps");
 /* When an engine thread's device model took each request of its latest
  * pickup's batch (QEMU's block_acct_start, where its clock for the request
  * starts), reads and writes apart (deep tier): see take_pop. */
-#define POPS 32
+#define POPS	  32
 #define POPS_MASK (POPS - 1)
 
 struct pops {
-	__u64 pick_ns;         /* the pickup the stamps follow */
-	__u32 head[2];         /* per op (read, write): next to take */
-	__u32 tail[2];         /* next free */
+	__u64 pick_ns; /* the pickup the stamps follow */
+	__u32 head[2]; /* per op (read, write): next to take */
+	__u32 tail[2]; /* next free */
 	__u64 ts[2][POPS];
 };
 
@@ -303,7 +303,7 @@ struct run_waits {
 	__u64 runnable_since;
 	__u64 start[RUN_WAITS];
 	__u64 end[RUN_WAITS];
-	__u32 next;  /* where the next wait goes, modulo RUN_WAITS */
+	__u32 next; /* where the next wait goes, modulo RUN_WAITS */
 	__u32 _pad;
 };
 
@@ -425,7 +425,8 @@ static __always_inline int in_iothread(void)
  * signals reach the VM's slot through its tgid. */
 static __always_inline int vhost_comm(const char *c)
 {
-	return c[0] == 'v' && c[1] == 'h' && c[2] == 'o' && c[3] == 's' && c[4] == 't' && c[5] == '-';
+	return c[0] == 'v' && c[1] == 'h' && c[2] == 'o' && c[3] == 's' && c[4] == 't' &&
+	       c[5] == '-';
 }
 
 static __always_inline int in_vhost_worker(void)
@@ -459,6 +460,5 @@ static __always_inline struct vm_counts *vm_counts_of(__u32 vm)
 
 	return bpf_map_lookup_elem(&vm_counts, &idx);
 }
-
 
 #endif /* IOSPAN_HOST_BPF_H */

@@ -41,9 +41,9 @@ static __always_inline __u64 fd_file(__u32 fd)
  * notifiers (timer changes wake the main loop): counted as kicks, they
  * would hand a request held in the engine a later notification. */
 struct notifier {
-	__u8 kicked;  /* a guest kicked it: it counts as open (vm_open_notifiers) */
+	__u8 kicked; /* a guest kicked it: it counts as open (vm_open_notifiers) */
 	__u8 _pad;
-	__u16 queue;  /* VQ_*: which guest queue it notifies */
+	__u16 queue; /* VQ_*: which guest queue it notifies */
 };
 
 typedef struct {

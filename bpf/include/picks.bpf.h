@@ -93,7 +93,8 @@ static __always_inline void pick_up(__u32 tgid, __u32 tid, __u64 kick_ns, __u32 
 		p.last_start_ns = old->last_start_ns;
 		p.nvcsw = old->nvcsw;
 		p.flags |= old->flags & PICK_POLLS;
-		if ((old->flags & PICK_POLLS) && (old->last_start_ns > kick_ns || nvcsw == old->nvcsw))
+		if ((old->flags & PICK_POLLS) &&
+		    (old->last_start_ns > kick_ns || nvcsw == old->nvcsw))
 			p.flags |= PICK_SPENT;
 	}
 	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);

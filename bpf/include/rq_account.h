@@ -22,12 +22,12 @@
 
 /* What a completion tracepoint tells us about the request. */
 struct rq_completion {
-	__u64 rq;           /* rq_key() of the request */
-	__u64 kstart_ns;    /* rq->start_time_ns, 0 if the kernel keeps none */
-	__u64 kissue_ns;    /* rq->io_start_time_ns, 0 if the kernel keeps none */
+	__u64 rq;	 /* rq_key() of the request */
+	__u64 kstart_ns; /* rq->start_time_ns, 0 if the kernel keeps none */
+	__u64 kissue_ns; /* rq->io_start_time_ns, 0 if the kernel keeps none */
 	__u64 now_ns;
-	__u32 remaining;    /* rq->__data_len before this completion */
-	__u32 nr_bytes;     /* bytes completed by this event */
+	__u32 remaining; /* rq->__data_len before this completion */
+	__u32 nr_bytes;	 /* bytes completed by this event */
 };
 
 /* One finished request, as the histograms and the ring buffer see it. */
@@ -141,8 +141,7 @@ static __always_inline int rq_on_merge(struct rq_slot *s, __u64 rq)
 /* block_rq_complete. Returns 0 for a partial completion (more bytes remain:
  * the request stays in flight) and 1 for the final one, filling *out and
  * marking the slot done. `s` may be NULL when no slot could be found. */
-static __always_inline int rq_on_complete(struct rq_slot *s,
-					  const struct rq_completion *c,
+static __always_inline int rq_on_complete(struct rq_slot *s, const struct rq_completion *c,
 					  struct rq_outcome *out)
 {
 	int mine = s && s->rq == c->rq && s->rq != 0 && !(s->flags & RQ_F_DONE);

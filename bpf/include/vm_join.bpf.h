@@ -72,7 +72,12 @@ extern draining_map_t draining SEC(".maps");
 
 extern const struct vm_split_stats zero_split;
 
-enum unsplit_why { UNSPLIT_NO_KICK, UNSPLIT_NO_SIGNAL, UNSPLIT_POLLED, UNSPLIT_UNORDERED };
+enum unsplit_why {
+	UNSPLIT_NO_KICK,
+	UNSPLIT_NO_SIGNAL,
+	UNSPLIT_POLLED,
+	UNSPLIT_UNORDERED
+};
 
 static __always_inline void count_unsplit(__u32 vm, __u32 vdisk, enum unsplit_why why)
 {
@@ -131,7 +136,8 @@ static __always_inline void retire_stale(struct done_ring *r, __u32 vm, __u64 no
 
 /* A VM's request completed on the host: it waits for the VM's signal, or,
  * when its window cannot be split, is counted why. */
-static __always_inline void join_completed(const struct rq_outcome *o, __u32 dev, __u8 op, __u64 now)
+static __always_inline void join_completed(const struct rq_outcome *o, __u32 dev, __u8 op,
+					   __u64 now)
 {
 	struct done_ring *r;
 	struct done_ent *e;

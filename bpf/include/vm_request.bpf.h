@@ -23,9 +23,9 @@
 struct proc_cache {
 	__u32 tgid;
 	__u32 gen;
-	struct vm_proc proc;  /* slot 0: no VM's */
+	struct vm_proc proc; /* slot 0: no VM's */
 	__u32 dev;
-	__u32 vdisk_slot;     /* vm_disks[(slot, dev)]: 0 none, VDISK_SEVERAL */
+	__u32 vdisk_slot; /* vm_disks[(slot, dev)]: 0 none, VDISK_SEVERAL */
 };
 
 typedef struct {
@@ -248,8 +248,9 @@ static __always_inline void vm_pick(struct bio *bio, __u32 tgid, __u32 tid, __u6
 	if (deep) {
 		/* Taken after the pickup: the thread's waits up to then were
 		 * the request's wait to be taken. */
-		v->hv_wait_ns = v->pick_ns == p->pick_ns ? p->hv_wait_ns
-							 : waited_within(tid, v->kick_ns, v->pick_ns);
+		v->hv_wait_ns = v->pick_ns == p->pick_ns
+					? p->hv_wait_ns
+					: waited_within(tid, v->kick_ns, v->pick_ns);
 		v->eng_wait_ns = waited_within(tid, v->pick_ns, start);
 	}
 }

@@ -204,3 +204,29 @@ fn each_ebpf_header_compiles_on_its_own() {
     }
     assert!(checked >= 10, "only {checked} headers in bpf/include");
 }
+
+#[test]
+fn the_ebpf_sources_keep_their_layout() {
+    let out = Command::new("git")
+        .args(["ls-files", "bpf/*.c", "bpf/*.h"])
+        .current_dir(root())
+        .output()
+        .expect("git ls-files");
+    let files: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|f| !f.contains("/vmlinux/"))
+        .map(str::to_string)
+        .collect();
+    assert!(files.len() >= 10, "only {} eBPF sources", files.len());
+    let out = Command::new("clang-format")
+        .args(["--dry-run", "--Werror"])
+        .args(&files)
+        .current_dir(root())
+        .output()
+        .expect("clang-format (cargo xtask setup installs it)");
+    assert!(
+        out.status.success(),
+        "bpf/ differs from bpf/.clang-format: run clang-format -i on these\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

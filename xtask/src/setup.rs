@@ -45,6 +45,8 @@ const TEST: &[(Need, &str)] = &[
     (Need::Tool("virtlogd"), "libvirt-daemon-system"),
     (Need::Tool("virsh"), "libvirt-clients"),
     (Need::Tool("partx"), "util-linux"),
+    // The eBPF sources' layout (bpf/.clang-format), checked by a test.
+    (Need::Tool("clang-format"), "clang-format"),
 ];
 
 #[derive(Clone, Copy)]
