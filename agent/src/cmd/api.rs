@@ -90,12 +90,18 @@ pub const MAX_RUNS: usize = 1024;
 pub const MAX_LABEL: usize = 128;
 
 impl Refused {
-    /// Prometheus/OpenMetrics lines for these counters.
-    pub fn exposition(&self) -> String {
+    /// These counters in the scrape's format, written as the run's own
+    /// families are.
+    pub fn exposition(&self, f: crate::output::metrics::Format) -> String {
+        use crate::output::metrics::{family, labels};
         use std::sync::atomic::Ordering::Relaxed;
-        let mut out = String::from(
-            "# HELP iospan_api_refused Requests and connections the API turned away, by reason.\n\
-             # TYPE iospan_api_refused counter\n",
+        let mut out = String::new();
+        family(
+            &mut out,
+            f,
+            "iospan_api_refused_total",
+            "counter",
+            "Requests and connections the API turned away, by reason.",
         );
         for (reason, n) in [
             ("connections", &self.connections),
@@ -105,7 +111,8 @@ impl Refused {
             ("unauthorized", &self.unauthorized),
         ] {
             out.push_str(&format!(
-                "iospan_api_refused_total{{reason=\"{reason}\"}} {}\n",
+                "iospan_api_refused_total{{{}}} {}\n",
+                labels(&[("reason", reason)]),
                 n.load(Relaxed)
             ));
         }
@@ -553,7 +560,7 @@ mod server {
             Format::OpenMetrics => &s.openmetrics,
         };
         let mut body = text.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let ours = s.refused.exposition();
+        let ours = s.refused.exposition(f);
         // OpenMetrics ends with `# EOF`: the API's own lines go before it.
         match body.strip_suffix("# EOF\n") {
             Some(head) => body = format!("{head}{ours}# EOF\n"),
@@ -797,6 +804,30 @@ mod server {
 
 #[cfg(all(test, feature = "serve"))]
 mod tests {
+    #[test]
+    fn the_apis_counters_are_named_as_the_runs_in_each_format() {
+        use crate::output::metrics::Format;
+        let r = super::Refused::default();
+        r.connections
+            .fetch_add(3, std::sync::atomic::Ordering::Relaxed);
+        let prom = r.exposition(Format::Prometheus);
+        assert!(
+            prom.contains("# TYPE iospan_api_refused_total counter\n"),
+            "{prom}"
+        );
+        assert!(
+            prom.contains("iospan_api_refused_total{reason=\"connections\"} 3\n"),
+            "{prom}"
+        );
+        // OpenMetrics names the family without the samples' `_total`.
+        let om = r.exposition(Format::OpenMetrics);
+        assert!(om.contains("# TYPE iospan_api_refused counter\n"), "{om}");
+        assert!(
+            om.contains("iospan_api_refused_total{reason=\"runs\"} 0\n"),
+            "{om}"
+        );
+    }
+
     #[test]
     fn only_loopback_names_pass_the_host_check() {
         for ok in [

@@ -65,7 +65,7 @@ impl Format {
 
 /// `# HELP` and `# TYPE` of a family. OpenMetrics names a counter family
 /// without the `_total` its samples carry.
-fn family(out: &mut String, f: Format, name: &str, kind: &str, help: &str) {
+pub fn family(out: &mut String, f: Format, name: &str, kind: &str, help: &str) {
     let name = match (f, kind) {
         (Format::OpenMetrics, "counter") => name.strip_suffix("_total").unwrap_or(name),
         _ => name,
@@ -79,7 +79,7 @@ fn esc(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
-fn labels(pairs: &[(&str, &str)]) -> String {
+pub fn labels(pairs: &[(&str, &str)]) -> String {
     let inner: Vec<String> = pairs
         .iter()
         .map(|(k, v)| format!("{k}=\"{}\"", esc(v)))
