@@ -152,8 +152,11 @@ fn the_commands_exit_status_is_the_runs() {
 #[test]
 fn json_report_and_per_request_stream_agree() {
     let dev = ScratchLoop::create(Path::new("/dev/shm"), 64).unwrap();
-    let dir = std::env::temp_dir().join(format!("iospan-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir_held = tempfile::Builder::new()
+        .prefix("iospan-cli-")
+        .tempdir()
+        .unwrap();
+    let dir = dir_held.path().to_path_buf();
     let (report, events) = (dir.join("r.json"), dir.join("ev.jsonl"));
     let out = run(Command::new(iospan_bin())
         .args([
@@ -390,9 +393,11 @@ fn more_disks_than_slots_are_counted_not_mixed() {
 /// QEMU's arguments.
 #[test]
 fn doctor_names_the_process_listening_on_a_vhost_user_socket() {
-    let dir = std::env::temp_dir().join(format!("iospan-vu-engine-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir_held = tempfile::Builder::new()
+        .prefix("iospan-vu-engine-")
+        .tempdir()
+        .unwrap();
+    let dir = dir_held.path().to_path_buf();
     let sock = dir.join("vhost.0");
     let _server = std::os::unix::net::UnixListener::bind(&sock).unwrap();
     // A shell script's process takes the script's name: QEMU's, to iospan.
@@ -435,5 +440,4 @@ fn doctor_names_the_process_listening_on_a_vhost_user_socket() {
             && line.contains("not split: its engine is not qemu-storage-daemon"),
         "{line}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }

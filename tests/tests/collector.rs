@@ -251,8 +251,11 @@ fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
 #[test]
 fn a_replayed_run_reaches_the_backend_as_recorded() {
     let jaeger = backends::Jaeger::start().unwrap_or_else(|e| panic!("{e:#}"));
-    let dir = std::env::temp_dir().join(format!("iospan-replay-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir_held = tempfile::Builder::new()
+        .prefix("iospan-replay-")
+        .tempdir()
+        .unwrap();
+    let dir = dir_held.path().to_path_buf();
     let ev = record_events("replayed-vm", &dir);
     let mut recorded: Vec<f64> = std::fs::read_to_string(&ev)
         .unwrap()
@@ -317,7 +320,6 @@ fn a_replayed_run_reaches_the_backend_as_recorded() {
             "a replayed root of {g} µs for a recorded {r} µs"
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Agents on other hosts reach the gateway only over TLS with its token
@@ -326,8 +328,11 @@ fn a_replayed_run_reaches_the_backend_as_recorded() {
 /// without the token or without TLS.
 #[test]
 fn spans_reach_the_gateway_over_tls_with_a_token_and_not_without() {
-    let dir = std::env::temp_dir().join(format!("iospan-otlp-tls-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir_held = tempfile::Builder::new()
+        .prefix("iospan-otlp-tls-")
+        .tempdir()
+        .unwrap();
+    let dir = dir_held.path().to_path_buf();
     let (ca, cert, key) = agent_integration::test_ca(&dir, "collector");
     let token_file = dir.join("token");
     std::fs::write(&token_file, "c0llect0r-t0ken\n").unwrap();
@@ -418,7 +423,6 @@ fn spans_reach_the_gateway_over_tls_with_a_token_and_not_without() {
         );
         std::thread::sleep(std::time::Duration::from_millis(500));
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A rig guest named `vm` doing 200 reads under `iospan run

@@ -83,8 +83,11 @@ fn wait_rss(pid: u32, limit: Duration) -> Option<(i32, i64)> {
 
 #[test]
 fn fake_vms_of_a_local_user_neither_stall_nor_steer_the_agent() {
-    let base = std::env::temp_dir().join(format!("iospan-hostile-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
+    let base_held = tempfile::Builder::new()
+        .prefix("iospan-hostile-")
+        .tempdir()
+        .unwrap();
+    let base = base_held.path().to_path_buf();
     open_dir(&base);
 
     // A socket only root can reach, counting who connects.
@@ -224,7 +227,6 @@ fn fake_vms_of_a_local_user_neither_stall_nor_steer_the_agent() {
         assert!(names.contains(&n), "{n} not among the VMs: {names:?}");
     }
     assert_eq!(rep["not_vms"].as_u64(), Some(0), "{:#}", rep["vms"]);
-    let _ = std::fs::remove_dir_all(&base);
 }
 
 /// A guest writing its channel as fast as the agent reads: a HELLO whose
@@ -239,8 +241,12 @@ fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record()
     use std::io::Write;
     use std::os::fd::AsRawFd;
 
-    let base = std::env::temp_dir().join(format!("iospan-flood-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
+    let base_held = tempfile::Builder::new()
+        .prefix("iospan-flood-")
+        .tempdir()
+        .unwrap();
+
+    let base = base_held.path().to_path_buf();
     open_dir(&base);
     let disk = base.join("disk.img");
     std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
@@ -381,5 +387,4 @@ fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record()
         Some(0),
         "the disk was not matched: {s:#}"
     );
-    let _ = std::fs::remove_dir_all(&base);
 }

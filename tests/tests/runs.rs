@@ -51,8 +51,11 @@ fn figures(line: &str) -> Vec<f64> {
 
 #[test]
 fn compare_names_the_segment_that_moved_and_the_report_draws() {
-    let runs = std::env::temp_dir().join(format!("iospan-runs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&runs);
+    let runs_held = tempfile::Builder::new()
+        .prefix("iospan-runs-")
+        .tempdir()
+        .unwrap();
+    let runs = runs_held.path().to_path_buf();
     let base = RunArgs {
         disk: DiskModel::VhostUser,
         // 1000: the p99 tail is ten I/Os, the p99.9 tail one.
@@ -233,12 +236,15 @@ fn compare_names_the_segment_that_moved_and_the_report_draws() {
             html.display()
         );
     }
-    let _ = std::fs::remove_dir_all(&runs);
 }
 
 #[test]
 fn bad_runs_and_checks_are_refused_naming_them() {
-    let runs = std::env::temp_dir().join(format!("iospan-runs-bad-{}", std::process::id()));
+    let runs_held = tempfile::Builder::new()
+        .prefix("iospan-runs-bad-")
+        .tempdir()
+        .unwrap();
+    let runs = runs_held.path().to_path_buf();
     let (_, err, code) = iospan(&runs, &["report", "nope"]);
     assert_ne!(code, 0);
     assert!(err.contains("nope") && err.contains("--runs-dir"), "{err}");
@@ -274,8 +280,11 @@ fn bad_runs_and_checks_are_refused_naming_them() {
 /// knee past which the IOPS stop scaling while the tail grows.
 #[test]
 fn a_sweep_finds_the_knee() {
-    let runs = std::env::temp_dir().join(format!("iospan-runs-sweep-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&runs);
+    let runs_held = tempfile::Builder::new()
+        .prefix("iospan-runs-sweep-")
+        .tempdir()
+        .unwrap();
+    let runs = runs_held.path().to_path_buf();
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     // A disk that saturates where it is told to: QEMU's throttle at 4000
@@ -356,5 +365,4 @@ fn a_sweep_finds_the_knee() {
     let (summary, err, code) = iospan(&runs, &["report", &format!("sw-qd{at}")]);
     assert_eq!(code, 0, "{err}");
     assert!(summary.contains("sweep vd0 read"), "{summary}");
-    let _ = std::fs::remove_dir_all(&runs);
 }

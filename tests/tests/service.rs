@@ -265,8 +265,11 @@ fn post_status(addr: &str, path: &str, token: Option<&str>) -> u16 {
 #[test]
 fn on_loopback_runs_start_only_with_the_agents_own_token() {
     use std::os::unix::fs::PermissionsExt;
-    let dir = std::env::temp_dir().join(format!("iospan-cred-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir_held = tempfile::Builder::new()
+        .prefix("iospan-cred-")
+        .tempdir()
+        .unwrap();
+    let dir = dir_held.path().to_path_buf();
     let token_file = dir.join("state/api-token");
     let addr = format!("127.0.0.1:{}", free_port().unwrap());
     let conf = config_file(
@@ -379,16 +382,17 @@ fn on_loopback_runs_start_only_with_the_agents_own_token() {
     );
     let _ = standalone.kill();
     let _ = standalone.wait();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// SIGTERM while a reload restarts the measuring run (the run's own
 /// handlers not made yet): the agent still stops, at once and cleanly.
 #[test]
 fn a_stop_during_a_reload_is_not_lost() {
-    let dir = std::env::temp_dir().join(format!("iospan-hupterm-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir_held = tempfile::Builder::new()
+        .prefix("iospan-hupterm-")
+        .tempdir()
+        .unwrap();
+    let dir = dir_held.path().to_path_buf();
     let addr = format!("127.0.0.1:{}", free_port().unwrap());
     let conf = config_file(
         "hupterm",
@@ -413,7 +417,6 @@ fn a_stop_during_a_reload_is_not_lost() {
             .unwrap_or_else(|| panic!("SIGTERM {delay_ms} ms after SIGHUP was lost"));
         assert!(status.success(), "{status}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `curl` over https trusting `ca`: (status, body); status 0 when the
@@ -434,8 +437,11 @@ fn curl_tls(url: &str, ca: &std::path::Path, token: Option<&str>) -> (u16, Strin
 
 #[test]
 fn off_the_host_the_api_is_https_with_a_token_and_top_connects_over_it() {
-    let dir = std::env::temp_dir().join(format!("iospan-svc-tls-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir_held = tempfile::Builder::new()
+        .prefix("iospan-svc-tls-")
+        .tempdir()
+        .unwrap();
+    let dir = dir_held.path().to_path_buf();
     // A CA, and the agent's certificate signed by it (for 127.0.0.1).
     let (ca, cert, key) = agent_integration::test_ca(&dir, "api");
     let port = free_port().unwrap();
@@ -512,7 +518,6 @@ fn off_the_host_the_api_is_https_with_a_token_and_top_connects_over_it() {
                 .any(|l| l.contains("lost ") && !l.trim_start().starts_with("0.0s"))
     });
     tmux.keys(&["q"]);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Two agents (two hosts' worth), one `top --connect A,B`: each agent's

@@ -346,7 +346,7 @@ impl Server {
         within: Duration,
     ) -> Result<Self> {
         let bin = ensure(b)?;
-        let log = std::fs::File::create(dir.0.join("log"))?;
+        let log = std::fs::File::create(dir.path().join("log"))?;
         let mut cmd = Command::new(&bin);
         cmd.args(args)
             .envs(envs.iter().map(|(k, v)| (k, v)))
@@ -417,7 +417,7 @@ impl Server {
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.0.join("log")).unwrap_or_default()
+        std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
     }
 }
 
@@ -457,7 +457,7 @@ impl Jaeger {
             local_addr()?,
             local_addr()?,
         );
-        let config = dir.0.join("config.yaml");
+        let config = dir.path().join("config.yaml");
         std::fs::write(
             &config,
             jaeger_config(&grpc, &http, &query, &query_grpc, &health, ui),
@@ -562,24 +562,19 @@ pub fn http_get(hostport: &str, path: &str, query: &[(&str, &str)]) -> Result<(u
 }
 
 /// A directory removed when dropped.
-struct TempDir(PathBuf);
+/// A backend's scratch directory, removed with it.
+struct TempDir(tempfile::TempDir);
 
 impl TempDir {
     fn new(tag: &str) -> Result<Self> {
-        // A port just free is unused by any other directory of ours.
-        let p = std::env::temp_dir().join(format!(
-            "iospan-{tag}-{}-{}",
-            std::process::id(),
-            free_port()?
-        ));
-        std::fs::create_dir_all(&p)?;
-        Ok(Self(p))
+        let d = tempfile::Builder::new()
+            .prefix(&format!("iospan-{tag}-"))
+            .tempdir()?;
+        Ok(Self(d))
     }
-}
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+    fn path(&self) -> &std::path::Path {
+        self.0.path()
     }
 }
 
@@ -616,11 +611,11 @@ impl Prometheus {
     fn start_with(config_text: &str, extra: &[&str]) -> Result<Self> {
         let dir = TempDir::new("prometheus")?;
         let api = local_addr()?;
-        let config = dir.0.join("prometheus.yml");
+        let config = dir.path().join("prometheus.yml");
         std::fs::write(&config, config_text)?;
         let mut args = vec![
             format!("--config.file={}", config.display()),
-            format!("--storage.tsdb.path={}", dir.0.join("data").display()),
+            format!("--storage.tsdb.path={}", dir.path().join("data").display()),
             format!("--web.listen-address={api}"),
             // Exemplars are kept only with this on.
             "--enable-feature=exemplar-storage".to_string(),
@@ -736,8 +731,8 @@ impl Tempo {
         let dir = TempDir::new("tempo")?;
         let (http, grpc, memberlist) = (free_port()?, free_port()?, free_port()?);
         let (otlp_grpc, otlp_http) = (local_addr()?, local_addr()?);
-        let d = dir.0.display();
-        let config = dir.0.join("tempo.yaml");
+        let d = dir.path().display();
+        let config = dir.path().join("tempo.yaml");
         std::fs::write(
             &config,
             format!(

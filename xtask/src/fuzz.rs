@@ -83,7 +83,8 @@ pub fn run(a: &FuzzArgs) -> Result<()> {
 /// Returns the targets that passed and failed.
 pub fn smoke(seconds: u64) -> Result<(u64, u64)> {
     crate::phases::time("fuzz tools", ensure_tools)?;
-    let scratch = std::env::temp_dir().join(format!("iospan-fuzz-{}", std::process::id()));
+    let scratch_held = tempfile::Builder::new().prefix("iospan-fuzz-").tempdir()?;
+    let scratch = scratch_held.path().to_path_buf();
     let (mut passed, mut failed) = (0, 0);
     for t in TARGETS {
         let new = scratch.join(t);
@@ -98,7 +99,6 @@ pub fn smoke(seconds: u64) -> Result<(u64, u64)> {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&scratch);
     Ok((passed, failed))
 }
 

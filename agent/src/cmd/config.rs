@@ -324,8 +324,11 @@ mod tests {
             Config::parse("[api]\nlisten = \"0.0.0.0:9464\"\ntoken = \"s3cret\"\n").unwrap_err()
         );
         assert!(e.contains("api.tls_cert"), "{e}");
-        let dir = std::env::temp_dir().join(format!("iospan-config-tls-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir_held = tempfile::Builder::new()
+            .prefix("iospan-config-tls-")
+            .tempdir()
+            .unwrap();
+        let dir = dir_held.path().to_path_buf();
         let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
         std::fs::write(&cert, "").unwrap();
         std::fs::write(&key, "").unwrap();
@@ -348,6 +351,5 @@ mod tests {
         let missing = both.replace("key.pem", "gone.pem");
         let e = format!("{:#}", tls(&missing).unwrap_err());
         assert!(e.contains("api.tls_key") && e.contains("gone.pem"), "{e}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

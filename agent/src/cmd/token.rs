@@ -139,15 +139,19 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    fn dir(name: &str) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("iospan-token-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        d
+    /// A directory not made yet, in a scratch one removed with the guard.
+    fn dir(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let held = tempfile::Builder::new()
+            .prefix(&format!("iospan-token-{name}-"))
+            .tempdir()
+            .unwrap();
+        let d = held.path().join("state");
+        (held, d)
     }
 
     #[test]
     fn a_token_is_made_once_private_and_read_back() {
-        let d = dir("made");
+        let (_held, d) = dir("made");
         let path = d.join("state/api-token");
         let t = load_or_create(&path).unwrap();
         assert_eq!(t.len(), 64);
@@ -163,12 +167,11 @@ mod tests {
         // The second start reads the same one.
         assert_eq!(load_or_create(&path).unwrap(), t);
         assert_ne!(load_or_create(&d.join("other")).unwrap(), t);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn agents_starting_together_get_one_token() {
-        let d = dir("race");
+        let (_held, d) = dir("race");
         let path = d.join("api-token");
         for _ in 0..20 {
             let _ = std::fs::remove_file(&path);
@@ -182,12 +185,11 @@ mod tests {
         }
         // Nothing left aside.
         assert_eq!(std::fs::read_dir(&d).unwrap().count(), 1);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn open_linked_and_odd_token_files_are_refused() {
-        let d = dir("refused");
+        let (_held, d) = dir("refused");
         std::fs::create_dir_all(&d).unwrap();
         let open = d.join("open");
         std::fs::write(&open, "abc\n").unwrap();
@@ -213,6 +215,5 @@ mod tests {
         std::fs::write(&good, "  s3cret \n").unwrap();
         std::fs::set_permissions(&good, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert_eq!(read(&good).unwrap(), "s3cret");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 }

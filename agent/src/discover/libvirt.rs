@@ -263,9 +263,11 @@ OVERWRITTEN AND LOST.
 
     #[test]
     fn a_run_dir_is_scanned_for_status_files_only() {
-        let dir = std::env::temp_dir().join(format!("iospan-libvirt-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir_held = tempfile::Builder::new()
+            .prefix("iospan-libvirt-")
+            .tempdir()
+            .unwrap();
+        let dir = dir_held.path().to_path_buf();
         std::fs::write(dir.join("db01.xml"), STATUS).unwrap();
         std::fs::write(dir.join("db01.pid"), "12215").unwrap();
         std::fs::write(dir.join("broken.xml"), "<domstatus").unwrap();
@@ -275,6 +277,5 @@ OVERWRITTEN AND LOST.
         // Whoever runs the test wrote it.
         // SAFETY: geteuid has no preconditions.
         assert_eq!(v[0].2, unsafe { libc::geteuid() });
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -178,9 +178,11 @@ mod tests {
 
     #[test]
     fn a_listener_this_process_holds_is_found_by_fd_and_by_path_and_no_other() {
-        let dir = std::env::temp_dir().join(format!("iospan-procfs-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
+        let dir_held = tempfile::Builder::new()
+            .prefix("iospan-procfs-")
+            .tempdir()
+            .unwrap();
+        let dir = dir_held.path().to_path_buf();
         let path = dir.join("chan.sock");
         let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
         let fd = std::os::fd::AsRawFd::as_raw_fd(&l);
@@ -191,14 +193,15 @@ mod tests {
         assert_eq!(held_listener(me, None, Some(&dir.join("other.sock"))), None);
         assert_eq!(held_listener(me, Some(0), None), None);
         drop(l);
-        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn reading_refuses_fifos_links_and_oversize_files() {
-        let dir = std::env::temp_dir().join(format!("iospan-read-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
+        let dir_held = tempfile::Builder::new()
+            .prefix("iospan-read-")
+            .tempdir()
+            .unwrap();
+        let dir = dir_held.path().to_path_buf();
         let file = dir.join("f");
         fs::write(&file, b"hello").unwrap();
         assert_eq!(read_regular(&file, 5).unwrap(), b"hello");
@@ -214,6 +217,5 @@ mod tests {
         let link = dir.join("l");
         std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
         assert!(read_regular(&link, 1 << 20).is_err(), "no link followed");
-        let _ = fs::remove_dir_all(&dir);
     }
 }

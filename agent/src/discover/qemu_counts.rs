@@ -586,9 +586,11 @@ mod tests {
 
     #[test]
     fn each_read_is_a_session_that_leaves_the_monitor_free() {
-        let dir = std::env::temp_dir().join(format!("iospan-qmp-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir_held = tempfile::Builder::new()
+            .prefix("iospan-qmp-")
+            .tempdir()
+            .unwrap();
+        let dir = dir_held.path().to_path_buf();
         let path = dir.join("m.sock");
         let server = fake_monitor(&path);
         let v = vm("qemu-system-x86_64 -drive file=/a.img,if=none,id=d0 -device virtio-blk-pci,drive=d0,id=vd0");
@@ -623,6 +625,5 @@ mod tests {
         // The manager's, three reads, the manager's again, the refused one,
         // the last.
         assert_eq!(server.join().unwrap(), 7);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -27,10 +27,12 @@ fn lio_tree(root: &Path, wwpn: &str, luns: &[(&str, &str, &str, &str)]) {
 
 #[test]
 fn a_vhost_scsi_target_becomes_a_disk_per_lun_with_its_backing() {
-    let root = std::env::temp_dir().join(format!("iospan-lio-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&root);
+    let root_held = tempfile::Builder::new()
+        .prefix("iospan-lio-")
+        .tempdir()
+        .unwrap();
+    let root = root_held.path().to_path_buf();
     let img = root.join("vm.img");
-    fs::create_dir_all(&root).unwrap();
     fs::write(&img, [0u8; 4096]).unwrap();
     let wwpn = "naa.5001405c0ffee001";
     lio_tree(
@@ -67,7 +69,6 @@ fn a_vhost_scsi_target_becomes_a_disk_per_lun_with_its_backing() {
     );
     // On a host disk (not tmpfs) the split is supported.
     assert_eq!(vm.disks[0].split_supported(), host_disk_of(&img).is_some());
-    let _ = fs::remove_dir_all(&root);
 }
 
 #[test]
@@ -360,8 +361,11 @@ fn sysfs_tree(root: &Path) {
 
 #[test]
 fn device_mapper_stacks_resolve_to_the_physical_disks_under_them() {
-    let root = std::env::temp_dir().join(format!("iospan-sysfs-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&root);
+    let root_held = tempfile::Builder::new()
+        .prefix("iospan-sysfs-")
+        .tempdir()
+        .unwrap();
+    let root = root_held.path().to_path_buf();
     sysfs_tree(&root);
     let lv = host_stack_of_dev(&root, 253, 0).unwrap();
     assert_eq!(lv.top, "dm-0");
@@ -375,7 +379,6 @@ fn device_mapper_stacks_resolve_to_the_physical_disks_under_them() {
     assert_eq!((part.top.as_str(), part.dm), ("loop0p1", false));
     assert_eq!(part.leaves, [Dev::new(7, 0)]);
     assert!(host_stack_of_dev(&root, 1, 1).is_none());
-    let _ = fs::remove_dir_all(&root);
 }
 
 #[test]
@@ -600,11 +603,13 @@ fn file_key_uses_the_kernels_dev_encoding() {
 /// `target/core`, or to a FIFO or a device, gives nothing and never blocks.
 #[test]
 fn a_hostile_wwpn_or_backstore_is_refused_without_blocking() {
-    let base = std::env::temp_dir().join(format!("iospan-lio-hostile-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&base);
+    let base_held = tempfile::Builder::new()
+        .prefix("iospan-lio-hostile-")
+        .tempdir()
+        .unwrap();
+    let base = base_held.path().to_path_buf();
     let root = base.join("configfs");
     let img = base.join("vm.img");
-    fs::create_dir_all(&base).unwrap();
     fs::write(&img, [0u8; 4096]).unwrap();
     // A tree the attacker made outside configfs, reachable by `..` or an
     // absolute wwpn: its LUN's backstore has a FIFO for udev_path.
@@ -666,7 +671,6 @@ fn a_hostile_wwpn_or_backstore_is_refused_without_blocking() {
     ] {
         assert_eq!(is_plain_name(name), plain, "{name:?}");
     }
-    let _ = fs::remove_dir_all(&base);
 }
 
 /// A command line anyone may write, with thousands of disks: the VM keeps

@@ -103,8 +103,11 @@ mod tests {
 
     #[test]
     fn a_ca_needs_https_and_a_certificate() {
-        let dir = std::env::temp_dir().join(format!("iospan-otlp-tls-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir_held = tempfile::Builder::new()
+            .prefix("iospan-otlp-tls-")
+            .tempdir()
+            .unwrap();
+        let dir = dir_held.path().to_path_buf();
         let ca = dir.join("ca.pem");
         std::fs::write(&ca, "not a certificate\n").unwrap();
         let opts = |endpoint: &str| TraceOpts {
@@ -137,6 +140,5 @@ mod tests {
         )
         .unwrap();
         assert!(grpc_tls(&plain).unwrap().is_none());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
