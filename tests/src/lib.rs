@@ -460,6 +460,22 @@ impl Drop for Tmux {
     }
 }
 
+/// `curl` over https trusting `ca`: (status, body); status 0 when the
+/// TLS handshake or connection failed.
+pub fn curl_tls(url: &str, ca: &std::path::Path, token: Option<&str>) -> (u16, String) {
+    let mut c = std::process::Command::new("curl");
+    c.args(["-sS", "--max-time", "5", "-w", "\n%{http_code}", "--cacert"])
+        .arg(ca)
+        .arg(url);
+    if let Some(t) = token {
+        c.args(["-H", &format!("Authorization: Bearer {t}")]);
+    }
+    let out = run(&mut c);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
 /// A CA and a server certificate it signed for 127.0.0.1 (P-256, two
 /// days), made by openssl in `dir`: (ca.crt, NAME.crt, NAME.key).
 pub fn test_ca(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {

@@ -375,20 +375,6 @@ fn the_plain_api_holds_its_connection_cap_under_a_flood() {
     );
 }
 
-/// `curl` over https trusting `ca`, with the token: (status, body).
-fn curl_tls(url: &str, ca: &std::path::Path, token: &str) -> (u16, String) {
-    let out = agent_integration::run(
-        Command::new("curl")
-            .args(["-sS", "--max-time", "5", "-w", "\n%{http_code}", "--cacert"])
-            .arg(ca)
-            .args(["-H", &format!("Authorization: Bearer {token}")])
-            .arg(url),
-    );
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
-    (code.trim().parse().unwrap_or(0), body.to_string())
-}
-
 /// The API off the host (TLS) is served by the same stack as on it: the
 /// same cap, and a deadline on the handshake as on the headers.
 #[test]
@@ -419,7 +405,7 @@ fn the_tls_api_holds_the_same_connection_cap_under_a_flood() {
     );
     let base = format!("https://127.0.0.1:{port}");
     let t = Instant::now();
-    while curl_tls(&format!("{base}/healthz"), &ca, token).0 != 200 {
+    while agent_integration::curl_tls(&format!("{base}/healthz"), &ca, Some(token)).0 != 200 {
         assert!(
             t.elapsed() < Duration::from_secs(30),
             "never healthy over https"
@@ -427,7 +413,8 @@ fn the_tls_api_holds_the_same_connection_cap_under_a_flood() {
         std::thread::sleep(Duration::from_millis(200));
     }
     let n = flood_to_the_cap(agent.0.id(), port);
-    let (status, metrics) = curl_tls(&format!("{base}/metrics"), &ca, token);
+    let (status, metrics) =
+        agent_integration::curl_tls(&format!("{base}/metrics"), &ca, Some(token));
     assert_eq!(status, 200, "the TLS API after the flood: {metrics}");
     assert!(
         refused(&metrics, "connections") >= (n - CAP) as u64,

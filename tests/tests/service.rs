@@ -419,22 +419,6 @@ fn a_stop_during_a_reload_is_not_lost() {
     }
 }
 
-/// `curl` over https trusting `ca`: (status, body); status 0 when the
-/// TLS handshake or connection failed.
-fn curl_tls(url: &str, ca: &std::path::Path, token: Option<&str>) -> (u16, String) {
-    let mut c = Command::new("curl");
-    c.args(["-sS", "--max-time", "5", "-w", "\n%{http_code}", "--cacert"])
-        .arg(ca)
-        .arg(url);
-    if let Some(t) = token {
-        c.args(["-H", &format!("Authorization: Bearer {t}")]);
-    }
-    let out = run(&mut c);
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
-    (code.trim().parse().unwrap_or(0), body.to_string())
-}
-
 #[test]
 fn off_the_host_the_api_is_https_with_a_token_and_top_connects_over_it() {
     let dir_held = tempfile::Builder::new()
@@ -473,7 +457,7 @@ fn off_the_host_the_api_is_https_with_a_token_and_top_connects_over_it() {
     let _agent = Agent::start(&p);
     let base = format!("https://127.0.0.1:{port}");
     let t = Instant::now();
-    while curl_tls(&format!("{base}/healthz"), &ca, None).0 != 200 {
+    while agent_integration::curl_tls(&format!("{base}/healthz"), &ca, None).0 != 200 {
         assert!(
             t.elapsed() < Duration::from_secs(30),
             "never healthy over https"
@@ -481,8 +465,8 @@ fn off_the_host_the_api_is_https_with_a_token_and_top_connects_over_it() {
         std::thread::sleep(Duration::from_millis(200));
     }
     let snap = format!("{base}/api/v1/snapshot");
-    assert_eq!(curl_tls(&snap, &ca, None).0, 401);
-    let (code, body) = curl_tls(&snap, &ca, Some(token));
+    assert_eq!(agent_integration::curl_tls(&snap, &ca, None).0, 401);
+    let (code, body) = agent_integration::curl_tls(&snap, &ca, Some(token));
     assert_eq!(code, 200, "{body}");
     serde_json::from_str::<Value>(&body).expect("the snapshot is JSON");
     // Plain HTTP on the TLS port gets no answer.

@@ -347,16 +347,11 @@ fn xml(text: &str) -> String {
 
 /// A terminal screen (lines with SGR escapes) as an SVG picture.
 pub fn ansi_to_svg(screen: &str) -> String {
-    let lines: Vec<&str> = screen.lines().collect();
+    let lines: Vec<Vec<(usize, String, Pen)>> = screen.lines().map(runs).collect();
     let cols = lines
         .iter()
-        .map(|l| {
-            runs(l)
-                .iter()
-                .map(|r| r.0 + r.1.chars().count())
-                .max()
-                .unwrap_or(0)
-        })
+        .flatten()
+        .map(|r| r.0 + r.1.chars().count())
         .max()
         .unwrap_or(0)
         .max(1);
@@ -369,9 +364,9 @@ pub fn ansi_to_svg(screen: &str) -> String {
          font-family=\"DejaVu Sans Mono, Menlo, Consolas, monospace\" font-size=\"14\">\n\
          <rect width=\"100%\" height=\"100%\" rx=\"6\" fill=\"{BACKGROUND}\"/>\n"
     );
-    for (row, line) in lines.iter().enumerate() {
+    for (row, line) in lines.into_iter().enumerate() {
         let y = 8.0 + row as f64 * CELL_H;
-        for (col, text, pen) in runs(line) {
+        for (col, text, pen) in line {
             let x = 8.0 + col as f64 * CELL_W;
             let n = text.chars().count() as f64;
             let (fg, bg) = pen.colours();
