@@ -361,17 +361,13 @@ fn a_collector_that_never_answers_costs_only_the_queue() {
             .spawn()
             .unwrap();
         let pid = agent.id();
-        let status_kb = |k: &str| -> Option<u64> {
-            let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-            let line = text.lines().find(|l| l.starts_with(k))?;
-            line.split_whitespace().nth(1)?.parse().ok()
-        };
-        // The ring buffer's pages become resident as its producer goes
-        // round, whatever the exporter does: a fixed cost, not the queue's.
-        let ring_kb = || -> u64 {
-            let Ok(smaps) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else {
-                return 0;
-            };
+        // Resident memory less the ring buffer's pages, which become
+        // resident as its producer goes round whatever the exporter does (a
+        // fixed cost, not the queue's). Both from one read of smaps: the
+        // ring is unmapped at exit, and VmRSS read apart from it could count
+        // the ring once in one read and subtract it in none.
+        let heap_kb = || -> Option<u64> {
+            let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
             let mut in_ring = false;
             let mut kb = 0;
             for line in smaps.lines() {
@@ -381,17 +377,16 @@ fn a_collector_that_never_answers_costs_only_the_queue() {
                     .is_some_and(|f| f.contains('-') && !f.ends_with(':'))
                 {
                     in_ring = line.contains("anon_inode:bpf");
-                } else if in_ring && line.starts_with("Rss:") {
+                } else if !in_ring && line.starts_with("Rss:") {
                     kb += line
                         .split_whitespace()
                         .nth(1)
-                        .and_then(|v| v.parse().ok())
+                        .and_then(|v| v.parse::<u64>().ok())
                         .unwrap_or(0);
                 }
             }
-            kb
+            (kb > 0).then_some(kb)
         };
-        let heap_kb = || status_kb("VmRSS:").map(|r| r.saturating_sub(ring_kb()));
         // Loaded and attached, the guest still booting: the baseline.
         std::thread::sleep(Duration::from_millis(800));
         let base = heap_kb().expect("agent running");
