@@ -396,15 +396,15 @@ mod server {
     /// Lets the process open as many files as its hard limit allows (the
     /// unit's LimitNOFILE): `MAX_CONNECTIONS` sockets beside the probes'.
     fn raise_open_files() {
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: plain syscalls on a local struct.
-        unsafe {
-            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
-                lim.rlim_cur = lim.rlim_max;
-                libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+        let lim = getrlimit(Resource::Nofile);
+        if lim.current < lim.maximum {
+            let raised = Rlimit {
+                current: lim.maximum,
+                maximum: lim.maximum,
+            };
+            if let Err(e) = setrlimit(Resource::Nofile, raised) {
+                log::warn!("raising the open-file limit to its maximum: {e}");
             }
         }
     }

@@ -233,24 +233,13 @@ fn segments(probes: &[features::ProbeResult], kvm_tracepoints: bool) -> Vec<Segm
 }
 
 fn kernel_release() -> String {
-    // SAFETY: uname fills the struct we pass.
-    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
-    if unsafe { libc::uname(&mut u) } != 0 {
-        return "unknown".into();
-    }
-    let field = |f: &[libc::c_char]| {
-        let bytes: Vec<u8> = f
-            .iter()
-            .take_while(|&&c| c != 0)
-            .map(|&c| c as u8)
-            .collect();
-        String::from_utf8_lossy(&bytes).into_owned()
-    };
+    let u = rustix::system::uname();
+    let field = |f: &std::ffi::CStr| f.to_string_lossy().into_owned();
     format!(
         "{} {} {}",
-        field(&u.sysname),
-        field(&u.release),
-        field(&u.machine)
+        field(u.sysname()),
+        field(u.release()),
+        field(u.machine())
     )
 }
 

@@ -81,8 +81,7 @@ pub fn read(path: &Path) -> Result<String> {
     if !meta.file_type().is_file() {
         bail!("token file {}: not a regular file", path.display());
     }
-    // SAFETY: geteuid has no failure mode.
-    let me = unsafe { libc::geteuid() };
+    let me = rustix::process::geteuid().as_raw();
     if meta.uid() != me {
         bail!(
             "token file {}: owned by uid {}, not by this user (uid {me}): a file someone else \
@@ -120,16 +119,11 @@ fn generate() -> Result<String> {
     let mut buf = [0u8; 32];
     let mut got = 0;
     while got < buf.len() {
-        // SAFETY: writes at most the buffer's remaining length into it.
-        let n = unsafe { libc::getrandom(buf[got..].as_mut_ptr().cast(), buf.len() - got, 0) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e).context("getrandom for the API token");
+        match rustix::rand::getrandom(&mut buf[got..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => got += n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(std::io::Error::from(e)).context("getrandom for the API token"),
         }
-        got += n as usize;
     }
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
@@ -137,6 +131,7 @@ fn generate() -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::discover::procfs::mkfifo;
     use std::os::unix::fs::PermissionsExt;
 
     /// A directory not made yet, in a scratch one removed with the guard.
@@ -207,9 +202,7 @@ mod tests {
         std::fs::set_permissions(&blank, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert!(format!("{:#}", read(&blank).unwrap_err()).contains("empty"));
         let fifo = d.join("fifo");
-        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-        // SAFETY: a valid C string.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        mkfifo(&fifo);
         assert!(format!("{:#}", read(&fifo).unwrap_err()).contains("regular"));
         let good = d.join("good");
         std::fs::write(&good, "  s3cret \n").unwrap();

@@ -276,6 +276,6 @@ OVERWRITTEN AND LOST.
         assert_eq!(v[0].0, 12215);
         // Whoever runs the test wrote it.
         // SAFETY: geteuid has no preconditions.
-        assert_eq!(v[0].2, unsafe { libc::geteuid() });
+        assert_eq!(v[0].2, rustix::process::geteuid().as_raw());
     }
 }

@@ -9,7 +9,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::{BufRead, BufReader, Write},
-    os::unix::{io::AsRawFd, net::UnixStream},
+    os::unix::net::UnixStream,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -224,23 +224,8 @@ pub fn read(source: &Source, vm: &Vm) -> Result<Counts> {
 
 /// The peer's pid of a connected unix socket.
 fn peer_pid(s: &UnixStream) -> Option<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` is a ucred and `len` its size, as SO_PEERCRED writes.
-    let rc = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    (rc == 0).then_some(cred.pid as u32)
+    let cred = rustix::net::sockopt::socket_peercred(s).ok()?;
+    Some(cred.pid.as_raw_nonzero().get() as u32)
 }
 
 /// A QMP session with a monitor, capabilities negotiated.

@@ -101,12 +101,7 @@ impl Reaper {
 
 /// The guest's monotonic clock: the clock of the kernel's stamps.
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec to fill; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 

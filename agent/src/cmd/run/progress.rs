@@ -15,9 +15,12 @@ pub(super) async fn sleep_until(deadline: Option<tokio::time::Instant>) {
 
 /// SIGTERM, then SIGKILL if it has not gone after a grace period.
 pub(super) async fn terminate(child: &mut tokio::process::Child) {
-    if let Some(pid) = child.id() {
-        // SAFETY: plain kill(2) on our own child.
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    if let Some(pid) = child
+        .id()
+        .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+    {
+        // Gone already is what we want.
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
     }
     if tokio::time::timeout(Duration::from_secs(5), child.wait())
         .await

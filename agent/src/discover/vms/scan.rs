@@ -124,9 +124,7 @@ pub fn started_since_boot(pid: u32) -> Option<std::time::Duration> {
     // Fields after "(comm)": state is field 3, starttime field 22.
     let rest = &stat[stat.rfind(')')? + 1..];
     let ticks: u64 = rest.split_whitespace().nth(19)?.parse().ok()?;
-    // SAFETY: sysconf reads a constant of the C library.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    let hz = u64::try_from(hz).ok().filter(|&h| h > 0)?;
+    let hz = Some(rustix::param::clock_ticks_per_second()).filter(|&h| h > 0)?;
     Some(std::time::Duration::from_nanos(
         ticks.saturating_mul(1_000_000_000) / hz,
     ))
@@ -134,12 +132,7 @@ pub fn started_since_boot(pid: u32) -> Option<std::time::Duration> {
 
 /// Time since boot now, on the clock `started_since_boot` counts.
 pub fn since_boot() -> std::time::Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec for the kernel to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
     std::time::Duration::new(
         ts.tv_sec.max(0) as u64,
         ts.tv_nsec.clamp(0, 999_999_999) as u32,

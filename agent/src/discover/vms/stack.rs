@@ -47,7 +47,7 @@ pub fn host_stack_of(sys: &Path, file: &Path) -> Option<HostStack> {
     } else {
         meta.dev()
     };
-    host_stack_of_dev(sys, libc::major(dev), libc::minor(dev))
+    host_stack_of_dev(sys, rustix::fs::major(dev), rustix::fs::minor(dev))
 }
 
 pub fn host_stack_of_dev(sys: &Path, major: u32, minor: u32) -> Option<HostStack> {
@@ -110,12 +110,12 @@ pub fn file_key(path: &Path) -> Option<crate::abi::FileKey> {
         return Some(crate::abi::FileKey {
             dev: crate::abi::VDISK_FILE_BDEV,
             _pad: 0,
-            ino: u64::from((libc::major(rdev) << 20) | libc::minor(rdev)),
+            ino: u64::from((rustix::fs::major(rdev) << 20) | rustix::fs::minor(rdev)),
         });
     }
     let dev = m.dev();
     Some(crate::abi::FileKey {
-        dev: (libc::major(dev) << 20) | libc::minor(dev),
+        dev: (rustix::fs::major(dev) << 20) | rustix::fs::minor(dev),
         _pad: 0,
         ino: m.ino(),
     })

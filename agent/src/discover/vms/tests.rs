@@ -1,6 +1,7 @@
 use std::{fs, os::unix::fs::MetadataExt, path::Path};
 
 use super::{cmdline::looks_like_qemu, *};
+use crate::discover::procfs::mkfifo;
 
 fn args(s: &[&str]) -> Vec<String> {
     s.iter().map(|a| a.to_string()).collect()
@@ -403,7 +404,7 @@ fn block_devices_are_keyed_by_their_number_not_their_node() {
     assert_eq!(k.dev, crate::abi::VDISK_FILE_BDEV);
     assert_eq!(
         k.ino,
-        u64::from((libc::major(rdev) << 20) | libc::minor(rdev))
+        u64::from((rustix::fs::major(rdev) << 20) | rustix::fs::minor(rdev))
     );
 }
 
@@ -593,8 +594,8 @@ fn file_key_uses_the_kernels_dev_encoding() {
     let k = file_key(&exe).unwrap();
     let m = fs::metadata(&exe).unwrap();
     assert_eq!(k.ino, m.ino());
-    assert_eq!(k.dev >> 20, libc::major(m.dev()));
-    assert_eq!(k.dev & 0xfffff, libc::minor(m.dev()));
+    assert_eq!(k.dev >> 20, rustix::fs::major(m.dev()));
+    assert_eq!(k.dev & 0xfffff, rustix::fs::minor(m.dev()));
     assert!(file_key(Path::new("/nonexistent/file")).is_none());
 }
 
@@ -618,8 +619,7 @@ fn a_hostile_wwpn_or_backstore_is_refused_without_blocking() {
     fs::create_dir_all(evil.join("tpgt_1/lun/lun_0")).unwrap();
     fs::create_dir_all(&store).unwrap();
     let fifo = store.join("udev_path");
-    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    mkfifo(&fifo);
     std::os::unix::fs::symlink(&store, evil.join("tpgt_1/lun/lun_0/x")).unwrap();
     // Inside configfs: a real target whose LUN links out of target/core,
     // one whose udev_path is a link to /dev/zero, one good.

@@ -17,6 +17,7 @@ use opentelemetry_sdk::{
     trace::{IdGenerator, RandomIdGenerator, SpanData, SpanEvents, SpanExporter as _, SpanLinks},
     Resource,
 };
+use rustix::time::ClockId;
 use tokio::sync::mpsc;
 
 use super::{Exemplar, ExportCounters, ExportShared, Names, Reason, SeriesKey, TraceOpts};
@@ -31,8 +32,8 @@ pub struct WallClock {
 
 impl WallClock {
     pub fn now() -> Self {
-        let mono = clock_ns(libc::CLOCK_MONOTONIC);
-        let wall = clock_ns(libc::CLOCK_REALTIME);
+        let mono = clock_ns(ClockId::Monotonic);
+        let wall = clock_ns(ClockId::Realtime);
         Self {
             offset_ns: i128::from(wall) - i128::from(mono),
         }
@@ -44,13 +45,8 @@ impl WallClock {
     }
 }
 
-fn clock_ns(clock: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec to write.
-    unsafe { libc::clock_gettime(clock, &mut ts) };
+fn clock_ns(clock: ClockId) -> u64 {
+    let ts = rustix::time::clock_gettime(clock);
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
