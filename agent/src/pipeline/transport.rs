@@ -8,33 +8,67 @@
 //! All integers little-endian. `sender` is chosen at random when the guest
 //! agent starts (a new one: the agent restarted or the guest rebooted);
 //! `seq` counts its frames from 0, so a receiver counts frames lost in
-//! between. The other way, the host agent sends 16-byte control messages
-//! (`magic "IOSC" | kind u32 | seq u64`): `RESEND` when it connects (send
-//! again every frame not yet acknowledged: a host agent that stopped, or a
-//! connection that broke, took some without confirming them) and `ACK`
-//! once frames are handled (every frame below `seq`: the sender forgets
-//! them). A frame is dropped by the sender only for room, and counted; a
-//! resent frame a receiver already has is skipped. Kinds: `HELLO` (JSON: who the guest is and
-//! its disks, sent at start and every few seconds so a receiver joining
-//! late learns them), `RECORDS` (whole `GuestIoEvent`s back to back),
-//! `STATS` (JSON: the sender's own losses).
+//! between. The other way, the host agent sends 28-byte control messages
+//! (`magic "IOSC" | kind u32 | sender u32 | first u64 | next u64`): `RESEND`
+//! when it connects (send again every frame not yet acknowledged: a host
+//! agent that stopped, or a connection that broke, took some without
+//! confirming them) and `ACK` once frames are handled (every frame in
+//! `first..next`: the sender forgets them). A frame is dropped by the
+//! sender only for room, and counted; a resent frame a receiver already has
+//! is skipped. Kinds: `HELLO` (JSON: who the guest is and its disks, sent at
+//! start and every few seconds so a receiver joining late learns them),
+//! `RECORDS` (whole `GuestIoEvent`s back to back), `STATS` (JSON: the
+//! sender's own losses).
+//!
+//! `FrameCodec` cuts frames from the stream (tokio-util's codec traits over
+//! `BytesMut`, headers read as zerocopy views); `FrameReader` follows the
+//! sender's sequence across them.
 
+use std::ops::Range;
+
+use bytes::{Buf, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
-
-use zerocopy::{FromBytes, IntoBytes};
+use tokio_util::codec::{Decoder, Encoder};
+use zerocopy::{
+    little_endian::{U16, U32, U64},
+    FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned,
+};
 
 use crate::abi::GuestIoEvent;
 use crate::model::SenderStats;
 
 pub const MAGIC: [u8; 4] = *b"IOSP";
 pub const VERSION: u16 = 3;
-pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 4;
+pub const HEADER_LEN: usize = std::mem::size_of::<Header>();
+
+/// A frame's header as it is on the wire.
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+struct Header {
+    magic: [u8; 4],
+    version: U16,
+    kind: U16,
+    sender: U32,
+    seq: U64,
+    len: U32,
+}
 
 /// Host → guest control messages.
 pub const CONTROL_MAGIC: [u8; 4] = *b"IOSC";
-pub const CONTROL_LEN: usize = 4 + 4 + 4 + 8 + 8;
+pub const CONTROL_LEN: usize = std::mem::size_of::<ControlWire>();
 pub const CONTROL_ACK: u32 = 1;
 pub const CONTROL_RESEND: u32 = 2;
+
+/// A control message as it is on the wire.
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+struct ControlWire {
+    magic: [u8; 4],
+    kind: U32,
+    sender: U32,
+    first: U64,
+    next: U64,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Control {
@@ -54,19 +88,22 @@ pub fn encode_control(c: Control) -> [u8; CONTROL_LEN] {
         } => (CONTROL_ACK, sender, first, next),
         Control::Resend => (CONTROL_RESEND, 0, 0, 0),
     };
+    let wire = ControlWire {
+        magic: CONTROL_MAGIC,
+        kind: kind.into(),
+        sender: sender.into(),
+        first: first.into(),
+        next: next.into(),
+    };
     let mut out = [0u8; CONTROL_LEN];
-    out[..4].copy_from_slice(&CONTROL_MAGIC);
-    out[4..8].copy_from_slice(&kind.to_le_bytes());
-    out[8..12].copy_from_slice(&sender.to_le_bytes());
-    out[12..20].copy_from_slice(&first.to_le_bytes());
-    out[20..28].copy_from_slice(&next.to_le_bytes());
+    out.copy_from_slice(wire.as_bytes());
     out
 }
 
 /// Control messages out of a byte stream (skipping anything else).
 #[derive(Default)]
 pub struct ControlReader {
-    buf: Vec<u8>,
+    buf: BytesMut,
 }
 
 impl ControlReader {
@@ -77,27 +114,23 @@ impl ControlReader {
             let Some(at) = find(&self.buf, &CONTROL_MAGIC) else {
                 // Keep a possible start of a magic.
                 let keep = self.buf.len().min(CONTROL_MAGIC.len() - 1);
-                self.buf.drain(..self.buf.len() - keep);
+                self.buf.advance(self.buf.len() - keep);
                 return out;
             };
-            self.buf.drain(..at);
-            if self.buf.len() < CONTROL_LEN {
+            self.buf.advance(at);
+            let Ok((wire, _)) = ControlWire::ref_from_prefix(&self.buf) else {
                 return out;
-            }
-            let u32_at =
-                |i: usize| u32::from_le_bytes(self.buf[i..i + 4].try_into().unwrap_or_default());
-            let u64_at =
-                |i: usize| u64::from_le_bytes(self.buf[i..i + 8].try_into().unwrap_or_default());
-            match u32_at(4) {
+            };
+            match wire.kind.get() {
                 CONTROL_ACK => out.push(Control::Ack {
-                    sender: u32_at(8),
-                    first: u64_at(12),
-                    next: u64_at(20),
+                    sender: wire.sender.get(),
+                    first: wire.first.get(),
+                    next: wire.next.get(),
                 }),
                 CONTROL_RESEND => out.push(Control::Resend),
                 _ => {}
             }
-            self.buf.drain(..CONTROL_LEN);
+            self.buf.advance(CONTROL_LEN);
         }
     }
 }
@@ -166,21 +199,18 @@ pub enum Frame {
     Stats(SenderStats),
 }
 
+/// A frame with its place in the sender's sequence, as it is sent.
+pub struct Numbered<'a> {
+    pub sender: u32,
+    pub seq: u64,
+    pub frame: &'a Frame,
+}
+
 pub fn encode(sender: u32, seq: u64, frame: &Frame) -> Vec<u8> {
-    let (kind, payload) = match frame {
-        Frame::Hello(h) => (HELLO, serde_json::to_vec(h).unwrap_or_default()),
-        Frame::Records(r) => (RECORDS, r.as_bytes().to_vec()),
-        Frame::Stats(s) => (STATS, serde_json::to_vec(s).unwrap_or_default()),
-    };
-    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&kind.to_le_bytes());
-    out.extend_from_slice(&sender.to_le_bytes());
-    out.extend_from_slice(&seq.to_le_bytes());
-    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.extend_from_slice(&payload);
-    out
+    let mut out = BytesMut::new();
+    // Encoding into memory cannot fail.
+    let _ = FrameCodec.encode(Numbered { sender, seq, frame }, &mut out);
+    out.to_vec()
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -193,6 +223,117 @@ pub enum DecodeError {
     TooLong(usize),
     #[error("malformed {what} frame: {why}")]
     Payload { what: &'static str, why: String },
+    #[error("reading the guest channel: {0}")]
+    Io(String),
+}
+
+impl From<std::io::Error> for DecodeError {
+    fn from(e: std::io::Error) -> Self {
+        Self::Io(e.to_string())
+    }
+}
+
+/// A frame cut from the stream, its payload not yet decoded.
+#[derive(Debug)]
+pub struct RawFrame {
+    pub kind: u16,
+    pub sender: u32,
+    pub seq: u64,
+    pub payload: Bytes,
+}
+
+/// The channel's framing: headers checked, payloads bounded, and after a
+/// bad header the stream skipped to the next magic (an error names what
+/// was wrong; the next call goes on from there).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FrameCodec;
+
+impl FrameCodec {
+    fn resync(src: &mut BytesMut) {
+        let skip = find(&src[1..], &MAGIC).map_or_else(
+            || src.len().saturating_sub(MAGIC.len() - 1).max(1),
+            |i| i + 1,
+        );
+        src.advance(skip);
+    }
+}
+
+impl Decoder for FrameCodec {
+    type Item = RawFrame;
+    type Error = DecodeError;
+
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<RawFrame>, DecodeError> {
+        let Ok((h, _)) = Header::ref_from_prefix(src) else {
+            return Ok(None);
+        };
+        let (kind, sender, seq) = (h.kind.get(), h.sender.get(), h.seq.get());
+        let (version, len) = (h.version.get(), h.len.get() as usize);
+        if h.magic != MAGIC {
+            Self::resync(src);
+            return Err(DecodeError::Magic);
+        }
+        if version != VERSION {
+            Self::resync(src);
+            return Err(DecodeError::Version(version));
+        }
+        if len > MAX_PAYLOAD {
+            Self::resync(src);
+            return Err(DecodeError::TooLong(len));
+        }
+        if src.len() < HEADER_LEN + len {
+            src.reserve(HEADER_LEN + len - src.len());
+            return Ok(None);
+        }
+        src.advance(HEADER_LEN);
+        let payload = src.split_to(len).freeze();
+        Ok(Some(RawFrame {
+            kind,
+            sender,
+            seq,
+            payload,
+        }))
+    }
+}
+
+impl Encoder<Numbered<'_>> for FrameCodec {
+    type Error = std::io::Error;
+
+    fn encode(&mut self, item: Numbered<'_>, dst: &mut BytesMut) -> std::io::Result<()> {
+        let (kind, payload) = match item.frame {
+            Frame::Hello(h) => (HELLO, serde_json::to_vec(h)?),
+            Frame::Records(r) => (RECORDS, r.as_bytes().to_vec()),
+            Frame::Stats(s) => (STATS, serde_json::to_vec(s)?),
+        };
+        let header = Header {
+            magic: MAGIC,
+            version: VERSION.into(),
+            kind: kind.into(),
+            sender: item.sender.into(),
+            seq: item.seq.into(),
+            len: (payload.len() as u32).into(),
+        };
+        dst.reserve(HEADER_LEN + payload.len());
+        dst.extend_from_slice(header.as_bytes());
+        dst.extend_from_slice(&payload);
+        Ok(())
+    }
+}
+
+/// The sender heard, and how much of its sequence: every frame in
+/// `first..next` was had or counted lost.
+#[derive(Clone, Copy, Debug)]
+struct Heard {
+    sender: u32,
+    first: u64,
+    next: u64,
+}
+
+/// What a frame's number says about it.
+enum Place {
+    /// New: take it.
+    New(Heard),
+    /// Already had (resent): skip it.
+    Duplicate,
 }
 
 /// Reassembles frames from a byte stream read in arbitrary pieces, and
@@ -200,17 +341,12 @@ pub enum DecodeError {
 /// frames seen before (resent) skipped, a new sender counted as a restart.
 #[derive(Default)]
 pub struct FrameReader {
-    buf: Vec<u8>,
-    /// Where the unread bytes of `buf` start: frames are taken by moving
-    /// it, and the buffer compacted only when more arrives, so a stream of
-    /// many small frames costs linear time, not a move of the rest per frame.
-    at: usize,
-    /// (sender, the lowest frame had, the next expected): every frame in
-    /// between was had or counted lost.
-    next: Option<(u32, u64, u64)>,
-    /// Frames older than the lowest, resent (in order) after later ones
-    /// arrived: `lo..hi`, merged into the range above once it reaches it.
-    backfill: Option<(u64, u64)>,
+    buf: BytesMut,
+    codec: FrameCodec,
+    heard: Option<Heard>,
+    /// Frames older than `heard.first`, resent (in order) after later ones
+    /// arrived, merged into `heard` once they reach it.
+    backfill: Option<Range<u64>>,
     pub lost_frames: u64,
     pub restarts: u64,
     /// Resent frames this receiver already had.
@@ -219,10 +355,6 @@ pub struct FrameReader {
 
 impl FrameReader {
     pub fn push(&mut self, bytes: &[u8]) {
-        if self.at > 0 {
-            self.buf.drain(..self.at);
-            self.at = 0;
-        }
         self.buf.extend_from_slice(bytes);
     }
 
@@ -230,129 +362,97 @@ impl FrameReader {
     /// the sequence is kept.
     pub fn new_stream(&mut self) {
         self.buf.clear();
-        self.at = 0;
-    }
-
-    fn unread(&self) -> &[u8] {
-        &self.buf[self.at..]
-    }
-
-    fn consume(&mut self, n: usize) {
-        self.at = (self.at + n).min(self.buf.len());
-        if self.at == self.buf.len() {
-            self.buf.clear();
-            self.at = 0;
-        }
     }
 
     /// What to acknowledge: the sender's frames handled (or counted lost).
     pub fn ack(&self) -> Option<Control> {
-        self.next.map(|(sender, first, next)| Control::Ack {
-            sender,
-            first,
-            next,
+        self.heard.map(|h| Control::Ack {
+            sender: h.sender,
+            first: h.first,
+            next: h.next,
         })
-    }
-
-    /// Skips past a bad header to the next magic.
-    fn resync(&mut self) {
-        let buf = self.unread();
-        let skip = find(&buf[1..], &MAGIC).map_or_else(
-            || buf.len().saturating_sub(MAGIC.len() - 1).max(1),
-            |i| i + 1,
-        );
-        self.consume(skip);
     }
 
     /// The next whole frame, if buffered. An error names what was wrong;
     /// the reader has already skipped to the next frame's start.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, DecodeError> {
-        loop {
-            let buf = self.unread();
-            if buf.len() < HEADER_LEN {
-                return Ok(None);
-            }
-            if buf[..4] != MAGIC {
-                self.resync();
-                return Err(DecodeError::Magic);
-            }
-            let u16_at = |i: usize| u16::from_le_bytes([buf[i], buf[i + 1]]);
-            let version = u16_at(4);
-            if version != VERSION {
-                self.resync();
-                return Err(DecodeError::Version(version));
-            }
-            let kind = u16_at(6);
-            let sender = u32::from_le_bytes(buf[8..12].try_into().unwrap_or_default());
-            let seq = u64::from_le_bytes(buf[12..20].try_into().unwrap_or_default());
-            let len = u32::from_le_bytes(buf[20..24].try_into().unwrap_or_default()) as usize;
-            if len > MAX_PAYLOAD {
-                self.resync();
-                return Err(DecodeError::TooLong(len));
-            }
-            if buf.len() < HEADER_LEN + len {
-                return Ok(None);
-            }
-            let payload = buf[HEADER_LEN..HEADER_LEN + len].to_vec();
-            self.consume(HEADER_LEN + len);
-            self.next = match self.next {
-                // Written before this receiver heard the sender (resent to
-                // it now): new here, and the gap down to it was not a loss.
-                Some((s, first, n)) if s == sender && seq < first => {
-                    match self.backfill {
-                        Some((lo, hi)) if (lo..hi).contains(&seq) => {
-                            self.duplicates += 1;
-                            continue;
-                        }
-                        Some((lo, hi)) if seq == hi => {
-                            self.backfill = Some((lo, hi.saturating_add(1)))
-                        }
-                        _ => self.backfill = Some((seq, seq.saturating_add(1))),
-                    }
-                    match self.backfill {
-                        Some((lo, hi)) if hi == first => {
-                            self.backfill = None;
-                            Some((s, lo, n))
-                        }
-                        _ => Some((s, first, n)),
+        // A kind this receiver does not know is skipped in step, in the
+        // loop: any number of them costs no stack.
+        while let Some(raw) = self.codec.decode(&mut self.buf)? {
+            match self.place(raw.sender, raw.seq) {
+                Place::Duplicate => self.duplicates += 1,
+                Place::New(h) => {
+                    self.heard = Some(h);
+                    if let Some(frame) = Self::decode(raw.kind, &raw.payload)? {
+                        return Ok(Some(frame));
                     }
                 }
-                Some((s, _, n)) if s == sender && seq < n => {
-                    self.duplicates += 1;
-                    continue;
-                }
-                Some((s, first, n)) if s == sender => {
-                    // The sequence is the guest's to say: none of it may wrap.
-                    self.lost_frames = self.lost_frames.saturating_add(seq - n);
-                    Some((s, first, seq.saturating_add(1)))
-                }
-                Some(_) => {
-                    self.restarts += 1;
-                    self.backfill = None;
-                    Some((sender, seq, seq.saturating_add(1)))
-                }
-                None => Some((sender, seq, seq.saturating_add(1))),
-            };
-            // A kind this receiver does not know is skipped in step, in the
-            // loop: any number of them costs no stack.
-            match Self::decode(kind, payload)? {
-                Some(frame) => return Ok(Some(frame)),
-                None => continue,
             }
         }
+        Ok(None)
+    }
+
+    /// Where frame `seq` of `sender` falls in what was heard.
+    fn place(&mut self, sender: u32, seq: u64) -> Place {
+        let fresh = Heard {
+            sender,
+            first: seq,
+            next: seq.saturating_add(1),
+        };
+        let Some(h) = self.heard else {
+            return Place::New(fresh);
+        };
+        if h.sender != sender {
+            self.restarts += 1;
+            self.backfill = None;
+            return Place::New(fresh);
+        }
+        if seq < h.first {
+            return self.place_before(h, seq);
+        }
+        if seq < h.next {
+            return Place::Duplicate;
+        }
+        // The sequence is the guest's to say: none of it may wrap.
+        self.lost_frames = self.lost_frames.saturating_add(seq - h.next);
+        Place::New(Heard {
+            next: seq.saturating_add(1),
+            ..h
+        })
+    }
+
+    /// A frame written before this receiver heard the sender (resent to it
+    /// now): new here, and the gap down to it was not a loss.
+    fn place_before(&mut self, h: Heard, seq: u64) -> Place {
+        let backfill = match self.backfill.take() {
+            Some(b) if b.contains(&seq) => {
+                self.backfill = Some(b);
+                return Place::Duplicate;
+            }
+            Some(b) if seq == b.end => b.start..b.end.saturating_add(1),
+            _ => seq..seq.saturating_add(1),
+        };
+        if backfill.end == h.first {
+            return Place::New(Heard {
+                first: backfill.start,
+                ..h
+            });
+        }
+        self.backfill = Some(backfill);
+        Place::New(h)
     }
 
     /// A frame's payload; None for a kind this receiver does not know.
-    fn decode(kind: u16, payload: Vec<u8>) -> Result<Option<Frame>, DecodeError> {
+    fn decode(kind: u16, payload: &[u8]) -> Result<Option<Frame>, DecodeError> {
         let bad = |what, why: String| DecodeError::Payload { what, why };
         let frame = match kind {
             HELLO => Frame::Hello(
-                serde_json::from_slice::<Hello>(&payload)
+                serde_json::from_slice::<Hello>(payload)
                     .map_err(|e| bad("hello", e.to_string()))?
                     .printable(),
             ),
             STATS => Frame::Stats(
-                serde_json::from_slice(&payload).map_err(|e| bad("stats", e.to_string()))?,
+                serde_json::from_slice(payload).map_err(|e| bad("stats", e.to_string()))?,
             ),
             RECORDS => {
                 if !payload.len().is_multiple_of(GuestIoEvent::SIZE) {
