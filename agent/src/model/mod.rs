@@ -4,6 +4,7 @@
 pub mod hist;
 pub mod loss;
 pub mod span;
+pub mod split;
 pub mod tails;
 pub mod text;
 
@@ -14,6 +15,7 @@ use serde::{Deserialize, Serialize};
 pub use hist::{Hist, Summary};
 pub use loss::{ChannelStats, SenderStats, SplitCounters};
 pub use span::IoSpan;
+pub use split::{HostExtras, SplitWindow};
 
 use crate::abi::{BlkStats, VmSplitStats, BLK_NR_SEGS, VM_NR_SEGS};
 

@@ -12,9 +12,10 @@ use serde::{Deserialize, Serialize};
 use crate::{
     discover::disks,
     discover::vms::Registry,
+    model::SplitWindow,
     model::{BlkSegment, Hist, Op},
-    pipeline::correlate::{Correlator, HostSplit, SplitKey},
-    pipeline::stitch::{StitchKey, Stitched},
+    pipeline::correlate::{Correlator, SplitKey},
+    pipeline::stitch::StitchKey,
     probes::host::BlockSnapshot,
 };
 
@@ -165,7 +166,7 @@ fn vdisk_rows(snap: &BlockSnapshot, corr: &Correlator, known: &Registry) -> Vec<
                 vdisk: k.vdisk,
                 op: k.op,
             })
-            .filter(|st| st.total.count > 0);
+            .filter(|st| st.window.count > 0);
         if let Some(st) = joined {
             segs.extend(stitched_segs(st));
             if let Some(h) = split {
@@ -246,7 +247,7 @@ fn queue_rows(corr: &Correlator, known: &Registry) -> Vec<Row> {
             queue_row(
                 (k.vm, k.vdisk, k.op),
                 *q,
-                st.total.count,
+                st.window.count,
                 st.bytes,
                 true,
                 segs,
@@ -282,7 +283,7 @@ fn unsplit(h: &crate::model::SplitCounters) -> u64 {
     h.no_kick + h.no_signal + h.unordered + h.not_followed
 }
 
-fn host_segs(h: &HostSplit) -> BTreeMap<String, Hist> {
+fn host_segs(h: &SplitWindow) -> BTreeMap<String, Hist> {
     let mut segs: BTreeMap<String, Hist> = [
         ("total", &h.window),
         ("hv", &h.hypervisor),
@@ -297,24 +298,30 @@ fn host_segs(h: &HostSplit) -> BTreeMap<String, Hist> {
 }
 
 /// The host window's CPU waits (the guest agent's view has none of its own).
-fn wait_segs(h: &HostSplit) -> [(String, Hist); 2] {
-    [
-        ("hv_wait".to_string(), h.hypervisor_cpu_wait.clone()),
-        ("engine_wait".to_string(), h.engine_cpu_wait.clone()),
-    ]
+fn wait_segs(h: &SplitWindow) -> Vec<(String, Hist)> {
+    h.host
+        .iter()
+        .flat_map(|x| {
+            [
+                ("hv_wait".to_string(), x.hypervisor_cpu_wait.clone()),
+                ("engine_wait".to_string(), x.engine_cpu_wait.clone()),
+            ]
+        })
+        .collect()
 }
 
-fn stitched_segs(st: &Stitched) -> BTreeMap<String, Hist> {
-    [
-        ("total", &st.total),
-        ("guest", &st.guest),
-        ("hv", &st.hypervisor),
-        ("engine", &st.engine),
-        ("device", &st.device),
-    ]
-    .into_iter()
-    .map(|(n, h)| (n.to_string(), h.clone()))
-    .collect()
+fn stitched_segs(st: &SplitWindow) -> BTreeMap<String, Hist> {
+    st.guest
+        .iter()
+        .map(|g| ("guest", g))
+        .chain([
+            ("total", &st.window),
+            ("hv", &st.hypervisor),
+            ("engine", &st.engine),
+            ("device", &st.device),
+        ])
+        .map(|(n, h)| (n.to_string(), h.clone()))
+        .collect()
 }
 
 impl Row {

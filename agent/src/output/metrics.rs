@@ -14,10 +14,11 @@ use std::fmt::Write;
 use crate::{
     discover::disks,
     discover::vms::Registry,
+    model::SplitWindow,
     model::{hist::Hist, BlkSegment},
     output::export::{Exemplars, ExportCounters, SeriesKey},
-    pipeline::correlate::{HostSplit, SplitKey},
-    pipeline::stitch::{StitchKey, Stitched},
+    pipeline::correlate::SplitKey,
+    pipeline::stitch::StitchKey,
     probes::host::{BlockSnapshot, Counters},
 };
 
@@ -26,8 +27,8 @@ pub use crate::model::hist::bounds_ns;
 /// Everything `render` shows.
 pub struct View<'a> {
     pub snap: &'a BlockSnapshot,
-    pub splits: &'a std::collections::BTreeMap<SplitKey, HostSplit>,
-    pub stitched: &'a std::collections::BTreeMap<StitchKey, Stitched>,
+    pub splits: &'a std::collections::BTreeMap<SplitKey, SplitWindow>,
+    pub stitched: &'a std::collections::BTreeMap<StitchKey, SplitWindow>,
     pub known: &'a Registry,
     pub export: Option<ExportCounters>,
     pub exemplars: Option<&'a Exemplars>,
@@ -240,9 +241,9 @@ fn vm_latency_families(out: &mut String, v: &View<'_>, f: Format, bounds: &[u64]
             op: k.op,
         };
         if let Some(st) = v.stitched.get(&stitch) {
+            segs.push(("g_total", &st.window));
+            segs.extend(st.guest.as_ref().map(|g| ("g_guest", g)));
             segs.extend([
-                ("g_total", &st.total),
-                ("g_guest", &st.guest),
                 ("g_hypervisor", &st.hypervisor),
                 ("g_engine", &st.engine),
                 ("g_device", &st.device),

@@ -10,9 +10,10 @@ use crate::{
     discover::diskstats::{DiskStat, KernelCount},
     discover::vms::{KickSource, Registry},
     model::ChannelStats,
-    model::{BlkSegment, DiskOpStats, Op, Summary},
-    pipeline::correlate::{Correlator, HostSplit, SplitKey},
-    pipeline::stitch::{ClockEstimate, StitchCounters, StitchKey, Stitched, Stitcher},
+    model::SplitWindow,
+    model::{BlkSegment, DiskOpStats, Hist, Op, Summary},
+    pipeline::correlate::{Correlator, SplitKey},
+    pipeline::stitch::{ClockEstimate, StitchCounters, StitchKey, Stitcher},
     probes::{
         host::{Counters, VmFinished, VmStatKey},
         progstats::ProgStats,
@@ -403,32 +404,38 @@ pub struct QueueEntry {
 }
 
 /// A host window's segments, as entries name them.
-fn host_summaries(h: &HostSplit) -> BTreeMap<String, Summary> {
-    [
+fn host_summaries(h: &SplitWindow) -> BTreeMap<String, Summary> {
+    let mut segs = vec![
         ("hypervisor", &h.hypervisor),
         ("engine", &h.engine),
         ("device", &h.device),
         ("host_window", &h.window),
-        ("pickup_to_done", &h.pickup_to_done),
-        ("hypervisor_cpu_wait", &h.hypervisor_cpu_wait),
-        ("engine_cpu_wait", &h.engine_cpu_wait),
-    ]
-    .into_iter()
-    .map(|(n, h)| (n.to_string(), h.summary()))
-    .collect()
+    ];
+    if let Some(x) = &h.host {
+        segs.extend([
+            ("pickup_to_done", &x.pickup_to_done),
+            ("hypervisor_cpu_wait", &x.hypervisor_cpu_wait),
+            ("engine_cpu_wait", &x.engine_cpu_wait),
+        ]);
+    }
+    summaries(segs)
 }
 
-fn segment_summaries(s: &Stitched) -> BTreeMap<String, Summary> {
-    [
-        ("guest", &s.guest),
+fn segment_summaries(s: &SplitWindow) -> BTreeMap<String, Summary> {
+    let mut segs: Vec<(&str, &Hist)> = s.guest.iter().map(|g| ("guest", g)).collect();
+    segs.extend([
         ("hypervisor", &s.hypervisor),
         ("engine", &s.engine),
         ("device", &s.device),
-        ("total", &s.total),
-    ]
-    .into_iter()
-    .map(|(k, h)| (k.to_string(), h.summary()))
-    .collect()
+        ("total", &s.window),
+    ]);
+    summaries(segs)
+}
+
+fn summaries(segs: Vec<(&str, &Hist)>) -> BTreeMap<String, Summary> {
+    segs.into_iter()
+        .map(|(n, h)| (n.to_string(), h.summary()))
+        .collect()
 }
 
 /// One VM's guest agent over the run: its channel and its clock.
@@ -562,7 +569,7 @@ pub fn vm_entries(
             };
             if let Some(s) = corr.stitch.stitched.get(&key) {
                 e.stitched = Some(StitchedEntry {
-                    count: s.total.count,
+                    count: s.window.count,
                     segments: segment_summaries(s),
                     queues: corr
                         .stitch
@@ -570,7 +577,7 @@ pub fn vm_entries(
                         .range((key, 0)..=(key, u32::MAX))
                         .map(|((_, q), s)| QueueEntry {
                             queue: *q,
-                            count: s.total.count,
+                            count: s.window.count,
                             segments: segment_summaries(s),
                         })
                         .collect(),

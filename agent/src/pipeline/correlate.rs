@@ -22,7 +22,7 @@ use crate::{
     abi::{vm_seg, VdiskKey, VmIoEvent, VmSplitEvent, VmSplitKey, VmUnsplit, RQ_F_POLLED},
     discover::disks::Dev,
     model::IoSpan,
-    model::{Hist, JoinedWindows, Op},
+    model::{Hist, JoinedWindows, Op, SplitWindow},
     pipeline::stitch::{HostIo, Stitcher},
     pipeline::vqueue::{Layout, QueueIndex},
 };
@@ -35,74 +35,16 @@ pub struct SplitKey {
     pub vdisk: u32,
 }
 
-/// Host-window segments of one (VM, disk, op, vdisk).
-#[derive(Clone, Debug, PartialEq)]
-pub struct HostSplit {
-    pub hypervisor: Hist,
-    pub engine: Hist,
-    pub device: Hist,
-    pub window: Hist,
-    /// Pickup to the host's completion: the engine's submit side and the
-    /// device, without the engine's completion side (what an engine that
-    /// times a request up to its completion callback, before it signals
-    /// the guest, counts: QEMU's NVMe and iothreads).
-    pub pickup_to_done: Hist,
-    /// Of the hypervisor and engine segments, the owning thread's wait
-    /// for a CPU (`IoSpan::cpu_wait`).
-    pub hypervisor_cpu_wait: Hist,
-    pub engine_cpu_wait: Hist,
-    pub bytes: u64,
-}
-
-impl HostSplit {
-    /// Windows the kernel joined (the always-on tier: no CPU waits).
-    fn add_joined(&mut self, w: &JoinedWindows) {
-        self.bytes += w.bytes;
-        let seg = |i: usize| &w.segments[i];
-        self.hypervisor.merge_any(seg(vm_seg::HYPERVISOR));
-        self.engine.merge_any(seg(vm_seg::ENGINE));
-        self.device.merge_any(seg(vm_seg::DEVICE));
-        self.window.merge_any(seg(vm_seg::WINDOW));
-        self.pickup_to_done.merge_any(seg(vm_seg::PICKUP_TO_DONE));
-    }
-
-    /// Both tiers' windows together.
-    fn merge(&mut self, o: &HostSplit) {
-        self.bytes += o.bytes;
-        self.hypervisor.merge_any(&o.hypervisor);
-        self.engine.merge_any(&o.engine);
-        self.device.merge_any(&o.device);
-        self.window.merge_any(&o.window);
-        self.pickup_to_done.merge_any(&o.pickup_to_done);
-        self.hypervisor_cpu_wait.merge_any(&o.hypervisor_cpu_wait);
-        self.engine_cpu_wait.merge_any(&o.engine_cpu_wait);
-    }
-
-    fn record(&mut self, span: &IoSpan) {
-        self.bytes += u64::from(span.bytes);
-        self.hypervisor.record(span.hypervisor_ns);
-        self.engine.record(span.engine_ns);
-        self.device.record(span.device_ns);
-        self.window.record(span.total_ns);
-        self.pickup_to_done
-            .record(span.done_ns.saturating_sub(span.pick_ns));
-        self.hypervisor_cpu_wait.record(span.cpu_wait.hypervisor_ns);
-        self.engine_cpu_wait.record(span.cpu_wait.engine_ns);
-    }
-}
-
-impl Default for HostSplit {
-    fn default() -> Self {
-        Self {
-            hypervisor: Hist::fine(),
-            engine: Hist::fine(),
-            device: Hist::fine(),
-            window: Hist::fine(),
-            pickup_to_done: Hist::fine(),
-            hypervisor_cpu_wait: Hist::fine(),
-            engine_cpu_wait: Hist::fine(),
-            bytes: 0,
-        }
+/// Windows the kernel joined (the always-on tier: no CPU waits).
+fn add_joined(s: &mut SplitWindow, w: &JoinedWindows) {
+    s.bytes += w.bytes;
+    let seg = |i: usize| &w.segments[i];
+    s.hypervisor.merge_any(seg(vm_seg::HYPERVISOR));
+    s.engine.merge_any(seg(vm_seg::ENGINE));
+    s.device.merge_any(seg(vm_seg::DEVICE));
+    s.window.merge_any(seg(vm_seg::WINDOW));
+    if let Some(h) = &mut s.host {
+        h.pickup_to_done.merge_any(seg(vm_seg::PICKUP_TO_DONE));
     }
 }
 
@@ -133,8 +75,8 @@ impl Signal {
 /// The always-on tier's figures, as the kernel joined them.
 #[derive(Default)]
 struct KernelView {
-    splits: BTreeMap<SplitKey, HostSplit>,
-    queue_splits: BTreeMap<(SplitKey, u32), HostSplit>,
+    splits: BTreeMap<SplitKey, SplitWindow>,
+    queue_splits: BTreeMap<(SplitKey, u32), SplitWindow>,
     counters: SplitCounters,
 }
 
@@ -149,13 +91,13 @@ pub struct Correlator {
     /// Both tiers' host windows split, per (VM, disk, op, vdisk), as of the
     /// last `refresh` (the deep tier's recorded here, the always-on tier's
     /// read from the kernel).
-    pub splits: BTreeMap<SplitKey, HostSplit>,
+    pub splits: BTreeMap<SplitKey, SplitWindow>,
     /// The same per guest queue, where the kick's notifier names it (a VM
     /// found running, its notifiers made before iospan started, has none).
-    pub queue_splits: BTreeMap<(SplitKey, u32), HostSplit>,
+    pub queue_splits: BTreeMap<(SplitKey, u32), SplitWindow>,
     /// The deep tier's, recorded request by request.
-    deep_splits: BTreeMap<SplitKey, HostSplit>,
-    deep_queue_splits: BTreeMap<(SplitKey, u32), HostSplit>,
+    deep_splits: BTreeMap<SplitKey, SplitWindow>,
+    deep_queue_splits: BTreeMap<(SplitKey, u32), SplitWindow>,
     deep_counters: SplitCounters,
     kernel: KernelView,
     kernel_bases: HashMap<(u32, u32), QueueBases>,
@@ -286,9 +228,14 @@ impl Correlator {
                 op: Op::from_index(usize::from(k.op)).unwrap_or(Op::Other),
                 vdisk: k.vdisk,
             };
-            view.splits.entry(key).or_default().add_joined(w);
+            add_joined(view.splits.entry(key).or_insert_with(SplitWindow::host), w);
             if let Some(q) = self.kernel_queue(k, &bases) {
-                view.queue_splits.entry((key, q)).or_default().add_joined(w);
+                add_joined(
+                    view.queue_splits
+                        .entry((key, q))
+                        .or_insert_with(SplitWindow::host),
+                    w,
+                );
             }
         }
         for (k, u) in unsplit {
@@ -319,9 +266,9 @@ impl Correlator {
     /// The view readers see: both tiers' figures together.
     pub fn refresh(&mut self) {
         fn both<K: Ord + Copy>(
-            a: &BTreeMap<K, HostSplit>,
-            b: &BTreeMap<K, HostSplit>,
-        ) -> BTreeMap<K, HostSplit> {
+            a: &BTreeMap<K, SplitWindow>,
+            b: &BTreeMap<K, SplitWindow>,
+        ) -> BTreeMap<K, SplitWindow> {
             let mut out = a.clone();
             for (k, v) in b {
                 match out.get_mut(k) {
@@ -449,12 +396,15 @@ impl Correlator {
             vdisk: ev.vdisk,
         };
         let mut span = IoSpan::host_only(ev, sig, signal_wait_ns);
-        self.deep_splits.entry(key).or_default().record(&span);
+        self.deep_splits
+            .entry(key)
+            .or_insert_with(SplitWindow::host)
+            .record(&span);
         span.queue = self.queue_of(ev);
         if let Some(q) = span.queue {
             self.deep_queue_splits
                 .entry((key, q))
-                .or_default()
+                .or_insert_with(SplitWindow::host)
                 .record(&span);
         }
         if self.stitch.has_guest(ev.vm) {
@@ -572,7 +522,7 @@ mod tests {
         }
     }
 
-    fn split(c: &Correlator, vm: u32) -> &HostSplit {
+    fn split(c: &Correlator, vm: u32) -> &SplitWindow {
         c.deep_splits
             .get(&SplitKey {
                 vm,

@@ -33,13 +33,13 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::IoSpan;
+use crate::model::{IoSpan, SplitWindow};
 use crate::{
     abi::{
         GuestIoEvent, VmIoEvent, GUEST_F_NO_IRQ, GUEST_F_NO_KICK, GUEST_F_REAPED, GUEST_F_SYSCALL,
     },
     model::ChannelStats,
-    model::{Hist, Op},
+    model::Op,
 };
 
 /// A host request whose window was split, with the signal that ended it.
@@ -65,42 +65,6 @@ struct JoinKey {
     op: u8,
     pos: u64,
     bytes: u32,
-}
-
-/// The four segments of the joined requests of one (VM, virtual disk, op).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Stitched {
-    pub guest: Hist,
-    pub hypervisor: Hist,
-    pub engine: Hist,
-    pub device: Hist,
-    /// Guest-observed: the application's call → the call that reaped it.
-    pub total: Hist,
-    pub bytes: u64,
-}
-
-impl Stitched {
-    fn record(&mut self, sp: &IoSpan) {
-        self.bytes += u64::from(sp.bytes);
-        self.guest.record(sp.guest_ns);
-        self.hypervisor.record(sp.hypervisor_ns);
-        self.engine.record(sp.engine_ns);
-        self.device.record(sp.device_ns);
-        self.total.record(sp.total_ns);
-    }
-}
-
-impl Default for Stitched {
-    fn default() -> Self {
-        Self {
-            guest: Hist::fine(),
-            hypervisor: Hist::fine(),
-            engine: Hist::fine(),
-            device: Hist::fine(),
-            total: Hist::fine(),
-            bytes: 0,
-        }
-    }
 }
 
 /// What could not be joined, counted.
@@ -145,12 +109,35 @@ pub struct StitchCounters {
 /// uncertainty.
 #[derive(Clone, Debug, Default)]
 pub struct Clock {
-    /// (window start on the host clock, lower bounds, upper bounds) per second.
-    windows: VecDeque<(u64, Vec<i64>, Vec<i64>)>,
+    /// The bounds of each second, oldest first.
+    windows: VecDeque<BoundsWindow>,
     pub pairs: u64,
     /// The latest window's estimate, refreshed every few pairs (matching
     /// asks for it per request).
     cached: Option<i64>,
+}
+
+/// One second's bounds on a guest clock's offset.
+#[derive(Clone, Debug, Default)]
+struct BoundsWindow {
+    /// Its start, on the host clock.
+    start_ns: u64,
+    lower: Vec<i64>,
+    upper: Vec<i64>,
+}
+
+/// The offsets that violate the fewest bounds of a window: `low..=high`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct OffsetInterval {
+    low: i64,
+    high: i64,
+    violations: u64,
+}
+
+impl OffsetInterval {
+    fn mid(&self) -> i64 {
+        self.low / 2 + self.high / 2
+    }
 }
 
 /// What is known of a guest clock: host = guest + offset_ns (+ drift).
@@ -172,8 +159,8 @@ const MAX_WINDOWS: usize = 120;
 /// Bounds kept per window and side.
 const MAX_BOUNDS: usize = 2048;
 
-/// The interval of offsets violating the fewest bounds: (low, high, violations).
-fn best_interval(lower: &[i64], upper: &[i64]) -> Option<(i64, i64, u64)> {
+/// The interval of offsets violating the fewest bounds.
+fn best_interval(lower: &[i64], upper: &[i64]) -> Option<OffsetInterval> {
     let mut lo = lower.to_vec();
     let mut hi = upper.to_vec();
     lo.sort_unstable();
@@ -186,47 +173,54 @@ fn best_interval(lower: &[i64], upper: &[i64]) -> Option<(i64, i64, u64)> {
         |t: i64| (lo.len() - lo.partition_point(|&l| l <= t)) + hi.partition_point(|&u| u < t);
     let best = cands.iter().map(|&t| viol(t)).min()?;
     let at: Vec<i64> = cands.iter().copied().filter(|&t| viol(t) == best).collect();
-    Some((*at.first()?, *at.last()?, best as u64))
+    Some(OffsetInterval {
+        low: *at.first()?,
+        high: *at.last()?,
+        violations: best as u64,
+    })
 }
 
 impl Clock {
     fn add(&mut self, host_ns: u64, lo: Option<i64>, hi: Option<i64>) {
         self.pairs += 1;
         let start = host_ns - host_ns % WINDOW_NS;
-        if self.windows.back().is_none_or(|w| w.0 != start) {
-            self.windows.push_back((start, Vec::new(), Vec::new()));
+        if self.windows.back().is_none_or(|w| w.start_ns != start) {
+            self.windows.push_back(BoundsWindow {
+                start_ns: start,
+                ..Default::default()
+            });
             if self.windows.len() > MAX_WINDOWS {
                 self.windows.pop_front();
             }
         }
         if let Some(w) = self.windows.back_mut() {
-            if let Some(lo) = lo.filter(|_| w.1.len() < MAX_BOUNDS) {
-                w.1.push(lo);
+            if let Some(lo) = lo.filter(|_| w.lower.len() < MAX_BOUNDS) {
+                w.lower.push(lo);
             }
-            if let Some(hi) = hi.filter(|_| w.2.len() < MAX_BOUNDS) {
-                w.2.push(hi);
+            if let Some(hi) = hi.filter(|_| w.upper.len() < MAX_BOUNDS) {
+                w.upper.push(hi);
             }
         }
         if self.pairs % 64 == 1 {
             self.cached = self
                 .windows
                 .back()
-                .and_then(|w| best_interval(&w.1, &w.2))
-                .map(|(a, b, _)| a / 2 + b / 2);
+                .and_then(|w| best_interval(&w.lower, &w.upper))
+                .map(|i| i.mid());
         }
     }
 
     pub fn estimate(&self) -> Option<ClockEstimate> {
-        let fits: Vec<(u64, i64, i64, u64)> = self
+        let fits: Vec<(u64, OffsetInterval)> = self
             .windows
             .iter()
-            .filter(|w| !w.1.is_empty() && !w.2.is_empty())
-            .filter_map(|w| best_interval(&w.1, &w.2).map(|(a, b, v)| (w.0, a, b, v)))
+            .filter(|w| !w.lower.is_empty() && !w.upper.is_empty())
+            .filter_map(|w| best_interval(&w.lower, &w.upper).map(|i| (w.start_ns, i)))
             .collect();
-        let last = fits.last()?;
+        let (_, last) = *fits.last()?;
         let pts: Vec<(f64, f64)> = fits
             .iter()
-            .map(|f| (f.0 as f64, (f.1 as f64 + f.2 as f64) / 2.0))
+            .map(|(start, i)| (*start as f64, (i.low as f64 + i.high as f64) / 2.0))
             .collect();
         // Least squares through the windows' midpoints: the drift.
         let n = pts.len() as f64;
@@ -237,11 +231,11 @@ impl Clock {
             (a.0 + (c.0 - mx) * (c.1 - my), a.1 + (c.0 - mx).powi(2))
         });
         Some(ClockEstimate {
-            offset_ns: last.1 / 2 + last.2 / 2,
-            uncertainty_ns: (last.2 - last.1) / 2,
+            offset_ns: last.mid(),
+            uncertainty_ns: (last.high - last.low) / 2,
             drift_ppm: if sxx > 0.0 { sxy / sxx * 1e6 } else { 0.0 },
             pairs: self.pairs,
-            contradicting_bounds: fits.iter().map(|f| f.3).sum(),
+            contradicting_bounds: fits.iter().map(|(_, i)| i.violations).sum(),
         })
     }
 
@@ -266,6 +260,43 @@ const WAIT_WALL: std::time::Duration = std::time::Duration::from_secs(4);
 /// The queue count assumed for a disk the host said nothing of.
 const DEFAULT_QUEUES: u32 = 1;
 
+/// A guest record waiting for its host partner.
+#[derive(Clone, Copy, Debug)]
+struct WaitingGuest {
+    /// The host stream's time when it arrived: its `Arrival`'s.
+    stream_ns: u64,
+    event: GuestIoEvent,
+}
+
+/// Which side of a join a waiting record is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    Host,
+    Guest,
+}
+
+/// A record that arrived without its partner, in arrival order.
+#[derive(Clone, Copy, Debug)]
+struct Arrival {
+    /// The host stream's time then.
+    stream_ns: u64,
+    key: JoinKey,
+    side: Side,
+    /// The wall clock's time then.
+    at: std::time::Instant,
+}
+
+impl Arrival {
+    fn now(stream_ns: u64, key: JoinKey, side: Side) -> Self {
+        Self {
+            stream_ns,
+            key,
+            side,
+            at: std::time::Instant::now(),
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct Stitcher {
     hold_ns: u64,
@@ -280,16 +311,15 @@ pub struct Stitcher {
     /// VMs with a guest channel: their host requests wait for a partner.
     expected: std::collections::HashSet<u32>,
     host: HashMap<JoinKey, VecDeque<HostIo>>,
-    guest: HashMap<JoinKey, VecDeque<(u64, GuestIoEvent)>>,
-    /// Arrival order, for eviction: (host stream time, key, is_guest, wall
-    /// time of arrival).
-    order: VecDeque<(u64, JoinKey, bool, std::time::Instant)>,
+    guest: HashMap<JoinKey, VecDeque<WaitingGuest>>,
+    /// Arrival order, for eviction.
+    order: VecDeque<Arrival>,
     latest_ns: u64,
     pub clocks: HashMap<u32, Clock>,
-    pub stitched: BTreeMap<StitchKey, Stitched>,
+    pub stitched: BTreeMap<StitchKey, SplitWindow>,
     /// The same, per guest queue (the guest block layer's hardware
     /// context, which is the virtqueue or NVMe queue pair it submits to).
-    pub queues: BTreeMap<(StitchKey, u32), Stitched>,
+    pub queues: BTreeMap<(StitchKey, u32), SplitWindow>,
     pub counters: StitchCounters,
     /// Each VM's guest channel (VM slot -> what came through it).
     pub channels: BTreeMap<u32, ChannelStats>,
@@ -378,7 +408,7 @@ impl Stitcher {
         } else {
             self.host.entry(key).or_default().push_back(io);
             self.order
-                .push_back((self.latest_ns, key, false, std::time::Instant::now()));
+                .push_back(Arrival::now(self.latest_ns, key, Side::Host));
         }
         self.evict(false);
     }
@@ -419,12 +449,12 @@ impl Stitcher {
                     return;
                 }
                 *waiting += 1;
-                self.guest
-                    .entry(key)
-                    .or_default()
-                    .push_back((self.latest_ns, g));
+                self.guest.entry(key).or_default().push_back(WaitingGuest {
+                    stream_ns: self.latest_ns,
+                    event: g,
+                });
                 self.order
-                    .push_back((self.latest_ns, key, true, std::time::Instant::now()));
+                    .push_back(Arrival::now(self.latest_ns, key, Side::Guest));
             }
         }
         self.evict(false);
@@ -435,11 +465,11 @@ impl Stitcher {
         let q = self.guest.get_mut(&key)?;
         // Guest kicks against the host's kick moved to the guest's clock.
         let i = best(
-            q.iter().map(|(_, g)| g.kick_ns),
+            q.iter().map(|w| w.event.kick_ns),
             h.ev.kick_ns,
             offset.map(|o| -o),
         )?;
-        let g = q.remove(i).map(|(_, g)| g);
+        let g = q.remove(i).map(|w| w.event);
         if q.is_empty() {
             self.guest.remove(&key);
         }
@@ -526,9 +556,15 @@ impl Stitcher {
             queue: self.queue_ok(ev.vm, ev.vdisk, g.queue),
             ..host
         };
-        self.stitched.entry(key).or_default().record(&span);
+        self.stitched
+            .entry(key)
+            .or_insert_with(SplitWindow::joined)
+            .record(&span);
         if let Some(q) = span.queue {
-            self.queues.entry((key, q)).or_default().record(&span);
+            self.queues
+                .entry((key, q))
+                .or_insert_with(SplitWindow::joined)
+                .record(&span);
         }
         if let Some(t) = self.tails.as_mut() {
             t.record(&span);
@@ -544,19 +580,24 @@ impl Stitcher {
     /// guest's records wait no longer when no host I/O moves the stream.
     fn evict(&mut self, all: bool) {
         let now = std::time::Instant::now();
-        while let Some(&(t, key, is_guest, arrived)) = self.order.front() {
+        while let Some(&Arrival {
+            stream_ns: t,
+            key,
+            side,
+            at,
+        }) = self.order.front()
+        {
             let stream_due = t.saturating_add(self.hold_ns) <= self.latest_ns;
-            let wall_due =
-                now.saturating_duration_since(arrived) >= self.wait_wall.unwrap_or(WAIT_WALL);
+            let wall_due = now.saturating_duration_since(at) >= self.wait_wall.unwrap_or(WAIT_WALL);
             if !all && !stream_due && !wall_due {
                 break;
             }
             self.order.pop_front();
             // The entry may have been joined since; only a still-waiting
             // one of that arrival time is unmatched.
-            if is_guest {
+            if side == Side::Guest {
                 if let Some(q) = self.guest.get_mut(&key) {
-                    if let Some(i) = q.iter().position(|(at, _)| *at == t) {
+                    if let Some(i) = q.iter().position(|w| w.stream_ns == t) {
                         q.remove(i);
                         self.counters.unmatched_guest += 1;
                         if let Some(w) = self.waiting_guest.get_mut(&key.vm) {
@@ -629,6 +670,7 @@ fn best(mut kicks: impl Iterator<Item = u64>, reference: u64, shift: Option<i64>
 mod tests {
     use super::*;
     use crate::abi::{EVENT_GUEST_IO, EVENT_VM_IO};
+    use crate::model::Hist;
 
     const THETA: u64 = 5_000_000_000; // host = guest + 5 s
 
@@ -696,8 +738,16 @@ mod tests {
             op: Op::Read,
         }];
         let mean = |h: &Hist| h.summary().mean_us;
-        assert!((mean(&st.total) - 135.0).abs() < 0.5, "{}", mean(&st.total));
-        assert!((mean(&st.guest) - 70.0).abs() < 0.5, "{}", mean(&st.guest));
+        assert!(
+            (mean(&st.window) - 135.0).abs() < 0.5,
+            "{}",
+            mean(&st.window)
+        );
+        assert!(
+            (mean(st.guest.as_ref().expect("the joined view's guest segment")) - 70.0).abs() < 0.5,
+            "{}",
+            mean(st.guest.as_ref().expect("the joined view's guest segment"))
+        );
         assert!((mean(&st.hypervisor) - 10.0).abs() < 0.5);
         assert_eq!(s.counters.app_ends_from_block_layer, 0);
         // Without its reaping call: the block layer's completion ends it.
@@ -740,7 +790,10 @@ mod tests {
         let (g, h) = pair(1 << 20, 2_000_000);
         s.on_guest(1, g);
         s.on_host(h);
-        assert_eq!(s.stitched.values().map(|st| st.total.count).sum::<u64>(), 1);
+        assert_eq!(
+            s.stitched.values().map(|st| st.window.count).sum::<u64>(),
+            1
+        );
         assert_eq!(bound(u64::MAX, 0), None);
         assert_eq!(bound(5, 7), Some(-2));
         assert_eq!(
@@ -762,12 +815,16 @@ mod tests {
         }];
         let mean = |h: &Hist| h.summary().mean_us;
         // guest 10 + 5, device 40, engine 5 + 10, hypervisor 80 - 70 = 10.
-        assert_eq!(st.total.summary().count, 1);
-        assert!((mean(&st.guest) - 15.0).abs() < 0.5, "{}", mean(&st.guest));
+        assert_eq!(st.window.summary().count, 1);
+        assert!(
+            (mean(st.guest.as_ref().expect("the joined view's guest segment")) - 15.0).abs() < 0.5,
+            "{}",
+            mean(st.guest.as_ref().expect("the joined view's guest segment"))
+        );
         assert!((mean(&st.device) - 40.0).abs() < 0.5);
         assert!((mean(&st.engine) - 15.0).abs() < 0.5);
         assert!((mean(&st.hypervisor) - 10.0).abs() < 0.5);
-        assert!((mean(&st.total) - 80.0).abs() < 1.0);
+        assert!((mean(&st.window) - 80.0).abs() < 1.0);
     }
 
     #[test]
@@ -828,7 +885,7 @@ mod tests {
         assert_eq!(
             s.stitched
                 .values()
-                .map(|v| v.total.summary().count)
+                .map(|v| v.window.summary().count)
                 .sum::<u64>(),
             3
         );
@@ -874,7 +931,7 @@ mod tests {
             s.on_guest(1, g);
             s.on_host(h);
         }
-        let joined = s.stitched.values().map(|st| st.total.count).sum::<u64>();
+        let joined = s.stitched.values().map(|st| st.window.count).sum::<u64>();
         assert_eq!(joined, 1000, "every real I/O is still joined");
         assert!(
             s.queues.keys().all(|(_, q)| *q < 4),
