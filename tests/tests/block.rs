@@ -21,7 +21,8 @@ struct Case {
 }
 
 fn traced_fio(rw: &str, qd: u32) -> Case {
-    let dir = tempdir();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let dev = ScratchLoop::create(Path::new("/dev/shm"), 256).expect("scratch loop device");
     let report_path = dir.join("report.json");
     let fio_path = dir.join("fio.json");
@@ -69,16 +70,6 @@ fn traced_fio(rw: &str, qd: u32) -> Case {
         report,
         entry,
     }
-}
-
-fn tempdir() -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "iospan-test-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 fn f(v: &Value) -> f64 {

@@ -262,7 +262,8 @@ fn json_report_and_per_request_stream_agree() {
 #[test]
 fn slower_than_streams_only_slow_requests() {
     let dev = ScratchLoop::create(Path::new("/dev/shm"), 64).unwrap();
-    let events = std::env::temp_dir().join(format!("iospan-slow-{}.jsonl", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let events = tmp.path().join("slow.jsonl");
     let out = run(Command::new(iospan_bin())
         .args([
             "run",
@@ -303,7 +304,8 @@ fn slower_than_streams_only_slow_requests() {
 
 #[test]
 fn demo_traces_fio_on_a_scratch_disk_and_prints_the_table() {
-    let json = std::env::temp_dir().join(format!("iospan-demo-{}.json", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("demo.json");
     let out = run(Command::new(iospan_bin())
         .args(["demo", "--json-out"])
         .arg(&json));
@@ -337,7 +339,8 @@ fn more_disks_than_slots_are_counted_not_mixed() {
     // counted as conflicts, never added to the first disk's numbers.
     let a = ScratchLoop::create(Path::new("/dev/shm"), 32).unwrap();
     let b = ScratchLoop::create(Path::new("/dev/shm"), 32).unwrap();
-    let report = std::env::temp_dir().join(format!("iospan-slots-{}.json", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let report = tmp.path().join("slots.json");
     let script = format!(
         "dd if={} of=/dev/null bs=4k count=500 iflag=direct status=none && dd if={} of=/dev/null bs=4k count=300 iflag=direct status=none",
         a.dev_path(),

@@ -55,8 +55,8 @@ fn every_shipped_collector_config_validates() {
         }
     }
     // And a broken one is refused, naming what is wrong.
-    let bad =
-        std::env::temp_dir().join(format!("iospan-bad-collector-{}.yaml", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let bad = tmp.path().join("bad-collector.yaml");
     let text = std::fs::read_to_string(dir.join("gateway.yaml"))
         .unwrap()
         .replace("threshold_ms:", "threshold_mss:");
@@ -108,8 +108,8 @@ fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
             ..Default::default()
         };
         let (qemu, _) = xtask::guest::qemu_command(&rig, &a, &image);
-        let dir = std::env::temp_dir().join(format!("iospan-fleet-{vm}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let (rep, ev) = (dir.join("report.json"), dir.join("events.jsonl"));
         agent_integration::run_around(
             Command::new(agent_integration::iospan_bin())
@@ -149,7 +149,6 @@ fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
             "{vm}"
         );
         exported.insert(vm.to_string(), totals);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     // What Jaeger holds, per VM, once the gateway has decided.

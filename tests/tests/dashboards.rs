@@ -13,14 +13,15 @@ fn repo_dashboard() -> (PathBuf, Value) {
 }
 
 /// A copy of the dashboard, changed by `edit`, alone in a directory.
-fn variant(tag: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
+fn variant(tag: &str, edit: impl FnOnce(&mut Value)) -> tempfile::TempDir {
     let (_, mut v) = repo_dashboard();
     edit(&mut v);
-    let dir = std::env::temp_dir().join(format!("iospan-dash-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("iospan-dash-{tag}-"))
+        .tempdir()
+        .unwrap();
     std::fs::write(
-        dir.join("d.json"),
+        dir.path().join("d.json"),
         serde_json::to_string_pretty(&v).unwrap(),
     )
     .unwrap();
@@ -57,7 +58,7 @@ fn a_broken_expression_is_refused() {
     let dir = variant("promql", |v| {
         v["panels"][0]["targets"][0]["expr"] = "sum by (segment (rate(x[1m]))".into();
     });
-    let e = dashboards::check_dir(&dir).expect_err("unbalanced parentheses");
+    let e = dashboards::check_dir(dir.path()).expect_err("unbalanced parentheses");
     assert!(format!("{e:#}").contains("PromQL"), "{e:#}");
 }
 
@@ -66,6 +67,6 @@ fn a_field_of_the_wrong_type_is_refused() {
     let dir = variant("schema", |v| {
         v["graphTooltip"] = "shared".into();
     });
-    let e = dashboards::check_dir(&dir).expect_err("graphTooltip is a number");
+    let e = dashboards::check_dir(dir.path()).expect_err("graphTooltip is a number");
     assert!(format!("{e:#}").contains("schema"), "{e:#}");
 }

@@ -43,7 +43,8 @@ fn prometheus_percentiles_match_the_report() {
         ..Default::default()
     };
     let (qemu, _) = guest::qemu_command(&rig, &a, &image);
-    let report = std::env::temp_dir().join(format!("iospan-prom-{}.json", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let report = tmp.path().join("prom.json");
     // The VM, then three seconds more of serving: the last scrapes see the
     // finished run.
     let mut shell = format!("'{}'", qemu.get_program().to_string_lossy());
@@ -212,7 +213,8 @@ fn otlp_exponential_histograms_match_the_report() {
         ..Default::default()
     };
     let (qemu, _) = guest::qemu_command(&rig, &a, &image);
-    let report = std::env::temp_dir().join(format!("iospan-otlpm-{}.json", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let report = tmp.path().join("otlpm.json");
     run_around(
         Command::new(iospan_bin())
             .args(["run", "--quiet", "--disk", &host])

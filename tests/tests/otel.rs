@@ -28,8 +28,8 @@ fn traced_with_console(
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let (qemu, guest_dev) = guest::qemu_command(&rig, a, &image);
-    let report =
-        std::env::temp_dir().join(format!("iospan-otel-{tag}-{}.json", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let report = tmp.path().join(format!("otel-{tag}.json"));
     let t = std::time::Instant::now();
     let out = run_around(
         Command::new(iospan_bin())
@@ -343,10 +343,8 @@ fn a_collector_that_never_answers_costs_only_the_queue() {
             ..Default::default()
         };
         let (qemu, _) = guest::qemu_command(&rig, &a, &image);
-        let report = std::env::temp_dir().join(format!(
-            "iospan-otel-hole-{queue}-{}.json",
-            std::process::id()
-        ));
+        let tmp = tempfile::tempdir().unwrap();
+        let report = tmp.path().join(format!("otel-hole-{queue}.json"));
         let mut agent = Command::new(iospan_bin())
             .args(["run", "--quiet", "--disk", &host])
             .args(agent_integration::rig_split_args())

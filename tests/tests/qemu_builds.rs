@@ -20,9 +20,8 @@ fn as_program(name: &str, vm: &str, bare_name: bool) {
         ..Default::default()
     };
     let (qemu, guest_dev) = guest::qemu_command(&rig, &a, &image);
-    let dir = std::env::temp_dir().join(format!("iospan-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let real = which("qemu-system-x86_64");
     let program = dir.join(name);
     std::os::unix::fs::symlink(&real, &program).unwrap();
@@ -74,7 +73,6 @@ fn as_program(name: &str, vm: &str, bare_name: bool) {
     for k in ["hypervisor", "engine", "device"] {
         assert_eq!(e["segments"][k]["count"], w["count"], "{k}: {e}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn which(tool: &str) -> std::path::PathBuf {

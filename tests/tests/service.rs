@@ -15,13 +15,15 @@ use xtask::{
     guest::{self, RunArgs},
 };
 
-fn config_file(tag: &str, text: &str) -> std::path::PathBuf {
-    let p = std::env::temp_dir().join(format!("iospan-{tag}-{}.toml", std::process::id()));
-    std::fs::File::create(&p)
-        .unwrap()
-        .write_all(text.as_bytes())
+/// A configuration file, removed when the test drops it.
+fn config_file(tag: &str, text: &str) -> tempfile::TempPath {
+    let mut f = tempfile::Builder::new()
+        .prefix(&format!("iospan-{tag}-"))
+        .suffix(".toml")
+        .tempfile()
         .unwrap();
-    p
+    f.write_all(text.as_bytes()).unwrap();
+    f.into_temp_path()
 }
 
 #[test]
@@ -184,8 +186,8 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
     // The same boot under a standalone `iospan run` as well: the two count
     // the same requests.
     let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
-    let standalone =
-        std::env::temp_dir().join(format!("iospan-svc-standalone-{}.json", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let standalone = tmp.path().join("svc-standalone.json");
     let t0 = Instant::now();
     let out = run_around(
         Command::new(iospan_bin())

@@ -16,11 +16,8 @@ use xtask::guest::{self, RunArgs};
 /// guest kernel's own.
 fn verify_passes(a: RunArgs) -> (u64, u64) {
     let (rig, image) = rig_and_image();
-    let report = std::env::temp_dir().join(format!(
-        "iospan-verify-{}-{}.json",
-        a.name,
-        std::process::id()
-    ));
+    let tmp = tempfile::tempdir().unwrap();
+    let report = tmp.path().join(format!("verify-{}.json", a.name));
     let mut verify = Command::new(iospan_bin())
         .args(["verify", "--vm", &a.name, "--duration", "45s", "--json-out"])
         .arg(&report)
@@ -174,11 +171,10 @@ fn a_vm_without_a_monitor_is_said_so_and_fails_verify() {
 fn an_api_run_carries_qemus_own_count() {
     let (rig, image) = rig_and_image();
     let host = agent_integration::host_disk_of(&image);
-    let dir = std::env::temp_dir().join(format!("iospan-api-qemu-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let addr = format!("127.0.0.1:{}", xtask::backends::free_port().unwrap());
-    let (conf, token_file) = agent_integration::agent_config(&dir, &host, &addr);
+    let (conf, token_file) = agent_integration::agent_config(dir, &host, &addr);
     let _agent = Reap(
         Command::new(iospan_bin())
             .args(["agent", "--config"])
@@ -270,5 +266,4 @@ fn an_api_run_carries_qemus_own_count() {
         q["iospan_ops"].as_u64(),
         Some(e["ios"].as_u64().unwrap() + e["undelivered"].as_u64().unwrap())
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -222,6 +222,63 @@ pub fn read(source: &Source, vm: &Vm) -> Result<Counts> {
     }
 }
 
+/// QMP's messages, as much of each as is read here (QEMU's QAPI schema
+/// names them; its generated bindings would be a large crate for three
+/// messages).
+mod qmp {
+    use serde::Deserialize;
+
+    /// The monitor's greeting: `{"QMP": {"version": …, "capabilities": …}}`.
+    #[derive(Debug, Deserialize)]
+    pub struct Greeting {
+        #[serde(rename = "QMP")]
+        pub _qmp: serde::de::IgnoredAny,
+    }
+
+    /// A message after the greeting: a command's `return` or `error`, or
+    /// an event (neither).
+    #[derive(Debug, Deserialize)]
+    pub struct Reply {
+        #[serde(rename = "return")]
+        pub ret: Option<serde_json::Value>,
+        pub error: Option<Error>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    pub struct Error {
+        #[serde(default)]
+        pub class: String,
+        #[serde(default)]
+        pub desc: String,
+    }
+
+    /// One entry of `query-blockstats` (`BlockStats`): a block backend by
+    /// its drive and device, or with `query-nodes` a node by its name.
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(default)]
+    pub struct BlockStats {
+        pub device: String,
+        pub qdev: String,
+        #[serde(rename = "node-name")]
+        pub node_name: String,
+        pub stats: BlockDeviceStats,
+    }
+
+    /// Its counters (`BlockDeviceStats`), since QEMU started.
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(default)]
+    pub struct BlockDeviceStats {
+        pub rd_operations: u64,
+        pub rd_bytes: u64,
+        pub rd_total_time_ns: u64,
+        pub wr_operations: u64,
+        pub wr_bytes: u64,
+        pub wr_total_time_ns: u64,
+        pub flush_operations: u64,
+        pub flush_total_time_ns: u64,
+    }
+}
+
 /// The peer's pid of a connected unix socket.
 fn peer_pid(s: &UnixStream) -> Option<u32> {
     let cred = rustix::net::sockopt::socket_peercred(s).ok()?;
@@ -260,14 +317,14 @@ impl Session {
                 socket.display()
             )
         })?;
-        if greeting.get("QMP").is_none() {
-            bail!("{}: not a QMP monitor: {greeting}", socket.display());
+        if let Err(e) = serde_json::from_slice::<qmp::Greeting>(&greeting) {
+            bail!("{}: not a QMP monitor: {e}", socket.display());
         }
-        session.execute("{\"execute\":\"qmp_capabilities\"}")?;
+        session.execute::<serde::de::IgnoredAny>("{\"execute\":\"qmp_capabilities\"}")?;
         Ok(session)
     }
 
-    fn blockstats(&mut self, nodes: bool) -> Result<serde_json::Value> {
+    fn blockstats(&mut self, nodes: bool) -> Result<Vec<qmp::BlockStats>> {
         self.execute(if nodes {
             "{\"execute\":\"query-blockstats\",\"arguments\":{\"query-nodes\":true}}"
         } else {
@@ -275,25 +332,30 @@ impl Session {
         })
     }
 
-    /// One command's `return`; events before it are passed over.
-    fn execute(&mut self, cmd: &str) -> Result<serde_json::Value> {
+    /// One command's `return`, as `T`; events before it are passed over.
+    fn execute<T: serde::de::DeserializeOwned>(&mut self, cmd: &str) -> Result<T> {
+        let socket = self.socket.display();
         writeln!(self.w, "{cmd}")
-            .with_context(|| format!("writing to the QMP monitor {}", self.socket.display()))?;
+            .with_context(|| format!("writing to the QMP monitor {socket}"))?;
         loop {
-            let m = next_message(&mut self.r)
-                .with_context(|| format!("QMP monitor {}", self.socket.display()))?;
-            if let Some(e) = m.get("error") {
-                bail!("{}: {cmd}: {e}", self.socket.display());
+            let line =
+                next_message(&mut self.r).with_context(|| format!("QMP monitor {socket}"))?;
+            let reply: qmp::Reply = serde_json::from_slice(&line)
+                .with_context(|| format!("QMP monitor {socket}: a message that is not QMP's"))?;
+            if let Some(e) = reply.error {
+                bail!("{socket}: {cmd}: {} ({})", e.desc, e.class);
             }
-            if let Some(ret) = m.get("return") {
-                return Ok(ret.clone());
+            if let Some(ret) = reply.ret {
+                return serde_json::from_value(ret).with_context(|| {
+                    format!("{socket}: {cmd}: an answer not as QEMU documents it")
+                });
             }
         }
     }
 }
 
-/// One JSON message of a QMP stream (a line), at most `MAX_REPLY` bytes.
-fn next_message<R: BufRead>(r: &mut R) -> Result<serde_json::Value> {
+/// One message of a QMP stream (a line), at most `MAX_REPLY` bytes.
+fn next_message<R: BufRead>(r: &mut R) -> Result<Vec<u8>> {
     let mut line = Vec::new();
     let n = <&mut R as std::io::Read>::take(r, MAX_REPLY as u64 + 1)
         .read_until(b'\n', &mut line)
@@ -304,7 +366,7 @@ fn next_message<R: BufRead>(r: &mut R) -> Result<serde_json::Value> {
     if line.len() > MAX_REPLY {
         bail!("a QMP message over {MAX_REPLY} bytes");
     }
-    serde_json::from_slice(&line).context("a QMP message that is not JSON")
+    Ok(line)
 }
 
 /// The virtual disk a blockstats entry belongs to: by the device's QOM
@@ -324,27 +386,26 @@ fn vdisk_of<'a>(vm: &'a Vm, device: &str, qdev: &str) -> Option<&'a str> {
 
 /// `query-blockstats`'s answer as counters per virtual disk of `vm`
 /// (entries that are no disk of its command line are left out).
-pub fn parse_blockstats(ret: &serde_json::Value, vm: &Vm) -> Counts {
+fn parse_blockstats(ret: &[qmp::BlockStats], vm: &Vm) -> Counts {
     let mut out = Counts::new();
-    for e in ret.as_array().into_iter().flatten() {
-        let text = |k: &str| e[k].as_str().unwrap_or("").to_string();
-        let Some(id) = vdisk_of(vm, &text("device"), &text("qdev")) else {
+    for e in ret {
+        let Some(id) = vdisk_of(vm, &e.device, &e.qdev) else {
             continue;
         };
-        out.insert(id.to_string(), counts_of(&e["stats"]));
+        out.insert(id.to_string(), counts_of(&e.stats));
     }
     out
 }
 
 /// `query-blockstats` with `query-nodes` as counters per virtual disk:
 /// each entry whose node is one of `nodes` (node name → virtual disk).
-pub fn parse_node_blockstats(ret: &serde_json::Value, nodes: &BTreeMap<String, String>) -> Counts {
+fn parse_node_blockstats(ret: &[qmp::BlockStats], nodes: &BTreeMap<String, String>) -> Counts {
     let mut out = Counts::new();
-    for e in ret.as_array().into_iter().flatten() {
-        let Some(vdisk) = e["node-name"].as_str().and_then(|n| nodes.get(n)) else {
+    for e in ret {
+        let Some(vdisk) = nodes.get(&e.node_name) else {
             continue;
         };
-        out.insert(vdisk.clone(), counts_of(&e["stats"]));
+        out.insert(vdisk.clone(), counts_of(&e.stats));
     }
     out
 }
@@ -353,17 +414,16 @@ pub fn parse_node_blockstats(ret: &serde_json::Value, nodes: &BTreeMap<String, S
 /// `*_operations`, one merged into another (virtio-blk merges adjacent
 /// ones it takes from the ring together) as well: `*_merged` counts the
 /// merges, not more requests.
-fn counts_of(stats: &serde_json::Value) -> DiskCounts {
-    let s = |k: &str| stats[k].as_u64().unwrap_or(0);
+fn counts_of(s: &qmp::BlockDeviceStats) -> DiskCounts {
     DiskCounts {
-        rd_ops: s("rd_operations"),
-        rd_bytes: s("rd_bytes"),
-        rd_ns: s("rd_total_time_ns"),
-        wr_ops: s("wr_operations"),
-        wr_bytes: s("wr_bytes"),
-        wr_ns: s("wr_total_time_ns"),
-        fl_ops: s("flush_operations"),
-        fl_ns: s("flush_total_time_ns"),
+        rd_ops: s.rd_operations,
+        rd_bytes: s.rd_bytes,
+        rd_ns: s.rd_total_time_ns,
+        wr_ops: s.wr_operations,
+        wr_bytes: s.wr_bytes,
+        wr_ns: s.wr_total_time_ns,
+        fl_ops: s.flush_operations,
+        fl_ns: s.flush_total_time_ns,
     }
 }
 
@@ -451,7 +511,7 @@ mod tests {
              "stats": {"wr_operations": 7}},
             {"device": "", "qdev": "/machine/peripheral/other", "stats": {"rd_operations": 9}}
         ]);
-        let c = parse_blockstats(&ret, &v);
+        let c = parse_blockstats(&serde_json::from_value::<Vec<_>>(ret).unwrap(), &v);
         assert_eq!(c.len(), 3, "{c:?}");
         assert_eq!(c["vd0"].rd_ops, 2000);
         assert_eq!(c["vd0"].rd_ns, 1_600_000_000);
@@ -529,7 +589,7 @@ mod tests {
             {"node-name": "file0", "stats": {"rd_operations": 1}},
             {"node-name": "disk0", "stats": {"rd_operations": 0, "rd_merged": 0}},
         ]);
-        let c = parse_node_blockstats(&ret, &nodes);
+        let c = parse_node_blockstats(&serde_json::from_value::<Vec<_>>(ret).unwrap(), &nodes);
         assert_eq!(c.len(), 1);
         assert_eq!(c["vd0"], DiskCounts::default());
     }
@@ -593,7 +653,7 @@ mod tests {
         // capabilities: answers 3, 5, 7.
         assert_eq!(ops, [3, 5, 7]);
         let mut m = Session::open(&path, std::process::id()).expect("the monitor is free");
-        assert_eq!(m.blockstats(false).unwrap()[0]["stats"]["rd_operations"], 9);
+        assert_eq!(m.blockstats(false).unwrap()[0].stats.rd_operations, 9);
         drop(m);
         // A monitor not served by the process named is refused.
         let other = Source::Qmp {
