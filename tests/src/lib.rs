@@ -376,87 +376,34 @@ pub fn host_disk_of(path: &Path) -> String {
         .into_owned()
 }
 
-/// A program in a real terminal: a detached tmux session.
-pub struct Tmux(String);
+/// A terminal for a full-screen program (xtask's session), each step
+/// failing the test.
+pub struct Tmux(xtask::tmux::Tmux);
 
 impl Tmux {
     /// Starts `cmd` in a `width`×`height` terminal.
     pub fn start(cmd: &str, width: u16, height: u16) -> Self {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let name = format!(
-            "iospan-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        );
-        let ok = std::process::Command::new("tmux")
-            .args([
-                "new-session",
-                "-d",
-                "-s",
-                &name,
-                "-x",
-                &width.to_string(),
-                "-y",
-                &height.to_string(),
-                cmd,
-            ])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "tmux new-session");
-        Self(name)
+        Self(xtask::tmux::Tmux::start(cmd, width, height).unwrap_or_else(|e| panic!("{e:#}")))
     }
 
     pub fn screen(&self) -> String {
-        let out = std::process::Command::new("tmux")
-            .args(["capture-pane", "-p", "-t", &self.0])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        self.0.screen().unwrap_or_else(|e| panic!("{e:#}"))
     }
 
     /// Types each key (tmux key names: "Enter", "Escape", "m").
     pub fn keys(&self, keys: &[&str]) {
-        for k in keys {
-            assert!(std::process::Command::new("tmux")
-                .args(["send-keys", "-t", &self.0, k])
-                .status()
-                .unwrap()
-                .success());
-            std::thread::sleep(std::time::Duration::from_millis(150));
-        }
+        self.0.keys(keys).unwrap_or_else(|e| panic!("{e:#}"));
     }
 
-    /// Waits for the screen to satisfy `ok`; the last screen either way.
+    /// Waits for the screen to satisfy `ok` (90 s at most): that screen.
     pub fn until(&self, what: &str, ok: impl Fn(&str) -> bool) -> String {
-        let t = std::time::Instant::now();
-        loop {
-            let s = self.screen();
-            if ok(&s) {
-                return s;
-            }
-            assert!(
-                t.elapsed() < std::time::Duration::from_secs(90),
-                "timed out waiting for {what}:\n{s}"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(250));
-        }
+        self.0
+            .until(what, std::time::Duration::from_secs(90), ok)
+            .unwrap_or_else(|e| panic!("{e:#}"))
     }
 
     pub fn alive(&self) -> bool {
-        std::process::Command::new("tmux")
-            .args(["has-session", "-t", &self.0])
-            .status()
-            .unwrap()
-            .success()
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("tmux")
-            .args(["kill-session", "-t", &self.0])
-            .status();
+        self.0.alive()
     }
 }
 

@@ -515,7 +515,8 @@ fn top_connects_to_several_agents_and_groups_their_rows() {
     let addrs: Vec<String> = (0..2)
         .map(|_| format!("127.0.0.1:{}", free_port().unwrap()))
         .collect();
-    let _agents: Vec<Agent> = addrs
+    // Each agent with its configuration, kept while it runs.
+    let _agents: Vec<(Agent, tempfile::TempPath)> = addrs
         .iter()
         .enumerate()
         .map(|(i, a)| {
@@ -523,7 +524,7 @@ fn top_connects_to_several_agents_and_groups_their_rows() {
                 &format!("fleet{i}"),
                 &format!("[agent]\ndisks = [\"{host}\"]\nvms = false\n[api]\nlisten = \"{a}\"\n"),
             );
-            Agent::start(&p)
+            (Agent::start(&p), p)
         })
         .collect();
     for a in &addrs {

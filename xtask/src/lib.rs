@@ -17,3 +17,4 @@ pub mod pictures;
 pub mod qemu_release;
 pub mod setup;
 pub mod sh;
+pub mod tmux;

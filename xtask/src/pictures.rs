@@ -11,7 +11,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-use crate::{backends, guest, setup, sh};
+use crate::{backends, guest, setup, sh, tmux::Tmux};
 
 #[derive(clap::Args)]
 pub struct PicturesArgs {
@@ -75,46 +75,6 @@ fn start_guest(rig: &guest::Rig, image: &Path, name: &str, ios: u64) -> Result<R
     Ok(Running(child))
 }
 
-/// A detached tmux session, killed when dropped.
-struct Tmux(String);
-
-impl Tmux {
-    fn start(cmd: &str, width: u16, height: u16) -> Result<Self> {
-        let name = format!("iospan-pictures-{}", std::process::id());
-        sh::run(Command::new("tmux").args([
-            "new-session",
-            "-d",
-            "-s",
-            &name,
-            "-x",
-            &width.to_string(),
-            "-y",
-            &height.to_string(),
-            cmd,
-        ]))?;
-        Ok(Self(name))
-    }
-
-    /// The screen; with `colours`, its SGR escapes kept.
-    fn screen(&self, colours: bool) -> Result<String> {
-        let mut c = Command::new("tmux");
-        c.args(["capture-pane", "-p", "-t", &self.0]);
-        if colours {
-            c.arg("-e");
-        }
-        let out = c.output().context("tmux capture-pane")?;
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        let _ = Command::new("tmux")
-            .args(["kill-session", "-t", &self.0])
-            .status();
-    }
-}
-
 /// `iospan top` beside the rig guest, once the guest's row has every
 /// segment filled in and a few intervals behind it.
 fn top_picture(rig: &guest::Rig, image: &Path, svg: &Path) -> Result<()> {
@@ -124,20 +84,16 @@ fn top_picture(rig: &guest::Rig, image: &Path, svg: &Path) -> Result<()> {
         150,
         11,
     )?;
-    wait_for("top's header", Duration::from_secs(60), || {
-        Ok(tmux.screen(false)?.contains("VM / DISK"))
+    tmux.until("top's header", Duration::from_secs(60), |s| {
+        s.contains("VM / DISK")
     })?;
     let _guest = start_guest(rig, image, "web01", 10_000_000)?;
-    let shown = wait_for("the guest's row", Duration::from_secs(120), || {
-        let s = tmux.screen(false)?;
-        Ok(s.lines().any(|l| l.trim_start().starts_with("web01")))
-    });
-    if let Err(e) = shown {
-        bail!("{e}; the screen:\n{}", tmux.screen(false)?);
-    }
+    tmux.until("the guest's row", Duration::from_secs(120), |s| {
+        s.lines().any(|l| l.trim_start().starts_with("web01"))
+    })?;
     // A few intervals at a steady rate.
     std::thread::sleep(Duration::from_secs(5));
-    let screen = tmux.screen(true)?;
+    let screen = tmux.screen_with_colours()?;
     std::fs::write(svg, ansi_to_svg(&screen)).with_context(|| format!("{}", svg.display()))
 }
 
