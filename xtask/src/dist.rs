@@ -3,7 +3,7 @@
 //! dashboards. cargo-deb is installed into cargo's bin directory when
 //! missing (once; outside the checkout).
 
-use std::{path::PathBuf, process::Command};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
@@ -12,13 +12,9 @@ use crate::sh;
 /// The cargo-deb release the packaging is made with.
 const CARGO_DEB: &str = "3.8.0";
 
-fn cargo() -> String {
-    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
-}
-
 /// cargo-deb, installed if absent.
 pub fn ensure_cargo_deb() -> Result<()> {
-    let have = Command::new(cargo())
+    let have = sh::cargo_command()
         .args(["deb", "--version"])
         .output()
         .is_ok_and(|o| o.status.success());
@@ -41,10 +37,9 @@ pub fn build() -> Result<PathBuf> {
         deb_arch()?
     ));
     sh::run(
-        Command::new(cargo())
+        sh::cargo_command()
             .args(["deb", "-p", "iospan", "--no-build", "--output"])
-            .arg(&deb)
-            .current_dir(sh::root()),
+            .arg(&deb),
     )?;
     if !deb.exists() {
         bail!("cargo deb did not write {}", deb.display());

@@ -129,6 +129,7 @@ fn one(t: &str, seconds: u64, new: Option<&std::path::Path>, build: Build) -> Re
         .collect();
     eprintln!("xtask: fuzz: {t} for {seconds} s");
     let mut cmd = Command::new("cargo");
+    sh::without_run_env(&mut cmd);
     cmd.args(["+nightly", "fuzz", "run", "--fuzz-dir"])
         .arg(&dir)
         .args(match build {

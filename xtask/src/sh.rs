@@ -31,19 +31,48 @@ pub fn output(cmd: &mut Command) -> Result<Output> {
         .with_context(|| format!("starting `{}`", show(cmd)))
 }
 
+/// Cargo (the one running us, if any) at the workspace's root, without
+/// the variables of the program `cargo run` or `cargo test` runs.
+pub fn cargo_command() -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    without_run_env(&mut cmd).current_dir(root());
+    cmd
+}
+
+/// `cmd` without the variables `cargo run` and `cargo test` set for the
+/// program they run: a build script that watches one (ring's watches
+/// CARGO_MANIFEST_DIR) would otherwise run again, and all above it rebuild,
+/// whenever builds alternate between here and a shell (14 crates, about a
+/// minute each time).
+pub fn without_run_env(cmd: &mut Command) -> &mut Command {
+    const SET_BY_RUN: [&str; 4] = [
+        "CARGO_CRATE_NAME",
+        "CARGO_BIN_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_TARGET_TMPDIR",
+    ];
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy();
+        if k.starts_with("CARGO_PKG_")
+            || k.starts_with("CARGO_MANIFEST_")
+            || SET_BY_RUN.contains(&&*k)
+        {
+            cmd.env_remove(&*k);
+        }
+    }
+    cmd
+}
+
 pub fn cargo(args: &[&str]) -> Result<()> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run(Command::new(cargo).args(args).current_dir(root()))
+    run(cargo_command().args(args))
 }
 
 /// Runs `cargo test …`, passing its output through, and adds up the
 /// harness's "test result" lines: (passed, failed).
 pub fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
     use std::io::{BufRead, BufReader};
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = Command::new(cargo);
+    let mut cmd = cargo_command();
     cmd.args(args)
-        .current_dir(root())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
     eprintln!("xtask: {}", show(&cmd));
