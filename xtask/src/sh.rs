@@ -41,11 +41,12 @@ pub fn cargo_command() -> Command {
 
 /// `cmd` without the variables `cargo run` and `cargo test` set for the
 /// program they run: a build script that watches one (ring's watches
-/// CARGO_MANIFEST_DIR) would otherwise run again, and all above it rebuild,
+/// CARGO_MANIFEST_DIR and OUT_DIR) would otherwise run again, and all above it rebuild,
 /// whenever builds alternate between here and a shell (14 crates, about a
 /// minute each time).
 pub fn without_run_env(cmd: &mut Command) -> &mut Command {
-    const SET_BY_RUN: [&str; 4] = [
+    const SET_BY_RUN: [&str; 5] = [
+        "OUT_DIR",
         "CARGO_CRATE_NAME",
         "CARGO_BIN_NAME",
         "CARGO_PRIMARY_PACKAGE",
@@ -53,10 +54,10 @@ pub fn without_run_env(cmd: &mut Command) -> &mut Command {
     ];
     for (k, _) in std::env::vars_os() {
         let k = k.to_string_lossy();
-        if k.starts_with("CARGO_PKG_")
-            || k.starts_with("CARGO_MANIFEST_")
-            || SET_BY_RUN.contains(&&*k)
-        {
+        let prefixed = ["CARGO_PKG_", "CARGO_MANIFEST_", "CARGO_BIN_EXE_"]
+            .iter()
+            .any(|p| k.starts_with(p));
+        if prefixed || SET_BY_RUN.contains(&&*k) {
             cmd.env_remove(&*k);
         }
     }
