@@ -152,6 +152,13 @@ fn one(t: &str, seconds: u64, new: Option<&std::path::Path>, build: Build) -> Re
         // A leak is not a finding here; memory is: 2 GiB.
         .args(["-rss_limit_mb=2048", "-timeout=10", "-detect_leaks=0"])
         .current_dir(sh::root());
-    sh::run(&mut cmd)
-        .with_context(|| format!("fuzz target {t}: a finding is in tests/fuzz/artifacts/{t}"))
+    let artifacts = sh::root().join("tests/fuzz/artifacts").join(t);
+    sh::run(&mut cmd).with_context(|| {
+        let found = std::fs::read_dir(&artifacts).is_ok_and(|mut d| d.next().is_some());
+        if found {
+            format!("fuzz target {t}: a finding is in {}", artifacts.display())
+        } else {
+            format!("fuzz target {t} did not build or run (no finding written): see cargo's output above")
+        }
+    })
 }

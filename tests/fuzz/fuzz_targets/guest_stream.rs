@@ -74,7 +74,7 @@ fuzz_target!(|data: &[u8]| {
     for ((_, q), _) in &st.queues {
         assert!(*q < QUEUES, "a per-queue row for the guest's queue {q}");
     }
-    let joined: u64 = st.stitched.values().map(|s| s.total.count).sum();
+    let joined: u64 = st.stitched.values().map(|s| s.window.count).sum();
     let c = &st.counters;
     let accounted = joined + c.unmatched_guest + c.guest_over_cap + c.unknown_disk + c.inconsistent;
     assert!(
