@@ -153,31 +153,18 @@ fn start_idle_agent(conf: &std::path::Path, addr: &str) -> Reap {
     agent
 }
 
-/// The CPU time a process has used (user + system, in clock ticks).
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    // Fields after "(comm)": utime is the 14th field, stime the 15th.
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .skip(11)
-        .take(2)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    f.iter().sum()
-}
-
 /// Waits until the agent is idle: healthy is not yet idle, it still loads
 /// and verifies the VM path's programs and makes its first scans. Idle is
 /// at most one clock tick (10 ms) of CPU in half a second; an agent never
 /// idle within 20 s is measured as it is.
 fn settle(pid: u32) {
+    let cpu = || xtask::sh::cpu_time_of(pid).unwrap_or_default();
     let t0 = Instant::now();
-    let mut last = cpu_ticks(pid);
+    let mut last = cpu();
     while t0.elapsed() < Duration::from_secs(20) {
         std::thread::sleep(Duration::from_millis(500));
-        let now = cpu_ticks(pid);
-        if now.saturating_sub(last) <= 1 {
+        let now = cpu();
+        if now.saturating_sub(last) <= Duration::from_millis(10) {
             return;
         }
         last = now;

@@ -396,26 +396,12 @@ impl Server {
         }
     }
 
-    /// What it wrote to stderr.
     /// CPU time (user + system) the server has used so far.
     pub fn cpu_time(&self) -> Result<Duration> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))?;
-        // Fields after the command's closing parenthesis: utime, stime are 14, 15.
-        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-        let f: Vec<u64> = rest
-            .split_whitespace()
-            .skip(11)
-            .take(2)
-            .filter_map(|v| v.parse().ok())
-            .collect();
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-        match f[..] {
-            [u, s] => Ok(Duration::from_secs_f64((u + s) as f64 / hz)),
-            _ => bail!("reading /proc/{}/stat: {stat}", self.child.id()),
-        }
+        sh::cpu_time_of(self.child.id())
     }
 
+    /// What it wrote to stderr.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
     }

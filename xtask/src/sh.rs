@@ -176,6 +176,26 @@ pub fn show(cmd: &Command) -> String {
         .join(" ")
 }
 
+/// CPU time (user + system) process `pid` has used so far.
+pub fn cpu_time_of(pid: u32) -> Result<std::time::Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("reading /proc/{pid}/stat"))?;
+    // Fields after the command's closing parenthesis: utime, stime are 14, 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    match f[..] {
+        [u, s] => Ok(std::time::Duration::from_secs_f64((u + s) as f64 / hz)),
+        _ => bail!("reading /proc/{pid}/stat: {stat}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
