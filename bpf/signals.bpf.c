@@ -138,8 +138,11 @@ static __always_inline void settle(const struct done_ent *e, __u32 vm, __u64 sig
 		stream_joined(e, vm, sig, why);
 }
 
-/* Slots one call of settle_batch settles at most. */
-#define SETTLE_BATCH 16
+/* Slots one call of settle_batch settles at most. The verifier walks
+ * settle once per slot of a batch (about 36,000 instructions each): a
+ * batch of 16 took it a second per program to load; 4 keeps most of the
+ * cache's hits (the slots of one signal mostly share a histogram entry). */
+#define SETTLE_BATCH 4
 /* settle_batch's answer: the drain stops (a slot unwritten yet, or
  * completed after the signal: it and those after it wait for the next). */
 #define SETTLE_STOP  (1 << 16)

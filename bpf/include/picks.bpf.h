@@ -10,30 +10,17 @@
 
 #include "host.bpf.h"
 
-/* How long thread `tid`, running now, waited for a CPU within [from, to]:
- * its last RUN_WAITS waits, clipped to the interval (more waits than that
- * in one interval are not counted; saturates at ~4.3 s). Deep tier only:
- * thread_waits is kept there. */
-static __always_inline __u32 waited_within(__u32 tid, __u64 from, __u64 to)
-{
-	struct run_waits *w;
-	__u64 sum = 0;
-	int i;
+/* Functions of their own (pickups.bpf.c), each verified once rather
+ * than at every caller: their loops over a thread's slots made the
+ * programs that inline them among the slowest to load. */
 
-	if (!from || to <= from)
-		return 0;
-	w = bpf_map_lookup_elem(&thread_waits, &tid);
-	if (!w)
-		return 0;
-	for (i = 0; i < RUN_WAITS; i++) {
-		__u64 s = w->start[i] > from ? w->start[i] : from;
-		__u64 e = w->end[i] < to ? w->end[i] : to;
+/* How long thread `tid`, running now, waited for a CPU within [from, to]
+ * (deep tier only: thread_waits is kept there). */
+__u32 waited_within(__u32 tid, __u64 from, __u64 to);
 
-		if (e > s)
-			sum += e - s;
-	}
-	return sum > 0xffffffffULL ? 0xffffffffU : (__u32)sum;
-}
+/* Thread `tid`'s earliest kick waiting in thread_kicks, picked up at
+ * `now` (0: read the clock): whether there was one. */
+int pick_up_thread_kick(__u32 tgid, __u32 tid, __u64 now, __u64 nvcsw);
 
 /* A kick at `now` for engine thread `tid`'s notifier in `slot`: the
  * first one since its last pickup counts. */
@@ -67,86 +54,6 @@ static __always_inline __u32 kick_slot(__u32 tid, __u16 queue)
 		}
 	}
 	return KICK_SLOTS - 1;
-}
-
-/* Thread `tid` of VM process `tgid` picks up a kick at `now`; `nvcsw` is
- * its voluntary context switches so far. A polling thread reads a kick
- * whose requests it may already have found by polling: so it did if it
- * submitted since the kick, and may have if it has not slept since it last
- * submitted (a kick that found it asleep woke it; one that came while it
- * polled was raced by its poll, and the guest's MMIO exit can reach KVM
- * after the poll took the requests). Nothing after such a pickup is known
- * to be its batch. */
-static __always_inline void pick_up(__u32 tgid, __u32 tid, __u64 kick_ns, __u32 queue, __u64 now,
-				    __u64 nvcsw)
-{
-	struct pick p = {}, *old;
-
-	p.kick_ns = kick_ns;
-	p.queue = queue;
-	p.pick_ns = now;
-	p.flags = PICK_READ;
-	if (deep_tier())
-		p.hv_wait_ns = waited_within(tid, kick_ns, now);
-	old = bpf_map_lookup_elem(&thread_picks, &tid);
-	if (old && (old->flags & PICK_READ)) {
-		p.last_start_ns = old->last_start_ns;
-		p.nvcsw = old->nvcsw;
-		p.flags |= old->flags & PICK_POLLS;
-		if ((old->flags & PICK_POLLS) &&
-		    (old->last_start_ns > kick_ns || nvcsw == old->nvcsw))
-			p.flags |= PICK_SPENT;
-	}
-	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
-	bpf_map_update_elem(&vm_last_pick, &tgid, &p, BPF_ANY);
-}
-
-/* Thread `tid`'s earliest kick waiting in thread_kicks, picked up at
- * `now`: whether there was one. One kick per batch: a thread whose pick
- * no request has taken yet keeps it (switched in twice before it
- * submitted, its second switch-in takes nothing); an engine thread whose
- * pick was taken takes the next kick with its next submitting call, or
- * when it is switched in after a sleep (`slept_since`: not a preemption
- * in the middle of a call, see pick_after_sleep). */
-static __always_inline int pick_up_thread_kick(__u32 tgid, __u32 tid, __u64 now, __u64 nvcsw)
-{
-	struct thread_kicks *k = bpf_map_lookup_elem(&thread_kicks, &tid);
-	__u64 best = 0, kick_ns;
-	__u32 i, slot = KICK_SLOTS, pending;
-
-	struct pick *cur;
-
-	if (!k || !(pending = k->pending))
-		return 0;
-	cur = bpf_map_lookup_elem(&thread_picks, &tid);
-	if (cur && (cur->flags & PICK_READ) && !(cur->flags & PICK_TAKEN))
-		return 0;
-	if (!now)
-		now = bpf_ktime_get_ns();
-	for (i = 0; i < KICK_SLOTS; i++) {
-		__u64 t = k->ts[i];
-
-		if (!(pending & (1u << i)))
-			continue;
-		if (!t) {
-			__sync_fetch_and_and(&k->pending, ~(1u << i));
-			continue;
-		}
-		if (t <= now && (!best || t < best)) {
-			best = t;
-			slot = i;
-		}
-	}
-	if (slot >= KICK_SLOTS)
-		return 0;
-	/* The hint first, then the kick: a kick racing in after sets both
-	 * again. Another CPU may have taken it meanwhile. */
-	__sync_fetch_and_and(&k->pending, ~(1u << slot));
-	kick_ns = __sync_lock_test_and_set(&k->ts[slot], 0);
-	if (!kick_ns)
-		return 0;
-	pick_up(tgid, tid, kick_ns, k->queue[slot], now, nvcsw);
-	return 1;
 }
 
 /* Thread `tid` going to sleep: an engine sleeps only once every notifier

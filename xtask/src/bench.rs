@@ -86,8 +86,8 @@ impl GuestArm {
 pub fn guest(a: &GuestArgs) -> Result<()> {
     use crate::guest::{self as rig, RunArgs};
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
-    let iospan = sh::root().join("target/release/iospan");
-    let out_dir = sh::root().join("target/bench");
+    let iospan = sh::target_dir().join("release/iospan");
+    let out_dir = sh::target_dir().join("bench");
     std::fs::create_dir_all(&out_dir)?;
     let built = rig::build()?;
     let image = rig::dir().join("disk.img");
@@ -260,8 +260,8 @@ struct Summary {
 
 pub fn overhead(a: &OverheadArgs) -> Result<()> {
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
-    let iospan = sh::root().join("target/release/iospan");
-    let out_dir = sh::root().join("target/bench");
+    let iospan = sh::target_dir().join("release/iospan");
+    let out_dir = sh::target_dir().join("bench");
     std::fs::create_dir_all(&out_dir)?;
     let dev = LoopDev::create(512)?;
     let _stats = BpfStats::enable()?;
@@ -670,8 +670,8 @@ pub fn collector(a: &CollectorArgs) -> Result<()> {
         guest::{self as rig, RunArgs},
     };
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
-    let iospan = sh::root().join("target/release/iospan");
-    let out_dir = sh::root().join("target/bench");
+    let iospan = sh::target_dir().join("release/iospan");
+    let out_dir = sh::target_dir().join("bench");
     std::fs::create_dir_all(&out_dir)?;
     backends::ensure(backends::Backend::Otelcol)?;
     let built = rig::build()?;

@@ -208,14 +208,14 @@ pub fn vm(a: &VmArgs) -> Result<()> {
         bail!("bench vm runs its VMs on KVM: /dev/kvm is missing (load kvm_intel or kvm_amd)");
     }
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
-    let out_dir = sh::root().join("target/bench");
+    let out_dir = sh::target_dir().join("bench");
     let vm_exe = build_vm_load(&out_dir)?;
     let rig = Rig {
         a,
         devs: (0..a.vms)
             .map(|_| LoopDev::create(32))
             .collect::<Result<_>>()?,
-        iospan: sh::root().join("target/release/iospan"),
+        iospan: sh::target_dir().join("release/iospan"),
         out_dir,
         sink: OtlpSink::start()?,
         tax: Tax::start(),

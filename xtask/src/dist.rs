@@ -29,7 +29,7 @@ pub fn ensure_cargo_deb() -> Result<()> {
 pub fn build() -> Result<PathBuf> {
     ensure_cargo_deb()?;
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
-    let out = sh::root().join("target/debian");
+    let out = sh::target_dir().join("debian");
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let deb = out.join(format!(
         "iospan_{}-1_{}.deb",

@@ -199,7 +199,7 @@ pub struct RigResult {
 }
 
 pub fn dir() -> PathBuf {
-    sh::root().join("target/rig")
+    sh::target_dir().join("rig")
 }
 
 pub fn main(cmd: GuestCmd) -> Result<()> {
@@ -429,10 +429,7 @@ pub(crate) fn build_guest_agent() -> Result<PathBuf> {
         "--target",
         GUEST_TARGET,
     ])?;
-    Ok(sh::root()
-        .join("target")
-        .join(GUEST_TARGET)
-        .join("release/iospan"))
+    Ok(sh::target_dir().join(GUEST_TARGET).join("release/iospan"))
 }
 
 fn build_initrd(kernel_dir: &Path, initrd: &Path, agent: &Path) -> Result<()> {

@@ -145,7 +145,7 @@ fn main() -> Result<()> {
 fn demo() -> Result<()> {
     setup::ensure(false)?;
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
-    let iospan = sh::root().join("target/release/iospan");
+    let iospan = sh::target_dir().join("release/iospan");
     let vms_running = std::fs::read_dir("/proc")?.flatten().any(|e| {
         std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| {
             let c = c.trim_end();

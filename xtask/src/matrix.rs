@@ -130,7 +130,7 @@ pub fn run_steps(r: &'static Release, steps: &[String]) -> Result<Outcome> {
         bail!("no step {bad} in the matrix: {}", STEPS.join(", "));
     }
     let k = kernel(r)?;
-    let work = sh::root().join("target/matrix").join(r.suite);
+    let work = sh::target_dir().join("matrix").join(r.suite);
     std::fs::create_dir_all(&work)?;
     let initrd = build_initrd(&k, &work)?;
     boot(&k, &initrd, &work, steps)

@@ -78,7 +78,7 @@ fn start_guest(rig: &guest::Rig, image: &Path, name: &str, ios: u64) -> Result<R
 /// `iospan top` beside the rig guest, once the guest's row has every
 /// segment filled in and a few intervals behind it.
 fn top_picture(rig: &guest::Rig, image: &Path, svg: &Path) -> Result<()> {
-    let iospan = sh::root().join("target/release/iospan");
+    let iospan = sh::target_dir().join("release/iospan");
     let tmux = Tmux::start(
         &format!("{} top --deep --interval 1s", iospan.display()),
         150,
@@ -119,7 +119,7 @@ fn trace_picture(rig: &guest::Rig, image: &Path, ui: &Path, png: &Path) -> Resul
     }
     let ui = ui.canonicalize()?;
     let jaeger = backends::Jaeger::start_with_ui(Some(&ui))?;
-    let iospan = sh::root().join("target/release/iospan");
+    let iospan = sh::target_dir().join("release/iospan");
     let args = guest::RunArgs {
         qd: 4,
         ios: 4000,

@@ -15,6 +15,16 @@ pub fn root() -> PathBuf {
         .expect("workspace root")
 }
 
+/// Where cargo writes what it builds: `CARGO_TARGET_DIR` when set (CI
+/// keeps one outside the clone, so a fresh clone builds only its own
+/// crates), else the workspace's `target`.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR").filter(|d| !d.is_empty()) {
+        Some(d) => root().join(d),
+        None => root().join("target"),
+    }
+}
+
 pub fn run(cmd: &mut Command) -> Result<()> {
     eprintln!("xtask: {}", show(cmd));
     let status = cmd

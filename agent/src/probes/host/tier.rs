@@ -144,9 +144,15 @@ impl BlockProbes {
     /// not load here fails again, and is reported, where it is attached.
     pub(super) fn preload_vm_programs(&mut self) {
         let t = std::time::Instant::now();
+        // The start probe this kernel will use, not both: each is one of
+        // the larger programs to verify.
+        let start = if super::has_block_io_start(self.btf.as_ref()) {
+            "block_io_start"
+        } else {
+            "block_rq_insert"
+        };
         let raw = [
-            "block_io_start",
-            "block_rq_insert",
+            start,
             "block_bio_backmerge",
             "block_bio_frontmerge",
             "block_rq_merge",
