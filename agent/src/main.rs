@@ -159,7 +159,8 @@ enum Cmd {
     /// but for merges and the requests in flight at the window's edges; QEMU's mean (its
     /// device model to its completion callback) within 10 % of iospan's engine + device.
     Verify {
-        /// Only this VM (its name, as `doctor` lists it).
+        /// Only this VM (its name, as `doctor` lists it); the window also ends a second
+        /// after it exits (a benchmark VM that powers off when done).
         #[arg(long, value_name = "NAME")]
         vm: Option<String>,
         /// The traced window.
@@ -584,6 +585,7 @@ impl RunArgs {
             live: None,
             stop: None,
             tails: false,
+            until_exit_of: None,
         }
     }
 }

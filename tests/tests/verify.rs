@@ -40,9 +40,16 @@ fn verify_passes(a: RunArgs) -> (u64, u64) {
         t.elapsed() < Duration::from_secs(40),
         "the guest outlived the window"
     );
+    let exited = Instant::now();
     let out = verify.wait_with_output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}\n{}", stderr.finish());
+    // The window ends with the VM it was asked about, not 45 s in.
+    assert!(
+        exited.elapsed() < Duration::from_secs(10),
+        "verify ended {:?} after its VM exited",
+        exited.elapsed()
+    );
     let line = text
         .lines()
         .find(|l| l.starts_with(a.name.as_str()))

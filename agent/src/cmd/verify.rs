@@ -116,6 +116,7 @@ pub async fn verify(o: &VerifyOptions) -> Result<(RunReport, String, bool)> {
         vms: true,
         tier: crate::model::Tier::Deep,
         quiet: false,
+        until_exit_of: o.vm.clone(),
         ..Default::default()
     })
     .await?;

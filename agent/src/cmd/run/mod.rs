@@ -74,7 +74,14 @@ pub struct RunOptions {
     /// Keep every request's segments for the run's tails (a labelled
     /// benchmark run: `RunOutcome::tails`).
     pub tails: bool,
+    /// Ends the run once the VM of this name has been followed and has
+    /// exited (`verify --vm`): what it did is all in by then.
+    pub until_exit_of: Option<String>,
 }
+
+/// From a VM's exit to the end of a run waiting for it: the ring buffer's
+/// last records read, the exit's own bookkeeping done.
+const AFTER_EXIT: Duration = Duration::from_secs(1);
 
 /// Where and how often a run sends its frames.
 #[derive(Clone, Debug)]
@@ -318,6 +325,7 @@ impl Session {
         let mut live_tick =
             tokio::time::interval(feed.as_ref().map_or(Duration::from_secs(1), |l| l.every));
         let mut stop = opts.stop.clone();
+        let mut vm_gone: Option<tokio::time::Instant> = None;
         tick.tick().await;
         // New VMs are named quickly, before a short-lived one can exit.
         let mut vm_tick = tokio::time::interval(Duration::from_millis(100));
@@ -330,9 +338,13 @@ impl Session {
                 _ = signals.terminate.recv() => break Ending::Stop,
                 _ = sleep_until(deadline) => break Ending::Stop,
                 _ = async { stop.as_mut().expect("guarded").wait_for(|s| *s).await.ok() }, if stop.is_some() => break Ending::Stop,
+                _ = sleep_until(vm_gone), if vm_gone.is_some() => break Ending::Stop,
                 _ = vm_tick.tick() => {
                     if opts.vms {
                         self.follow_vms(stop_rx);
+                        if vm_gone.is_none() && opts.until_exit_of.as_deref().is_some_and(|n| self.has_exited(n)) {
+                            vm_gone = Some(tokio::time::Instant::now() + AFTER_EXIT);
+                        }
                     } else {
                         // No VM to follow, no tier to switch: the look is
                         // still counted, for a deep run waiting on it.
@@ -376,6 +388,14 @@ impl Session {
             }
         }
         self.update_trace_thresholds();
+    }
+
+    /// Whether a VM of this name was followed and has exited.
+    fn has_exited(&self, name: &str) -> bool {
+        let known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        self.exited
+            .iter()
+            .any(|slot| known.vms.get(slot).is_some_and(|vm| vm.name == name))
     }
 
     /// A VM tick: exited VMs let go, new ones named and followed, the tier
