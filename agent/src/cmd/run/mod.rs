@@ -79,6 +79,9 @@ pub struct RunOptions {
     pub until_exit_of: Option<String>,
 }
 
+/// How often a run looks for a VM just exec'd (one map read).
+const EXEC_LOOK: Duration = Duration::from_millis(10);
+
 /// From a VM's exit to the end of a run waiting for it: the ring buffer's
 /// last records read, the exit's own bookkeeping done.
 const AFTER_EXIT: Duration = Duration::from_secs(1);
@@ -329,6 +332,13 @@ impl Session {
         tick.tick().await;
         // New VMs are named quickly, before a short-lived one can exit.
         let mut vm_tick = tokio::time::interval(Duration::from_millis(100));
+        // And a VM just exec'd before its firmware's first read (tens of
+        // milliseconds after its exec under TCG), which its disks' files
+        // must be known by to be the virtual disk's: one look at the
+        // kernel side's generation per tick, the VMs named when it moved.
+        let mut exec_tick = tokio::time::interval(EXEC_LOOK);
+        exec_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut seen_gen = None;
         let ending = loop {
             tokio::select! {
                 status = async { child.as_mut().expect("guarded").wait().await }, if child.is_some() => {
@@ -349,6 +359,13 @@ impl Session {
                         // No VM to follow, no tier to switch: the look is
                         // still counted, for a deep run waiting on it.
                         self.apply_wanted_tier();
+                    }
+                }
+                _ = exec_tick.tick(), if opts.vms => {
+                    let gen = self.probes.vm_gen().ok();
+                    if gen != seen_gen {
+                        seen_gen = gen;
+                        self.name_vms(stop_rx);
                     }
                 }
                 _ = live_tick.tick(), if feed.is_some() => {
@@ -402,10 +419,15 @@ impl Session {
     /// an API run asks for applied.
     fn follow_vms(&mut self, stop_rx: &watch::Receiver<bool>) {
         forget_exited_vms(&mut self.probes, &self.known, &mut self.exited);
+        self.name_vms(stop_rx);
+        self.apply_wanted_tier();
+    }
+
+    /// New VMs named, their guest channels followed.
+    fn name_vms(&mut self, stop_rx: &watch::Receiver<bool>) {
         let named = name_new_vms(&mut self.probes, &self.known);
         for (slot, pid, src) in named {
             self.spawn_channel(slot, pid, src, stop_rx);
         }
-        self.apply_wanted_tier();
     }
 }

@@ -529,6 +529,14 @@ impl BlockProbes {
         }
     }
 
+    /// The kernel side's generation of what processes' requests are
+    /// attributed to: it moves at each exec of a VM (among other changes),
+    /// so a look at it tells whether `vm_pids` may hold a new VM.
+    pub fn vm_gen(&self) -> Result<u32, LoadError> {
+        let gen: Array<_, u32> = map_of(&self.ebpf, "vm_gen")?;
+        gen.get(&0, 0).map_err(LoadError::map_op("vm_gen"))
+    }
+
     /// What a process's requests are attributed to has changed (`vm_pids`,
     /// a VM's state, its disks): the kernel side's caches of it go.
     pub(super) fn bump_gen(&mut self) -> Result<(), LoadError> {
