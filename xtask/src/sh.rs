@@ -198,8 +198,7 @@ pub fn cpu_time_of(pid: u32) -> Result<std::time::Duration> {
         .take(2)
         .filter_map(|v| v.parse().ok())
         .collect();
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let hz = rustix::param::clock_ticks_per_second().max(1) as f64;
     match f[..] {
         [u, s] => Ok(std::time::Duration::from_secs_f64((u + s) as f64 / hz)),
         _ => bail!("reading /proc/{pid}/stat: {stat}"),

@@ -330,12 +330,13 @@ impl Session {
         let mut stop = opts.stop.clone();
         let mut vm_gone: Option<tokio::time::Instant> = None;
         tick.tick().await;
-        // New VMs are named quickly, before a short-lived one can exit.
+        // Exited VMs let go, the tier an API run asks for applied.
         let mut vm_tick = tokio::time::interval(Duration::from_millis(100));
-        // And a VM just exec'd before its firmware's first read (tens of
-        // milliseconds after its exec under TCG), which its disks' files
-        // must be known by to be the virtual disk's: one look at the
-        // kernel side's generation per tick, the VMs named when it moved.
+        // New VMs named: one just exec'd before its firmware's first read
+        // (tens of milliseconds after its exec under TCG), which its disks'
+        // files must be known by to be the virtual disk's. One look at the
+        // kernel side's generation per tick (each VM exec moves it); the
+        // VMs named when it moved, or when it cannot be read.
         let mut exec_tick = tokio::time::interval(EXEC_LOOK);
         exec_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut seen_gen = None;
@@ -351,7 +352,7 @@ impl Session {
                 _ = sleep_until(vm_gone), if vm_gone.is_some() => break Ending::Stop,
                 _ = vm_tick.tick() => {
                     if opts.vms {
-                        self.follow_vms(stop_rx);
+                        self.follow_vms();
                         if vm_gone.is_none() && opts.until_exit_of.as_deref().is_some_and(|n| self.has_exited(n)) {
                             vm_gone = Some(tokio::time::Instant::now() + AFTER_EXIT);
                         }
@@ -363,7 +364,7 @@ impl Session {
                 }
                 _ = exec_tick.tick(), if opts.vms => {
                     let gen = self.probes.vm_gen().ok();
-                    if gen != seen_gen {
+                    if gen.is_none() || gen != seen_gen {
                         seen_gen = gen;
                         self.name_vms(stop_rx);
                     }
@@ -415,11 +416,10 @@ impl Session {
             .any(|slot| known.vms.get(slot).is_some_and(|vm| vm.name == name))
     }
 
-    /// A VM tick: exited VMs let go, new ones named and followed, the tier
-    /// an API run asks for applied.
-    fn follow_vms(&mut self, stop_rx: &watch::Receiver<bool>) {
+    /// A VM tick: exited VMs let go, the tier an API run asks for applied
+    /// (new VMs are named at the exec tick: `name_vms`).
+    fn follow_vms(&mut self) {
         forget_exited_vms(&mut self.probes, &self.known, &mut self.exited);
-        self.name_vms(stop_rx);
         self.apply_wanted_tier();
     }
 
