@@ -22,6 +22,10 @@ enum Cmd {
         /// Also install what the benchmarks compare against (bpftrace).
         #[arg(long)]
         bench: bool,
+        /// Also install what the test suite drives (QEMU, libvirt, a
+        /// browser, …): one package install for all of `cargo xtask test`.
+        #[arg(long)]
+        test: bool,
     },
     /// Set up, build, and run every test: unit tests and the root-only integration suite.
     Test {
@@ -103,7 +107,13 @@ enum BenchCmd {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Setup { bench } => setup::ensure(bench),
+        Cmd::Setup { bench, test } => {
+            // The suite's set holds the build's: one install, not two.
+            if test {
+                setup::ensure_test()?;
+            }
+            setup::ensure(bench)
+        }
         Cmd::Test { args } => test(&args),
         Cmd::Demo => demo(),
         Cmd::Bench {
