@@ -178,15 +178,19 @@ static long run(int fd, int write, int sequential, long qd, uint64_t first, uint
 			cb->aio_buf = (uint64_t)(uintptr_t)(bufs + slot * BS);
 			cb->aio_nbytes = BS;
 			cb->aio_offset = (int64_t)((first + (sequential ? next_block++ : next_rand()) % blocks) * BS);
-			started[slot] = now_ns();
 			batch[n++] = cb;
 		}
 		/* Sequential I/O is submitted one call per I/O: one call's batch
 		 * is merged by the guest's own block layer, while separate ones
 		 * reach the device as separate requests, adjacent ones in flight
-		 * together (for the host to merge, or not). */
+		 * together (for the host to merge, or not). An I/O's clock starts
+		 * at its submitting call, as the reaping call's return ends it:
+		 * preparing a batch is not the I/O's time. */
 		for (long i = 0; i < n; i += sequential ? 1 : n) {
 			long want = sequential ? 1 : n;
+			uint64_t t0 = now_ns();
+			for (long j = i; j < i + want; j++)
+				started[batch[j]->aio_data - 1] = t0;
 			long r = io_submit_(ctx, want, batch + i);
 			if (r != want) {
 				fprintf(stderr, "workload: io_submit: %ld of %ld (%s)\n", r, want, strerror(errno));

@@ -230,14 +230,9 @@ pub struct Rig {
 
 /// Builds (or reuses) the rig's kernel and initramfs.
 pub fn build() -> Result<Rig> {
-    setup::ensure_rig()?;
+    let kernel = fetch_kernel()?;
     let dir = dir();
-    std::fs::create_dir_all(&dir)?;
     let kernel_dir = dir.join("kernel");
-    let kernel = dir.join("vmlinuz");
-    if !kernel.exists() {
-        fetch_kernel(&kernel_dir, &kernel)?;
-    }
     let initrd = dir.join("initrd.cpio.gz");
     let src = sh::root().join("xtask/rig");
     let agent = build_guest_agent()?;
@@ -254,7 +249,19 @@ pub fn build() -> Result<Rig> {
     Ok(Rig { kernel, initrd })
 }
 
-fn fetch_kernel(kernel_dir: &Path, kernel: &Path) -> Result<()> {
+/// The rig's kernel, fetched once (a download: it may run beside a build).
+pub fn fetch_kernel() -> Result<PathBuf> {
+    setup::ensure_rig()?;
+    let dir = dir();
+    std::fs::create_dir_all(&dir)?;
+    let kernel = dir.join("vmlinuz");
+    if !kernel.exists() {
+        download_kernel(&dir.join("kernel"), &kernel)?;
+    }
+    Ok(kernel)
+}
+
+fn download_kernel(kernel_dir: &Path, kernel: &Path) -> Result<()> {
     eprintln!("xtask: fetching Debian's cloud kernel");
     let find = || -> Result<Option<String>> {
         let deps =
@@ -270,15 +277,21 @@ fn fetch_kernel(kernel_dir: &Path, kernel: &Path) -> Result<()> {
         Some(p) => p,
         None => {
             // A machine whose package lists were never fetched.
-            sh::run(Command::new("apt-get").args(["update", "-qq"]))?;
+            sh::quietly(
+                "fetching Debian's package lists",
+                "apt-update",
+                Command::new("apt-get").args(["update", "-q"]),
+            )?;
             find()?.context("Debian's package lists have no linux-image-cloud-amd64")?
         }
     };
     let dl = dir().join("deb");
     std::fs::create_dir_all(&dl)?;
-    sh::run(
+    sh::quietly(
+        &format!("downloading {pkg}"),
+        "kernel-download",
         Command::new("apt-get")
-            .args(["download", &pkg])
+            .args(["download", "-q", &pkg])
             .current_dir(&dl),
     )?;
     let deb = std::fs::read_dir(&dl)?
@@ -419,16 +432,20 @@ pub(crate) fn module_name(p: &Path) -> Result<String> {
 /// the agent changed.
 pub(crate) fn build_guest_agent() -> Result<PathBuf> {
     setup::ensure_rust_target(GUEST_TARGET)?;
-    sh::cargo(&[
-        "build",
-        "--release",
-        "-p",
-        "iospan",
-        // The guest agent exports nothing itself: no OTLP stack.
-        "--no-default-features",
-        "--target",
-        GUEST_TARGET,
-    ])?;
+    sh::quietly(
+        "building the guest agent (static)",
+        "build-guest-agent",
+        sh::cargo_command().args([
+            "build",
+            "--release",
+            "-p",
+            "iospan",
+            // The guest agent exports nothing itself: no OTLP stack.
+            "--no-default-features",
+            "--target",
+            GUEST_TARGET,
+        ]),
+    )?;
     Ok(sh::target_dir().join(GUEST_TARGET).join("release/iospan"))
 }
 

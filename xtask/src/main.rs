@@ -5,6 +5,8 @@
 
 use xtask::{backends, bench, bench_vm, dist, fuzz, guest, layers, phases, setup, sh};
 
+use std::process::Command;
+
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
@@ -153,19 +155,21 @@ fn main() -> Result<()> {
 }
 
 fn demo() -> Result<()> {
-    setup::ensure(false)?;
-    sh::cargo(&["build", "--release", "-p", "iospan"])?;
-    let iospan = sh::target_dir().join("release/iospan");
-    let vms_running = std::fs::read_dir("/proc")?.flatten().any(|e| {
-        std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| {
-            let c = c.trim_end();
-            c.starts_with("qemu-system-") || c == "qemu-kvm" || c == "kvm"
-        })
-    });
-    if vms_running {
+    if vms_running()? {
+        setup::ensure(false)?;
+        build_quietly()?;
         eprintln!("xtask: demo: tracing the VMs running on this host for 10 s");
-        return sh::run(std::process::Command::new(iospan).args(["run", "--duration", "10s"]));
+        return sh::run(Command::new(iospan()).args(["run", "--duration", "10s"]));
     }
+    // The demo guest's packages come with the build's, in one install; its
+    // kernel downloads while iospan builds.
+    setup::ensure_rig()?;
+    let kernel = std::thread::spawn(guest::fetch_kernel);
+    let built = build_quietly();
+    kernel
+        .join()
+        .map_err(|_| anyhow::anyhow!("fetching the rig's kernel panicked"))??;
+    built?;
     eprintln!("xtask: demo: no VM running here; booting the rig guest (4k random reads, QD4) under iospan");
     let rig = guest::build()?;
     let image = guest::dir().join("disk.img");
@@ -177,11 +181,32 @@ fn demo() -> Result<()> {
         ..Default::default()
     };
     let (qemu, _) = guest::qemu_command(&rig, &args, &image);
-    let mut cmd = std::process::Command::new(iospan);
+    let mut cmd = Command::new(iospan());
     cmd.args(["run", "--"])
         .arg(qemu.get_program())
         .args(qemu.get_args());
     sh::run(&mut cmd)
+}
+
+fn iospan() -> std::path::PathBuf {
+    sh::target_dir().join("release/iospan")
+}
+
+fn build_quietly() -> Result<()> {
+    sh::quietly(
+        "building iospan",
+        "build-iospan",
+        sh::cargo_command().args(["build", "--release", "-p", "iospan"]),
+    )
+}
+
+fn vms_running() -> Result<bool> {
+    Ok(std::fs::read_dir("/proc")?.flatten().any(|e| {
+        std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| {
+            let c = c.trim_end();
+            c.starts_with("qemu-system-") || c == "qemu-kvm" || c == "kvm"
+        })
+    }))
 }
 
 /// Seconds each fuzz target runs in the suite.

@@ -92,8 +92,11 @@ pub fn ensure_rust_target(target: &str) -> Result<()> {
     {
         return Ok(());
     }
-    eprintln!("xtask: adding the Rust target {target}");
-    crate::sh::run(Command::new("rustup").args(["target", "add", target]))
+    crate::sh::quietly(
+        &format!("adding the Rust target {target}"),
+        "rustup-target",
+        Command::new("rustup").args(["target", "add", target]),
+    )
 }
 
 fn install<'a>(needs: impl Iterator<Item = &'a (Need, &'static str)>) -> Result<()> {
@@ -114,11 +117,16 @@ fn install<'a>(needs: impl Iterator<Item = &'a (Need, &'static str)>) -> Result<
             missing.join(" ")
         );
     }
-    eprintln!("xtask: installing {}", missing.join(" "));
-    sh::run(Command::new("apt-get").args(["update", "-qq"]))?;
-    sh::run(
+    sh::quietly(
+        "fetching Debian's package lists",
+        "apt-update",
+        Command::new("apt-get").args(["update", "-q"]),
+    )?;
+    sh::quietly(
+        &format!("installing {}", missing.join(" ")),
+        "apt-install",
         Command::new("apt-get")
-            .args(["install", "-y", "-qq", "--no-install-recommends"])
+            .args(["install", "-y", "-q", "--no-install-recommends"])
             .args(&missing)
             .env("DEBIAN_FRONTEND", "noninteractive"),
     )

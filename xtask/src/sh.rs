@@ -1,4 +1,5 @@
-//! Running commands, loudly: every command is echoed, failures name it.
+//! Running commands: loudly (every command echoed, failures name it), or
+//! quietly behind one progress line, its output kept in a log file.
 
 use std::{
     path::PathBuf,
@@ -34,6 +35,64 @@ pub fn run(cmd: &mut Command) -> Result<()> {
         bail!("`{}` failed ({status})", show(cmd));
     }
     Ok(())
+}
+
+/// Where `quietly` keeps each step's output.
+pub fn log_dir() -> PathBuf {
+    let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
+    PathBuf::from(home).join(".cache/iospan/logs")
+}
+
+/// Runs `cmd` behind one line naming `what`, its output kept in
+/// `log_dir()/LOG.log`: a newcomer's first screen is the result, not a
+/// package manager's or a compiler's lines. On a terminal the line counts
+/// the seconds; a failure names the log and shows its last lines.
+pub fn quietly(what: &str, log: &str, cmd: &mut Command) -> Result<()> {
+    use std::io::{IsTerminal, Write};
+    let dir = log_dir();
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join(format!("{log}.log"));
+    let file =
+        std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    let mut child = cmd
+        .stdout(file.try_clone()?)
+        .stderr(file)
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting `{}`", show(cmd)))?;
+    let tty = std::io::stderr().is_terminal();
+    if !tty {
+        eprintln!("xtask: {what} …");
+    }
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if tty {
+            eprint!("\rxtask: {what} … {} s", started.elapsed().as_secs());
+            let _ = std::io::stderr().flush();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    };
+    let took = started.elapsed().as_secs_f64();
+    if tty {
+        eprint!("\r\x1b[K");
+    }
+    if status.success() {
+        eprintln!("xtask: {what}: done in {took:.0} s");
+        return Ok(());
+    }
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    for l in &lines[lines.len().saturating_sub(20)..] {
+        eprintln!("  {l}");
+    }
+    bail!(
+        "{what} failed ({status}): `{}`; its whole output is in {}",
+        show(cmd),
+        path.display()
+    )
 }
 
 pub fn output(cmd: &mut Command) -> Result<Output> {
