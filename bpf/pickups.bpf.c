@@ -13,11 +13,13 @@
  */
 #include "kicks.bpf.h"
 #include "notifiers.bpf.h"
+#include "nesting.bpf.h"
 
 thread_picks_map_t thread_picks SEC(".maps");
 vm_last_pick_map_t vm_last_pick SEC(".maps");
 thread_pops_map_t thread_pops SEC(".maps");
 punted_picks_map_t punted_picks SEC(".maps");
+wake_nesting_map_t wake_nesting SEC(".maps");
 
 /* How long thread `tid`, running now, waited for a CPU within [from, to]:
  * its last RUN_WAITS waits, clipped to the interval (more waits than that
@@ -253,20 +255,53 @@ static __always_inline void on_waking(__u32 wakee_tgid, __u32 wakee_tid, const c
 		hand_off(wakee_tgid, wakee_tid);
 }
 
+static __always_inline void on_waking_raw(struct task_struct *p)
+{
+	char comm[4];
+
+	BPF_CORE_READ_INTO(&comm, p, comm);
+	on_waking(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid), comm);
+}
+
 SEC("tp_btf/sched_waking")
 int BPF_PROG(sched_waking_btf, struct task_struct *p)
 {
+	__u32 *mark = nest_enter(NEST_WAKING);
+
 	on_waking(p->tgid, p->pid, p->comm);
+	nest_leave(mark);
 	return 0;
 }
 
 SEC("raw_tp/sched_waking")
 int BPF_PROG(sched_waking, struct task_struct *p)
 {
-	char comm[4];
+	__u32 *mark = nest_enter(NEST_WAKING);
 
-	BPF_CORE_READ_INTO(&comm, p, comm);
-	on_waking(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid), comm);
+	on_waking_raw(p);
+	nest_leave(mark);
+	return 0;
+}
+
+/* The wake-ups the kernel skipped above: an interrupt's, nested in one
+ * (nesting.bpf.h). */
+SEC("tp_btf/sched_waking")
+int BPF_PROG(sched_waking_nested_btf, struct task_struct *p)
+{
+	if (nested_in(NEST_WAKING)) {
+		count(CNT_NESTED_WAKING);
+		on_waking(p->tgid, p->pid, p->comm);
+	}
+	return 0;
+}
+
+SEC("raw_tp/sched_waking")
+int BPF_PROG(sched_waking_nested, struct task_struct *p)
+{
+	if (nested_in(NEST_WAKING)) {
+		count(CNT_NESTED_WAKING);
+		on_waking_raw(p);
+	}
 	return 0;
 }
 

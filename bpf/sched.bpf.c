@@ -12,6 +12,7 @@
  */
 #include "picks.bpf.h"
 #include "signals.bpf.h"
+#include "nesting.bpf.h"
 
 thread_waits_map_t thread_waits SEC(".maps");
 vhost_kick_files_map_t vhost_kick_files SEC(".maps");
@@ -118,14 +119,41 @@ static __always_inline int still_runnable(struct task_struct *t)
 SEC("tp_btf/sched_wakeup")
 int BPF_PROG(sched_wakeup_btf, struct task_struct *p)
 {
+	__u32 *mark = nest_enter(NEST_WAKEUP);
+
 	on_wakeup(p->tgid, p->pid);
+	nest_leave(mark);
 	return 0;
 }
 
 SEC("raw_tp/sched_wakeup")
 int BPF_PROG(sched_wakeup, struct task_struct *p)
 {
+	__u32 *mark = nest_enter(NEST_WAKEUP);
+
 	on_wakeup(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid));
+	nest_leave(mark);
+	return 0;
+}
+
+/* The wake-ups the kernel skipped above (nesting.bpf.h). */
+SEC("tp_btf/sched_wakeup")
+int BPF_PROG(sched_wakeup_nested_btf, struct task_struct *p)
+{
+	if (nested_in(NEST_WAKEUP)) {
+		count(CNT_NESTED_WAKEUP);
+		on_wakeup(p->tgid, p->pid);
+	}
+	return 0;
+}
+
+SEC("raw_tp/sched_wakeup")
+int BPF_PROG(sched_wakeup_nested, struct task_struct *p)
+{
+	if (nested_in(NEST_WAKEUP)) {
+		count(CNT_NESTED_WAKEUP);
+		on_wakeup(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid));
+	}
 	return 0;
 }
 

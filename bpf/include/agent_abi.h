@@ -152,7 +152,10 @@ enum counter {
 		11, /* issued requests whose completion never reached us (their tag came back first) */
 	CNT_JOIN_DEFERRED =
 		12, /* VM completions a signal left for the next (its drain was busy or full) */
-	NR_COUNTERS = 13,
+	CNT_NESTED_WAKING =
+		13, /* sched_waking runs the kernel skipped, run by the second program */
+	CNT_NESTED_WAKEUP = 14, /* the same for sched_wakeup (nesting.bpf.h) */
+	NR_COUNTERS = 15,
 };
 
 /* Value of the hash `vm_pids`, per process (tgid): the VM slot it belongs

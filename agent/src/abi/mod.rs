@@ -75,7 +75,9 @@ pub mod counter {
     pub const GUEST_INFLIGHT_FULL: u32 = 10;
     pub const UNDELIVERED: u32 = 11;
     pub const JOIN_DEFERRED: u32 = 12;
-    pub const NR: u32 = 13;
+    pub const NESTED_WAKING: u32 = 13;
+    pub const NESTED_WAKEUP: u32 = 14;
+    pub const NR: u32 = 15;
 }
 
 #[repr(C)]

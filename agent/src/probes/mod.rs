@@ -139,9 +139,21 @@ pub(crate) fn attach_linked(
     tracepoint: &str,
     flavour: Flavour,
 ) -> Result<(Attachment, RawLink), LoadError> {
+    attach_program_linked(ebpf, btf, tracepoint, tracepoint, flavour)
+}
+
+/// Program `base` (`base_btf` for tp_btf) on `tracepoint`: a tracepoint
+/// may carry a second program (`bpf/include/nesting.bpf.h`).
+pub(crate) fn attach_program_linked(
+    ebpf: &mut Ebpf,
+    btf: Option<&Btf>,
+    base: &str,
+    tracepoint: &str,
+    flavour: Flavour,
+) -> Result<(Attachment, RawLink), LoadError> {
     let name = match flavour {
-        Flavour::TpBtf => format!("{tracepoint}_btf"),
-        _ => tracepoint.to_string(),
+        Flavour::TpBtf => format!("{base}_btf"),
+        _ => base.to_string(),
     };
     let result = program(ebpf, &name).and_then(|p| match flavour {
         Flavour::TpBtf => {

@@ -12,7 +12,7 @@ use aya::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::{attach, map_mut_of, map_of, Attachment, Flavour, LoadError};
+use super::{attach, map_mut_of, map_of, Attachment, Flavour, LoadError, RawLink};
 use crate::{
     abi::{
         counter, BlkStats, DiskSlot, VmCounts, VmKey, VmProc, BLK_NR_OPS, DEFAULT_MAX_DISKS,
@@ -180,6 +180,9 @@ pub struct Counters {
     /// Program invocations the kernel skipped because the program was
     /// already running on that CPU.
     pub bpf_recursion_misses: u64,
+    /// The same, by program (those with any): which measurement lost them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub bpf_recursion_misses_by_program: BTreeMap<String, u64>,
     /// Requests the kernel's own disk accounting completed but no
     /// completion tracepoint delivered to us (filled in by the run).
     #[serde(default)]
@@ -208,6 +211,28 @@ pub struct Counters {
     /// VM requests whose host window could not be split (filled in by the run).
     #[serde(default)]
     pub host_split: crate::model::SplitCounters,
+}
+
+/// Program runs the kernel skipped, by program: a wake-up program's
+/// skipped runs less those its second program ran (`rerun`, by
+/// tracepoint); the second program's own skips are in the first's.
+fn lost_program_runs(
+    programs: &[crate::probes::progstats::ProgStats],
+    rerun: &[(&str, u64)],
+) -> BTreeMap<String, u64> {
+    programs
+        .iter()
+        .filter(|p| !p.name.contains("_nested"))
+        .map(|p| {
+            let tracepoint = p.name.strip_suffix("_btf").unwrap_or(&p.name);
+            let ran = rerun
+                .iter()
+                .find(|(tp, _)| *tp == tracepoint)
+                .map_or(0, |(_, n)| *n);
+            (p.name.clone(), p.recursion_misses.saturating_sub(ran))
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect()
 }
 
 impl Counters {
@@ -651,6 +676,27 @@ impl BlockProbes {
         Ok(())
     }
 
+    /// A wake-up tracepoint's program and the second one that runs what
+    /// the kernel skipped of it (`bpf/include/nesting.bpf.h`), for the
+    /// probes' lifetime.
+    fn attach_wakeups(&mut self, tracepoint: &str) -> Result<(), LoadError> {
+        self.attach_raw(tracepoint)?;
+        self.attach_nested(tracepoint).map(drop)
+    }
+
+    /// The second program of a wake-up tracepoint, with its link.
+    fn attach_nested(&mut self, tracepoint: &str) -> Result<RawLink, LoadError> {
+        let (a, link) = crate::probes::attach_program_linked(
+            &mut self.ebpf,
+            self.btf.as_ref(),
+            &format!("{tracepoint}_nested"),
+            tracepoint,
+            self.flavour,
+        )?;
+        self.attachments.push(a);
+        Ok(link)
+    }
+
     /// A CATEGORY:NAME tracepoint program of the same name, attached for
     /// the probes' lifetime.
     fn attach_tracepoint(&mut self, category: &str, name: &str) -> Result<(), LoadError> {
@@ -693,17 +739,19 @@ impl BlockProbes {
                 .iter()
                 .sum())
         };
+        let rerun = [
+            ("sched_waking", sum(counter::NESTED_WAKING)?),
+            ("sched_wakeup", sum(counter::NESTED_WAKEUP)?),
+        ];
+        let lost_runs = lost_program_runs(&self.program_stats(), &rerun);
         Ok(Counters {
             ringbuf_drops: sum(counter::RINGBUF_DROPS)?,
             disk_conflicts: sum(counter::DISK_CONFLICTS)?,
             slot_conflicts: sum(counter::SLOT_CONFLICTS)?,
             no_start: sum(counter::NO_START)?,
             no_issue: sum(counter::NO_ISSUE)?,
-            bpf_recursion_misses: self
-                .program_stats()
-                .iter()
-                .map(|p| p.recursion_misses)
-                .sum(),
+            bpf_recursion_misses: lost_runs.values().sum(),
+            bpf_recursion_misses_by_program: lost_runs,
             unseen: 0,
             undelivered: sum(counter::UNDELIVERED)?,
             partial_pieces: sum(counter::PARTIAL_PIECES)?,
@@ -774,4 +822,40 @@ fn add_running_vms(ebpf: &mut Ebpf, cfg: &BlockConfig) -> Result<(), LoadError> 
             .map_err(LoadError::map_op("vm_pids"))?;
     }
     add_vm_maps(ebpf, &cfg.vm_maps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lost_program_runs;
+    use crate::probes::progstats::ProgStats;
+
+    fn prog(name: &str, recursion_misses: u64) -> ProgStats {
+        ProgStats {
+            name: name.into(),
+            recursion_misses,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_wakeup_run_the_second_program_ran_is_not_lost() {
+        let programs = [
+            prog("sched_waking_btf", 5),
+            prog("sched_waking_nested_btf", 3),
+            prog("sched_wakeup", 2),
+            prog("sched_wakeup_nested", 0),
+            prog("block_rq_complete_btf", 1),
+            prog("sched_switch_btf", 0),
+        ];
+        let lost = lost_program_runs(&programs, &[("sched_waking", 4), ("sched_wakeup", 2)]);
+        // 5 skipped, 4 of them run by the second program: one lost; the
+        // second program's own skips are among the first's.
+        assert_eq!(
+            lost.into_iter().collect::<Vec<_>>(),
+            [
+                ("block_rq_complete_btf".to_string(), 1),
+                ("sched_waking_btf".to_string(), 1)
+            ]
+        );
+    }
 }

@@ -281,7 +281,7 @@ impl BlockProbes {
         // wake-up it makes; and where no eventfd read is seen, the pickup
         // at that thread's switch-in.
         if self.tier.kvm {
-            self.attach_raw("sched_waking")?;
+            self.attach_wakeups("sched_waking")?;
             self.tier.waking = true;
             if !self.tier.sees_eventfd_writes() {
                 self.ensure_switch_probe()?;
@@ -390,7 +390,7 @@ impl BlockProbes {
             return Ok(());
         }
         if !self.tier.waking {
-            self.attach_raw("sched_waking")?;
+            self.attach_wakeups("sched_waking")?;
             self.tier.waking = true;
         }
         self.attach_raw("sched_wakeup_new")?;
@@ -445,6 +445,10 @@ impl BlockProbes {
         self.tier
             .deep_links
             .push(DeepLink::Raw("sched_wakeup".into(), link));
+        let nested = self.attach_nested("sched_wakeup")?;
+        self.tier
+            .deep_links
+            .push(DeepLink::Raw("sched_wakeup_nested".into(), nested));
         self.ensure_switch_probe()
     }
 
