@@ -428,9 +428,9 @@ pub(crate) fn module_name(p: &Path) -> Result<String> {
         .to_string())
 }
 
-/// `iospan`, static (musl), for the guest: cargo rebuilds it only when
-/// the agent changed.
-pub(crate) fn build_guest_agent() -> Result<PathBuf> {
+/// `iospan`, static (musl) and without the exporters, for the guest (and
+/// the demo's host side): cargo rebuilds it only when the agent changed.
+pub fn build_guest_agent() -> Result<PathBuf> {
     setup::ensure_rust_target(GUEST_TARGET)?;
     sh::quietly(
         "building the guest agent (static)",

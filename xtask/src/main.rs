@@ -155,21 +155,24 @@ fn main() -> Result<()> {
 }
 
 fn demo() -> Result<()> {
+    // One build serves both sides: the static agent the demo guest runs
+    // also traces the host (the exporters, the API and the live view are
+    // not part of the demo): a fresh machine builds iospan once, not twice.
     if vms_running()? {
         setup::ensure(false)?;
-        build_quietly()?;
+        let iospan = guest::build_guest_agent()?;
         eprintln!("xtask: demo: tracing the VMs running on this host for 10 s");
-        return sh::run(Command::new(iospan()).args(["run", "--duration", "10s"]));
+        return sh::run(Command::new(iospan).args(["run", "--deep", "--duration", "10s"]));
     }
     // The demo guest's packages come with the build's, in one install; its
     // kernel downloads while iospan builds.
     setup::ensure_rig()?;
     let kernel = std::thread::spawn(guest::fetch_kernel);
-    let built = build_quietly();
+    let built = guest::build_guest_agent();
     kernel
         .join()
         .map_err(|_| anyhow::anyhow!("fetching the rig's kernel panicked"))??;
-    built?;
+    let iospan = built?;
     eprintln!("xtask: demo: no VM running here; booting the rig guest (4k random reads, QD4) under iospan");
     let rig = guest::build()?;
     let image = guest::dir().join("disk.img");
@@ -181,23 +184,13 @@ fn demo() -> Result<()> {
         ..Default::default()
     };
     let (qemu, _) = guest::qemu_command(&rig, &args, &image);
-    let mut cmd = Command::new(iospan());
-    cmd.args(["run", "--"])
+    // The deep tier: the host window split on any kernel (without fentry
+    // or kprobes the always-on tier cannot split it: docs/tiers.md).
+    let mut cmd = Command::new(iospan);
+    cmd.args(["run", "--deep", "--"])
         .arg(qemu.get_program())
         .args(qemu.get_args());
     sh::run(&mut cmd)
-}
-
-fn iospan() -> std::path::PathBuf {
-    sh::target_dir().join("release/iospan")
-}
-
-fn build_quietly() -> Result<()> {
-    sh::quietly(
-        "building iospan",
-        "build-iospan",
-        sh::cargo_command().args(["build", "--release", "-p", "iospan"]),
-    )
 }
 
 fn vms_running() -> Result<bool> {
