@@ -433,7 +433,7 @@ pub(crate) fn module_name(p: &Path) -> Result<String> {
 pub fn build_guest_agent() -> Result<PathBuf> {
     setup::ensure_rust_target(GUEST_TARGET)?;
     sh::quietly(
-        "building the guest agent (static)",
+        "building iospan (static)",
         "build-guest-agent",
         sh::cargo_command().args([
             "build",
