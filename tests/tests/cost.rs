@@ -194,17 +194,33 @@ fn an_idle_agent_attaches_no_system_call_probe_and_costs_no_process_anything() {
     // over seconds) would swamp a 1 % bound between two long halves. One
     // cycle's ratio still spreads ±2 %: the median of eight holds the bound
     // (of four, 98.7 % was seen once with 97.3–101.6 % in the same hour).
-    let mut untraced = vec![rate(8)];
-    let mut ratios = Vec::new();
+    // A set is judged only if the untraced slices agree within 4 %: on a
+    // host whose own load moves more than that (another tenant), the set
+    // is measured again, at most three times.
     let mut programs = BTreeSet::new();
-    for _ in 0..8 {
-        let agent = start_idle_agent(&conf, &addr);
-        programs.extend(attached_programs(agent.0.id()));
-        let traced = rate(8);
-        drop(agent);
-        untraced.push(rate(8));
-        let around = (untraced[untraced.len() - 2] + untraced[untraced.len() - 1]) / 2.0;
-        ratios.push(traced / around);
+    let mut ratios = Vec::new();
+    for set in 1..=3 {
+        let mut untraced = vec![rate(8)];
+        ratios.clear();
+        for _ in 0..8 {
+            let agent = start_idle_agent(&conf, &addr);
+            programs.extend(attached_programs(agent.0.id()));
+            let traced = rate(8);
+            drop(agent);
+            untraced.push(rate(8));
+            let around = (untraced[untraced.len() - 2] + untraced[untraced.len() - 1]) / 2.0;
+            ratios.push(traced / around);
+        }
+        let (lo, hi) = untraced
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+        eprintln!(
+            "set {set}: untraced slices spread {:.1} %",
+            (hi / lo - 1.0) * 100.0
+        );
+        if hi <= lo * 1.04 {
+            break;
+        }
     }
     eprintln!("attached: {programs:?}");
     assert!(
