@@ -680,3 +680,28 @@ impl RunStderr {
         self.seen.join("\n")
     }
 }
+
+/// A run's host-window requests counted unsplit, by cause: the report's
+/// `lost.host_split` (docs/lost.md). `polled` is apart: an iothread's
+/// poll finding a request is the engine's design, not a miss.
+pub struct Unsplit {
+    /// No kick, no signal, unordered or not followed.
+    pub counted: u64,
+    pub polled: u64,
+}
+
+pub fn unsplit(rep: &serde_json::Value) -> Unsplit {
+    let split = &rep["lost"]["host_split"];
+    let n = |k: &str| {
+        split[k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("lost.host_split.{k} in {split}"))
+    };
+    Unsplit {
+        counted: ["no_kick", "no_signal", "unordered", "not_followed"]
+            .iter()
+            .map(|k| n(k))
+            .sum(),
+        polled: n("polled"),
+    }
+}

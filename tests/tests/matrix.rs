@@ -188,16 +188,8 @@ fn vm_split_exact(o: &Outcome, mode: &str) -> Value {
         "{mode}: {e}"
     );
     let split = &rep["lost"]["host_split"];
-    let unsplit: u64 = [
-        "no_kick",
-        "no_signal",
-        "unordered",
-        "not_followed",
-        "polled",
-    ]
-    .iter()
-    .map(|k| split[k].as_u64().unwrap())
-    .sum();
+    let unsplit = agent_integration::unsplit(&rep);
+    let unsplit = unsplit.counted + unsplit.polled;
     let seg = |k: &str| e["segments"][k].clone();
     let count = seg("host_window")["count"].as_u64().unwrap();
     assert_eq!(

@@ -44,11 +44,7 @@ fn the_host_follows_a_guest_agent_restart() {
     // Completions the kernel ran no program for, known one by one (the
     // disk-wide `lost.unseen` nets them against the host's other I/O).
     let undelivered = vm["undelivered"].as_u64().unwrap_or(0);
-    let split = &rep["lost"]["host_split"];
-    let unsplit: u64 = ["no_kick", "no_signal", "unordered", "not_followed"]
-        .iter()
-        .map(|k| split[k].as_u64().unwrap_or(0))
-        .sum();
+    let unsplit = agent_integration::unsplit(&rep).counted;
     // A good part of the run had an agent (how much depends on how long
     // the new one takes to load: 1-3 s under TCG); every workload read is
     // joined or counted: no guest record (the agent was down), a join
