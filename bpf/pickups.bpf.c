@@ -263,47 +263,12 @@ static __always_inline void on_waking_raw(struct task_struct *p)
 	on_waking(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid), comm);
 }
 
-SEC("tp_btf/sched_waking")
-int BPF_PROG(sched_waking_btf, struct task_struct *p)
-{
-	__u32 *mark = nest_enter(NEST_WAKING);
-
-	on_waking(p->tgid, p->pid, p->comm);
-	nest_leave(mark);
-	return 0;
-}
-
-SEC("raw_tp/sched_waking")
-int BPF_PROG(sched_waking, struct task_struct *p)
-{
-	__u32 *mark = nest_enter(NEST_WAKING);
-
-	on_waking_raw(p);
-	nest_leave(mark);
-	return 0;
-}
-
-/* The wake-ups the kernel skipped above: an interrupt's, nested in one
- * (nesting.bpf.h). */
-SEC("tp_btf/sched_waking")
-int BPF_PROG(sched_waking_nested_btf, struct task_struct *p)
-{
-	if (nested_in(NEST_WAKING)) {
-		count(CNT_NESTED_WAKING);
-		on_waking(p->tgid, p->pid, p->comm);
-	}
-	return 0;
-}
-
-SEC("raw_tp/sched_waking")
-int BPF_PROG(sched_waking_nested, struct task_struct *p)
-{
-	if (nested_in(NEST_WAKING)) {
-		count(CNT_NESTED_WAKING);
-		on_waking_raw(p);
-	}
-	return 0;
-}
+/* Each with its second program, for the wake-ups the kernel skips for the
+ * first: an interrupt's, nested in one (nesting.bpf.h). */
+NESTED_WAKE_PROGRAMS("tp_btf/sched_waking", sched_waking_btf, sched_waking_nested_btf, NEST_WAKING,
+		     CNT_NESTED_WAKING, on_waking(p->tgid, p->pid, p->comm))
+NESTED_WAKE_PROGRAMS("raw_tp/sched_waking", sched_waking, sched_waking_nested, NEST_WAKING,
+		     CNT_NESTED_WAKING, on_waking_raw(p))
 
 /* A worker the engine thread starts for the request it just queued. */
 SEC("tp_btf/sched_wakeup_new")

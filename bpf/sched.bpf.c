@@ -116,46 +116,11 @@ static __always_inline int still_runnable(struct task_struct *t)
 	return BPF_CORE_READ((struct task_struct___pre514 *)t, state) == 0;
 }
 
-SEC("tp_btf/sched_wakeup")
-int BPF_PROG(sched_wakeup_btf, struct task_struct *p)
-{
-	__u32 *mark = nest_enter(NEST_WAKEUP);
-
-	on_wakeup(p->tgid, p->pid);
-	nest_leave(mark);
-	return 0;
-}
-
-SEC("raw_tp/sched_wakeup")
-int BPF_PROG(sched_wakeup, struct task_struct *p)
-{
-	__u32 *mark = nest_enter(NEST_WAKEUP);
-
-	on_wakeup(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid));
-	nest_leave(mark);
-	return 0;
-}
-
-/* The wake-ups the kernel skipped above (nesting.bpf.h). */
-SEC("tp_btf/sched_wakeup")
-int BPF_PROG(sched_wakeup_nested_btf, struct task_struct *p)
-{
-	if (nested_in(NEST_WAKEUP)) {
-		count(CNT_NESTED_WAKEUP);
-		on_wakeup(p->tgid, p->pid);
-	}
-	return 0;
-}
-
-SEC("raw_tp/sched_wakeup")
-int BPF_PROG(sched_wakeup_nested, struct task_struct *p)
-{
-	if (nested_in(NEST_WAKEUP)) {
-		count(CNT_NESTED_WAKEUP);
-		on_wakeup(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid));
-	}
-	return 0;
-}
+/* Each with its second program (nesting.bpf.h). */
+NESTED_WAKE_PROGRAMS("tp_btf/sched_wakeup", sched_wakeup_btf, sched_wakeup_nested_btf, NEST_WAKEUP,
+		     CNT_NESTED_WAKEUP, on_wakeup(p->tgid, p->pid))
+NESTED_WAKE_PROGRAMS("raw_tp/sched_wakeup", sched_wakeup, sched_wakeup_nested, NEST_WAKEUP,
+		     CNT_NESTED_WAKEUP, on_wakeup(BPF_CORE_READ(p, tgid), BPF_CORE_READ(p, pid)))
 
 SEC("tp_btf/sched_switch")
 int BPF_PROG(sched_switch_btf, bool preempt, struct task_struct *prev, struct task_struct *next)

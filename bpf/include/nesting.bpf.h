@@ -54,4 +54,28 @@ static __always_inline int nested_in(__u32 slot)
 	return mark && *mark;
 }
 
+/*
+ * A wake-up tracepoint's two programs: `first` marks its CPU while `body`
+ * runs; `second` runs `body` only under that mark, counting `counter`.
+ * `body` sees the tracepoint's task as `p`.
+ */
+#define NESTED_WAKE_PROGRAMS(sec, first, second, slot, counter, body) \
+	SEC(sec)                                                      \
+	int BPF_PROG(first, struct task_struct *p)                    \
+	{                                                             \
+		__u32 *mark = nest_enter(slot);                       \
+		body;                                                 \
+		nest_leave(mark);                                     \
+		return 0;                                             \
+	}                                                             \
+	SEC(sec)                                                      \
+	int BPF_PROG(second, struct task_struct *p)                   \
+	{                                                             \
+		if (nested_in(slot)) {                                \
+			count(counter);                               \
+			body;                                         \
+		}                                                     \
+		return 0;                                             \
+	}
+
 #endif /* IOSPAN_NESTING_BPF_H */

@@ -277,11 +277,7 @@ fn download_kernel(kernel_dir: &Path, kernel: &Path) -> Result<()> {
         Some(p) => p,
         None => {
             // A machine whose package lists were never fetched.
-            sh::quietly(
-                "fetching Debian's package lists",
-                "apt-update",
-                Command::new("apt-get").args(["update", "-q"]),
-            )?;
+            setup::fetch_package_lists()?;
             find()?.context("Debian's package lists have no linux-image-cloud-amd64")?
         }
     };

@@ -117,11 +117,7 @@ fn install<'a>(needs: impl Iterator<Item = &'a (Need, &'static str)>) -> Result<
             missing.join(" ")
         );
     }
-    sh::quietly(
-        "fetching Debian's package lists",
-        "apt-update",
-        Command::new("apt-get").args(["update", "-q"]),
-    )?;
+    fetch_package_lists()?;
     sh::quietly(
         &format!("installing {}", missing.join(" ")),
         "apt-install",
@@ -129,6 +125,16 @@ fn install<'a>(needs: impl Iterator<Item = &'a (Need, &'static str)>) -> Result<
             .args(["install", "-y", "-q", "--no-install-recommends"])
             .args(&missing)
             .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+}
+
+/// `apt-get update`: what an install or a download needs first on a
+/// machine whose lists are missing or old.
+pub fn fetch_package_lists() -> Result<()> {
+    sh::quietly(
+        "fetching Debian's package lists",
+        "apt-update",
+        Command::new("apt-get").args(["update", "-q"]),
     )
 }
 

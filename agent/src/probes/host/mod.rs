@@ -1,7 +1,9 @@
 //! The host's probes, one object (`host.bpf.o`) linked from one program
-//! file per concern, mirrored here: `block` (block accounting), `vm` (VM
-//! attribution and the host window), `vhost` (the kernel's vhost workers).
-//! This module loads the object and reads what all of them share.
+//! file per concern. Here: `block` (block accounting), `vm` (VM
+//! attribution and its maps), `tier` (what the tier of the moment
+//! attaches), `split` (the host window's split read back), `nesting` (the
+//! wake-up tracepoints' second programs). This module loads the object and
+//! reads what all of them share.
 
 use std::{collections::BTreeMap, os::fd::AsFd};
 
@@ -24,6 +26,7 @@ use crate::{
 };
 
 mod block;
+mod nesting;
 mod split;
 mod tier;
 mod vm;
@@ -211,28 +214,6 @@ pub struct Counters {
     /// VM requests whose host window could not be split (filled in by the run).
     #[serde(default)]
     pub host_split: crate::model::SplitCounters,
-}
-
-/// Program runs the kernel skipped, by program: a wake-up program's
-/// skipped runs less those its second program ran (`rerun`, by
-/// tracepoint); the second program's own skips are in the first's.
-fn lost_program_runs(
-    programs: &[crate::probes::progstats::ProgStats],
-    rerun: &[(&str, u64)],
-) -> BTreeMap<String, u64> {
-    programs
-        .iter()
-        .filter(|p| !p.name.contains("_nested"))
-        .map(|p| {
-            let tracepoint = p.name.strip_suffix("_btf").unwrap_or(&p.name);
-            let ran = rerun
-                .iter()
-                .find(|(tp, _)| *tp == tracepoint)
-                .map_or(0, |(_, n)| *n);
-            (p.name.clone(), p.recursion_misses.saturating_sub(ran))
-        })
-        .filter(|(_, n)| *n > 0)
-        .collect()
 }
 
 impl Counters {
@@ -689,7 +670,7 @@ impl BlockProbes {
         let (a, link) = crate::probes::attach_program_linked(
             &mut self.ebpf,
             self.btf.as_ref(),
-            &format!("{tracepoint}_nested"),
+            &nesting::second_program(tracepoint),
             tracepoint,
             self.flavour,
         )?;
@@ -739,11 +720,11 @@ impl BlockProbes {
                 .iter()
                 .sum())
         };
-        let rerun = [
-            ("sched_waking", sum(counter::NESTED_WAKING)?),
-            ("sched_wakeup", sum(counter::NESTED_WAKEUP)?),
-        ];
-        let lost_runs = lost_program_runs(&self.program_stats(), &rerun);
+        let reruns = nesting::NESTED_WAKEUPS
+            .iter()
+            .map(|w| Ok((w.tracepoint, sum(w.rerun_counter)?)))
+            .collect::<Result<Vec<_>, LoadError>>()?;
+        let lost_runs = nesting::lost_program_runs(&self.program_stats(), &reruns);
         Ok(Counters {
             ringbuf_drops: sum(counter::RINGBUF_DROPS)?,
             disk_conflicts: sum(counter::DISK_CONFLICTS)?,
@@ -822,40 +803,4 @@ fn add_running_vms(ebpf: &mut Ebpf, cfg: &BlockConfig) -> Result<(), LoadError> 
             .map_err(LoadError::map_op("vm_pids"))?;
     }
     add_vm_maps(ebpf, &cfg.vm_maps)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::lost_program_runs;
-    use crate::probes::progstats::ProgStats;
-
-    fn prog(name: &str, recursion_misses: u64) -> ProgStats {
-        ProgStats {
-            name: name.into(),
-            recursion_misses,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn a_wakeup_run_the_second_program_ran_is_not_lost() {
-        let programs = [
-            prog("sched_waking_btf", 5),
-            prog("sched_waking_nested_btf", 3),
-            prog("sched_wakeup", 2),
-            prog("sched_wakeup_nested", 0),
-            prog("block_rq_complete_btf", 1),
-            prog("sched_switch_btf", 0),
-        ];
-        let lost = lost_program_runs(&programs, &[("sched_waking", 4), ("sched_wakeup", 2)]);
-        // 5 skipped, 4 of them run by the second program: one lost; the
-        // second program's own skips are among the first's.
-        assert_eq!(
-            lost.into_iter().collect::<Vec<_>>(),
-            [
-                ("block_rq_complete_btf".to_string(), 1),
-                ("sched_waking_btf".to_string(), 1)
-            ]
-        );
-    }
 }

@@ -446,9 +446,10 @@ impl BlockProbes {
             .deep_links
             .push(DeepLink::Raw("sched_wakeup".into(), link));
         let nested = self.attach_nested("sched_wakeup")?;
-        self.tier
-            .deep_links
-            .push(DeepLink::Raw("sched_wakeup_nested".into(), nested));
+        self.tier.deep_links.push(DeepLink::Raw(
+            super::nesting::second_program("sched_wakeup"),
+            nested,
+        ));
         self.ensure_switch_probe()
     }
 
