@@ -115,8 +115,12 @@ fn a_guest_side_delay_is_guest_time() {
             "{}",
             rep["stitch"]
         );
+        // Medians: a few requests a busy host held back move a segment's
+        // mean by more than the bound below (one free run's hypervisor mean
+        // was 835 µs, its median 313, the delayed run's 306 and 284), and
+        // where the delay lands is every request's, not the tail's.
         let m = |k: &str| {
-            st["segments"][k]["mean_us"]
+            st["segments"][k]["p50_us"]
                 .as_f64()
                 .unwrap_or_else(|| panic!("no {k}: {st}"))
         };
@@ -129,8 +133,8 @@ fn a_guest_side_delay_is_guest_time() {
     let (slow, [guest_slow, hv_slow, engine_slow, device_slow]) = boot(DELAY_MS);
     let d = f64::from(DELAY_MS) * 1000.0;
     let ctx = format!(
-        "d {d} µs; workload {free} -> {slow}; guest {guest_free} -> {guest_slow}, hypervisor {hv_free} -> {hv_slow}, \
-         engine {engine_free} -> {engine_slow}, device {device_free} -> {device_slow}"
+        "d {d} µs; workload mean {free} -> {slow}; medians: guest {guest_free} -> {guest_slow}, \
+         hypervisor {hv_free} -> {hv_slow}, engine {engine_free} -> {engine_slow}, device {device_free} -> {device_slow}"
     );
     eprintln!("dm-delay: {ctx}");
     assert!(guest_slow - guest_free >= 0.80 * d, "{ctx}");
