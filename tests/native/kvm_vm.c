@@ -187,6 +187,10 @@ int main(int argc, char **argv)
 		return die(image);
 	if (posix_memalign(&buf, 4096, 4096))
 		return die("buffer");
+	/* A QEMU creates its KVM VM some time after its exec: long enough,
+	 * the VM is named before it holds one. */
+	if (getenv("KVM_VM_CREATE_DELAY_MS"))
+		usleep(atol(getenv("KVM_VM_CREATE_DELAY_MS")) * 1000);
 	kvm = open("/dev/kvm", O_RDWR);
 	if (kvm < 0)
 		return die("/dev/kvm");

@@ -92,6 +92,53 @@ pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) ->
     channels
 }
 
+/// How long after its naming a VM not known to run on KVM is looked at
+/// again for a KVM VM of its own.
+const KVM_LOOK: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// VMs named before they created their KVM VM (`Registry::kvm_unsure`),
+/// looked at again: one now holding a KVM VM has its kicks taken from
+/// KVM's exits and its disks split as a KVM VM's, its probes chosen again.
+pub(super) fn learn_late_kvm(probes: &mut BlockProbes, known: &Mutex<Registry>) {
+    let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
+    if known.kvm_unsure.is_empty() {
+        return;
+    }
+    let mut learnt = Vec::new();
+    let mut dropped = Vec::new();
+    for (slot, since) in &known.kvm_unsure {
+        let Some(vm) = known.vms.get(slot).filter(|_| !known.exited.contains(slot)) else {
+            dropped.push(*slot);
+            continue;
+        };
+        if vms::holds_kvm_vm(vm.pid) {
+            learnt.push(*slot);
+        } else if since.elapsed() >= KVM_LOOK {
+            dropped.push(*slot);
+        }
+    }
+    for slot in dropped {
+        known.kvm_unsure.remove(&slot);
+    }
+    for slot in learnt {
+        if !known.learn_kvm(slot) {
+            continue;
+        }
+        let Some(vm) = known.vms.get_mut(&slot) else {
+            continue;
+        };
+        let watched = vm.kicks == vms::KickSource::QueueNotifiers;
+        vm.kicks = kick_source(probes, vm, watched);
+        log::info!(
+            "VM {} (pid {}) runs on KVM: its kicks are {:?}",
+            vm.name,
+            vm.pid,
+            vm.kicks
+        );
+        attach_vm_probes(probes, slot, vm);
+    }
+}
+
 /// Lets go of VMs whose process has exited: their probes are detached and
 /// their pid no longer names them. They stay in the registry: the report
 /// still names their requests.

@@ -416,10 +416,12 @@ impl Session {
             .any(|slot| known.vms.get(slot).is_some_and(|vm| vm.name == name))
     }
 
-    /// A VM tick: exited VMs let go, the tier an API run asks for applied
-    /// (new VMs are named at the exec tick: `name_vms`).
+    /// A VM tick: exited VMs let go, VMs that created their KVM VM since
+    /// they were named learnt, the tier an API run asks for applied (new
+    /// VMs are named at the exec tick: `name_vms`).
     fn follow_vms(&mut self) {
         forget_exited_vms(&mut self.probes, &self.known, &mut self.exited);
+        learn_late_kvm(&mut self.probes, &self.known);
         self.apply_wanted_tier();
     }
 

@@ -22,6 +22,11 @@ pub struct Registry {
     pub not_vms: std::collections::BTreeMap<u32, NotVm>,
     /// Slots of VMs whose process has exited.
     pub exited: std::collections::BTreeSet<u32>,
+    /// VMs not known to run on KVM when named, and when: QEMU creates its
+    /// KVM VM after the exec that names it, so one whose accelerator comes
+    /// from its configuration (not its command line) is looked at again
+    /// (`learn_kvm`).
+    pub kvm_unsure: std::collections::BTreeMap<u32, std::time::Instant>,
 }
 
 /// A QEMU process that is not a VM.
@@ -95,8 +100,32 @@ impl Registry {
                 v,
             ));
         }
+        if !vm.kvm {
+            self.kvm_unsure.insert(slot, std::time::Instant::now());
+        }
         self.vms.insert(slot, vm);
         maps
+    }
+
+    /// A VM found to run on KVM after it was named: its disks' split
+    /// decided again (an NVMe disk's doorbells are KVM's exits). Whether
+    /// it was news.
+    pub fn learn_kvm(&mut self, slot: u32) -> bool {
+        self.kvm_unsure.remove(&slot);
+        let Some(vm) = self.vms.get_mut(&slot).filter(|vm| !vm.kvm) else {
+            return false;
+        };
+        vm.kvm = true;
+        for d in &mut vm.disks {
+            d.on_kvm = true;
+        }
+        for (vdisk, (s, id)) in &self.vdisks {
+            let split = vm.disks.iter().any(|d| &d.id == id && d.split_supported());
+            if *s == slot && split {
+                self.split.insert(*vdisk);
+            }
+        }
+        true
     }
 
     /// Whether a slot is a VM's (named, and not found to run no guest).

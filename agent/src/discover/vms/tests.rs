@@ -589,6 +589,32 @@ fn registry_gives_disks_slots_and_marks_shared_host_disks() {
 }
 
 #[test]
+fn a_vm_that_creates_its_kvm_vm_after_its_naming_is_learnt_as_one() {
+    // No accelerator on its command line: named before its KVM VM exists.
+    let vm = from_args(
+        12,
+        &args(&[
+            "-drive",
+            "file=/img/a.raw,if=none,id=d0,format=raw",
+            "-device",
+            "nvme,drive=d0,id=n0,serial=s0",
+        ]),
+    );
+    assert!(!vm.kvm);
+    let mut r = Registry::default();
+    r.add(3, vm);
+    assert!(r.split.is_empty(), "NVMe doorbells off KVM are not split");
+    assert!(r.kvm_unsure.contains_key(&3));
+    assert!(r.learn_kvm(3));
+    let vm = &r.vms[&3];
+    assert!(vm.kvm && vm.disks[0].on_kvm);
+    assert_eq!(r.split.iter().copied().collect::<Vec<_>>(), [1]);
+    assert!(r.kvm_unsure.is_empty());
+    assert!(!r.learn_kvm(3), "learnt once");
+    assert!(!r.learn_kvm(9), "no such VM");
+}
+
+#[test]
 fn file_key_uses_the_kernels_dev_encoding() {
     let exe = std::env::current_exe().unwrap();
     let k = file_key(&exe).unwrap();
