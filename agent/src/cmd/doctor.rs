@@ -415,13 +415,13 @@ fn render_vm(out: &mut String, vm: &crate::discover::vms::Vm) {
         crate::discover::qemu_counts::describe_all(&crate::discover::qemu_counts::sources_of(vm))
     );
     for d in &vm.disks {
-        render_vdisk(out, d);
+        render_vdisk(out, d, vm.kvm);
     }
 }
 
 /// A virtual disk: its host disk, engine, iothread and whether its host
 /// window splits.
-fn render_vdisk(out: &mut String, d: &crate::discover::vms::VDisk) {
+fn render_vdisk(out: &mut String, d: &crate::discover::vms::VDisk, on_kvm: bool) {
     let host = d
         .host_dev
         .map(crate::discover::disks::name_of)
@@ -451,7 +451,7 @@ fn render_vdisk(out: &mut String, d: &crate::discover::vms::VDisk) {
                     d.file
                         .as_ref()
                         .map_or("-".into(), |f| f.display().to_string()),
-                    match d.split_support() {
+                    match d.split_support(on_kvm) {
                         Ok(()) => "split (hypervisor, engine, device)".to_string(),
                         Err(why) => format!("not split: {why}"),
                     }

@@ -198,7 +198,7 @@ pub fn vms(
                             program,
                             pid,
                             export,
-                            not_split: d.split_support().err().map(str::to_string),
+                            not_split: d.split_support(v.kvm).err().map(str::to_string),
                         }
                     })
                     .collect(),

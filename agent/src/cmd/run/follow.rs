@@ -209,7 +209,7 @@ pub(super) fn add_engines(probes: &mut BlockProbes, slot: u32, vm: &vms::Vm) {
             "VM {} disk {}: {}",
             vm.name,
             d.id,
-            d.split_support().err().unwrap_or_default()
+            d.split_support(vm.kvm).err().unwrap_or_default()
         );
     }
     for e in vm.engines() {
@@ -250,14 +250,17 @@ pub(super) fn guest_channels(known: &Registry) -> Vec<GuestChannel> {
 /// not the run.
 pub(super) fn attach_vm_probes(probes: &mut BlockProbes, slot: u32, vm: &vms::Vm) {
     let mut flags = 0;
-    if !vm.disks.iter().any(|d| d.split_supported()) {
+    if !vm.disks.iter().any(|d| d.split_supported(vm.kvm)) {
         if let Err(e) = probes.exempt_from_stop(vm.pid) {
             log::warn!("VM {}: {}", vm.name, crate::probes::error_chain(&e));
         }
     }
     // Probes some disks need, shared by every VM that has such a disk.
-    let needs =
-        |kind: fn(&vms::VDisk) -> bool| vm.disks.iter().any(|d| d.split_supported() && kind(d));
+    let needs = |kind: fn(&vms::VDisk) -> bool| {
+        vm.disks
+            .iter()
+            .any(|d| d.split_supported(vm.kvm) && kind(d))
+    };
     let unsplit = |what: &str, e: crate::probes::LoadError| {
         log::warn!(
             "VM {}: {what} disks not split: {}",

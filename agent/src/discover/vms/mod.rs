@@ -161,10 +161,6 @@ pub struct VDisk {
     /// in LIO's configfs (`naa.…/lun_0`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
-    /// Its VM runs on KVM: a doorbell QEMU takes in the vCPU's exit is seen
-    /// there (kvm:kvm_mmio) even without an eventfd.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub on_kvm: bool,
     /// Its request queues, as the host configured them: `num-queues`
     /// (virtio-blk, vhost-user-blk), `max_ioqpairs` (NVMe), else QEMU's
     /// default (a virtio disk: one per vCPU; NVMe: 64). A guest's queue
@@ -205,9 +201,9 @@ impl VDisk {
     /// NVMe's default doorbell is taken inside the vCPU's exit to QEMU:
     /// under KVM the exit shows it (kvm:kvm_mmio), under TCG nothing the
     /// host kernel sees does. Requests of disks not followed are counted as
-    /// such.
-    pub fn split_supported(&self) -> bool {
-        self.split_support().is_ok()
+    /// such. `on_kvm`: its VM runs on KVM (`Vm::kvm`).
+    pub fn split_supported(&self, on_kvm: bool) -> bool {
+        self.split_support(on_kvm).is_ok()
     }
 
     /// Whether the kernel's vhost workers serve it (vhost-scsi): they pick
@@ -225,7 +221,7 @@ impl VDisk {
     }
 
     /// As `split_supported`, with the reason when not.
-    pub fn split_support(&self) -> Result<(), &'static str> {
+    pub fn split_support(&self, on_kvm: bool) -> Result<(), &'static str> {
         match self.model.as_deref() {
             Some(m) if m.starts_with("virtio-blk") => {}
             Some(m) if m.starts_with("vhost-user-blk") && self.engine_shared => {
@@ -241,7 +237,7 @@ impl VDisk {
             Some(m) if m.starts_with("vhost-user-blk") => {
                 return Err("no process listens on its socket (is its vhost-user server running?)")
             }
-            Some("nvme") if self.ioeventfd || self.on_kvm => {}
+            Some("nvme") if self.ioeventfd || on_kvm => {}
             Some("nvme") => {
                 return Err(
                     "NVMe doorbells without ioeventfd=on are taken in the vCPU's exit to QEMU: seen under KVM (its MMIO exit), not under TCG",

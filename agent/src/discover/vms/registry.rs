@@ -76,9 +76,6 @@ impl Registry {
         for d in &vm.disks {
             let vdisk = self.vdisks.len() as u32 + 1;
             self.vdisks.insert(vdisk, (slot, d.id.clone()));
-            if d.split_supported() {
-                self.split.insert(vdisk);
-            }
             if let Some(k) = d.file.as_deref().and_then(file_key) {
                 maps.files.push((k, vdisk));
             }
@@ -104,6 +101,7 @@ impl Registry {
             self.kvm_unsure.insert(slot, std::time::Instant::now());
         }
         self.vms.insert(slot, vm);
+        self.mark_split(slot);
         maps
     }
 
@@ -116,16 +114,22 @@ impl Registry {
             return false;
         };
         vm.kvm = true;
-        for d in &mut vm.disks {
-            d.on_kvm = true;
-        }
-        for (vdisk, (s, id)) in &self.vdisks {
-            let split = vm.disks.iter().any(|d| &d.id == id && d.split_supported());
-            if *s == slot && split {
+        self.mark_split(slot);
+        true
+    }
+
+    /// Marks the vdisks of a VM whose host windows split (`split`).
+    fn mark_split(&mut self, slot: u32) {
+        let Some(vm) = self.vms.get(&slot) else {
+            return;
+        };
+        // A VM's vdisks were numbered in the order of its disks.
+        let vdisks = self.vdisks.iter().filter(|(_, (s, _))| *s == slot);
+        for ((vdisk, _), d) in vdisks.zip(&vm.disks) {
+            if d.split_supported(vm.kvm) {
                 self.split.insert(*vdisk);
             }
         }
-        true
     }
 
     /// Whether a slot is a VM's (named, and not found to run no guest).

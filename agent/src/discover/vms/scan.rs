@@ -61,9 +61,6 @@ pub fn identify(pid: u32) -> Option<Vm> {
         .ok()
         .filter(|p| p.exists());
     vm.kvm = kvm_on_command_line(&comm, &args) || holds_kvm_vm(pid);
-    for d in &mut vm.disks {
-        d.on_kvm = vm.kvm;
-    }
     if vm.not_vm.is_some() {
         return Some(vm);
     }

@@ -52,7 +52,7 @@ fn a_vhost_scsi_target_becomes_a_disk_per_lun_with_its_backing() {
     assert_eq!(vm.disks.len(), 1);
     assert!(vm.disks[0].kernel_vhost());
     assert_eq!(
-        vm.disks[0].split_support().unwrap_err(),
+        vm.disks[0].split_support(vm.kvm).unwrap_err(),
         "no LUN of its target found in LIO's configfs (target/vhost/WWPN under IOSPAN_CONFIGFS, default /sys/kernel/config) on a host disk"
     );
     vm.find_luns(&root.join("nowhere"));
@@ -69,7 +69,10 @@ fn a_vhost_scsi_target_becomes_a_disk_per_lun_with_its_backing() {
         Some("naa.5001405c0ffee001/lun_10")
     );
     // On a host disk (not tmpfs) the split is supported.
-    assert_eq!(vm.disks[0].split_supported(), host_disk_of(&img).is_some());
+    assert_eq!(
+        vm.disks[0].split_supported(vm.kvm),
+        host_disk_of(&img).is_some()
+    );
 }
 
 #[test]
@@ -109,9 +112,15 @@ fn libvirt_style_name_drive_and_device() {
         Some("threads"),
         "QEMU's default"
     );
-    assert!(vm.disks[0].split_supported(), "virtio-blk on io_uring");
+    assert!(
+        vm.disks[0].split_supported(vm.kvm),
+        "virtio-blk on io_uring"
+    );
     assert!(vm.named_threads);
-    assert!(!vm.disks[1].split_supported(), "NVMe without ioeventfd=on");
+    assert!(
+        !vm.disks[1].split_supported(vm.kvm),
+        "NVMe without ioeventfd=on"
+    );
     assert!(vm.disks[1].worker_submitted());
     assert_eq!(
         vm.disks[1].file.as_deref(),
@@ -209,7 +218,7 @@ fn libvirt_json_devices_blockdevs_iothreads_uuid_and_fd_channel() {
             ),
         ]
     );
-    assert!(vm.disks.iter().all(VDisk::split_supported));
+    assert!(vm.disks.iter().all(|d| d.split_supported(vm.kvm)));
     assert_eq!(vm.channel, Some(SocketSource::Fd(29)));
     assert_eq!(vm.guest_channel, None, "resolved only through the process");
 }
@@ -470,7 +479,7 @@ fn vhost_user_disks_are_served_by_the_daemon_exporting_on_their_socket() {
         vm.disks[0].socket.as_deref(),
         Some(Path::new("/run/vu/a.sock"))
     );
-    assert!(!vm.disks[0].split_supported(), "no engine found yet");
+    assert!(!vm.disks[0].split_supported(vm.kvm), "no engine found yet");
     let exports = exports_from_args(
         &args(&[
             "--blockdev", "driver=file,node-name=file0,filename=/img/a.raw,cache.direct=on,aio=io_uring",
@@ -518,7 +527,7 @@ fn vhost_user_disks_are_served_by_the_daemon_exporting_on_their_socket() {
     );
     assert_eq!(vm.disks[0].file.as_deref(), Some(Path::new("/img/a.raw")));
     assert_eq!(vm.disks[0].aio.as_deref(), Some("io_uring"));
-    assert!(vm.disks[0].split_supported());
+    assert!(vm.disks[0].split_supported(vm.kvm));
     assert_eq!(
         vm.disks[1].engine.as_ref().map(|e| e.export.as_str()),
         Some("exp1")
@@ -607,7 +616,7 @@ fn a_vm_that_creates_its_kvm_vm_after_its_naming_is_learnt_as_one() {
     assert!(r.kvm_unsure.contains_key(&3));
     assert!(r.learn_kvm(3));
     let vm = &r.vms[&3];
-    assert!(vm.kvm && vm.disks[0].on_kvm);
+    assert!(vm.kvm && vm.disks[0].split_supported(vm.kvm));
     assert_eq!(r.split.iter().copied().collect::<Vec<_>>(), [1]);
     assert!(r.kvm_unsure.is_empty());
     assert!(!r.learn_kvm(3), "learnt once");
