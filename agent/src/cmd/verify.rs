@@ -178,6 +178,7 @@ mod tests {
             after_last_read: 0,
             before_first_read: 0,
             engine_device_mean_us: Some(i_mean),
+            engine_device_max_us: Some(i_mean * 4.0),
             pickup_to_done_mean_us: Some(i_mean * 0.8),
             counted_by: "qemu".into(),
             uncounted: false,

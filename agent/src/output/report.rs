@@ -357,6 +357,11 @@ pub struct QemuCheck {
     /// iospan's engine + device mean for the same requests, µs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine_device_mean_us: Option<f64>,
+    /// The longest engine plus the longest device time of them, µs: no
+    /// request's engine + device is longer, nor a request QEMU merged into
+    /// one of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_device_max_us: Option<f64>,
     /// iospan's pickup → host completion mean, µs: engine + device less
     /// the engine's completion side. QEMU's callback, where its time
     /// ends, comes before it signals the guest (NVMe, iothreads) or after
