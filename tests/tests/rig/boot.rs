@@ -403,14 +403,10 @@ fn traced_boot(a: RunArgs) {
     }
 }
 
-/// Requests that one kick brought (at random depth the guest queues more
-/// behind a kick it already made; a sequential guest, one system call per
-/// I/O on its one CPU, rarely does) are each picked up when QEMU's device model took
-/// it, not all at the batch's read: within a batch the pickups differ, and
-/// each lies between the kick and the request's start.
 /// Our means of a VM disk's split reads as QEMU counts them: per guest
-/// request, a request of ours QEMU merged from several counting once per
-/// 4 KiB of it (the guest's request size), µs.
+/// request, a request of ours QEMU merged from several weighed by its
+/// bytes (the guest's requests are of one size, xtask/rig/workload.c's
+/// `BS`), µs.
 struct PerQemuRequest {
     engine_device: f64,
     pickup_to_done: f64,
@@ -428,7 +424,7 @@ fn per_qemu_request(events: &[Value], a: &RunArgs, n: u64) -> PerQemuRequest {
             && e["vdisk"] == a.disk_id.as_str()
     }) {
         let f = |k: &str| io[k].as_f64().unwrap_or_else(|| panic!("{k}: {io}"));
-        let w = f("bytes") / GUEST_IO_BYTES;
+        let w = f("bytes");
         weight += w;
         engine_device += w * (f("engine_us") + f("device_us"));
         pickup_to_done += w * (f("done_ns") - f("pick_ns")) / 1000.0;
@@ -446,9 +442,11 @@ fn per_qemu_request(events: &[Value], a: &RunArgs, n: u64) -> PerQemuRequest {
     }
 }
 
-/// The guest workload's request size (xtask/rig/workload.c's `BS`).
-const GUEST_IO_BYTES: f64 = 4096.0;
-
+/// Requests that one kick brought (at random depth the guest queues more
+/// behind a kick it already made; a sequential guest, one system call per
+/// I/O on its one CPU, rarely does) are each picked up when QEMU's device model took
+/// it, not all at the batch's read: within a batch the pickups differ, and
+/// each lies between the kick and the request's start.
 fn own_pickups(events: &[Value], a: &RunArgs) {
     let mut batches: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
     for sp in events
