@@ -36,6 +36,7 @@ const volatile __u32 targ_stream_devs[MAX_STREAM_DEVS] = {};
 
 counters_map_t counters SEC(".maps");
 events_map_t events SEC(".maps");
+__u64 events_woken_ns = 0;
 const struct blk_stats zero_stats = {};
 const struct vm_split_stats zero_split = {};
 proc_cache_map_t proc_cache SEC(".maps");

@@ -30,6 +30,16 @@ vm_latency_nested_map_t vm_latency_nested SEC(".maps");
 vm_undelivered_map_t vm_undelivered SEC(".maps");
 vm_disks_map_t vm_disks SEC(".maps");
 
+/* The tgid of each VM process just exec'd, each record waking the agent:
+ * it names the VM at once instead of looking every few milliseconds (an
+ * idle agent's wakeups land on every process's CPU). A record that finds
+ * no room is no loss: vm_gen has moved, and the agent's slower look at it
+ * names the VM. */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 4096);
+} vm_execs SEC(".maps");
+
 /* Whether a program name is a QEMU system emulator's as distributions
  * install it: qemu-system-* (upstream, Debian, SUSE), qemu-kvm (RHEL,
  * Fedora), kvm (Proxmox). Mirrors vms::is_qemu_comm; the agent drops a
@@ -67,6 +77,7 @@ static __always_inline void on_exec(void)
 	p.slot = __sync_fetch_and_add(&next_vm, 1) + 1;
 	bpf_map_update_elem(&vm_pids, &tgid, &p, BPF_NOEXIST);
 	vm_gen_bump();
+	bpf_ringbuf_output(&vm_execs, &tgid, sizeof(tgid), BPF_RB_FORCE_WAKEUP);
 	/* Its notifiers' creation is watched while the deep tier runs. */
 	if (targ_vm_segments && deep_tier()) {
 		__u8 one = 1;

@@ -35,6 +35,8 @@ typedef struct {
 	__uint(max_entries, 16 << 20);
 } events_map_t;
 extern events_map_t events SEC(".maps");
+/* When a record last woke the reader (block.bpf.c). */
+extern __u64 events_woken_ns;
 
 /* What the agent asks of the moment (vms.bpf.c): struct tier_state. */
 typedef struct {
@@ -375,12 +377,27 @@ static __always_inline int deep_tier(void)
 	return t && t->deep;
 }
 
-/* No wakeup per record: the reader drains on a timer, and is woken only
- * when the backlog grows past targ_wakeup_bytes. */
+/* Longer than the reader's own drain period while records come (25 ms), so
+ * that a steady stream adds few wakeups to its timer's. */
+#define EVENTS_WAKE_AFTER_NS (100 * 1000 * 1000ULL)
+
+/* No wakeup per record: the reader drains on a timer while records come,
+ * and is woken when the backlog grows past targ_wakeup_bytes or by the
+ * first record after a quiet spell (EVENTS_WAKE_AFTER_NS), so that an
+ * idle reader can sleep without a timer waking it and still sees a new
+ * stream of records at once. Two CPUs racing on the stamp wake it twice. */
 static __always_inline __u64 wakeup_flags(void)
 {
-	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= targ_wakeup_bytes)
+	/* A clock read per record, not per request: in the always-on tier
+	 * only sampled requests cross the ring. (The coarse clock, cheaper, is
+	 * not a tracing program's to call.) */
+	__u64 now = bpf_ktime_get_ns();
+
+	if (now - events_woken_ns >= EVENTS_WAKE_AFTER_NS ||
+	    bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= targ_wakeup_bytes) {
+		events_woken_ns = now;
 		return BPF_RB_FORCE_WAKEUP;
+	}
 	return BPF_RB_NO_WAKEUP;
 }
 

@@ -28,10 +28,20 @@ pub(super) struct Drained {
     pub export: Option<ExportCounters>,
 }
 
+/// The drain timer's period while records come: often enough that a deep
+/// run's ring never fills between its ticks.
+const DRAIN_EVERY: Duration = Duration::from_millis(25);
+
+/// The longest the drain timer backs off to while no record comes: the
+/// kernel side wakes us with the first record after a quiet spell, so an
+/// idle agent need not wake every `DRAIN_EVERY` (each wakeup lands on some
+/// process's CPU).
+const DRAIN_IDLE_MAX: Duration = Duration::from_secs(1);
+
 /// Drains the ring buffer into JSON lines until told to stop, then each
 /// joined guest I/O (those at least `slower_than_ns` long). The kernel
-/// side wakes us only past a backlog threshold, so a timer drains too,
-/// often enough that a deep run's ring never fills between its ticks.
+/// side wakes us past a backlog threshold or after a quiet spell, not per
+/// record, so a timer drains too.
 pub(super) async fn drain_events<W: Write>(
     ring: aya::maps::RingBuf<aya::maps::MapData>,
     out: Option<W>,
@@ -45,7 +55,7 @@ pub(super) async fn drain_events<W: Write>(
     // (AsyncFd owns the ring buffer).
     let mut fd = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
         .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
-    let mut timer = tokio::time::interval(Duration::from_millis(25));
+    let mut every = DRAIN_EVERY;
     let mut d = Drain {
         out,
         known,
@@ -58,14 +68,21 @@ pub(super) async fn drain_events<W: Write>(
     loop {
         let stopping = tokio::select! {
             r = fd.readable_mut() => { if let Ok(mut g) = r { g.clear_ready(); } false }
-            _ = timer.tick() => false,
+            _ = tokio::time::sleep(every) => false,
             _ = stop.changed() => true,
         };
         let ring = fd.get_mut();
         let mut corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
+        let mut drained = false;
         while let Some(item) = ring.next() {
             d.record(&mut corr, &item)?;
+            drained = true;
         }
+        every = if drained {
+            DRAIN_EVERY
+        } else {
+            (every * 2).min(DRAIN_IDLE_MAX)
+        };
         if stopping {
             corr.finish();
         }

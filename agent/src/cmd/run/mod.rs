@@ -29,6 +29,7 @@ use crate::{
 };
 
 mod events;
+mod execs;
 mod finish;
 mod follow;
 mod live;
@@ -78,9 +79,6 @@ pub struct RunOptions {
     /// exited (`verify --vm`): what it did is all in by then.
     pub until_exit_of: Option<String>,
 }
-
-/// How often a run looks for a VM just exec'd (one map read).
-const EXEC_LOOK: Duration = Duration::from_millis(10);
 
 /// From a VM's exit to the end of a run waiting for it: the ring buffer's
 /// last records read, the exit's own bookkeeping done.
@@ -334,12 +332,10 @@ impl Session {
         let mut vm_tick = tokio::time::interval(Duration::from_millis(100));
         // New VMs named: one just exec'd before its firmware's first read
         // (tens of milliseconds after its exec under TCG), which its disks'
-        // files must be known by to be the virtual disk's. One look at the
-        // kernel side's generation per tick (each VM exec moves it); the
-        // VMs named when it moved, or when it cannot be read.
-        let mut exec_tick = tokio::time::interval(EXEC_LOOK);
-        exec_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        let mut seen_gen = None;
+        // files must be known by to be the virtual disk's. The kernel side
+        // wakes us at each VM exec; the VM tick looks at its generation
+        // too, for an exec whose wakeup found the ring full.
+        let mut execs = execs::ExecWatch::new(&mut self.probes);
         let ending = loop {
             tokio::select! {
                 status = async { child.as_mut().expect("guarded").wait().await }, if child.is_some() => {
@@ -352,6 +348,9 @@ impl Session {
                 _ = sleep_until(vm_gone), if vm_gone.is_some() => break Ending::Stop,
                 _ = vm_tick.tick() => {
                     if opts.vms {
+                        if execs.moved(&self.probes) {
+                            self.name_vms(stop_rx);
+                        }
                         self.follow_vms();
                         if vm_gone.is_none() && opts.until_exit_of.as_deref().is_some_and(|n| self.has_exited(n)) {
                             vm_gone = Some(tokio::time::Instant::now() + AFTER_EXIT);
@@ -362,10 +361,8 @@ impl Session {
                         self.apply_wanted_tier();
                     }
                 }
-                _ = exec_tick.tick(), if opts.vms => {
-                    let gen = self.probes.vm_gen().ok();
-                    if gen.is_none() || gen != seen_gen {
-                        seen_gen = gen;
+                _ = execs.exec(), if opts.vms => {
+                    if execs.moved(&self.probes) {
                         self.name_vms(stop_rx);
                     }
                 }

@@ -567,6 +567,16 @@ impl BlockProbes {
         RingBuf::try_from(map).map_err(LoadError::map_op("events"))
     }
 
+    /// The ring buffer that wakes its one reader at each VM exec (a tgid
+    /// per record).
+    pub fn take_vm_execs(&mut self) -> Result<RingBuf<MapData>, LoadError> {
+        let map = self.ebpf.take_map("vm_execs").ok_or(LoadError::Map {
+            map: "vm_execs",
+            source: None,
+        })?;
+        RingBuf::try_from(map).map_err(LoadError::map_op("vm_execs"))
+    }
+
     pub fn snapshot(&self) -> Result<BlockSnapshot, LoadError> {
         let map_err = LoadError::map_op;
         let disks: Array<_, DiskSlot> = map_of(&self.ebpf, "disk_queues")?;
