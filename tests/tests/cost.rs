@@ -161,6 +161,29 @@ fn settle(pid: u32) {
     }
 }
 
+/// Context switches of all of process `pid`'s threads so far: each is the
+/// agent waking on some CPU, another process's caches and time slice.
+fn switches_of(pid: u32) -> u64 {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .flat_map(|status| {
+            status
+                .lines()
+                .filter(|l| l.starts_with("voluntary_ctxt") || l.starts_with("nonvoluntary_ctxt"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// The most an idle agent may wake per second (its threads' context
+/// switches): its once-a-second figures and tenth-of-a-second VM look
+/// make ~60 here; a look for new VMs or a ring drain on a timer of
+/// milliseconds makes hundreds.
+const IDLE_SWITCHES_PER_S: f64 = 150.0;
+
 /// Untraced and traced slices measured in turn (~4.5 s a cycle).
 const CYCLES: usize = 24;
 
@@ -192,19 +215,25 @@ fn an_idle_agent_attaches_no_system_call_probe_and_costs_no_process_anything() {
     let mut programs = BTreeSet::new();
     let mut untraced = vec![rate(8)];
     let mut traced = Vec::new();
+    let (mut switches, mut traced_time) = (0, Duration::ZERO);
     for _ in 0..CYCLES {
         let agent = start_idle_agent(&conf, &addr);
         programs.extend(attached_programs(agent.0.id()));
+        let (before, t0) = (switches_of(agent.0.id()), Instant::now());
         traced.push(rate(8));
+        switches += switches_of(agent.0.id()) - before;
+        traced_time += t0.elapsed();
         drop(agent);
         untraced.push(rate(8));
     }
+    let switches_per_s = switches as f64 / traced_time.as_secs_f64();
     eprintln!("pairs per CPU-second, untraced and with the agent idle, in turn:");
     for (i, t) in traced.iter().enumerate() {
         eprintln!("  {:>9.0} {:>9.0}", untraced[i], t);
     }
     eprintln!("  {:>9.0}", untraced[CYCLES]);
     eprintln!("attached: {programs:?}");
+    eprintln!("the idle agent's context switches: {switches_per_s:.0} a second");
     assert!(
         programs.iter().any(|p| names(p, "block_rq_complete")),
         "the block layer is not traced: {programs:?}"
@@ -216,6 +245,10 @@ fn an_idle_agent_attaches_no_system_call_probe_and_costs_no_process_anything() {
     assert!(
         unexpected.is_empty(),
         "an idle agent attached {unexpected:?} (all: {programs:?})"
+    );
+    assert!(
+        switches_per_s <= IDLE_SWITCHES_PER_S,
+        "an idle agent wakes {switches_per_s:.0} times a second (at most {IDLE_SWITCHES_PER_S})"
     );
     let mut ratios: Vec<f64> = traced
         .iter()

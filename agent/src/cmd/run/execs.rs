@@ -50,9 +50,11 @@ impl ExecWatch {
         };
         match fd.readable_mut().await {
             Ok(mut ready) => {
+                // Cleared before the drain: a record written after it
+                // wakes us again.
+                ready.clear_ready();
                 let ring = ready.get_inner_mut();
                 while ring.next().is_some() {}
-                ready.clear_ready();
             }
             Err(e) => {
                 log::warn!("VM execs are looked for every {EXEC_LOOK:?}: {e}");
