@@ -223,7 +223,7 @@ static __always_inline void stream(const struct rq_outcome *o, const struct rq_f
 	ev.cpu_lo = (__u8)bpf_get_smp_processor_id();
 	ev.vdisk = o->vdisk;
 	ev.vm = o->vm;
-	if (!emit(&ev, sizeof(ev)))
+	if (!emit(&ev, sizeof(ev), now))
 		count(CNT_SAMPLED);
 }
 

@@ -86,7 +86,7 @@ static __always_inline void stream_joined(const struct done_ent *e, __u32 vm, __
 	ev.io.pos = e->pos;
 	ev.signal_ns = sig;
 	ev.sampled_by = why;
-	if (!emit(&ev, sizeof(ev)))
+	if (!emit(&ev, sizeof(ev), sig))
 		count(CNT_SAMPLED);
 }
 

@@ -385,26 +385,24 @@ static __always_inline int deep_tier(void)
  * and is woken when the backlog grows past targ_wakeup_bytes or by the
  * first record after a quiet spell (EVENTS_WAKE_AFTER_NS), so that an
  * idle reader can sleep without a timer waking it and still sees a new
- * stream of records at once. Two CPUs racing on the stamp wake it twice. */
-static __always_inline __u64 wakeup_flags(void)
+ * stream of records at once. `now_ns` is the record's own latest stamp
+ * (no clock read of its own); an older one than the last wake's wakes
+ * nobody. Two CPUs racing on the stamp wake it twice. */
+static __always_inline __u64 wakeup_flags(__u64 now_ns)
 {
-	/* A clock read per record, not per request: in the always-on tier
-	 * only sampled requests cross the ring. (The coarse clock, cheaper, is
-	 * not a tracing program's to call.) */
-	__u64 now = bpf_ktime_get_ns();
-
-	if (now - events_woken_ns >= EVENTS_WAKE_AFTER_NS ||
+	if ((__s64)(now_ns - events_woken_ns) >= (__s64)EVENTS_WAKE_AFTER_NS ||
 	    bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= targ_wakeup_bytes) {
-		events_woken_ns = now;
+		events_woken_ns = now_ns;
 		return BPF_RB_FORCE_WAKEUP;
 	}
 	return BPF_RB_NO_WAKEUP;
 }
 
-/* One record into the ring buffer; no room is counted, never silent. */
-static __always_inline int emit(void *rec, __u64 size)
+/* One record into the ring buffer, stamped last at `now_ns`; no room is
+ * counted, never silent. */
+static __always_inline int emit(void *rec, __u64 size, __u64 now_ns)
 {
-	if (bpf_ringbuf_output(&events, rec, size, wakeup_flags())) {
+	if (bpf_ringbuf_output(&events, rec, size, wakeup_flags(now_ns))) {
 		count(CNT_RINGBUF_DROPS);
 		return -1;
 	}

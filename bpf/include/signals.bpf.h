@@ -71,7 +71,7 @@ static __always_inline void send_pushes(__u32 tid, struct vm_pushes_event *b)
 	if (!b->n)
 		return;
 	last_waits(tid, b->wait_start, b->wait_end);
-	emit(b, sizeof(*b));
+	emit(b, sizeof(*b), b->ts[(b->n - 1) & (PUSH_BATCH - 1)]);
 	b->n = 0;
 }
 
@@ -160,7 +160,7 @@ static __always_inline int on_signal(__u32 covers)
 	ev.vm = vm;
 	ev.ts_ns = bpf_ktime_get_ns();
 	last_waits(tid, ev.wait_start, ev.wait_end);
-	emit(&ev, sizeof(ev));
+	emit(&ev, sizeof(ev), ev.ts_ns);
 	return 0;
 }
 

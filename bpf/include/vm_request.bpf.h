@@ -348,7 +348,7 @@ static __always_inline void stream_vm_io(const struct rq_outcome *o, __u32 dev, 
 	ev.pos = o->pos;
 	ev.hv_wait_ns = o->hv_wait_ns;
 	ev.eng_wait_ns = o->eng_wait_ns;
-	emit(&ev, sizeof(ev));
+	emit(&ev, sizeof(ev), now);
 }
 
 /* A VM's finished request: into vm_latency, with its whole byte count
