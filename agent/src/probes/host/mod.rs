@@ -560,21 +560,21 @@ impl BlockProbes {
 
     /// The ring buffer of per-request records, for one consumer.
     pub fn take_events(&mut self) -> Result<RingBuf<MapData>, LoadError> {
-        let map = self.ebpf.take_map("events").ok_or(LoadError::Map {
-            map: "events",
-            source: None,
-        })?;
-        RingBuf::try_from(map).map_err(LoadError::map_op("events"))
+        self.take_ring("events")
     }
 
     /// The ring buffer that wakes its one reader at each VM exec (a tgid
     /// per record).
     pub fn take_vm_execs(&mut self) -> Result<RingBuf<MapData>, LoadError> {
-        let map = self.ebpf.take_map("vm_execs").ok_or(LoadError::Map {
-            map: "vm_execs",
+        self.take_ring("vm_execs")
+    }
+
+    fn take_ring(&mut self, name: &'static str) -> Result<RingBuf<MapData>, LoadError> {
+        let map = self.ebpf.take_map(name).ok_or(LoadError::Map {
+            map: name,
             source: None,
         })?;
-        RingBuf::try_from(map).map_err(LoadError::map_op("vm_execs"))
+        RingBuf::try_from(map).map_err(LoadError::map_op(name))
     }
 
     pub fn snapshot(&self) -> Result<BlockSnapshot, LoadError> {
