@@ -63,6 +63,7 @@ static __always_inline void pick_up(__u32 tgid, __u32 tid, __u64 kick_ns, __u32 
 	p.queue = queue;
 	p.pick_ns = now;
 	p.flags = PICK_READ;
+	p.engine = tid;
 	if (deep_tier())
 		p.hv_wait_ns = waited_within(tid, kick_ns, now);
 	old = bpf_map_lookup_elem(&thread_picks, &tid);

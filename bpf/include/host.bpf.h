@@ -233,6 +233,8 @@ struct pick {
 	__u32 queue;	     /* VQ_*: the notifier the kick came through */
 	__u32 hv_wait_ns;    /* the picking thread's CPU waits within kick -> pickup */
 	__u64 call;	     /* the io_uring call that last punted under it */
+	__u32 engine;	     /* the thread that picked it up (its pops: see take_pop) */
+	__u32 _pad;
 };
 
 #define PICK_HANDED  (1 << 0) /* handed to a worker it woke (aio=threads) */

@@ -105,29 +105,36 @@ static __always_inline int take_pick(struct pick *p, __u64 now, __u64 nvcsw)
 	return polled;
 }
 
-/* The stamp of the next request of op `op` that thread `tid` starts under
- * pickup `pick_ns`, or `pick_ns` when it has none. A pickup reads a
- * notifier once for the whole batch, and each request then waits its turn
- * behind the ones taken before it, which is not engine time of its own:
- * a request the thread starts takes the oldest stamp of its op (the batch
- * is submitted in sector order, not in the order taken: exact for the
- * batch's sum, not for each request); a batch of more than POPS of an op,
- * and requests the device model took without accounting, keep the pickup. */
+/* The stamp of the next request of op `op` that thread `tid` (or a worker
+ * it queued requests to) starts under pickup `pick_ns`, or `pick_ns` when
+ * it has none. A pickup reads a notifier once for the whole batch, and
+ * each request then waits its turn behind the ones taken before it, which
+ * is not engine time of its own; a polling iothread takes more requests
+ * under one pickup, long after its read. A request takes the oldest stamp
+ * of its op (the batch is submitted in sector order, and workers start
+ * what they were queued in any order: exact for the batch's sum, not for
+ * each request, and never after the request's own start); a batch of more
+ * than POPS of an op, and requests the device model took without
+ * accounting, keep the pickup. Workers on several CPUs take from one
+ * thread's stamps: the take is atomic. */
 static __always_inline __u64 take_pop(__u32 tid, __u64 pick_ns, __u32 op)
 {
 	struct pops *q;
-	__u32 h;
+	__u32 h, i;
 
 	if (op > BLK_OP_WRITE)
 		return pick_ns;
 	q = bpf_map_lookup_elem(&thread_pops, &tid);
 	if (!q || q->pick_ns != pick_ns)
 		return pick_ns;
-	h = q->head[op & 1];
-	if (h == q->tail[op & 1])
-		return pick_ns;
-	q->head[op & 1] = h + 1;
-	return q->ts[op & 1][h & POPS_MASK];
+	for (i = 0; i < 4; i++) {
+		h = q->head[op & 1];
+		if (h == q->tail[op & 1])
+			return pick_ns;
+		if (__sync_val_compare_and_swap(&q->head[op & 1], h, h + 1) == h)
+			return q->ts[op & 1][h & POPS_MASK];
+	}
+	return pick_ns;
 }
 
 /* The VM's vhost worker taking its pending kick (deep tier: its kick
@@ -144,6 +151,7 @@ static __always_inline void claim_vhost_kick(__u32 tgid, __u32 tid)
 		return;
 	p.kick_ns = *kick;
 	p.pick_ns = bpf_ktime_get_ns();
+	p.engine = tid;
 	bpf_map_delete_elem(&vhost_kicks, &tgid);
 	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
 	bpf_map_update_elem(&vm_last_pick, &tgid, &p, BPF_ANY);

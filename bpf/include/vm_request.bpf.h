@@ -215,7 +215,8 @@ static __always_inline void vm_pick(struct bio *bio, __u32 tgid, __u32 tid, __u6
 {
 	struct task_struct *t = current_task(btf);
 	struct pick *p, punt;
-	int own = 0, deep = deep_tier();
+	int own = 0, punted = 0, deep = deep_tier();
+	__u32 picker;
 	__u64 nvcsw = READ(btf, t, nvcsw);
 
 	if (deep && in_vhost_worker())
@@ -229,6 +230,7 @@ static __always_inline void vm_pick(struct bio *bio, __u32 tgid, __u32 tid, __u6
 	if (in_io_worker(t, btf) && punted_pick_of(bio, &punt, btf)) {
 		/* The submitter's pick, as it was at the punt. */
 		p = &punt;
+		punted = 1;
 		v->polled = !!(punt.flags & PICK_SPENT);
 	} else if (!(p = bpf_map_lookup_elem(&thread_picks, &tid)))
 		return;
@@ -243,14 +245,20 @@ static __always_inline void vm_pick(struct bio *bio, __u32 tgid, __u32 tid, __u6
 	if (!p || v->polled)
 		return;
 	v->kick_ns = p->kick_ns;
-	v->pick_ns = own && deep ? take_pop(tid, p->pick_ns, v->op) : p->pick_ns;
 	v->queue = (__u16)p->queue;
+	/* The device model's own stamp of the request, from the thread that
+	 * picked the kick up: taken by its own starts, or by the workers it
+	 * queued the requests to (aio=threads), which otherwise would date
+	 * every request a polling iothread took under one pickup from that
+	 * pickup's read. */
+	picker = own || !p->engine ? tid : p->engine;
+	v->pick_ns = deep && !punted ? take_pop(picker, p->pick_ns, v->op) : p->pick_ns;
 	if (deep) {
-		/* Taken after the pickup: the thread's waits up to then were
-		 * the request's wait to be taken. */
+		/* Taken after the pickup: the picking thread's waits up to then
+		 * were the request's wait to be taken. */
 		v->hv_wait_ns = v->pick_ns == p->pick_ns
 					? p->hv_wait_ns
-					: waited_within(tid, v->kick_ns, v->pick_ns);
+					: waited_within(picker, v->kick_ns, v->pick_ns);
 		v->eng_wait_ns = waited_within(tid, v->pick_ns, start);
 	}
 }
