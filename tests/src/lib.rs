@@ -584,6 +584,37 @@ pub fn agent_config(dir: &Path, host: &str, addr: &str) -> (PathBuf, PathBuf) {
     (conf, token_file)
 }
 
+/// Files a test writes its run's reports to, in the temp directory
+/// (`iospan-NAME-PID…`): removed when the test passes, kept for a look when
+/// it fails (dropped while panicking); `IOSPAN_KEEP_REPORTS` keeps them
+/// all.
+pub struct Reports(Vec<PathBuf>);
+
+impl Reports {
+    /// Files `names` (each with the test process's id in it) in the temp
+    /// directory.
+    pub fn in_temp<S: AsRef<str>>(names: &[S]) -> Self {
+        let dir = std::env::temp_dir();
+        Self(names.iter().map(|n| dir.join(n.as_ref())).collect())
+    }
+
+    /// The `i`th of them.
+    pub fn path(&self, i: usize) -> &Path {
+        &self.0[i]
+    }
+}
+
+impl Drop for Reports {
+    fn drop(&mut self) {
+        if std::thread::panicking() || std::env::var_os("IOSPAN_KEEP_REPORTS").is_some() {
+            return;
+        }
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
 /// A child process killed and reaped when dropped (an agent, a VM, a
 /// tracer a test started).
 pub struct Reap(pub std::process::Child);

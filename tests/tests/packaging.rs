@@ -19,6 +19,14 @@ fn unit_text() -> String {
     std::fs::read_to_string(sh::root().join("packaging/iospan.service")).unwrap()
 }
 
+/// A scratch directory of one test, removed with it.
+fn scratch(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("iospan-{tag}-"))
+        .tempdir()
+        .expect("a scratch directory")
+}
+
 /// The unit with its ExecStart pointing at `bin`, written under `dir`.
 fn unit_for(bin: &Path, dir: &Path) -> PathBuf {
     std::fs::create_dir_all(dir).unwrap();
@@ -43,8 +51,9 @@ fn verify(unit: &Path) {
 
 #[test]
 fn the_unit_verifies_and_asks_for_least_privilege() {
-    let dir = std::env::temp_dir().join(format!("iospan-unit-{}", std::process::id()));
-    verify(&unit_for(&iospan_bin(), &dir));
+    let tmp = scratch("unit");
+    let dir = tmp.path();
+    verify(&unit_for(&iospan_bin(), dir));
     let text = unit_text();
     for line in [
         "Type=notify",
@@ -162,11 +171,9 @@ fn the_units_system_call_filter_allows_every_call_the_agent_makes() {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let tag = format!("iospan-scf-{}", std::process::id());
-    let dir = std::env::temp_dir().join(&tag);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let (conf, token_file) = agent_config(&dir, &host, &addr);
+    let tmp = scratch("scf");
+    let dir = tmp.path();
+    let (conf, token_file) = agent_config(dir, &host, &addr);
     let trace = dir.join("strace.out");
     let mut strace = Reap(
         Command::new("strace")
@@ -261,7 +268,6 @@ fn the_units_system_call_filter_allows_every_call_the_agent_makes() {
         missing.is_empty(),
         "the agent calls {missing:?}, which the unit's SystemCallFilter refuses"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The agent with only the unit's capabilities (as systemd would start
@@ -271,10 +277,9 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let dir = std::env::temp_dir().join(format!("iospan-caps-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let (conf, token_file) = agent_config(&dir, &host, &addr);
+    let tmp = scratch("caps");
+    let dir = tmp.path();
+    let (conf, token_file) = agent_config(dir, &host, &addr);
     let caps: Vec<String> = bounding_set()
         .iter()
         .map(|c| format!("+{}", c.trim_start_matches("CAP_").to_lowercase()))
@@ -401,9 +406,9 @@ fn the_deb_installs_the_agent_its_unit_configuration_and_dashboards() {
     ] {
         assert!(info.contains(field), "{field} not in:\n{info}");
     }
-    let root = std::env::temp_dir().join(format!("iospan-deb-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    assert!(run(Command::new("dpkg").arg("-x").arg(&deb).arg(&root))
+    let tmp = scratch("deb");
+    let root = tmp.path();
+    assert!(run(Command::new("dpkg").arg("-x").arg(&deb).arg(root))
         .status
         .success());
     for f in [

@@ -547,7 +547,6 @@ pub fn http_get(hostport: &str, path: &str, query: &[(&str, &str)]) -> Result<(u
     Ok((resp.status().as_u16(), body))
 }
 
-/// A directory removed when dropped.
 /// A backend's scratch directory, removed with it.
 struct TempDir(tempfile::TempDir);
 

@@ -25,7 +25,7 @@ fn the_host_follows_a_guest_agent_restart() {
     };
     let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
     let t = std::time::Instant::now();
-    let (console, rep) = traced_run(&qemu, &host, "agent-restart");
+    let (console, rep, _kept) = traced_run(&qemu, &host, "agent-restart");
     assert!(
         console.iter().any(|l| l.contains("IOSPAN-AGENT-RESTART")),
         "{}",
@@ -114,12 +114,10 @@ fn the_guest_channel_survives_a_host_agent_restart() {
             break;
         }
     }
-    let report = |i: u32| {
-        std::env::temp_dir().join(format!(
-            "iospan-host-restart-{}-{i}.json",
-            std::process::id()
-        ))
-    };
+    let kept = Reports::in_temp(
+        &[1, 2].map(|i| format!("iospan-host-restart-{}-{i}.json", std::process::id())),
+    );
+    let report = |i: u32| kept.path(i as usize - 1);
     let host_run = |i: u32| {
         let mut c = Command::new(iospan_bin());
         c.args([
@@ -224,7 +222,7 @@ fn the_host_follows_a_guest_reboot() {
         ..Default::default()
     };
     let (qemu, _) = guest::qemu_command(&rig, &a, &image);
-    let (console, rep) = traced_run(&qemu, &host, "reboot");
+    let (console, rep, _kept) = traced_run(&qemu, &host, "reboot");
     let console = console.join("\n");
     assert!(console.contains("IOSPAN-REBOOTING"), "{console}");
     let runs: Vec<Value> = console

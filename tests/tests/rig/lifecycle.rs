@@ -57,7 +57,7 @@ fn counts_stay_exact_while_completions_go_missing() {
         .spawn()
         .expect("fio");
     let t = std::time::Instant::now();
-    let (console, rep) = traced_run(&qemu, &host, "storm");
+    let (console, rep, _kept) = traced_run(&qemu, &host, "storm");
     for p in [&mut storm, &mut reads] {
         let _ = p.kill();
         let _ = p.wait();
@@ -185,7 +185,8 @@ fn doctor_names_a_running_vm_and_its_disks() {
 fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
-    let report = std::env::temp_dir().join(format!("iospan-rig-kill-{}.json", std::process::id()));
+    let kept = Reports::in_temp(&[format!("iospan-rig-kill-{}.json", std::process::id())]);
+    let report = kept.path(0);
     let mut agent = Command::new(iospan_bin())
         .args([
             "run",
@@ -196,7 +197,7 @@ fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
             "60s",
             "--json-out",
         ])
-        .arg(&report)
+        .arg(report)
         .args(agent_integration::rig_split_args())
         .stdout(std::process::Stdio::null())
         .spawn()
@@ -247,7 +248,7 @@ fn a_killed_vm_is_reported_and_the_next_one_picked_up() {
     let status = agent_integration::wait_limited(&mut agent, agent_integration::RUN_LIMIT)
         .expect("the agent did not end after SIGINT");
     assert!(status.success());
-    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let rep: Value = serde_json::from_slice(&std::fs::read(report).unwrap()).unwrap();
     let entry = |vm: &str, disk: &str| {
         rep["entries"]
             .as_array()

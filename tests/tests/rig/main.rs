@@ -9,7 +9,7 @@
 
 use std::process::Command;
 
-use agent_integration::{iospan_bin, run_around};
+use agent_integration::{iospan_bin, run_around, Reports};
 use serde_json::Value;
 
 mod boot;
@@ -18,23 +18,24 @@ mod lifecycle;
 mod segments;
 
 /// `iospan run` around one rig boot (a report under `tag`): the guest's
-/// console and iospan's JSON report.
-fn traced_run(qemu: &Command, host: &str, tag: &str) -> (Vec<String>, Value) {
-    let report = std::env::temp_dir().join(format!("iospan-{tag}-{}.json", std::process::id()));
+/// console, iospan's JSON report, and its file, kept if the test fails.
+fn traced_run(qemu: &Command, host: &str, tag: &str) -> (Vec<String>, Value, Reports) {
+    let kept = Reports::in_temp(&[format!("iospan-{tag}-{}.json", std::process::id())]);
+    let report = kept.path(0);
     let out = run_around(
         Command::new(iospan_bin())
             .args(["run", "--quiet", "--disk", host])
             .args(agent_integration::rig_split_args())
             .arg("--json-out")
-            .arg(&report),
+            .arg(report),
         qemu,
     );
     let console = String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(str::to_string)
         .collect();
-    let rep = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    (console, rep)
+    let rep = serde_json::from_slice(&std::fs::read(report).unwrap()).unwrap();
+    (console, rep, kept)
 }
 
 /// The report's entry for the VM's reads on its virtual disk vd0.

@@ -39,7 +39,8 @@ fn throttle_is_engine_time(disk: DiskModel) {
             .then(|| guest::storage_daemon(&a, &image).unwrap_or_else(|e| panic!("{e:#}")));
         let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
         let t = std::time::Instant::now();
-        let (console, rep) = traced_run(&qemu, &host, &format!("throttle-{}", throttle.is_some()));
+        let (console, rep, _kept) =
+            traced_run(&qemu, &host, &format!("throttle-{}", throttle.is_some()));
         let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64()).unwrap();
         let vm = vd0_reads(&rep, "throttled");
         let m = |k: &str| {
@@ -97,7 +98,7 @@ fn a_guest_side_delay_is_guest_time() {
         };
         let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
         let t = std::time::Instant::now();
-        let (console, rep) = traced_run(&qemu, &host, &format!("dm-delay-{delay_ms}"));
+        let (console, rep, _kept) = traced_run(&qemu, &host, &format!("dm-delay-{delay_ms}"));
         let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64()).unwrap();
         assert_eq!(r.workload["errors"].as_u64(), Some(0), "{:?}", r.workload);
         let vm = vd0_reads(&rep, "delayed");
