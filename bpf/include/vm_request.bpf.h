@@ -215,7 +215,7 @@ static __always_inline void vm_pick(struct bio *bio, __u32 tgid, __u32 tid, __u6
 {
 	struct task_struct *t = current_task(btf);
 	struct pick *p, punt;
-	int own = 0, punted = 0, deep = deep_tier();
+	int deep = deep_tier();
 	__u32 picker;
 	__u64 nvcsw = READ(btf, t, nvcsw);
 
@@ -230,7 +230,6 @@ static __always_inline void vm_pick(struct bio *bio, __u32 tgid, __u32 tid, __u6
 	if (in_io_worker(t, btf) && punted_pick_of(bio, &punt, btf)) {
 		/* The submitter's pick, as it was at the punt. */
 		p = &punt;
-		punted = 1;
 		v->polled = !!(punt.flags & PICK_SPENT);
 	} else if (!(p = bpf_map_lookup_elem(&thread_picks, &tid)))
 		return;
@@ -238,10 +237,8 @@ static __always_inline void vm_pick(struct bio *bio, __u32 tgid, __u32 tid, __u6
 		p = bpf_map_lookup_elem(&vm_last_pick, &tgid);
 	else if (p->flags & PICK_HANDED)
 		p->flags |= PICK_USED;
-	else if (p->flags & PICK_READ) {
+	else if (p->flags & PICK_READ)
 		v->polled = take_pick(p, start, nvcsw);
-		own = 1;
-	}
 	if (!p || v->polled)
 		return;
 	v->kick_ns = p->kick_ns;
@@ -250,9 +247,10 @@ static __always_inline void vm_pick(struct bio *bio, __u32 tgid, __u32 tid, __u6
 	 * picked the kick up: taken by its own starts, or by the workers it
 	 * queued the requests to (aio=threads), which otherwise would date
 	 * every request a polling iothread took under one pickup from that
-	 * pickup's read. */
-	picker = own || !p->engine ? tid : p->engine;
-	v->pick_ns = deep && !punted ? take_pop(picker, p->pick_ns, v->op) : p->pick_ns;
+	 * pickup's read. A punted request's stamp went with its submitter's
+	 * own starts. */
+	picker = p->engine ?: tid;
+	v->pick_ns = deep && p != &punt ? take_pop(picker, p->pick_ns, v->op) : p->pick_ns;
 	if (deep) {
 		/* Taken after the pickup: the picking thread's waits up to then
 		 * were the request's wait to be taken. */

@@ -209,20 +209,21 @@ fn signal(pid: u32, sig: libc::c_int) {
 /// in turn, `PAIRS` times, and the agent's context switches a second while
 /// it ran.
 fn stopped_and_running(pid: u32) -> (Vec<f64>, Vec<f64>, f64) {
-    let (mut stopped, mut running) = (Vec::new(), Vec::new());
+    let stopped_rate = || {
+        signal(pid, libc::SIGSTOP);
+        let r = rate(2);
+        signal(pid, libc::SIGCONT);
+        r
+    };
+    let (mut stopped, mut running) = (vec![stopped_rate()], Vec::new());
     let (mut switches, mut ran) = (0, Duration::ZERO);
     for _ in 0..PAIRS {
-        signal(pid, libc::SIGSTOP);
-        stopped.push(rate(2));
-        signal(pid, libc::SIGCONT);
         let (before, t0) = (switches_of(pid), Instant::now());
         running.push(rate(2));
         switches += switches_of(pid) - before;
         ran += t0.elapsed();
+        stopped.push(stopped_rate());
     }
-    signal(pid, libc::SIGSTOP);
-    stopped.push(rate(2));
-    signal(pid, libc::SIGCONT);
     (stopped, running, switches as f64 / ran.as_secs_f64())
 }
 

@@ -6,7 +6,7 @@ use std::{
     process::Command,
 };
 
-use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run_guest};
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run_guest, Reports};
 use serde_json::Value;
 use xtask::guest::{self, Aio, DiskModel, RunArgs};
 
@@ -18,32 +18,30 @@ fn traced_boot(a: RunArgs) {
         .then(|| guest::storage_daemon(&a, &image).unwrap_or_else(|e| panic!("{e:#}")));
     let (qemu, guest_dev) = guest::qemu_command(&rig, &a, &image);
     // One name per case: two cases of one process never share a report.
-    let report = std::env::temp_dir()
-        .join(format!(
-            "iospan-rig-{}-{:?}-{:?}-{}-qd{}{}{}{}-cpus{}.json",
-            std::process::id(),
-            a.disk,
-            a.aio,
-            a.rw,
-            a.qd,
-            if a.iothread { "-iothread" } else { "" },
-            if a.ioeventfd { "-ioeventfd" } else { "" },
-            if a.no_guest_agent { "-host-only" } else { "" },
-            a.cpus
-        ))
-        .with_extension(if a.qemu.is_some() {
-            "other-qemu.json"
-        } else {
-            "json"
-        });
-    let events = report.with_extension("jsonl");
+    // A passing boot's files go (a failing one's stay in the temp
+    // directory, iospan-rig-PID-*).
+    let stem = format!(
+        "iospan-rig-{}-{:?}-{:?}-{}-qd{}{}{}{}-cpus{}{}",
+        std::process::id(),
+        a.disk,
+        a.aio,
+        a.rw,
+        a.qd,
+        if a.iothread { "-iothread" } else { "" },
+        if a.ioeventfd { "-ioeventfd" } else { "" },
+        if a.no_guest_agent { "-host-only" } else { "" },
+        a.cpus,
+        if a.qemu.is_some() { ".other-qemu" } else { "" }
+    );
+    let kept = Reports::in_temp(&[format!("{stem}.json"), format!("{stem}.jsonl")]);
+    let (report, events) = (kept.path(0), kept.path(1));
     let mut cmd = Command::new(iospan_bin());
     cmd.args(["run", "--quiet", "--disk", &host])
         .args(agent_integration::rig_split_args())
         .arg("--json-out")
-        .arg(&report)
+        .arg(report)
         .arg("--events-out")
-        .arg(&events)
+        .arg(events)
         .arg("--")
         .arg(qemu.get_program())
         .args(qemu.get_args());
@@ -65,8 +63,8 @@ fn traced_boot(a: RunArgs) {
     }
 
     // Every guest read reaches the host disk (cache=none).
-    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    let events: Vec<Value> = std::fs::read_to_string(&events)
+    let rep: Value = serde_json::from_slice(&std::fs::read(report).unwrap()).unwrap();
+    let events: Vec<Value> = std::fs::read_to_string(events)
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -402,12 +400,6 @@ fn traced_boot(a: RunArgs) {
             own_pickups(&events, &a);
         }
     }
-    // A passing boot's files go (a failing one's stay in the temp
-    // directory, iospan-rig-PID-*); IOSPAN_KEEP_REPORTS keeps them all.
-    if std::env::var_os("IOSPAN_KEEP_REPORTS").is_none() {
-        let _ = std::fs::remove_file(&report);
-        let _ = std::fs::remove_file(report.with_extension("jsonl"));
-    }
 }
 
 /// Our means of a VM disk's split reads as QEMU counts them: per guest
@@ -457,32 +449,41 @@ fn per_qemu_request(events: &[Value], a: &RunArgs, n: u64) -> PerQemuRequest {
 /// of their own). The stamps go to the workers in the order taken: a few
 /// requests (a merge, a batch cut short by the next read) keep the read.
 fn worker_pickups(events: &[Value], a: &RunArgs) {
-    let ios: Vec<&Value> = events
+    let picked = pickups(events, a);
+    let mut shared: HashMap<u64, u32> = HashMap::new();
+    for p in &picked {
+        *shared.entry(p.pick).or_default() += 1;
+    }
+    let own = picked.iter().filter(|p| shared[&p.pick] == 1).count();
+    assert!(
+        !picked.is_empty() && own * 10 >= picked.len() * 9,
+        "of {} requests the workers started, {own} had a pickup of their own",
+        picked.len()
+    );
+}
+
+/// A split request's kick and pickup (ns).
+struct Picked {
+    kick: u64,
+    pick: u64,
+}
+
+/// The kick and pickup of each split request of `a`'s VM in the stream,
+/// each pickup held between its kick and its request's start.
+fn pickups(events: &[Value], a: &RunArgs) -> Vec<Picked> {
+    events
         .iter()
         .filter(|e| (e["kind"] == "guest_io" || e["kind"] == "vm_io") && e["vm"] == a.name.as_str())
-        .collect();
-    let mut shared: HashMap<u64, u32> = HashMap::new();
-    for sp in &ios {
-        let (kick, pick, start) = (
-            sp["kick_ns"].as_u64().unwrap(),
-            sp["pick_ns"].as_u64().unwrap(),
-            sp["start_ns"].as_u64().unwrap(),
-        );
-        assert!(
-            kick <= pick && pick <= start,
-            "pickup outside kick → start: {sp}"
-        );
-        *shared.entry(pick).or_default() += 1;
-    }
-    let own = ios
-        .iter()
-        .filter(|sp| shared[&sp["pick_ns"].as_u64().unwrap()] == 1)
-        .count();
-    assert!(
-        !ios.is_empty() && own * 10 >= ios.len() * 9,
-        "of {} requests the workers started, {own} had a pickup of their own",
-        ios.len()
-    );
+        .map(|sp| {
+            let at = |k: &str| sp[k].as_u64().unwrap();
+            let (kick, pick, start) = (at("kick_ns"), at("pick_ns"), at("start_ns"));
+            assert!(
+                kick <= pick && pick <= start,
+                "pickup outside kick → start: {sp}"
+            );
+            Picked { kick, pick }
+        })
+        .collect()
 }
 
 /// Requests that one kick brought (at random depth the guest queues more
@@ -491,27 +492,15 @@ fn worker_pickups(events: &[Value], a: &RunArgs) {
 /// it, not all at the batch's read: within a batch the pickups differ, and
 /// each lies between the kick and the request's start.
 fn own_pickups(events: &[Value], a: &RunArgs) {
-    let mut batches: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
-    for sp in events
-        .iter()
-        .filter(|e| (e["kind"] == "guest_io" || e["kind"] == "vm_io") && e["vm"] == a.name.as_str())
-    {
-        let kick = sp["kick_ns"].as_u64().unwrap();
-        let (pick, start) = (
-            sp["pick_ns"].as_u64().unwrap(),
-            sp["start_ns"].as_u64().unwrap(),
-        );
-        assert!(
-            kick <= pick && pick <= start,
-            "pickup outside kick → start: {sp}"
-        );
-        batches.entry(kick).or_default().push((pick, start));
+    let mut batches: HashMap<u64, Vec<u64>> = HashMap::new();
+    for p in pickups(events, a) {
+        batches.entry(p.kick).or_default().push(p.pick);
     }
     let shared: Vec<_> = batches.values().filter(|b| b.len() > 1).collect();
     let own = shared
         .iter()
         .filter(|b| {
-            let mut picks: Vec<u64> = b.iter().map(|&(p, _)| p).collect();
+            let mut picks: Vec<u64> = b.to_vec();
             picks.sort_unstable();
             picks.dedup();
             picks.len() == b.len()
