@@ -64,6 +64,28 @@ fn evil_target(root: &Path, store: &Path) {
 }
 
 /// Peak RSS (KiB) of the waited child `pid`.
+/// The process at the other end of a unix socket.
+fn peer_pid(s: &std::os::unix::net::UnixStream) -> Option<i32> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for the call; the socket is open.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred.pid)
+}
+
 fn wait_rss(pid: u32, limit: Duration) -> Option<(i32, i64)> {
     let deadline = Instant::now() + limit;
     loop {
@@ -284,8 +306,18 @@ fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record()
         .unwrap();
     listener.set_nonblocking(false).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
+    let agent_pid = agent.id() as i32;
     std::thread::spawn(move || {
-        let _ = tx.send(listener.accept().map(|(s, _)| s));
+        // Every agent on the host follows every VM's channel: another
+        // test's may reach this one first. Only ours is flooded.
+        let ours = loop {
+            match listener.accept() {
+                Ok((s, _)) if peer_pid(&s) == Some(agent_pid) => break Ok(s),
+                Ok(_) => continue,
+                Err(e) => break Err(e),
+            }
+        };
+        let _ = tx.send(ours);
     });
     let mut conn = rx
         .recv_timeout(Duration::from_secs(10))

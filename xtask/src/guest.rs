@@ -82,6 +82,11 @@ pub struct RunArgs {
     /// it again (the host sees its sender start over).
     #[arg(long, value_name = "S")]
     pub agent_restart_s: Option<u32>,
+    /// Stop the guest agent for this many seconds as the workload starts,
+    /// as a guest busy with its own work starves it: its records reach the
+    /// host that much late.
+    #[arg(long, value_name = "S")]
+    pub agent_stall_s: Option<u32>,
     /// Run the workload, reboot the guest once, run it again.
     #[arg(long)]
     pub reboot: bool,
@@ -162,6 +167,7 @@ impl Default for RunArgs {
             no_guest_agent: false,
             dm_delay_ms: None,
             agent_restart_s: None,
+            agent_stall_s: None,
             reboot: false,
             json: false,
             per_io: false,
@@ -654,7 +660,8 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
             u8::from(!a.no_guest_agent),
             a.dm_delay_ms.map(i64::from).unwrap_or(-1),
             a.agent_restart_s.map(|s| format!(" iospan.agentrestart={s}")).unwrap_or_default()
-        ) + if a.reboot { " iospan.reboot=1" } else { "" }
+        ) + &a.agent_stall_s.map(|s| format!(" iospan.agentstall={s}")).unwrap_or_default()
+            + if a.reboot { " iospan.reboot=1" } else { "" }
             + if a.per_io { " iospan.perio=1" } else { "" }
             + &format!(" iospan.idle={} iospan.jobs={}", a.idle_ms, a.cpus)
             // QEMU 10's NVMe namespaces sit in a subsystem: one path each,

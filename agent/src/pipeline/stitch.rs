@@ -30,6 +30,7 @@
 //! sector × 512 is the host's file offset on a raw image.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -255,7 +256,23 @@ pub const MAX_WAITING_GUEST: usize = 1 << 16;
 
 /// How long a guest record waits, on the wall clock, for its host partner
 /// when no host I/O moves the stream clock.
-const WAIT_WALL: std::time::Duration = std::time::Duration::from_secs(4);
+const WAIT_WALL: Duration = Duration::from_secs(4);
+
+/// How long a host record waits for its guest record, on the stream or the
+/// wall clock, while the guest agent has not reported past it. The guest
+/// agent runs only when the guest is otherwise idle (SCHED_IDLE), so a
+/// guest busy with a benchmark delivers its records seconds late.
+const MAX_GUEST_LAG_NS: u64 = 30_000_000_000;
+const MAX_GUEST_LAG_WALL: Duration = Duration::from_secs(30);
+
+/// How far past a host record the guest must have reported before the
+/// record is given up: guest records come in completion order, but for
+/// those the guest agent holds for their reaping call and its next drain.
+const REPORT_SLACK_NS: u64 = crate::pipeline::reap::HOLD_NS + 500_000_000;
+
+/// Host records a VM may have waiting for their guest partner: past it the
+/// oldest is given up (counted `unmatched_host`).
+pub const MAX_WAITING_HOST: usize = 1 << 18;
 
 /// The queue count assumed for a disk the host said nothing of.
 const DEFAULT_QUEUES: u32 = 1;
@@ -268,52 +285,59 @@ struct WaitingGuest {
     event: GuestIoEvent,
 }
 
-/// Which side of a join a waiting record is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Side {
-    Host,
-    Guest,
-}
-
 /// A record that arrived without its partner, in arrival order.
 #[derive(Clone, Copy, Debug)]
 struct Arrival {
     /// The host stream's time then.
     stream_ns: u64,
     key: JoinKey,
-    side: Side,
+    /// A host record's completion (which of the key's records it is).
+    done_ns: u64,
     /// The wall clock's time then.
-    at: std::time::Instant,
+    at: Instant,
 }
 
 impl Arrival {
-    fn now(stream_ns: u64, key: JoinKey, side: Side) -> Self {
+    fn now(stream_ns: u64, key: JoinKey, done_ns: u64) -> Self {
         Self {
             stream_ns,
             key,
-            side,
-            at: std::time::Instant::now(),
+            done_ns,
+            at: Instant::now(),
         }
     }
+}
+
+/// One VM's records waiting for their partners, each side in arrival
+/// order (a side's records go by that side's rule).
+#[derive(Debug, Default)]
+struct Waiting {
+    host: VecDeque<Arrival>,
+    guest: VecDeque<Arrival>,
+    /// Host records still unjoined (`host` also holds joined ones' arrivals).
+    hosts: usize,
+    /// Guest records still unjoined.
+    guests: usize,
+    /// The latest host completion a guest record has been joined to: the
+    /// guest agent has reported about this far.
+    reported_ns: u64,
 }
 
 #[derive(Default)]
 pub struct Stitcher {
     hold_ns: u64,
     /// `WAIT_WALL`, unless a test shortens it.
-    wait_wall: Option<std::time::Duration>,
+    wait_wall: Option<Duration>,
     /// (VM, virtual disk) -> its queue count, as the host configured it.
     queue_limits: HashMap<(u32, u32), u32>,
-    /// Guest records waiting, per VM.
-    waiting_guest: HashMap<u32, usize>,
+    /// What waits for a partner, per VM.
+    waiting: HashMap<u32, Waiting>,
     /// guest disk (VM slot, guest dev) -> virtual disk slot.
     disks: HashMap<(u32, u32), u32>,
     /// VMs with a guest channel: their host requests wait for a partner.
     expected: std::collections::HashSet<u32>,
     host: HashMap<JoinKey, VecDeque<HostIo>>,
     guest: HashMap<JoinKey, VecDeque<WaitingGuest>>,
-    /// Arrival order, for eviction.
-    order: VecDeque<Arrival>,
     latest_ns: u64,
     pub clocks: HashMap<u32, Clock>,
     pub stitched: BTreeMap<StitchKey, SplitWindow>,
@@ -406,11 +430,13 @@ impl Stitcher {
         if let Some(g) = self.take_guest(key, &io) {
             self.join(&io, &g);
         } else {
+            let w = self.waiting.entry(key.vm).or_default();
+            w.hosts += 1;
+            w.host
+                .push_back(Arrival::now(self.latest_ns, key, io.ev.done_ns));
             self.host.entry(key).or_default().push_back(io);
-            self.order
-                .push_back(Arrival::now(self.latest_ns, key, Side::Host));
         }
-        self.evict(false);
+        self.evict(key.vm, false);
     }
 
     pub fn on_guest(&mut self, vm: u32, g: GuestIoEvent) {
@@ -440,24 +466,27 @@ impl Stitcher {
             self.host.remove(&key);
         }
         match found {
-            Some(h) => self.join(&h, &g),
+            Some(h) => {
+                let w = self.waiting.entry(vm).or_default();
+                w.hosts = w.hosts.saturating_sub(1);
+                self.join(&h, &g);
+            }
             None => {
-                self.evict(false);
-                let waiting = self.waiting_guest.entry(vm).or_default();
-                if *waiting >= MAX_WAITING_GUEST {
+                self.evict(vm, false);
+                let w = self.waiting.entry(vm).or_default();
+                if w.guests >= MAX_WAITING_GUEST {
                     self.counters.guest_over_cap += 1;
                     return;
                 }
-                *waiting += 1;
+                w.guests += 1;
+                w.guest.push_back(Arrival::now(self.latest_ns, key, 0));
                 self.guest.entry(key).or_default().push_back(WaitingGuest {
                     stream_ns: self.latest_ns,
                     event: g,
                 });
-                self.order
-                    .push_back(Arrival::now(self.latest_ns, key, Side::Guest));
             }
         }
-        self.evict(false);
+        self.evict(vm, false);
     }
 
     fn take_guest(&mut self, key: JoinKey, h: &HostIo) -> Option<GuestIoEvent> {
@@ -474,12 +503,15 @@ impl Stitcher {
             self.guest.remove(&key);
         }
         if g.is_some() {
-            self.unwait(key.vm);
+            let w = self.waiting.entry(key.vm).or_default();
+            w.guests = w.guests.saturating_sub(1);
         }
         g
     }
     fn join(&mut self, h: &HostIo, g: &GuestIoEvent) {
         let ev = &h.ev;
+        let w = self.waiting.entry(ev.vm).or_default();
+        w.reported_ns = w.reported_ns.max(ev.done_ns);
         let begin = if g.flags & GUEST_F_SYSCALL != 0 && g.sys_ns != 0 {
             g.sys_ns.min(g.start_ns)
         } else {
@@ -574,55 +606,65 @@ impl Stitcher {
         }
     }
 
-    /// Drops what waited longer than the hold (all of it when `all`).
-    /// Only the keys it touches are looked at: constant work per record.
-    /// A record also goes once it waited `WAIT_WALL` on the wall clock: a
-    /// guest's records wait no longer when no host I/O moves the stream.
-    fn evict(&mut self, all: bool) {
-        let now = std::time::Instant::now();
-        while let Some(&Arrival {
-            stream_ns: t,
-            key,
-            side,
-            at,
-        }) = self.order.front()
-        {
-            let stream_due = t.saturating_add(self.hold_ns) <= self.latest_ns;
-            let wall_due = now.saturating_duration_since(at) >= self.wait_wall.unwrap_or(WAIT_WALL);
-            if !all && !stream_due && !wall_due {
+    /// Gives up, counted, what waited past its side's rule in one VM (all
+    /// of it when `all`). Only the fronts of the VM's two queues are looked
+    /// at: constant work per record.
+    ///
+    /// A guest record waits the hold on the stream clock, or `WAIT_WALL` on
+    /// the wall clock (when no host I/O moves the stream). A host record
+    /// waits the hold and until the guest has reported past it, or at most
+    /// `MAX_GUEST_LAG_*`; past `MAX_WAITING_HOST` the oldest goes.
+    fn evict(&mut self, vm: u32, all: bool) {
+        let Some(w) = self.waiting.get_mut(&vm) else {
+            return;
+        };
+        let (now, latest) = (Instant::now(), self.latest_ns);
+        let waited = |a: &Arrival, stream_ns: u64, wall: Duration| {
+            a.stream_ns.saturating_add(stream_ns) <= latest
+                || now.saturating_duration_since(a.at) >= wall
+        };
+        let guest_wall = self.wait_wall.unwrap_or(WAIT_WALL);
+        while let Some(&a) = w.guest.front() {
+            // An arrival whose record was joined since is passed over.
+            let Some(i) = position(&self.guest, &a.key, |g| g.stream_ns == a.stream_ns) else {
+                w.guest.pop_front();
+                continue;
+            };
+            if !all && !waited(&a, self.hold_ns, guest_wall) {
                 break;
             }
-            self.order.pop_front();
-            // The entry may have been joined since; only a still-waiting
-            // one of that arrival time is unmatched.
-            if side == Side::Guest {
-                if let Some(q) = self.guest.get_mut(&key) {
-                    if let Some(i) = q.iter().position(|w| w.stream_ns == t) {
-                        q.remove(i);
-                        self.counters.unmatched_guest += 1;
-                        if let Some(w) = self.waiting_guest.get_mut(&key.vm) {
-                            *w = w.saturating_sub(1);
-                        }
-                    }
-                    if q.is_empty() {
-                        self.guest.remove(&key);
-                    }
-                }
-            } else if let Some(q) = self.host.get_mut(&key) {
-                if let Some(i) = q.iter().position(|h| h.ev.done_ns <= t) {
-                    q.remove(i);
-                    self.counters.unmatched_host += 1;
-                }
-                if q.is_empty() {
-                    self.host.remove(&key);
-                }
+            remove_at(&mut self.guest, &a.key, i);
+            w.guest.pop_front();
+            w.guests = w.guests.saturating_sub(1);
+            self.counters.unmatched_guest += 1;
+        }
+        while let Some(&a) = w.host.front() {
+            let Some(i) = position(&self.host, &a.key, |h| h.ev.done_ns == a.done_ns) else {
+                w.host.pop_front();
+                continue;
+            };
+            let reported = w.reported_ns >= a.done_ns.saturating_add(REPORT_SLACK_NS)
+                && waited(&a, self.hold_ns, guest_wall);
+            let due = all
+                || reported
+                || w.hosts > MAX_WAITING_HOST
+                || waited(&a, MAX_GUEST_LAG_NS, MAX_GUEST_LAG_WALL);
+            if !due {
+                break;
             }
+            remove_at(&mut self.host, &a.key, i);
+            w.host.pop_front();
+            w.hosts = w.hosts.saturating_sub(1);
+            self.counters.unmatched_host += 1;
         }
     }
 
-    fn unwait(&mut self, vm: u32) {
-        if let Some(w) = self.waiting_guest.get_mut(&vm) {
-            *w = w.saturating_sub(1);
+    /// Gives up what waited too long in every VM: a VM whose I/O stopped
+    /// brings no record of its own to `evict`.
+    pub fn expire(&mut self) {
+        let vms: Vec<u32> = self.waiting.keys().copied().collect();
+        for vm in vms {
+            self.evict(vm, false);
         }
     }
 
@@ -643,7 +685,29 @@ impl Stitcher {
 
     /// The end of a run: whatever still waits is unmatched.
     pub fn finish(&mut self) {
-        self.evict(true);
+        let vms: Vec<u32> = self.waiting.keys().copied().collect();
+        for vm in vms {
+            self.evict(vm, true);
+        }
+    }
+}
+
+/// Where, among the records waiting under `key`, the one `is` picks out.
+fn position<T>(
+    waiting: &HashMap<JoinKey, VecDeque<T>>,
+    key: &JoinKey,
+    is: impl Fn(&T) -> bool,
+) -> Option<usize> {
+    waiting.get(key)?.iter().position(is)
+}
+
+/// Removes the `i`th record waiting under `key` (the key with its last).
+fn remove_at<T>(waiting: &mut HashMap<JoinKey, VecDeque<T>>, key: &JoinKey, i: usize) {
+    if let Some(q) = waiting.get_mut(key) {
+        q.remove(i);
+        if q.is_empty() {
+            waiting.remove(key);
+        }
     }
 }
 
@@ -904,6 +968,91 @@ mod tests {
         );
     }
 
+    /// A guest busy with its benchmark: its agent (SCHED_IDLE) sends the
+    /// first three seconds' records five seconds late. Every one joins.
+    #[test]
+    fn a_busy_guests_late_records_still_join() {
+        let mut s = stitcher();
+        let ms = 1_000_000;
+        let early: Vec<_> = (0..3000u64).map(|i| pair(4096 * i, i * ms)).collect();
+        for (_, h) in &early {
+            s.on_host(*h);
+        }
+        // The host goes on for five more seconds before the guest speaks.
+        let late: Vec<_> = (3000..8000u64).map(|i| pair(4096 * i, i * ms)).collect();
+        for (_, h) in &late {
+            s.on_host(*h);
+        }
+        assert_eq!(s.counters.unmatched_host, 0, "nothing given up unreported");
+        for (g, _) in early.iter().chain(&late) {
+            s.on_guest(1, *g);
+        }
+        s.finish();
+        let joined = s.stitched.values().map(|st| st.window.count).sum::<u64>();
+        assert_eq!(joined, 8000);
+        assert_eq!(
+            (s.counters.unmatched_host, s.counters.unmatched_guest),
+            (0, 0)
+        );
+    }
+
+    /// Once the guest has reported past a host record (plus the reaping
+    /// slack and the hold), the record's partner is not coming: counted.
+    #[test]
+    fn host_records_the_guest_reported_past_are_given_up() {
+        let mut s = stitcher();
+        let ms = 1_000_000;
+        let (_, lost) = pair(1 << 30, 0);
+        s.on_host(lost);
+        let step = |s: &mut Stitcher, i: u64| {
+            let (g, h) = pair(4096 * i, i * ms);
+            s.on_host(h);
+            s.on_guest(1, g);
+        };
+        let due = (REPORT_SLACK_NS.max(s.hold_ns) / ms) + 1;
+        for i in 1..due - 10 {
+            step(&mut s, i);
+        }
+        assert_eq!(
+            s.counters.unmatched_host, 0,
+            "reported, but within the slack"
+        );
+        for i in due - 10..due + 10 {
+            step(&mut s, i);
+        }
+        assert_eq!(s.counters.unmatched_host, 1);
+        assert_eq!(s.waiting[&1].hosts, 0);
+    }
+
+    /// A channel that never speaks: host records wait the lag bound, not
+    /// the hold, and no more than `MAX_WAITING_HOST` of them.
+    #[test]
+    fn a_silent_guest_holds_host_records_within_bounds() {
+        let mut s = stitcher();
+        let ms = 1_000_000;
+        let n = MAX_GUEST_LAG_NS / (10 * ms);
+        for i in 0..n {
+            s.on_host(pair(4096 * i, i * 10 * ms).1);
+        }
+        assert_eq!(s.counters.unmatched_host, 0, "within the lag bound");
+        for i in n..n + 100 {
+            s.on_host(pair(4096 * i, i * 10 * ms).1);
+        }
+        assert!(
+            (100..=101).contains(&s.counters.unmatched_host),
+            "{}",
+            s.counters.unmatched_host
+        );
+        // A flood: the oldest go past the cap.
+        let mut s = stitcher();
+        let flood = MAX_WAITING_HOST as u64 + 500;
+        for i in 0..flood {
+            s.on_host(pair(4096 * i, i).1);
+        }
+        assert_eq!(s.counters.unmatched_host, 500);
+        assert_eq!(s.waiting[&1].hosts, MAX_WAITING_HOST);
+    }
+
     #[test]
     fn a_wrong_join_is_refused_not_recorded() {
         let mut s = stitcher();
@@ -973,6 +1122,6 @@ mod tests {
             s.counters.unmatched_guest,
             before + 1 + MAX_WAITING_GUEST as u64
         );
-        assert_eq!(s.waiting_guest[&1], 1);
+        assert_eq!(s.waiting[&1].guests, 1);
     }
 }

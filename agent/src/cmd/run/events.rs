@@ -85,6 +85,8 @@ pub(super) async fn drain_events<W: Write>(
         };
         if stopping {
             corr.finish();
+        } else {
+            corr.stitch.expire();
         }
         let spans = corr.stitch.take_spans();
         drop(corr);
