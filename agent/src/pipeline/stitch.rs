@@ -285,6 +285,13 @@ struct WaitingGuest {
     event: GuestIoEvent,
 }
 
+/// Which side of a join had been waiting for the other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    Host,
+    Guest,
+}
+
 /// A record that arrived without its partner, in arrival order.
 #[derive(Clone, Copy, Debug)]
 struct Arrival {
@@ -428,7 +435,7 @@ impl Stitcher {
             bytes: io.ev.bytes,
         };
         if let Some(g) = self.take_guest(key, &io) {
-            self.join(&io, &g);
+            self.join(&io, &g, Side::Guest);
         } else {
             let w = self.waiting.entry(key.vm).or_default();
             w.hosts += 1;
@@ -466,12 +473,9 @@ impl Stitcher {
             self.host.remove(&key);
         }
         match found {
-            Some(h) => {
-                let w = self.waiting.entry(vm).or_default();
-                w.hosts = w.hosts.saturating_sub(1);
-                self.join(&h, &g);
-            }
+            Some(h) => self.join(&h, &g, Side::Host),
             None => {
+                // Room made first: the cap counts only what still waits.
                 self.evict(vm, false);
                 let w = self.waiting.entry(vm).or_default();
                 if w.guests >= MAX_WAITING_GUEST {
@@ -484,6 +488,7 @@ impl Stitcher {
                     stream_ns: self.latest_ns,
                     event: g,
                 });
+                return;
             }
         }
         self.evict(vm, false);
@@ -502,16 +507,18 @@ impl Stitcher {
         if q.is_empty() {
             self.guest.remove(&key);
         }
-        if g.is_some() {
-            let w = self.waiting.entry(key.vm).or_default();
-            w.guests = w.guests.saturating_sub(1);
-        }
         g
     }
-    fn join(&mut self, h: &HostIo, g: &GuestIoEvent) {
+    /// Joins a host record and a guest record, one of which (`waited`) had
+    /// been waiting for the other.
+    fn join(&mut self, h: &HostIo, g: &GuestIoEvent, waited: Side) {
         let ev = &h.ev;
         let w = self.waiting.entry(ev.vm).or_default();
         w.reported_ns = w.reported_ns.max(ev.done_ns);
+        match waited {
+            Side::Host => w.hosts = w.hosts.saturating_sub(1),
+            Side::Guest => w.guests = w.guests.saturating_sub(1),
+        }
         let begin = if g.flags & GUEST_F_SYSCALL != 0 && g.sys_ns != 0 {
             g.sys_ns.min(g.start_ns)
         } else {
@@ -624,25 +631,20 @@ impl Stitcher {
                 || now.saturating_duration_since(a.at) >= wall
         };
         let guest_wall = self.wait_wall.unwrap_or(WAIT_WALL);
+        // Whether an arrival is due is told from the arrival alone; only a
+        // due one is looked up (it may have been joined since: passed over).
         while let Some(&a) = w.guest.front() {
-            // An arrival whose record was joined since is passed over.
-            let Some(i) = position(&self.guest, &a.key, |g| g.stream_ns == a.stream_ns) else {
-                w.guest.pop_front();
-                continue;
-            };
             if !all && !waited(&a, self.hold_ns, guest_wall) {
                 break;
             }
-            remove_at(&mut self.guest, &a.key, i);
             w.guest.pop_front();
-            w.guests = w.guests.saturating_sub(1);
-            self.counters.unmatched_guest += 1;
+            if let Some(i) = position(&self.guest, &a.key, |g| g.stream_ns == a.stream_ns) {
+                remove_at(&mut self.guest, &a.key, i);
+                w.guests = w.guests.saturating_sub(1);
+                self.counters.unmatched_guest += 1;
+            }
         }
         while let Some(&a) = w.host.front() {
-            let Some(i) = position(&self.host, &a.key, |h| h.ev.done_ns == a.done_ns) else {
-                w.host.pop_front();
-                continue;
-            };
             let reported = w.reported_ns >= a.done_ns.saturating_add(REPORT_SLACK_NS)
                 && waited(&a, self.hold_ns, guest_wall);
             let due = all
@@ -652,19 +654,25 @@ impl Stitcher {
             if !due {
                 break;
             }
-            remove_at(&mut self.host, &a.key, i);
             w.host.pop_front();
-            w.hosts = w.hosts.saturating_sub(1);
-            self.counters.unmatched_host += 1;
+            if let Some(i) = position(&self.host, &a.key, |h| h.ev.done_ns == a.done_ns) {
+                remove_at(&mut self.host, &a.key, i);
+                w.hosts = w.hosts.saturating_sub(1);
+                self.counters.unmatched_host += 1;
+            }
         }
     }
 
     /// Gives up what waited too long in every VM: a VM whose I/O stopped
     /// brings no record of its own to `evict`.
     pub fn expire(&mut self) {
+        self.evict_all(false);
+    }
+
+    fn evict_all(&mut self, all: bool) {
         let vms: Vec<u32> = self.waiting.keys().copied().collect();
         for vm in vms {
-            self.evict(vm, false);
+            self.evict(vm, all);
         }
     }
 
@@ -685,10 +693,7 @@ impl Stitcher {
 
     /// The end of a run: whatever still waits is unmatched.
     pub fn finish(&mut self) {
-        let vms: Vec<u32> = self.waiting.keys().copied().collect();
-        for vm in vms {
-            self.evict(vm, true);
-        }
+        self.evict_all(true);
     }
 }
 
