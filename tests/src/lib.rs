@@ -11,6 +11,8 @@ use std::{
 
 pub use iospan::abi::RqSlot;
 
+pub mod api;
+
 /// `struct rq_completion`
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]

@@ -6,111 +6,16 @@
 use std::{
     io::{ErrorKind, Read, Write},
     net::TcpStream,
-    process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
-use agent_integration::iospan_bin;
-
-/// A free loopback port.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// The Authorization header line: starting runs needs the agent's token
-/// (`iospan run` made it in the default file when it started).
-fn bearer() -> String {
-    let t = std::fs::read_to_string("/var/lib/iospan/api-token").unwrap_or_default();
-    format!("Authorization: Bearer {}\r\n", t.trim())
-}
-
-/// One request on a new connection: (status, body).
-fn request(port: u16, method: &str, path: &str, host: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n{}Content-Length: 0\r\n\r\n",
-        bearer()
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    agent_integration::status_and_body(&out)
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
-}
-
-fn refused(metrics: &str, reason: &str) -> u64 {
-    let key = format!("iospan_api_refused_total{{reason=\"{reason}\"}} ");
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&key))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {key} in /metrics"))
-}
-
-struct Agent(Child);
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// `iospan run` serving the API on a free port, once it answers.
-fn start_agent() -> (u16, Agent) {
-    let port = free_port();
-    let agent = Agent(
-        Command::new(iospan_bin())
-            .args(["run", "--quiet", "--duration", "120s", "--metrics-listen"])
-            .arg(format!("127.0.0.1:{port}"))
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while TcpStream::connect(("127.0.0.1", port)).is_err()
-        || request(port, "GET", "/healthz", "127.0.0.1").0 != 200
-    {
-        assert!(Instant::now() < deadline, "the API never answered");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    (port, agent)
-}
-
-/// As many open files as the hard limit allows (tests that hold thousands
-/// of sockets themselves).
-fn raise_open_files() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
-    assert!(
-        lim.rlim_max >= 4096,
-        "this test needs 4096 open files (ulimit -Hn: {})",
-        lim.rlim_max
-    );
-    lim.rlim_cur = lim.rlim_max;
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
-}
+use agent_integration::api::{
+    bearer, raise_open_files, refused, request, rss_kib, sockets, start_agent, start_tls_agent,
+};
 
 #[test]
 fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
-    raise_open_files();
+    raise_open_files(4096);
     let (port, agent) = start_agent();
 
     // 2,000 requests whose headers never finish.
@@ -251,7 +156,7 @@ fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
 /// real requests keep answering and the agent stays small.
 #[test]
 fn stream_clients_that_never_read_hold_no_queue() {
-    raise_open_files();
+    raise_open_files(4096);
     let (port, agent) = start_agent();
     let before = rss_kib(agent.0.id());
     let idle: Vec<TcpStream> = (0..1000)
@@ -296,20 +201,6 @@ fn stream_clients_that_never_read_hold_no_queue() {
         }
     }
     drop(idle);
-}
-
-/// The agent's open sockets.
-fn sockets(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| {
-            d.flatten()
-                .filter(|e| {
-                    std::fs::read_link(e.path())
-                        .is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))
-                })
-                .count()
-        })
-        .unwrap_or(0)
 }
 
 /// Connections the API keeps at once.
@@ -363,7 +254,7 @@ fn flood_to_the_cap(pid: u32, port: u16) -> usize {
 
 #[test]
 fn the_plain_api_holds_its_connection_cap_under_a_flood() {
-    raise_open_files();
+    raise_open_files(4096);
     let (port, agent) = start_agent();
     let n = flood_to_the_cap(agent.0.id(), port);
     let (status, metrics) = request(port, "GET", "/metrics", "127.0.0.1");
@@ -379,39 +270,11 @@ fn the_plain_api_holds_its_connection_cap_under_a_flood() {
 /// same cap, and a deadline on the handshake as on the headers.
 #[test]
 fn the_tls_api_holds_the_same_connection_cap_under_a_flood() {
-    raise_open_files();
+    raise_open_files(4096);
     let dir = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = agent_integration::test_ca(dir.path(), "api");
-    let port = free_port();
     let token = "fl00d";
-    let conf = dir.path().join("agent.toml");
-    std::fs::write(
-        &conf,
-        format!(
-            "[agent]\nmax_disks = 4\n[api]\nlisten = \"127.0.0.1:{port}\"\ntoken = \"{token}\"\n\
-             tls_cert = {:?}\ntls_key = {:?}\n",
-            cert.display().to_string(),
-            key.display().to_string()
-        ),
-    )
-    .unwrap();
-    let agent = Agent(
-        Command::new(iospan_bin())
-            .args(["agent", "--config"])
-            .arg(&conf)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let (port, agent, ca) = start_tls_agent(dir.path(), token);
     let base = format!("https://127.0.0.1:{port}");
-    let t = Instant::now();
-    while agent_integration::curl_tls(&format!("{base}/healthz"), &ca, Some(token)).0 != 200 {
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "never healthy over https"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
     let n = flood_to_the_cap(agent.0.id(), port);
     let (status, metrics) =
         agent_integration::curl_tls(&format!("{base}/metrics"), &ca, Some(token));

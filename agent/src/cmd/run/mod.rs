@@ -325,6 +325,8 @@ impl Session {
         });
         let mut live_tick =
             tokio::time::interval(feed.as_ref().map_or(Duration::from_secs(1), |l| l.every));
+        // The API asks for a frame at once where a run starts or stops.
+        let api = self.metrics.clone().filter(|_| feed.is_some());
         let mut stop = opts.stop.clone();
         let mut vm_gone: Option<tokio::time::Instant> = None;
         tick.tick().await;
@@ -369,6 +371,12 @@ impl Session {
                 _ = live_tick.tick(), if feed.is_some() => {
                     if let Some(feed) = feed.as_ref() {
                         self.send_frame(feed, start.at.elapsed().as_secs_f64());
+                    }
+                }
+                _ = async { api.as_ref().expect("guarded").frame_asked.notified().await }, if api.is_some() => {
+                    if let Some(feed) = feed.as_ref() {
+                        self.send_frame(feed, start.at.elapsed().as_secs_f64());
+                        live_tick.reset();
                     }
                 }
                 _ = tick.tick() => self.each_second(&progress, start),

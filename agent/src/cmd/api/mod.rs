@@ -6,6 +6,8 @@
 //! `/api/v1/stream` (frames as server-sent events, for `top --connect`),
 //! `/api/v1/runs` (labelled benchmark runs: start, stop, report).
 
+pub mod conns;
+
 use std::{
     collections::BTreeMap,
     sync::{atomic::AtomicBool, Arc, Mutex},
@@ -39,6 +41,9 @@ pub struct Shared {
     pub tier_looks: watch::Sender<u64>,
     /// The current frame (cumulative figures).
     pub frames: watch::Sender<Option<Arc<Frame>>>,
+    /// A frame wanted now, not at the next second: a run's edge is the
+    /// moment its start or stop was asked.
+    pub frame_asked: tokio::sync::Notify,
     #[cfg_attr(not(feature = "serve"), allow(dead_code))]
     runs: Mutex<Vec<BenchRun>>,
     /// Who may read and who may change what.
@@ -46,12 +51,18 @@ pub struct Shared {
     access: Access,
     /// What the API turned away, by reason (shown in /metrics).
     pub refused: Refused,
+    /// The open connections' slots, and those the agent closed.
+    pub slots: Arc<conns::Slots>,
+    /// The frame streams' places (`MAX_STREAMS`).
+    pub streams: Arc<tokio::sync::Semaphore>,
 }
 
 /// Requests and connections the API turned away, counted.
 #[derive(Debug, Default)]
 pub struct Refused {
-    /// Connections closed at once: `MAX_CONNECTIONS` were open.
+    /// Connections closed because `MAX_CONNECTIONS` were open: a new one
+    /// refused (every slot served a request), or the oldest one holding
+    /// no request evicted to let a new one in.
     pub connections: std::sync::atomic::AtomicU64,
     /// Runs not started: `MAX_RUNS` were stored and all still running.
     pub runs: std::sync::atomic::AtomicU64,
@@ -62,6 +73,8 @@ pub struct Refused {
     /// Requests without the token they needed, or changes asked of a
     /// read-only API.
     pub unauthorized: std::sync::atomic::AtomicU64,
+    /// Frame streams not started: `MAX_STREAMS` were open.
+    pub streams: std::sync::atomic::AtomicU64,
 }
 
 /// Who may use the API. `/healthz` answers everyone in every case:
@@ -78,12 +91,12 @@ pub enum Access {
     TokenToChange(String),
 }
 
-/// Connections the API keeps open at once; more are closed at once.
+/// Connections the API keeps open at once. Past it a new connection
+/// takes the slot of the oldest one that holds no request (`conns`).
 pub const MAX_CONNECTIONS: usize = 4096;
-/// A connection's request headers must arrive within this.
-pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
-/// A TLS connection's handshake must end within this.
-pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Frame streams served at once: a connection serving one is never evicted,
+/// so streams may hold only a quarter of the slots.
+pub const MAX_STREAMS: usize = MAX_CONNECTIONS / 4;
 /// Labelled runs kept: past it the oldest stopped one goes.
 pub const MAX_RUNS: usize = 1024;
 /// A run label's length, at most.
@@ -109,6 +122,7 @@ impl Refused {
             ("runs_evicted", &self.runs_evicted),
             ("bad_request", &self.bad_requests),
             ("unauthorized", &self.unauthorized),
+            ("streams", &self.streams),
         ] {
             out.push_str(&format!(
                 "iospan_api_refused_total{{{}}} {}\n",
@@ -139,10 +153,56 @@ impl Shared {
             deep_runs: std::sync::atomic::AtomicU32::new(0),
             tier_looks: watch::channel(0).0,
             frames: watch::channel(None).0,
+            frame_asked: tokio::sync::Notify::new(),
             runs: Mutex::new(Vec::new()),
             access,
             refused: Refused::default(),
+            slots: conns::Slots::new(MAX_CONNECTIONS),
+            streams: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS)),
         })
+    }
+
+    /// The API's own figures for /metrics: what it refused, its
+    /// connections and those it closed.
+    pub fn api_exposition(&self, f: crate::output::metrics::Format) -> String {
+        use crate::output::metrics::{family, labels};
+        let mut out = self.refused.exposition(f);
+        family(
+            &mut out,
+            f,
+            "iospan_api_connections_closed_total",
+            "counter",
+            "Connections the API closed while they held no request: evicted for a new one \
+             (every slot taken) or past their deadline, by what they waited for.",
+        );
+        for (reason, waiting, n) in self.slots.closed.each() {
+            out.push_str(&format!(
+                "iospan_api_connections_closed_total{{{}}} {n}\n",
+                labels(&[("reason", reason), ("waiting", waiting.as_str())])
+            ));
+        }
+        let open = self.slots.open();
+        for (name, help, v) in [
+            (
+                "iospan_api_connections_open",
+                "Connections the API holds open.",
+                open as f64,
+            ),
+            (
+                "iospan_api_connections_max",
+                "Connections the API holds at most.",
+                self.slots.cap() as f64,
+            ),
+            (
+                "iospan_api_idle_deadline_seconds",
+                "How long a connection may hold no request now (it tightens as the slots fill).",
+                conns::deadline(open, self.slots.cap()).as_secs_f64(),
+            ),
+        ] {
+            family(&mut out, f, name, "gauge", help);
+            out.push_str(&format!("{name} {v}\n"));
+        }
+        out
     }
 }
 
@@ -293,7 +353,12 @@ pub use server::{router, serve};
 
 #[cfg(feature = "serve")]
 mod server {
-    use std::{convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
+    use std::{
+        convert::Infallible,
+        net::SocketAddr,
+        sync::Arc,
+        time::{Duration, Instant},
+    };
 
     use anyhow::{Context, Result};
     use axum::{
@@ -307,11 +372,12 @@ mod server {
         routing::{get, post},
         Json, Router,
     };
-    use futures_util::stream::{self, Stream};
+    use futures_util::stream;
 
     use super::{
-        bench_report, BenchRun, Shared, HANDSHAKE_TIMEOUT, HEADER_TIMEOUT, MAX_CONNECTIONS,
-        MAX_LABEL, MAX_RUNS,
+        bench_report,
+        conns::{self, Waiting},
+        BenchRun, Shared, MAX_CONNECTIONS, MAX_LABEL, MAX_RUNS, MAX_STREAMS,
     };
     use crate::{output::live::Frame, output::metrics::Format};
     use hyper_util::rt::TokioIo;
@@ -409,9 +475,10 @@ mod server {
         }
     }
 
-    /// Serves each connection, plain or TLS alike, with a deadline for
-    /// its handshake and its request headers and at most
-    /// `MAX_CONNECTIONS` at once: half-open connections neither stay nor
+    /// Serves each connection, plain or TLS alike, in one of
+    /// `MAX_CONNECTIONS` slots (`conns`): a connection that holds no
+    /// request is closed past its deadline, or evicted when a new one
+    /// needs its slot, so connections that never speak neither stay nor
     /// keep real requests out.
     async fn accept_loop(
         listener: tokio::net::TcpListener,
@@ -420,10 +487,16 @@ mod server {
         shared: Arc<Shared>,
     ) {
         use std::sync::atomic::Ordering::Relaxed;
-        let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let mut http = hyper::server::conn::http1::Builder::new();
+        // A backstop only: the slots' sweep closes a connection waiting
+        // for its headers first, and counts it.
         http.timer(hyper_util::rt::TokioTimer::new())
-            .header_read_timeout(HEADER_TIMEOUT);
+            .header_read_timeout(conns::IDLE_DEADLINE * 2);
+        tokio::spawn(sweep(shared.clone()));
+        let first = match tls {
+            Some(_) => Waiting::Handshake,
+            None => Waiting::Headers,
+        };
         loop {
             let stream = match listener.accept().await {
                 Ok((stream, _)) => stream,
@@ -434,29 +507,187 @@ mod server {
                     continue;
                 }
             };
-            let Ok(permit) = open.clone().try_acquire_owned() else {
+            let Some(admitted) = shared.slots.admit(first, Instant::now()) else {
                 shared.refused.connections.fetch_add(1, Relaxed);
                 drop(stream);
                 continue;
             };
-            let service = hyper_util::service::TowerToHyperService::new(app.clone());
-            let (http, tls) = (http.clone(), tls.clone());
+            if admitted.evicted {
+                shared.refused.connections.fetch_add(1, Relaxed);
+            }
+            let conn = Connection {
+                slot: Arc::new(admitted.slot),
+                app: app.clone(),
+                http: http.clone(),
+            };
+            let tls = tls.clone();
             tokio::spawn(async move {
-                let _permit = permit;
-                let Some(tls) = tls else {
-                    let _ = http.serve_connection(TokioIo::new(stream), service).await;
-                    return;
-                };
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
-                    Ok(Ok(stream)) => {
-                        let _ = http.serve_connection(TokioIo::new(stream), service).await;
-                    }
-                    Ok(Err(e)) => log::debug!("HTTP API: TLS handshake: {e}"),
-                    Err(_) => {
-                        log::debug!("HTTP API: TLS handshake took over {HANDSHAKE_TIMEOUT:?}")
-                    }
+                tokio::select! {
+                    _ = admitted.closed => {}
+                    () = conn.serve(stream, tls) => {}
                 }
             });
+        }
+    }
+
+    /// Closes connections past their deadline every 100 ms, and says in
+    /// the log, at most every 10 s, what a flood made it close: evictions,
+    /// refusals, and connections that never sent a request in time.
+    async fn sweep(shared: Arc<Shared>) {
+        const SAY_EVERY: Duration = Duration::from_secs(10);
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        let mut said = Flooded::of(&shared);
+        let mut last_said = Instant::now();
+        loop {
+            tick.tick().await;
+            let now = Instant::now();
+            shared.slots.sweep(now);
+            if now.duration_since(last_said) < SAY_EVERY {
+                continue;
+            }
+            let seen = Flooded::of(&shared);
+            if seen != said {
+                let open = shared.slots.open();
+                log::warn!(
+                    "HTTP API under a connection flood: in the last {}s {} connections evicted \
+                     for new ones, {} closed before their first request was due, {} turned \
+                     away in all; {open} of {} open, a connection may now wait {:?} for a request",
+                    now.duration_since(last_said).as_secs(),
+                    seen.evicted - said.evicted,
+                    seen.unheard - said.unheard,
+                    seen.turned_away - said.turned_away,
+                    shared.slots.cap(),
+                    conns::deadline(open, shared.slots.cap()),
+                );
+                said = seen;
+            }
+            last_said = now;
+        }
+    }
+
+    /// What a flood makes the API close, so far.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    struct Flooded {
+        evicted: u64,
+        unheard: u64,
+        turned_away: u64,
+    }
+
+    impl Flooded {
+        fn of(s: &Shared) -> Self {
+            Self {
+                evicted: s.slots.closed.evicted(),
+                unheard: s.slots.closed.timed_out_unheard(),
+                turned_away: s
+                    .refused
+                    .connections
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            }
+        }
+    }
+
+    /// One connection: its slot, the routes, the HTTP server.
+    struct Connection {
+        slot: Arc<conns::Slot>,
+        app: Router,
+        http: hyper::server::conn::http1::Builder,
+    }
+
+    impl Connection {
+        async fn serve(
+            self,
+            stream: tokio::net::TcpStream,
+            tls: Option<tokio_rustls::TlsAcceptor>,
+        ) {
+            // Nothing is kept for a connection before it speaks (the TLS
+            // state, the HTTP server and its buffers, boxed apart from
+            // this task): a flood that never does costs the agent little
+            // more than its sockets. A peek, not `readable`, which a new
+            // socket passes at once.
+            if !matches!(stream.peek(&mut [0u8; 1]).await, Ok(1)) {
+                return;
+            }
+            Box::pin(self.speak(stream, tls)).await;
+        }
+
+        async fn speak(
+            self,
+            stream: tokio::net::TcpStream,
+            tls: Option<tokio_rustls::TlsAcceptor>,
+        ) {
+            let routes = Answering {
+                app: self.app,
+                slot: self.slot.clone(),
+            };
+            let Some(tls) = tls else {
+                let _ = self
+                    .http
+                    .serve_connection(TokioIo::new(stream), routes)
+                    .await;
+                return;
+            };
+            match tls.accept(stream).await {
+                Ok(stream) => {
+                    self.slot.handshaken(Instant::now());
+                    let _ = self
+                        .http
+                        .serve_connection(TokioIo::new(stream), routes)
+                        .await;
+                }
+                Err(e) => log::debug!("HTTP API: TLS handshake: {e}"),
+            }
+        }
+    }
+
+    /// The routes, holding the connection's slot busy from a request's
+    /// headers until its response has been sent whole.
+    struct Answering {
+        app: Router,
+        slot: Arc<conns::Slot>,
+    }
+
+    impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Answering {
+        type Response = hyper::Response<Answered>;
+        type Error = Infallible;
+        type Future = std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<Self::Response, Infallible>> + Send>,
+        >;
+
+        fn call(&self, req: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+            use tower_service::Service as _;
+            let busy = self.slot.busy();
+            let mut app = self.app.clone();
+            Box::pin(async move {
+                let resp = app.call(req).await?;
+                Ok(resp.map(|body| Answered { body, _busy: busy }))
+            })
+        }
+    }
+
+    /// A response's body, and the connection's busy mark until it is sent
+    /// (or the connection drops it).
+    struct Answered {
+        body: axum::body::Body,
+        _busy: conns::Busy,
+    }
+
+    impl hyper::body::Body for Answered {
+        type Data = axum::body::Bytes;
+        type Error = axum::Error;
+
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+            std::pin::Pin::new(&mut self.get_mut().body).poll_frame(cx)
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.body.is_end_stream()
+        }
+
+        fn size_hint(&self) -> hyper::body::SizeHint {
+            self.body.size_hint()
         }
     }
 
@@ -560,7 +791,7 @@ mod server {
             Format::OpenMetrics => &s.openmetrics,
         };
         let mut body = text.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let ours = s.refused.exposition(f);
+        let ours = s.api_exposition(f);
         // OpenMetrics ends with `# EOF`: the API's own lines go before it.
         match body.strip_suffix("# EOF\n") {
             Some(head) => body = format!("{head}{ours}# EOF\n"),
@@ -587,12 +818,24 @@ mod server {
         }
     }
 
-    async fn stream_frames(
-        State(s): State<Arc<Shared>>,
-    ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    /// Frames as server-sent events, while one of `MAX_STREAMS` places is
+    /// free: each stream keeps its connection busy for as long as it runs.
+    async fn stream_frames(State(s): State<Arc<Shared>>) -> Response {
+        let Ok(place) = s.streams.clone().try_acquire_owned() else {
+            s.refused
+                .streams
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "{MAX_STREAMS} frame streams are open, the most served at once: try again\n"
+                ),
+            )
+                .into_response();
+        };
         let mut rx = s.frames.subscribe();
         rx.mark_changed();
-        let frames = stream::unfold(rx, |mut rx| async move {
+        let frames = stream::unfold((rx, place), |(mut rx, place)| async move {
             loop {
                 rx.changed().await.ok()?;
                 let frame = rx.borrow_and_update().clone();
@@ -601,11 +844,13 @@ mod server {
                         Ok(json) => Event::default().event("frame").data(json),
                         Err(e) => Event::default().comment(format!("unencodable frame: {e}")),
                     };
-                    return Some((Ok(ev), rx));
+                    return Some((Ok::<_, Infallible>(ev), (rx, place)));
                 }
             }
         });
-        Sse::new(frames).keep_alive(KeepAlive::default())
+        Sse::new(frames)
+            .keep_alive(KeepAlive::default())
+            .into_response()
     }
 
     /// The next frame with QEMU's own counters beside it (asked for, then
@@ -626,11 +871,12 @@ mod server {
         fresh(s).await
     }
 
-    /// The next frame made after this call: a run's edges are never
-    /// earlier than the request that set them.
+    /// The next frame made after this call, asked for now: a run's edges
+    /// are never earlier than the request that set them.
     async fn fresh(s: &Shared) -> Option<Arc<Frame>> {
         let mut rx = s.frames.subscribe();
         rx.borrow_and_update();
+        s.frame_asked.notify_one();
         tokio::time::timeout(Duration::from_secs(5), rx.changed())
             .await
             .ok()?
