@@ -33,6 +33,39 @@ static __always_inline void on_wakeup(__u32 tgid, __u32 tid)
 		w->runnable_since = bpf_ktime_get_ns();
 }
 
+/* A woken or preempted wait after which a raise counts as its cause: a
+ * vCPU woken this long after its VM's last raise was woken by something
+ * else (a timer, an IPI). */
+#define VCPU_WAKE_WITHIN_NS 1000000ULL
+
+/* A vCPU of process `tgid` switched in at `now`, runnable since `since`:
+ * if its VM raised an interrupt no vCPU had run since, the part of this
+ * wait after the raise (after its wake-up, when the raise woke it) is the
+ * interrupt's injection waiting for a CPU. The raise is taken either way:
+ * the next run of a vCPU is what takes it. */
+static __always_inline void vcpu_ran(__u32 tgid, __u64 since, __u64 now)
+{
+	struct vm_proc *p = vm_proc_of(tgid);
+	struct vm_counts *c;
+	__u64 *raised, raise;
+	__u32 idx;
+
+	if (!p)
+		return;
+	idx = p->slot & (MAX_VM_COUNTS - 1);
+	raised = bpf_map_lookup_elem(&vm_raised, &idx);
+	if (!raised || !(raise = *raised) || raise > now)
+		return;
+	*raised = 0;
+	if (since > raise + VCPU_WAKE_WITHIN_NS)
+		return;
+	c = vm_counts_of(p->slot);
+	if (c) {
+		__sync_fetch_and_add(&c->vcpu_waits, 1);
+		__sync_fetch_and_add(&c->vcpu_wait_ns, now - (since > raise ? since : raise));
+	}
+}
+
 /* The deep tier's part of a switch from prev to next: prev, if still
  * runnable (preempted), starts waiting, else sleeps; next's wait, if it had
  * one, ends. Only VM threads have entries: any other switch costs two
@@ -70,6 +103,8 @@ static __always_inline void waits_at_switch(__u32 prev_tgid, __u32 prev_tid, int
 		w->start[i & (RUN_WAITS - 1)] = w->runnable_since;
 		w->end[i & (RUN_WAITS - 1)] = *now;
 		w->next++;
+		if (vcpu_comm(comm))
+			vcpu_ran(next_tgid, w->runnable_since, *now);
 		w->runnable_since = 0;
 	}
 }

@@ -19,6 +19,33 @@ vm_split_map_t vm_split SEC(".maps");
 vm_unsplit_map_t vm_unsplit SEC(".maps");
 vdisk_slow_ns_map_t vdisk_slow_ns SEC(".maps");
 draining_map_t draining SEC(".maps");
+vm_raised_map_t vm_raised SEC(".maps");
+
+/* The deep tier: VM slot `vm`'s engine raising an interrupt for its guest
+ * now. The vCPU that runs next takes it (sched.bpf.c's vcpu_ran): its wait
+ * for a CPU from here is the injection's. */
+static __always_inline void note_raise(__u32 vm)
+{
+	__u32 idx = vm & (MAX_VM_COUNTS - 1);
+	struct vm_counts *c = vm_counts_of(vm);
+	__u64 *raised = bpf_map_lookup_elem(&vm_raised, &idx);
+
+	if (raised)
+		*raised = bpf_ktime_get_ns();
+	if (c)
+		__sync_fetch_and_add(&c->raises, 1);
+}
+
+/* The deep tier's used-ring push, which raises the completion's interrupt
+ * (unless the guest, still reaping, asked for none): a raise of the
+ * pushing process's VM (an engine outside QEMU is registered under it). */
+static __always_inline void note_raise_here(void)
+{
+	struct vm_proc *p = vm_proc_of(bpf_get_current_pid_tgid() >> 32);
+
+	if (targ_vm_segments && p)
+		note_raise(p->slot);
+}
 
 static __always_inline void split_hist(struct vm_split_stats *st, int seg, __u64 v)
 {
@@ -239,8 +266,10 @@ int kvm_msi_set_irq(void *ctx)
 		if (!flags || !(*flags & VMF_VHOST))
 			return 0;
 	}
-	if (deep_tier())
+	if (deep_tier()) {
+		note_raise(vm);
 		return vhost ? on_signal(0) : 0;
+	}
 	join_interrupt(vm);
 	return 0;
 }
@@ -250,6 +279,7 @@ int kvm_msi_set_irq(void *ctx)
 SEC("uprobe")
 int BPF_KPROBE(virtqueue_flush, void *vq, unsigned int count)
 {
+	note_raise_here();
 	return on_signal(count ? count : 1);
 }
 
@@ -260,11 +290,13 @@ int BPF_KPROBE(virtqueue_flush, void *vq, unsigned int count)
 SEC("uprobe")
 int msix_notify(void *ctx)
 {
-	struct vm_proc *p;
+	struct vm_proc *p = vm_proc_of(bpf_get_current_pid_tgid() >> 32);
 
-	if (deep_tier())
+	if (deep_tier()) {
+		if (targ_vm_segments && p)
+			note_raise(p->slot);
 		return on_signal(0);
-	p = vm_proc_of(bpf_get_current_pid_tgid() >> 32);
+	}
 	if (targ_vm_segments && p)
 		join_interrupt(p->slot);
 	return 0;
@@ -277,6 +309,7 @@ int msix_notify(void *ctx)
 SEC("uprobe")
 int vu_queue_push(void *ctx)
 {
+	note_raise_here();
 	return on_signal(1);
 }
 

@@ -584,7 +584,9 @@ impl RunArgs {
             api: None,
             live: None,
             stop: None,
-            tails: false,
+            // The deep tier's per-request records give the diagnosis the
+            // p99 tail's composition.
+            tails: a.deep,
             until_exit_of: None,
         }
     }

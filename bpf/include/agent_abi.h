@@ -182,6 +182,13 @@ struct vm_counts {
 	__u64 engine_merges; /* guest requests QEMU merged into another */
 	__u64 bio_merges; /* guest requests the host block layer merged into another (as bios or whole requests) */
 	__u64 submitted; /* requests it started (in flight: submitted less completed) */
+	/* The deep tier: interrupts its engine raised for its guest, those after
+	 * which the vCPU that ran next had waited, runnable, for a CPU, and
+	 * for how long in all from the raise (or its wake-up after the raise)
+	 * to its run: the interrupt's injection waiting for a CPU. */
+	__u64 raises;
+	__u64 vcpu_waits;
+	__u64 vcpu_wait_ns;
 };
 
 /* Key of the per-CPU hash `vm_latency`: requests a VM's process submitted,
@@ -498,7 +505,7 @@ _Static_assert(sizeof(struct blk_io_event) == 56, "abi: blk_io_event");
 _Static_assert(sizeof(struct guest_io_event) == 88, "abi: guest_io_event");
 _Static_assert(sizeof(struct guest_reap_event) == 16, "abi: guest_reap_event");
 _Static_assert(sizeof(struct vm_key) == 16, "abi: vm_key");
-_Static_assert(sizeof(struct vm_counts) == 24, "abi: vm_counts");
+_Static_assert(sizeof(struct vm_counts) == 48, "abi: vm_counts");
 _Static_assert(sizeof(struct vm_proc) == 8, "abi: vm_proc");
 _Static_assert(sizeof(struct file_key) == 16, "abi: file_key");
 _Static_assert(sizeof(struct vm_dev_key) == 8, "abi: vm_dev_key");

@@ -81,6 +81,17 @@ typedef struct {
 } vm_counts_map_t;
 extern vm_counts_map_t vm_counts SEC(".maps");
 
+/* VM slot (modulo MAX_VM_COUNTS) -> when its engine last raised an
+ * interrupt for the guest that no vCPU of it has run since (the deep
+ * tier): shared, since the raise and the vCPU's run are on other CPUs. */
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_VM_COUNTS);
+	__type(key, __u32);
+	__type(value, __u64);
+} vm_raised_map_t;
+extern vm_raised_map_t vm_raised SEC(".maps");
+
 /* Backing files of VMs' virtual disks -> virtual disk slot. */
 typedef struct {
 	__uint(type, BPF_MAP_TYPE_HASH);

@@ -12,6 +12,7 @@ use std::{
 pub use iospan::abi::RqSlot;
 
 pub mod api;
+pub mod bottlenecks;
 
 /// `struct rq_completion`
 #[repr(C)]

@@ -163,6 +163,17 @@ fn the_readme_is_a_newcomers_page_with_its_pictures() {
         svg.contains("VM / DISK"),
         "top.svg is no picture of iospan top"
     );
+    // The diagnosis it quotes is the one `cargo xtask pictures` took from a
+    // real run, whole: a throttle named with its knob in both words.
+    let diagnosis = std::fs::read_to_string(root().join("docs/pictures/diagnosis.txt"))
+        .expect("docs/pictures/diagnosis.txt (cargo xtask pictures)");
+    assert!(
+        readme.contains(&format!("```text\n{diagnosis}```")),
+        "README.md does not quote docs/pictures/diagnosis.txt as it is"
+    );
+    for part in ["throttle", "try (QEMU):", "try (libvirt):", "expect:"] {
+        assert!(diagnosis.contains(part), "{part:?} not in {diagnosis}");
+    }
 }
 
 #[test]

@@ -361,6 +361,13 @@ fn a_sweep_finds_the_knee() {
         text.contains("← knee") && text.contains("knee at qd"),
         "{text}"
     );
+    // The level past the knee carries its run's diagnosis: the throttle
+    // that made the knee, with the setting that moves it.
+    assert_eq!(knee["diagnosis"]["cause"], "throttle", "{text}");
+    assert!(
+        text.contains("past the knee") && text.contains("what limits it: QEMU's throttle"),
+        "{text}"
+    );
     // Each level is a stored run of its own.
     let (summary, err, code) = iospan(&runs, &["report", &format!("sw-qd{at}")]);
     assert_eq!(code, 0, "{err}");

@@ -174,15 +174,12 @@ fn a_vm_without_a_monitor_is_said_so_and_fails_verify() {
 /// and after it stops (its I/O crossing both edges, as a benchmark's
 /// does): `/api/v1/runs/N/stop` puts QEMU's own count beside the VM disk's,
 /// read with the run's first and last figures.
-#[test]
-fn an_api_run_carries_qemus_own_count() {
-    let (rig, image) = rig_and_image();
-    let host = agent_integration::host_disk_of(&image);
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path();
+/// An `iospan agent` on `host`'s disk, answering: the process, its
+/// address and its API token.
+fn agent(dir: &std::path::Path, host: &str) -> (Reap, String, String) {
     let addr = format!("127.0.0.1:{}", xtask::backends::free_port().unwrap());
-    let (conf, token_file) = agent_integration::agent_config(dir, &host, &addr);
-    let _agent = Reap(
+    let (conf, token_file) = agent_integration::agent_config(dir, host, &addr);
+    let agent = Reap(
         Command::new(iospan_bin())
             .args(["agent", "--config"])
             .arg(&conf)
@@ -199,16 +196,28 @@ fn an_api_run_carries_qemus_own_count() {
         std::thread::sleep(Duration::from_millis(200));
     }
     let token = std::fs::read_to_string(&token_file).unwrap();
-    let post = |path: &str| -> serde_json::Value {
-        let text = ureq::post(&format!("http://{addr}{path}"))
-            .header("Authorization", &format!("Bearer {}", token.trim()))
-            .send_empty()
-            .unwrap_or_else(|e| panic!("POST {path}: {e}"))
-            .body_mut()
-            .read_to_string()
-            .unwrap();
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
-    };
+    (agent, addr, token.trim().to_string())
+}
+
+/// POST to an agent's API with its token: the answer's JSON.
+fn post(addr: &str, token: &str, path: &str) -> serde_json::Value {
+    let text = ureq::post(&format!("http://{addr}{path}"))
+        .header("Authorization", &format!("Bearer {token}"))
+        .send_empty()
+        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+#[test]
+fn an_api_run_carries_qemus_own_count() {
+    let (rig, image) = rig_and_image();
+    let host = agent_integration::host_disk_of(&image);
+    let tmp = tempfile::tempdir().unwrap();
+    let (_agent, addr, token) = agent(tmp.path(), &host);
+    let post = |path: &str| post(&addr, &token, path);
     // A guest reading for long enough to hold the run inside its workload.
     let a = RunArgs {
         qd: 4,
@@ -273,4 +282,89 @@ fn an_api_run_carries_qemus_own_count() {
         q["iospan_ops"].as_u64(),
         Some(e["ios"].as_u64().unwrap() + e["undelivered"].as_u64().unwrap())
     );
+}
+
+/// The agent names what limits a disk as it runs: a guest behind QEMU's
+/// throttle, diagnosed in the API's frames (`diagnoses`), in `/metrics`
+/// (`iospan_diagnosis_info`) and in an API run's report.
+#[test]
+fn the_agent_names_a_throttled_disk_in_its_frames_metrics_and_runs() {
+    let (rig, image) = rig_and_image();
+    let host = agent_integration::host_disk_of(&image);
+    let tmp = tempfile::tempdir().unwrap();
+    let (_agent, addr, token) = agent(tmp.path(), &host);
+    let a = RunArgs {
+        qd: 4,
+        ios: 400_000,
+        name: "api-diag".into(),
+        no_guest_agent: true,
+        throttle_iops: Some(200),
+        ..Default::default()
+    };
+    let (mut qemu, _) = guest::qemu_command(&rig, &a, &image);
+    let _vm = Reap(
+        qemu.stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // The host window split as the rig's kernel allows.
+    let id = post(
+        &addr,
+        &token,
+        &format!(
+            "/api/v1/runs?label=diag{}",
+            agent_integration::rig_split_query()
+        ),
+    )["id"]
+        .as_u64()
+        .unwrap();
+    let throttled = |d: &serde_json::Value| {
+        d["vm"] == "api-diag" && d["op"] == "read" && d["diagnosis"]["cause"] == "throttle"
+    };
+    let t = Instant::now();
+    let named = loop {
+        let snap = xtask::backends::http_get(&addr, "/api/v1/snapshot", &[])
+            .map_or_else(|_| String::new(), |r| r.1);
+        let v: serde_json::Value = serde_json::from_str(&snap).unwrap_or_default();
+        if let Some(d) = v["diagnoses"]
+            .as_array()
+            .and_then(|ds| ds.iter().find(|d| throttled(d)))
+        {
+            break d.clone();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "no frame named the throttle: {:#}",
+            v["diagnoses"]
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let dg = &named["diagnosis"];
+    assert_eq!(dg["segment"], "engine", "{dg:#}");
+    assert!(
+        dg["knob"]["now"]
+            .as_str()
+            .unwrap_or("")
+            .contains("throttling.iops-total=200"),
+        "{dg:#}"
+    );
+    let (_, metrics) = xtask::backends::http_get(&addr, "/metrics", &[]).unwrap();
+    let info = metrics
+        .lines()
+        .find(|l| l.starts_with("iospan_diagnosis_info{") && l.contains("vm=\"api-diag\""))
+        .unwrap_or_else(|| panic!("no diagnosis of api-diag in /metrics"));
+    for label in ["op=\"read\"", "segment=\"engine\"", "cause=\"throttle\""] {
+        assert!(info.contains(label), "{label} not in {info}");
+    }
+    assert!(info.ends_with(" 1"), "{info}");
+    let run = post(&addr, &token, &format!("/api/v1/runs/{id}/stop"));
+    let e = run["report"]["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == "api-diag" && e["op"] == "read")
+        .cloned()
+        .unwrap_or_else(|| panic!("no entry for the VM: {run:#}"));
+    assert_eq!(e["diagnosis"]["cause"], "throttle", "{e:#}");
 }

@@ -3,12 +3,13 @@
  * The rig guest's workload: O_DIRECT 4 KiB random (randread, randwrite) or
  * sequential (read, write) I/O on a block device at a fixed queue depth, through Linux AIO (raw syscalls, so it links
  * statically with nothing but libc). Prints one line:
- *   IOSPAN-WORKLOAD {"dev":…,"rw":…,"qd":…,"jobs":…,"ios":…,"errors":…,"mean_us":…,
+ *   IOSPAN-WORKLOAD {"dev":…,"rw":…,"qd":…,"jobs":…,"bytes":…,"ios":…,"errors":…,"mean_us":…,
  *                    "p50_us":…,"p90_us":…,"p99_us":…,"p999_us":…,"max_us":…}
  * where ios is the exact number of I/Os completed and the latencies are
  * per I/O, submission to reaped completion, as the guest observed them.
  * With -l it first prints each I/O, in completion order:
  *   IOSPAN-IO OFFSET LATENCY_NS
+ * With -b BYTES each request is that large (a multiple of 4 KiB, up to 1 MiB).
  * With -j N, N jobs (processes) share the I/Os, job k pinned to CPU k (so
  * to the block layer's queue of that CPU) and on the k-th slice of the
  * disk; the line covers them all.
@@ -35,7 +36,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#define BS 4096
+#define BS 4096 /* alignment, and the default request size */
+#define MAX_BS (1 << 20)
 #define MAX_QD 256
 #define MAX_JOBS 64
 
@@ -115,6 +117,8 @@ static int dm_delay(const char *dev, long ms, char *out, size_t outlen)
 }
 
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
+/* Bytes per request (-b): 4 KiB unless asked. */
+static long bs = BS;
 static uint64_t next_rand(void)
 {
 	rng ^= rng << 13;
@@ -157,9 +161,9 @@ static long run(int fd, int write, int sequential, long qd, uint64_t first, uint
 	static struct io_event evs[MAX_QD];
 	static uint64_t started[MAX_QD];
 	char *bufs;
-	if (posix_memalign((void **)&bufs, BS, (size_t)qd * BS))
+	if (posix_memalign((void **)&bufs, BS, (size_t)qd * bs))
 		return -1;
-	memset(bufs, 0x5a, (size_t)qd * BS);
+	memset(bufs, 0x5a, (size_t)qd * bs);
 	uint64_t next_block = 0;
 	long submitted = 0, done = 0, errors = 0;
 
@@ -175,9 +179,9 @@ static long run(int fd, int write, int sequential, long qd, uint64_t first, uint
 			cb->aio_data = slot + 1;
 			cb->aio_fildes = fd;
 			cb->aio_lio_opcode = write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
-			cb->aio_buf = (uint64_t)(uintptr_t)(bufs + slot * BS);
-			cb->aio_nbytes = BS;
-			cb->aio_offset = (int64_t)((first + (sequential ? next_block++ : next_rand()) % blocks) * BS);
+			cb->aio_buf = (uint64_t)(uintptr_t)(bufs + slot * bs);
+			cb->aio_nbytes = bs;
+			cb->aio_offset = (int64_t)((first + (sequential ? next_block++ : next_rand()) % blocks) * bs);
 			batch[n++] = cb;
 		}
 		/* Sequential I/O is submitted one call per I/O: one call's batch
@@ -210,7 +214,7 @@ static long run(int fd, int write, int sequential, long qd, uint64_t first, uint
 		uint64_t t = now_ns();
 		for (long i = 0; i < got; i++) {
 			long slot = (long)evs[i].data - 1;
-			if (evs[i].res != BS)
+			if (evs[i].res != bs)
 				errors++;
 			offs[done] = (uint64_t)cbs[slot].aio_offset;
 			lat[done++] = t - started[slot];
@@ -228,7 +232,7 @@ int main(int argc, char **argv)
 	static char dm_path[64];
 	int opt;
 
-	while ((opt = getopt(argc, argv, "d:q:n:w:x:lj:")) != -1) {
+	while ((opt = getopt(argc, argv, "d:q:n:w:x:lj:b:")) != -1) {
 		switch (opt) {
 		case 'd': dev = optarg; break;
 		case 'q': qd = atol(optarg); break;
@@ -237,13 +241,16 @@ int main(int argc, char **argv)
 		case 'x': delay_ms = atol(optarg); break;
 		case 'l': per_io = 1; break;
 		case 'j': jobs = atol(optarg); break;
+		case 'b': bs = atol(optarg); break;
 		default:
-			fprintf(stderr, "usage: %s -d DEV -q QD -n IOS -w randread|randwrite|read|write [-x DELAY_MS] [-l] [-j JOBS]\n", argv[0]);
+			fprintf(stderr, "usage: %s -d DEV -q QD -n IOS -w randread|randwrite|read|write [-x DELAY_MS] [-l] [-j JOBS] [-b BYTES]\n", argv[0]);
 			return 2;
 		}
 	}
-	if (qd < 1 || qd > MAX_QD || ios < 1 || jobs < 1 || jobs > MAX_JOBS || jobs > ios) {
-		fprintf(stderr, "workload: qd must be 1..%d, ios >= 1, jobs 1..%d and at most ios\n", MAX_QD, MAX_JOBS);
+	if (qd < 1 || qd > MAX_QD || ios < 1 || jobs < 1 || jobs > MAX_JOBS || jobs > ios ||
+	    bs < BS || bs > MAX_BS || bs % BS) {
+		fprintf(stderr, "workload: qd must be 1..%d, ios >= 1, jobs 1..%d and at most ios, "
+			"bytes a multiple of %d up to %d\n", MAX_QD, MAX_JOBS, BS, MAX_BS);
 		return 2;
 	}
 	if (delay_ms >= 0) {
@@ -259,11 +266,11 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	uint64_t size = 0;
-	if (ioctl(fd, BLKGETSIZE64, &size) || size < 16 * BS) {
+	if (ioctl(fd, BLKGETSIZE64, &size) || size < 16 * (uint64_t)bs) {
 		fprintf(stderr, "workload: %s: size %llu too small\n", dev, (unsigned long long)size);
 		return 1;
 	}
-	uint64_t blocks = size / BS;
+	uint64_t blocks = size / bs;
 	/* Results in memory the jobs share: each fills its own slice. */
 	uint64_t *lat = mmap(NULL, ios * sizeof(*lat), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	uint64_t *offs = mmap(NULL, ios * sizeof(*offs), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -324,9 +331,9 @@ int main(int argc, char **argv)
 	double sum = 0;
 	for (long i = 0; i < ios; i++)
 		sum += lat[i];
-	printf("IOSPAN-WORKLOAD {\"dev\":\"%s\",\"rw\":\"%s\",\"qd\":%ld,\"jobs\":%ld,\"ios\":%ld,\"errors\":%ld,"
+	printf("IOSPAN-WORKLOAD {\"dev\":\"%s\",\"rw\":\"%s\",\"qd\":%ld,\"jobs\":%ld,\"bytes\":%ld,\"ios\":%ld,\"errors\":%ld,"
 	       "\"mean_us\":%.3f,\"p50_us\":%.3f,\"p90_us\":%.3f,\"p99_us\":%.3f,\"p999_us\":%.3f,\"max_us\":%.3f}\n",
-	       dev, rw, qd, jobs, done, errors, sum / ios / 1000.0, pct(lat, ios, 500), pct(lat, ios, 900),
+	       dev, rw, qd, jobs, bs, done, errors, sum / ios / 1000.0, pct(lat, ios, 500), pct(lat, ios, 900),
 	       pct(lat, ios, 990), pct(lat, ios, 999), lat[ios - 1] / 1000.0);
 	fflush(stdout);
 	return errors ? 1 : 0;

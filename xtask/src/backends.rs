@@ -20,8 +20,6 @@ pub enum Backend {
     Jaeger,
     /// Prometheus (scrapes /metrics) and promtool (checks PromQL).
     Prometheus,
-    /// Grafana Tempo 2.9 (OTLP in, TraceQL search).
-    Tempo,
     /// The fleet collector: collector/builder.yaml built by the
     /// OpenTelemetry Collector builder.
     Otelcol,
@@ -50,11 +48,6 @@ impl Backend {
                     ("promtool", "./cmd/promtool"),
                 ],
             ),
-            Self::Tempo => (
-                "github.com/grafana/tempo",
-                "v1.5.1-0.20251008140505-607c7fb69662",
-                &[("tempo", "./cmd/tempo")],
-            ),
             Self::Otelcol => (
                 "go.opentelemetry.io/collector/cmd/builder",
                 OTELCOL_VERSION,
@@ -67,7 +60,6 @@ impl Backend {
         match self {
             Self::Jaeger => "jaeger",
             Self::Prometheus => "prometheus",
-            Self::Tempo => "tempo",
             Self::Otelcol => "otelcol",
         }
     }
@@ -699,89 +691,5 @@ impl Collector {
             otlp_http: http,
             prometheus: prom,
         })
-    }
-}
-
-/// A running Tempo (single binary, local storage).
-pub struct Tempo {
-    pub server: Server,
-    pub otlp_grpc: String,
-    pub otlp_http: String,
-    /// host:port of its HTTP API (search, traces by id).
-    pub api: String,
-}
-
-impl Tempo {
-    pub fn start() -> Result<Self> {
-        let dir = TempDir::new("tempo")?;
-        let (http, grpc, memberlist) = (free_port()?, free_port()?, free_port()?);
-        let (otlp_grpc, otlp_http) = (local_addr()?, local_addr()?);
-        let d = dir.path().display();
-        let config = dir.path().join("tempo.yaml");
-        std::fs::write(
-            &config,
-            format!(
-                r#"stream_over_http_enabled: true
-server:
-  http_listen_address: 127.0.0.1
-  http_listen_port: {http}
-  grpc_listen_address: 127.0.0.1
-  grpc_listen_port: {grpc}
-  log_level: warn
-memberlist:
-  bind_addr: [127.0.0.1]
-  bind_port: {memberlist}
-  join_members: []
-usage_report:
-  reporting_enabled: false
-distributor:
-  receivers:
-    otlp:
-      protocols:
-        grpc:
-          endpoint: "{otlp_grpc}"
-        http:
-          endpoint: "{otlp_http}"
-ingester:
-  trace_idle_period: 1s
-  max_block_duration: 1m
-  lifecycler:
-    address: 127.0.0.1
-    ring:
-      kvstore:
-        store: inmemory
-      replication_factor: 1
-storage:
-  trace:
-    backend: local
-    wal:
-      path: {d}/wal
-    local:
-      path: {d}/blocks
-"#
-            ),
-        )?;
-        let api = format!("127.0.0.1:{http}");
-        let args = [format!("-config.file={}", config.display())];
-        // /ready answers 503 for its first ~15 s.
-        let server = Server::start(
-            Backend::Tempo,
-            dir,
-            &args,
-            &api,
-            "/ready",
-            Duration::from_secs(90),
-        )?;
-        Ok(Self {
-            server,
-            otlp_grpc,
-            otlp_http,
-            api,
-        })
-    }
-
-    /// GET on the API with query parameters.
-    pub fn get(&self, path: &str, params: &[(&str, &str)]) -> Result<(u16, String)> {
-        http_get(&self.api, path, params)
     }
 }

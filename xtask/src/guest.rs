@@ -120,6 +120,52 @@ pub struct RunArgs {
     /// before the guest kernel runs (default: qboot, which reads none).
     #[arg(long)]
     pub seabios: bool,
+    /// More virtio-blk disks (vd1, vd2, …), one per image: the workload runs
+    /// on every disk at once, each at the same depth.
+    #[arg(long = "more-disk", value_name = "IMAGE")]
+    pub more_disks: Vec<PathBuf>,
+    /// With --iothread and more disks: an iothread per disk (io0, io1, …)
+    /// instead of one serving them all.
+    #[arg(long)]
+    pub iothread_per_disk: bool,
+    /// Bytes per request (a multiple of 4 KiB, up to 1 MiB).
+    #[arg(long, default_value_t = 4096)]
+    pub bs: u32,
+    /// virtio-blk's queue size (QEMU's queue-size, 256 by default).
+    #[arg(long)]
+    pub queue_size: Option<u32>,
+    /// The images are LUKS (made by `luks_image`), opened with the rig's
+    /// secret: QEMU decrypts each read on the disk's engine thread.
+    #[arg(long)]
+    pub luks: bool,
+}
+
+/// The secret the rig's LUKS images are made with.
+pub const LUKS_SECRET: &str = "iospan-rig";
+
+/// A LUKS copy of raw `image` at `luks` (serpent, which the CPU has no
+/// instructions for: its decryption is the engine thread's own work),
+/// made once with qemu-img.
+pub fn luks_image(image: &Path, luks: &Path) -> Result<()> {
+    if luks.exists() {
+        return Ok(());
+    }
+    let part = luks.with_extension("part");
+    let _ = std::fs::remove_file(&part);
+    sh::run(
+        Command::new("qemu-img")
+            .args(["convert", "-f", "raw", "-O", "luks", "--object"])
+            .arg(format!("secret,id=sec0,data={LUKS_SECRET}"))
+            .args([
+                "-o",
+                "key-secret=sec0,cipher-alg=serpent-256,cipher-mode=xts,iter-time=10",
+            ])
+            .arg(image)
+            .arg(&part),
+    )
+    .context("making a LUKS image (qemu-img, from qemu-utils)")?;
+    std::fs::rename(&part, luks)?;
+    Ok(())
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -177,6 +223,11 @@ impl Default for RunArgs {
             qemu: None,
             qemu_data: None,
             seabios: false,
+            more_disks: Vec::new(),
+            iothread_per_disk: false,
+            bs: 4096,
+            queue_size: None,
+            luks: false,
         }
     }
 }
@@ -189,8 +240,11 @@ pub struct RigResult {
     pub aio: Aio,
     pub iothread: bool,
     pub guest_dev: String,
-    /// The workload's own line: exact I/O count and per-I/O latency.
+    /// The workload's own line: exact I/O count and per-I/O latency (the
+    /// first disk's) ...
     pub workload: Value,
+    /// ... and every disk's, one line each (`--more-disk`).
+    pub workloads: Vec<Value>,
     /// Each I/O's (offset, latency ns) as the workload timed it, in
     /// completion order (with `--per-io`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -631,11 +685,77 @@ pub fn storage_daemon(a: &RunArgs, image: &Path) -> Result<StorageDaemon> {
     Ok(d)
 }
 
+/// A `-drive` for image `image` as disk `id`: raw, or LUKS (`--luks`).
+fn drive(a: &RunArgs, id: &str, image: &Path, throttle_iops: Option<u32>) -> String {
+    let throttle = throttle_iops
+        .map(|n| format!(",throttling.iops-total={n}"))
+        .unwrap_or_default();
+    if a.luks {
+        format!(
+            "driver=luks,key-secret=sec0,file.filename={},file.aio={},file.cache.direct=on,\
+             if=none,id={id}{throttle}",
+            image.display(),
+            a.aio.qemu()
+        )
+    } else {
+        format!(
+            "file={},if=none,id={id},format=raw,cache=none,aio={}{throttle}",
+            image.display(),
+            a.aio.qemu()
+        )
+    }
+}
+
+/// The virtio-blk devices: the rig's disk, then `--more-disk`'s (vd1, …),
+/// on the main loop or on iothreads (one for all, or one each).
+fn virtio_disks(c: &mut Command, a: &RunArgs) {
+    let queue_size = a
+        .queue_size
+        .map(|n| format!(",queue-size={n}"))
+        .unwrap_or_default();
+    let ids: Vec<String> = std::iter::once(a.disk_id.clone())
+        .chain((1..=a.more_disks.len()).map(|i| format!("vd{i}")))
+        .collect();
+    for (i, id) in ids.iter().enumerate() {
+        if let Some(img) = i.checked_sub(1).and_then(|k| a.more_disks.get(k)) {
+            c.arg("-drive").arg(drive(a, id, img, None));
+        }
+        let iothread = match (a.iothread, a.iothread_per_disk) {
+            (false, _) => String::new(),
+            (true, false) if i > 0 => ",iothread=io0".into(),
+            (true, _) => {
+                c.args(["-object", &format!("iothread,id=io{i}")]);
+                format!(",iothread=io{i}")
+            }
+        };
+        c.args([
+            "-device",
+            &format!(
+                "virtio-blk-pci,drive={id}{iothread},num-queues={}{queue_size}",
+                a.cpus
+            ),
+        ]);
+    }
+}
+
+/// The guest's names of its disks: the rig's, then one per `--more-disk`.
+fn guest_devs(a: &RunArgs) -> String {
+    let first = match a.disk {
+        DiskModel::VirtioBlk | DiskModel::VhostUser => "vda",
+        DiskModel::Nvme => "nvme0n1",
+    };
+    std::iter::once(first.to_string())
+        .chain((1..=a.more_disks.len()).map(|i| format!("vd{}", (b'a' + i as u8) as char)))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
     let guest_dev = match a.disk {
         DiskModel::VirtioBlk | DiskModel::VhostUser => "vda",
         DiskModel::Nvme => "nvme0n1",
     };
+    let devs = guest_devs(a);
     let mut c = Command::new(a.qemu.as_deref().unwrap_or(Path::new("qemu-system-x86_64")));
     if let Some(data) = &a.qemu_data {
         c.arg("-L").arg(data);
@@ -653,7 +773,7 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
         .arg(&rig.initrd)
         .arg("-append")
         .arg(format!(
-            "console=ttyS0 quiet panic=-1 iospan.dev={guest_dev} iospan.qd={} iospan.ios={} iospan.rw={} iospan.agent={} iospan.dmdelay={}{}",
+            "console=ttyS0 quiet panic=-1 iospan.dev={devs} iospan.qd={} iospan.ios={} iospan.rw={} iospan.agent={} iospan.dmdelay={}{}",
             a.qd,
             a.ios,
             a.rw,
@@ -663,20 +783,17 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
         ) + &a.agent_stall_s.map(|s| format!(" iospan.agentstall={s}")).unwrap_or_default()
             + if a.reboot { " iospan.reboot=1" } else { "" }
             + if a.per_io { " iospan.perio=1" } else { "" }
-            + &format!(" iospan.idle={} iospan.jobs={}", a.idle_ms, a.cpus)
+            + &format!(" iospan.idle={} iospan.jobs={} iospan.bs={}", a.idle_ms, a.cpus, a.bs)
             // QEMU 10's NVMe namespaces sit in a subsystem: one path each,
             // seen by the guest as such, not as a multipath head.
             + if a.disk == DiskModel::Nvme { " nvme_core.multipath=N" } else { "" });
+    if a.luks {
+        c.arg("-object")
+            .arg(format!("secret,id=sec0,data={LUKS_SECRET}"));
+    }
     if a.disk != DiskModel::VhostUser {
-        c.arg("-drive").arg(format!(
-            "file={},if=none,id={},format=raw,cache=none,aio={}{}",
-            image.display(),
-            a.disk_id,
-            a.aio.qemu(),
-            a.throttle_iops
-                .map(|n| format!(",throttling.iops-total={n}"))
-                .unwrap_or_default()
-        ));
+        c.arg("-drive")
+            .arg(drive(a, &a.disk_id, image, a.throttle_iops));
     }
     // A QMP monitor, as hosts give their VMs one: iospan reads QEMU's own
     // counters there (`entries[].qemu`).
@@ -698,23 +815,7 @@ pub fn qemu_command(rig: &Rig, a: &RunArgs, image: &Path) -> (Command, String) {
             ]);
     }
     match a.disk {
-        DiskModel::VirtioBlk if a.iothread => {
-            c.args([
-                "-object",
-                "iothread,id=io0",
-                "-device",
-                &format!(
-                    "virtio-blk-pci,drive={},iothread=io0,num-queues={}",
-                    a.disk_id, a.cpus
-                ),
-            ]);
-        }
-        DiskModel::VirtioBlk => {
-            c.args([
-                "-device",
-                &format!("virtio-blk-pci,drive={},num-queues={}", a.disk_id, a.cpus),
-            ]);
-        }
+        DiskModel::VirtioBlk => virtio_disks(&mut c, a),
         DiskModel::Nvme => {
             let ioeventfd = if a.ioeventfd { ",ioeventfd=on" } else { "" };
             c.args([
@@ -754,6 +855,12 @@ pub fn run(a: &RunArgs) -> Result<RigResult> {
     }
     if a.iothread && a.disk != DiskModel::VirtioBlk {
         bail!("--iothread is for virtio-blk (NVMe in QEMU 7.2 has none; a vhost-user disk is served by its daemon)");
+    }
+    if (!a.more_disks.is_empty() || a.queue_size.is_some()) && a.disk != DiskModel::VirtioBlk {
+        bail!("--more-disk and --queue-size are for virtio-blk");
+    }
+    if a.bs == 0 || !a.bs.is_multiple_of(4096) || a.bs > 1 << 20 {
+        bail!("--bs {}: a multiple of 4096 up to 1048576", a.bs);
     }
     if !matches!(a.rw.as_str(), "randread" | "randwrite" | "read" | "write") {
         bail!("--rw {}: use randread, randwrite, read or write", a.rw);
@@ -821,6 +928,11 @@ pub fn parse(lines: &[String], a: &RunArgs, guest_dev: String, seconds: f64) -> 
     }
     let workload: Value =
         serde_json::from_str(&find("IOSPAN-WORKLOAD").context("no workload result")?)?;
+    let tag = "IOSPAN-WORKLOAD";
+    let workloads = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str(l[l.find(tag)? + tag.len()..].trim()).ok())
+        .collect();
     let stat = |tag: &str| -> Result<(u64, u64)> {
         let s = find(tag).with_context(|| format!("no {tag} line"))?;
         let f: Vec<u64> = s
@@ -850,6 +962,7 @@ pub fn parse(lines: &[String], a: &RunArgs, guest_dev: String, seconds: f64) -> 
         iothread: a.iothread,
         guest_dev,
         workload,
+        workloads,
         per_io,
         guest_reads: r1,
         guest_writes: w1,

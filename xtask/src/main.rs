@@ -225,7 +225,6 @@ fn test_phases(args: &[String]) -> Result<()> {
     for b in [
         backends::Backend::Jaeger,
         backends::Backend::Prometheus,
-        backends::Backend::Tempo,
         backends::Backend::Otelcol,
     ] {
         phases::time(&format!("backend {b:?}").to_lowercase(), || {

@@ -1,7 +1,9 @@
 //! `cargo xtask pictures`: the README's pictures, made from a real run so
 //! they stay true: `iospan top` watching the rig guest (its terminal,
 //! colours and all, as SVG) and, given a build of the Jaeger UI, one of
-//! that guest's traces as Jaeger shows it (PNG, by headless Chromium).
+//! that guest's traces as Jaeger shows it (PNG, by headless Chromium), and
+//! the diagnosis `iospan run` gives a throttled guest (text, which the
+//! README quotes).
 
 use std::{
     path::{Path, PathBuf},
@@ -35,6 +37,9 @@ pub fn main(a: &PicturesArgs) -> Result<()> {
     let top = out.join("top.svg");
     top_picture(&rig, &image, &top)?;
     eprintln!("xtask: pictures: {}", top.display());
+    let diagnosis = out.join(DIAGNOSIS_FILE);
+    diagnosis_text(&rig, &image, &diagnosis)?;
+    eprintln!("xtask: pictures: {}", diagnosis.display());
     match &a.jaeger_ui {
         Some(ui) => {
             let png = out.join("trace.png");
@@ -95,6 +100,62 @@ fn top_picture(rig: &guest::Rig, image: &Path, svg: &Path) -> Result<()> {
     std::thread::sleep(Duration::from_secs(5));
     let screen = tmux.screen_with_colours()?;
     std::fs::write(svg, ansi_to_svg(&screen)).with_context(|| format!("{}", svg.display()))
+}
+
+/// The diagnosis's file among the pictures (the README quotes it whole).
+pub const DIAGNOSIS_FILE: &str = "diagnosis.txt";
+
+/// A throttle under the rig guest's rate, and the diagnosis `iospan run`
+/// gives its virtual disk: the text under its table, that disk's part.
+fn diagnosis_text(rig: &guest::Rig, image: &Path, txt: &Path) -> Result<()> {
+    let iospan = sh::target_dir().join("release/iospan");
+    let args = guest::RunArgs {
+        qd: 4,
+        ios: 2000,
+        name: "web01".into(),
+        throttle_iops: Some(200),
+        ..Default::default()
+    };
+    let (qemu, _) = guest::qemu_command(rig, &args, image);
+    let out = sh::output(
+        Command::new(&iospan)
+            .args(["run", "--quiet", "--deep", "--"])
+            .arg(qemu.get_program())
+            .args(qemu.get_args()),
+    )?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "pictures: iospan run around the throttled guest failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let part = vdisk_diagnosis(&text, &args.name, &args.disk_id).with_context(|| {
+        format!(
+            "pictures: no diagnosis of {} {} in iospan run's output:\n{text}",
+            args.name, args.disk_id
+        )
+    })?;
+    std::fs::write(txt, part).with_context(|| format!("{}", txt.display()))
+}
+
+/// The diagnosis of `vm`'s `disk` in a report's text: its line and the
+/// indented lines under it.
+fn vdisk_diagnosis(text: &str, vm: &str, disk: &str) -> Option<String> {
+    let head = format!("{vm} {disk} ");
+    let mut lines = text
+        .lines()
+        .skip_while(|l| !l.starts_with("What limits each disk"))
+        .skip_while(|l| !l.starts_with(&head));
+    let first = lines.next()?;
+    let rest = lines.take_while(|l| l.starts_with(' '));
+    Some(
+        std::iter::once(first)
+            .chain(rest)
+            .map(|l| format!("{l}\n"))
+            .collect(),
+    )
 }
 
 fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> Result<bool>) -> Result<()> {
@@ -356,6 +417,16 @@ pub fn ansi_to_svg(screen: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_disks_diagnosis_is_cut_from_the_report() {
+        let text = "table\n\nWhat limits each disk (docs/diagnosis.md):\nweb01 vd0 read — engine\n    now: x\n    try (QEMU): y\nweb01 vd1 read — none\n";
+        assert_eq!(
+            vdisk_diagnosis(text, "web01", "vd0").as_deref(),
+            Some("web01 vd0 read — engine\n    now: x\n    try (QEMU): y\n")
+        );
+        assert_eq!(vdisk_diagnosis(text, "web02", "vd0"), None);
+    }
 
     #[test]
     fn escapes_become_runs_of_cells_in_their_colours() {

@@ -47,6 +47,8 @@ const TEST: &[(Need, &str)] = &[
     (Need::Tool("partx"), "util-linux"),
     // The eBPF sources' layout (bpf/.clang-format), checked by a test.
     (Need::Tool("clang-format"), "clang-format"),
+    // LUKS images for the diagnosis tests: an engine thread's own work.
+    (Need::Tool("qemu-img"), "qemu-utils"),
 ];
 
 #[derive(Clone, Copy)]

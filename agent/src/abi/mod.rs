@@ -257,6 +257,23 @@ pub struct VmCounts {
     pub engine_merges: u64,
     pub bio_merges: u64,
     pub submitted: u64,
+    /// The deep tier: interrupts raised for its guest, those after which
+    /// the vCPU that ran next had waited for a CPU, and that wait in all.
+    pub raises: u64,
+    pub vcpu_waits: u64,
+    pub vcpu_wait_ns: u64,
+}
+
+impl VmCounts {
+    /// Another share added (a CPU's, a retired entry's).
+    pub fn add(&mut self, o: &VmCounts) {
+        self.engine_merges += o.engine_merges;
+        self.bio_merges += o.bio_merges;
+        self.submitted += o.submitted;
+        self.raises += o.raises;
+        self.vcpu_waits += o.vcpu_waits;
+        self.vcpu_wait_ns += o.vcpu_wait_ns;
+    }
 }
 
 /// A backing file, by the kernel's (superblock dev, inode).
@@ -318,7 +335,7 @@ const _: () = assert!(size_of::<VmSignalEvent>() == 48);
 const _: () = assert!(size_of::<VmPushesEvent>() == 104);
 const _: () = assert!(size_of::<VmKey>() == 16);
 const _: () = assert!(size_of::<FileKey>() == 16);
-const _: () = assert!(size_of::<VmCounts>() == 24);
+const _: () = assert!(size_of::<VmCounts>() == 48);
 const _: () = assert!(size_of::<VmProc>() == 8);
 const _: () = assert!(size_of::<VmDevKey>() == 8);
 const _: () = assert!(size_of::<DiskSlot>() == 16);

@@ -108,6 +108,69 @@ impl Names {
     }
 }
 
+/// A host disk's queue as sysfs shows it: its I/O scheduler, its
+/// `nr_requests`, the device's own queue depth where it has one (SCSI),
+/// whether it is rotational, and what it is stacked on (its slaves, down
+/// to the devices).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct QueueSettings {
+    pub scheduler: Option<String>,
+    pub nr_requests: Option<u32>,
+    pub device_depth: Option<u32>,
+    pub rotational: Option<bool>,
+    pub stack: Vec<String>,
+}
+
+/// `name`'s queue settings (a whole disk's name, as /sys/block has it).
+pub fn queue_settings(name: &str) -> QueueSettings {
+    queue_settings_in(Path::new("/sys/block"), name)
+}
+
+pub fn queue_settings_in(sys_block: &Path, name: &str) -> QueueSettings {
+    let base = sys_block.join(name);
+    let read = |p: &str| {
+        fs::read_to_string(base.join(p))
+            .ok()
+            .map(|s| s.trim().to_string())
+    };
+    let num = |p: &str| read(p).and_then(|s| s.parse().ok());
+    // "none [mq-deadline] kyber": the bracketed one is in use.
+    let scheduler = read("queue/scheduler").map(|s| {
+        s.split_whitespace()
+            .find_map(|w| w.strip_prefix('[')?.strip_suffix(']'))
+            .unwrap_or(s.as_str())
+            .to_string()
+    });
+    let mut stack = Vec::new();
+    let mut under = name.to_string();
+    // Down the slaves (device mapper, md): the first of each level.
+    for _ in 0..8 {
+        let Some(next) = fs::read_dir(sys_block.join(&under).join("slaves"))
+            .ok()
+            .and_then(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .min()
+            })
+        else {
+            break;
+        };
+        stack.push(next.clone());
+        under = next;
+    }
+    // A loop device's backing file.
+    if let Some(f) = read("loop/backing_file") {
+        stack.push(crate::model::text::printable(&f).into_owned());
+    }
+    QueueSettings {
+        scheduler,
+        nr_requests: num("queue/nr_requests"),
+        device_depth: num("device/queue_depth"),
+        rotational: read("queue/rotational").map(|r| r == "1"),
+        stack,
+    }
+}
+
 pub fn whole_disks() -> Vec<String> {
     let mut v: Vec<String> = fs::read_dir("/sys/block")
         .map(|rd| {

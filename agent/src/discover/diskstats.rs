@@ -23,6 +23,11 @@ pub struct DiskStat {
     pub discard_ms: u64,
     pub flushes: u64,
     pub flush_ms: u64,
+    /// Time the disk had requests in flight, and that time weighted by how
+    /// many (ms): their ratio is its mean depth while busy (iostat's
+    /// aqu-sz over its busy time).
+    pub busy_ms: u64,
+    pub weighted_ms: u64,
 }
 
 /// What the kernel counted for one (disk, op) over a run.
@@ -52,7 +57,14 @@ impl DiskStat {
             discard_ms: at(14),
             flushes: at(15),
             flush_ms: at(16),
+            busy_ms: at(9),
+            weighted_ms: at(10),
         })
+    }
+
+    /// A delta's mean depth while busy (None: not busy).
+    pub fn depth(&self) -> Option<f64> {
+        (self.busy_ms > 0).then(|| self.weighted_ms as f64 / self.busy_ms as f64)
     }
 
     fn minus(&self, b: &DiskStat) -> DiskStat {
@@ -65,6 +77,8 @@ impl DiskStat {
             discard_ms: self.discard_ms.saturating_sub(b.discard_ms),
             flushes: self.flushes.saturating_sub(b.flushes),
             flush_ms: self.flush_ms.saturating_sub(b.flush_ms),
+            busy_ms: self.busy_ms.saturating_sub(b.busy_ms),
+            weighted_ms: self.weighted_ms.saturating_sub(b.weighted_ms),
         }
     }
 

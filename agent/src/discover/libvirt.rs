@@ -55,6 +55,65 @@ pub struct DomainDisk {
     /// The source file or device, when local.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+    /// Its `<driver>`'s attributes a diagnosis names (`io`, `iothread`,
+    /// `queues`, `queue_size`, `ioeventfd`, `cache`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub driver: Vec<(String, String)>,
+    /// Its `<iotune>` limits, by QMP's names (`iops`, `iops_rd`, …).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub iotune: Vec<(String, u64)>,
+}
+
+/// libvirt's `<iotune>` elements by the names QEMU's QMP gives the same
+/// limits.
+const IOTUNE: [(&str, &str); 6] = [
+    ("total_iops_sec", "iops"),
+    ("read_iops_sec", "iops_rd"),
+    ("write_iops_sec", "iops_wr"),
+    ("total_bytes_sec", "bps"),
+    ("read_bytes_sec", "bps_rd"),
+    ("write_bytes_sec", "bps_wr"),
+];
+
+/// A disk's `<driver>` attributes the diagnosis reads, made printable.
+fn driver_attrs(disk: roxmltree::Node<'_, '_>) -> Vec<(String, String)> {
+    let Some(d) = disk.children().find(|c| c.has_tag_name("driver")) else {
+        return Vec::new();
+    };
+    [
+        "io",
+        "iothread",
+        "queues",
+        "queue_size",
+        "ioeventfd",
+        "cache",
+    ]
+    .iter()
+    .filter_map(|k| {
+        let v = d.attribute(*k)?;
+        Some((k.to_string(), crate::model::text::printable(v).into_owned()))
+    })
+    .collect()
+}
+
+/// A disk's `<iotune>` limits set above 0, by QMP's names.
+fn iotune(disk: roxmltree::Node<'_, '_>) -> Vec<(String, u64)> {
+    let Some(t) = disk.children().find(|c| c.has_tag_name("iotune")) else {
+        return Vec::new();
+    };
+    IOTUNE
+        .iter()
+        .filter_map(|(tag, name)| {
+            let v: u64 = t
+                .children()
+                .find(|c| c.has_tag_name(*tag))?
+                .text()?
+                .trim()
+                .parse()
+                .ok()?;
+            (v > 0).then(|| (name.to_string(), v))
+        })
+        .collect()
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -109,6 +168,8 @@ pub fn parse_status(xml: &str) -> Option<(u32, Domain)> {
                         target_dev: target.to_string(),
                         kind: n.attribute("type").unwrap_or("file").to_string(),
                         source,
+                        driver: driver_attrs(n),
+                        iotune: iotune(n),
                     });
                 }
                 "channel" => {

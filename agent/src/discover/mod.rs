@@ -6,4 +6,5 @@ pub mod diskstats;
 pub mod libvirt;
 pub mod procfs;
 pub mod qemu_counts;
+pub mod threads;
 pub mod vms;

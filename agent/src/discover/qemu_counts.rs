@@ -264,6 +264,29 @@ mod qmp {
         pub stats: BlockDeviceStats,
     }
 
+    /// One entry of `query-block` (`BlockInfo`): a block backend and, with
+    /// a medium, its settings.
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(default)]
+    pub struct BlockInfo {
+        pub device: String,
+        pub qdev: String,
+        pub inserted: Option<BlockDeviceInfo>,
+    }
+
+    /// Its throttle limits (`BlockDeviceInfo`): 0 is none.
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(default)]
+    pub struct BlockDeviceInfo {
+        pub iops: u64,
+        pub iops_rd: u64,
+        pub iops_wr: u64,
+        pub bps: u64,
+        pub bps_rd: u64,
+        pub bps_wr: u64,
+        pub group: Option<String>,
+    }
+
     /// Its counters (`BlockDeviceStats`), since QEMU started.
     #[derive(Debug, Default, Deserialize)]
     #[serde(default)]
@@ -352,6 +375,48 @@ impl Session {
             }
         }
     }
+}
+
+/// A virtual disk's throttle as QEMU holds it now: limits by QMP's names
+/// (none set: empty) and its group.
+pub type Throttle = (Vec<(String, u64)>, Option<String>);
+
+/// Each virtual disk's throttle as QEMU holds it now (QMP `query-block`),
+/// through its own monitor; None for a source that is not one (libvirt's
+/// domains carry theirs in their XML, `<iotune>`).
+pub fn throttles(source: &Source, vm: &Vm) -> Option<Result<BTreeMap<String, Throttle>>> {
+    let Source::Qmp { socket, pid } = source else {
+        return None;
+    };
+    let read = || -> Result<BTreeMap<String, Throttle>> {
+        let info: Vec<qmp::BlockInfo> =
+            Session::open(socket, *pid)?.execute("{\"execute\":\"query-block\"}")?;
+        Ok(info
+            .iter()
+            .filter_map(|b| {
+                let id = vdisk_of(vm, &b.device, &b.qdev)?;
+                let i = b.inserted.as_ref()?;
+                let limits = [
+                    ("iops", i.iops),
+                    ("iops_rd", i.iops_rd),
+                    ("iops_wr", i.iops_wr),
+                    ("bps", i.bps),
+                    ("bps_rd", i.bps_rd),
+                    ("bps_wr", i.bps_wr),
+                ]
+                .into_iter()
+                .filter(|(_, v)| *v > 0)
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
+                let group = i
+                    .group
+                    .as_deref()
+                    .map(|g| crate::model::text::printable(g).into_owned());
+                Some((id.to_string(), (limits, group)))
+            })
+            .collect())
+    };
+    Some(read())
 }
 
 /// One message of a QMP stream (a line), at most `MAX_REPLY` bytes.

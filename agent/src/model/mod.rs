@@ -1,6 +1,7 @@
 //! What the agent knows, independent of how it was measured: operations,
 //! segments, per-(disk, op) statistics. No aya, no terminal here.
 
+pub mod diagnosis;
 pub mod hist;
 pub mod loss;
 pub mod span;

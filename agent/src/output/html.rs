@@ -17,6 +17,46 @@ fn esc(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
+/// A disk's diagnosis: the finding, its evidence, the setting and what to
+/// try (docs/diagnosis.md).
+fn diagnosis_section(run: &StoredRun, t: &TailEntry) -> String {
+    let Some(d) = run
+        .report
+        .entries
+        .iter()
+        .find(|e| e.vm.as_deref() == Some(t.vm.as_str()) && e.disk == t.disk && e.op == t.op)
+        .and_then(|e| e.diagnosis.as_ref())
+    else {
+        return String::new();
+    };
+    let mut h = format!(
+        "<h3>What limits it</h3><p><b>{}</b> ({} confidence)</p><ul>",
+        esc(&d.summary),
+        d.confidence.as_str()
+    );
+    for e in &d.evidence {
+        let _ = write!(h, "<li>{}</li>", esc(e));
+    }
+    h += "</ul>";
+    if let Some(k) = &d.knob {
+        let _ = write!(h, "<p>now: {}</p><ul>", esc(&k.now));
+        for (who, what) in [
+            ("QEMU", &k.qemu),
+            ("libvirt", &k.libvirt),
+            ("host", &k.host),
+        ] {
+            if let Some(w) = what {
+                let _ = write!(h, "<li>try ({who}): <code>{}</code></li>", esc(w));
+            }
+        }
+        let _ = write!(h, "</ul><p>expect: {}</p>", esc(&k.expect));
+    }
+    if let Some(x) = &d.to_know {
+        let _ = write!(h, "<p>to know more: {}</p>", esc(x));
+    }
+    h
+}
+
 pub fn render(run: &StoredRun) -> String {
     let mut h = String::new();
     let _ = write!(
@@ -60,6 +100,7 @@ pub fn render(run: &StoredRun) -> String {
                 " (host window only)"
             }
         );
+        h += &diagnosis_section(run, t);
         h += "<h3>Where the time goes, by tail</h3>";
         h += &tail_bars(t);
         h += &tail_table(t);

@@ -64,6 +64,10 @@ pub struct Frame {
     /// figures (only when asked: an API run's start and stop).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qemu: Option<BTreeMap<String, FrameQemu>>,
+    /// Every disk's diagnosis over the agent's last window (10 s): what
+    /// limits it, why, and the setting that would move it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub diagnoses: Vec<crate::model::diagnosis::FrameDiagnosis>,
 }
 
 /// One VM's own counters beside a frame.
@@ -128,6 +132,7 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
         polled: snap.counters.host_split.polled,
         unmatched: stitch.counters.unmatched_guest + stitch.counters.unmatched_host,
         qemu: None,
+        diagnoses: Vec::new(),
     }
 }
 

@@ -65,13 +65,66 @@ impl Format {
 }
 
 /// `# HELP` and `# TYPE` of a family. OpenMetrics names a counter family
-/// without the `_total` its samples carry.
+/// without the `_total` its samples carry, and an info family (a gauge of 1
+/// in Prometheus's text) without its `_info`.
 pub fn family(out: &mut String, f: Format, name: &str, kind: &str, help: &str) {
-    let name = match (f, kind) {
-        (Format::OpenMetrics, "counter") => name.strip_suffix("_total").unwrap_or(name),
-        _ => name,
+    let (name, kind) = match (f, kind) {
+        (Format::OpenMetrics, "counter") => (name.strip_suffix("_total").unwrap_or(name), kind),
+        (Format::OpenMetrics, "info") => (name.strip_suffix("_info").unwrap_or(name), kind),
+        (Format::Prometheus, "info") => (name, "gauge"),
+        _ => (name, kind),
     };
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// Each disk's diagnosis over the agent's last window: an info sample
+/// naming its limiting segment (`none`), cause and confidence, and that
+/// segment's share of the latency.
+pub fn diagnoses(out: &mut String, f: Format, ds: &[crate::model::diagnosis::FrameDiagnosis]) {
+    family(
+        out,
+        f,
+        "iospan_diagnosis_info",
+        "info",
+        "What limits each disk over the agent's last window: the segment, the cause and how sure \
+         (docs/diagnosis.md).",
+    );
+    let key = |d: &crate::model::diagnosis::FrameDiagnosis| {
+        [
+            ("vm", d.vm.clone()),
+            ("disk", d.disk.clone()),
+            ("op", d.op.to_string()),
+        ]
+    };
+    for d in ds {
+        let x = &d.diagnosis;
+        let seg = x.segment.map_or("none", |s| s.as_str());
+        let k = key(d);
+        let mut pairs: Vec<(&str, &str)> = k.iter().map(|(a, b)| (*a, b.as_str())).collect();
+        pairs.extend([
+            ("segment", seg),
+            ("cause", x.cause.as_str()),
+            ("confidence", x.confidence.as_str()),
+        ]);
+        let _ = writeln!(out, "iospan_diagnosis_info{{{}}} 1", labels(&pairs));
+    }
+    family(
+        out,
+        f,
+        "iospan_diagnosis_share",
+        "gauge",
+        "The limiting segment's share of each disk's mean latency over the agent's last window.",
+    );
+    for d in ds.iter().filter(|d| d.diagnosis.segment.is_some()) {
+        let k = key(d);
+        let pairs: Vec<(&str, &str)> = k.iter().map(|(a, b)| (*a, b.as_str())).collect();
+        let _ = writeln!(
+            out,
+            "iospan_diagnosis_share{{{}}} {}",
+            labels(&pairs),
+            d.diagnosis.share_mean
+        );
+    }
 }
 
 fn esc(v: &str) -> String {

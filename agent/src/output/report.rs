@@ -93,6 +93,22 @@ pub struct VmSummary {
     /// Where QEMU's own counters of its disks were read, or why not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qemu_counts: Option<String>,
+    /// The deep tier: how long its vCPUs waited for a CPU to take the
+    /// interrupts its engines raised.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpu_waits: Option<VcpuWaits>,
+}
+
+/// A VM's interrupts and its vCPUs' waits for a CPU to take them: from a
+/// raise (or a vCPU's wake-up after it) to that vCPU's run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct VcpuWaits {
+    /// Interrupts raised for the guest.
+    pub raises: u64,
+    /// Of those, the ones whose vCPU had to wait for a CPU.
+    pub waited: u64,
+    /// The waits in all, µs.
+    pub wait_us: f64,
 }
 
 /// A virtual disk: its id (libvirt's alias), its target dev, its backing
@@ -203,6 +219,11 @@ pub fn vms(
                     })
                     .collect(),
                 qemu_counts: None,
+                vcpu_waits: (c.raises > 0).then(|| VcpuWaits {
+                    raises: c.raises,
+                    waited: c.vcpu_waits,
+                    wait_us: c.vcpu_wait_ns as f64 / 1e3,
+                }),
             }
         })
         .collect()
@@ -317,6 +338,10 @@ pub struct Entry {
     /// were read (`output::qemu_check`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qemu: Option<QemuCheck>,
+    /// What limits it, why, and the setting that would move it
+    /// (`output::diagnose`, docs/diagnosis.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diagnosis: Option<crate::model::diagnosis::Diagnosis>,
 }
 
 /// One VM disk and op: QEMU's count and mean beside iospan's.
@@ -498,6 +523,7 @@ impl Entry {
             segments,
             stitched: None,
             queues: Vec::new(),
+            diagnosis: None,
             qemu: None,
         }
     }
@@ -669,6 +695,49 @@ impl RunReport {
         }
         self.table_notes(&mut out);
         out += &qemu_table(self);
+        out += &self.diagnoses_text();
+        out
+    }
+
+    /// Each VM disk's diagnosis, and each host disk's that names a
+    /// bottleneck: a line per disk and op, then its evidence and knob.
+    pub fn diagnoses_text(&self) -> String {
+        let mut out = String::new();
+        let shown: Vec<&Entry> = self
+            .entries
+            .iter()
+            .filter(|e| {
+                e.diagnosis
+                    .as_ref()
+                    .is_some_and(|d| e.vm.is_some() || d.segment.is_some())
+            })
+            .collect();
+        if shown.is_empty() {
+            return out;
+        }
+        let _ = writeln!(out, "\nWhat limits each disk (docs/diagnosis.md):");
+        for e in shown {
+            let Some(d) = &e.diagnosis else { continue };
+            let at = d.segment.map_or(String::new(), |s| {
+                let tail = d
+                    .share_p99
+                    .map_or(String::new(), |t| format!(", p99+ tail {:.0} %", t * 100.0));
+                format!(
+                    "{} ({:.0} % of the mean{tail}), ",
+                    s.as_str(),
+                    d.share_mean * 100.0
+                )
+            });
+            let _ = writeln!(
+                out,
+                "{} {} {} — {at}{} confidence: {}",
+                e.vm.as_deref().unwrap_or("host"),
+                e.disk,
+                e.op,
+                d.confidence.as_str(),
+                d.text().replace('\n', "\n  ")
+            );
+        }
         out
     }
 

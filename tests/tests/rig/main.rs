@@ -14,6 +14,7 @@ use serde_json::Value;
 
 mod boot;
 mod channel;
+mod diagnosis;
 mod lifecycle;
 mod segments;
 

@@ -237,6 +237,10 @@ pub struct BenchReport {
     /// Per VM: where QEMU's own counters were read, or why not.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub qemu_counts: BTreeMap<String, String>,
+    /// The entries' diagnoses are the agent's over its last window before
+    /// the run's stop: this long, s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub diagnosis_window_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -260,6 +264,9 @@ pub struct BenchEntry {
     /// disks whose counters were read at its start and stop).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub qemu: Option<crate::output::report::QemuCheck>,
+    /// What limits it, over the agent's last window before the stop.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub diagnosis: Option<crate::model::diagnosis::Diagnosis>,
 }
 
 /// The figures of `end` less those of `start`.
@@ -269,6 +276,11 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
         rows.iter()
             .map(|r| {
                 let d = r.since(before.iter().find(|b| b.same(r)));
+                let diagnosis = end
+                    .diagnoses
+                    .iter()
+                    .find(|x| x.vm == d.vm && x.disk == d.disk && x.op == d.op)
+                    .map(|x| x.diagnosis.clone());
                 BenchEntry {
                     vm: d.vm,
                     disk: d.disk,
@@ -284,6 +296,7 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
                         .map(|(k, h)| (k.clone(), h.summary()))
                         .collect(),
                     qemu: None,
+                    diagnosis,
                 }
             })
             .filter(|e| e.ios + e.undelivered > 0)
@@ -345,6 +358,7 @@ pub fn bench_report(start: &Frame, end: &Frame) -> BenchReport {
         lost: end.lost.saturating_sub(start.lost),
         unsplit: end.unsplit.saturating_sub(start.unsplit),
         qemu_counts,
+        diagnosis_window_s: end.diagnoses.first().map(|d| d.seconds),
     }
 }
 
@@ -791,7 +805,10 @@ mod server {
             Format::OpenMetrics => &s.openmetrics,
         };
         let mut body = text.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let ours = s.api_exposition(f);
+        let mut ours = s.api_exposition(f);
+        if let Some(frame) = current(&s) {
+            crate::output::metrics::diagnoses(&mut ours, f, &frame.diagnoses);
+        }
         // OpenMetrics ends with `# EOF`: the API's own lines go before it.
         match body.strip_suffix("# EOF\n") {
             Some(head) => body = format!("{head}{ours}# EOF\n"),

@@ -11,7 +11,10 @@ pub(super) fn report(
     ended: Ended,
     child_status: Option<ExitStatus>,
     start: &Start,
-    qemu: &BTreeMap<String, crate::output::qemu_check::VmQemu>,
+    (qemu, watched): (
+        &BTreeMap<String, crate::output::qemu_check::VmQemu>,
+        &crate::output::diagnose::Watch,
+    ),
 ) -> Result<RunOutcome> {
     let Ended {
         mut snap,
@@ -73,14 +76,6 @@ pub(super) fn report(
         (inflight, submitted)
     };
     crate::output::qemu_check::compare(&mut report, qemu, &inflight, &submitted);
-    if let Some(path) = &opts.json_out {
-        let text = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, text + "\n")
-            .with_context(|| format!("writing --json-out {}", path.display()))?;
-    }
-    if opts.events_out.is_some() {
-        log::info!("{events_written} per-request records written");
-    }
     let tails = {
         let corr = s.corr();
         let known = s.known();
@@ -90,9 +85,36 @@ pub(super) fn report(
             .map(|t| t.entries(&known))
             .unwrap_or_default()
     };
+    let depths = kernel_depths(&kernel);
+    crate::output::diagnose::attach(
+        &mut report,
+        &crate::output::diagnose::Inputs {
+            known: &s.known(),
+            tails: &tails,
+            watch: watched,
+            depths: &depths,
+        },
+    );
+    if let Some(path) = &opts.json_out {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text + "\n")
+            .with_context(|| format!("writing --json-out {}", path.display()))?;
+    }
+    if opts.events_out.is_some() {
+        log::info!("{events_written} per-request records written");
+    }
     Ok(RunOutcome {
         report,
         child_status,
         tails,
     })
+}
+
+/// Each host disk's mean depth while busy over the run, by name, from
+/// the kernel's counts over it.
+fn kernel_depths(over_run: &BTreeMap<Dev, diskstats::DiskStat>) -> crate::output::diagnose::Depths {
+    over_run
+        .iter()
+        .filter_map(|(dev, s)| Some((crate::discover::disks::name_of(*dev), s.depth()?)))
+        .collect()
 }

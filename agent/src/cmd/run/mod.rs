@@ -33,6 +33,7 @@ mod execs;
 mod finish;
 mod follow;
 mod live;
+mod observe;
 mod progress;
 mod qemu;
 mod session;
@@ -158,6 +159,29 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             .ok();
         tokio::spawn(qemu::watch(s.known.clone(), stop_rx.clone(), ours))
     });
+    // What the diagnosis reads beside the I/O: the VMs' threads, throttles
+    // and busy spans; the live feed takes it window by window.
+    let observe_task = opts.vms.then(|| {
+        let ours = s.probes.vm_counts_reader().ok();
+        let observer = s
+            .diagnoses
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .observer
+            .clone();
+        let every = if opts.api.is_some() {
+            observe::AGENT_EVERY
+        } else {
+            observe::RUN_EVERY
+        };
+        tokio::spawn(observe::watch(
+            s.known.clone(),
+            stop_rx.clone(),
+            ours,
+            observer,
+            every,
+        ))
+    });
     let child = spawn_command(&opts.command)?;
     let child_status = s
         .trace(&opts, child, &start, &stop_rx, &mut signals)
@@ -165,6 +189,10 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let mut ended = s.end(&start)?;
     let _ = stop_tx.send(true);
     let qemu = match qemu_task {
+        Some(t) => t.await.unwrap_or_default(),
+        None => Default::default(),
+    };
+    let watched = match observe_task {
         Some(t) => t.await.unwrap_or_default(),
         None => Default::default(),
     };
@@ -181,7 +209,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             .context("writing --events-out")?;
         (ended.events_written, ended.export) = (drained.written, drained.export);
     }
-    finish::report(&s, &opts, ended, child_status, &start, &qemu)
+    finish::report(&s, &opts, ended, child_status, &start, (&qemu, &watched))
 }
 
 fn resolve_disks(names: &[String]) -> Result<Vec<Dev>> {

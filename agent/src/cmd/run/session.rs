@@ -80,6 +80,8 @@ pub(super) struct Session {
     pub exited: BTreeSet<u32>,
     pub streams: Streams,
     thresholds: Thresholds,
+    /// Every disk's diagnosis for the live feed, window by window.
+    pub diagnoses: Mutex<super::live::Diagnoses>,
 }
 
 /// What the end of the trace hands the report.
@@ -120,6 +122,7 @@ impl Session {
             exited: BTreeSet::new(),
             streams: Streams::of(opts, tracer),
             thresholds: Thresholds::default(),
+            diagnoses: Mutex::default(),
         }
     }
 
@@ -364,9 +367,9 @@ impl Session {
             feed,
             at_s,
             &self.probes,
-            &self.correlator,
-            &self.known,
+            (&self.correlator, &self.known),
             with_qemu,
+            &self.diagnoses,
         );
     }
 

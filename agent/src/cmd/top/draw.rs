@@ -70,6 +70,9 @@ pub fn draw(f: &mut ratatui::Frame, st: &State) {
                     .map_or("-".into(), |v| format!("{}*", us(v))),
                 Col::Seg(i) => l.seg(*i, st.p99).map_or("-".into(), us),
                 Col::Share => share_bar(l, Col::Share.width() as usize),
+                Col::Why => l
+                    .why()
+                    .map_or("-".into(), |d| d.diagnosis.word().to_string()),
             })
         }))
         .style(match l.kind {
@@ -99,7 +102,38 @@ pub fn draw(f: &mut ratatui::Frame, st: &State) {
             );
             overlay(f, main, "histogram", text)
         }
+        Screen::Diagnosis => {
+            let text = visible.get(st.selected).map_or_else(
+                || vec!["nothing selected".to_string()],
+                |l| diagnosis_text(l),
+            );
+            overlay(f, main, "what limits it", text)
+        }
     }
+}
+
+/// The selected row's diagnoses, each op's, whole: the finding, its
+/// evidence, the setting and what to try.
+pub fn diagnosis_text(l: &Item) -> Vec<String> {
+    if l.why.is_empty() {
+        return vec![format!(
+            "{} {}: no diagnosis yet (each covers the agent's last 10 s of I/O)",
+            l.vm, l.disk
+        )];
+    }
+    let mut out = Vec::new();
+    for d in &l.why {
+        out.push(format!(
+            "{} {} {} — over the last {:.0} s, {} confidence:",
+            d.vm,
+            d.disk,
+            d.op,
+            d.seconds,
+            d.diagnosis.confidence.as_str()
+        ));
+        out.extend(d.diagnosis.text().lines().map(|s| format!("  {s}")));
+    }
+    out
 }
 
 /// The footer: interval, sort, filter, pause, and what was lost,
@@ -174,6 +208,7 @@ fn help_text() -> Vec<String> {
         "space       pause (the figures stay; the agent keeps counting)",
         "↑ ↓ j k     select a row;  Enter  expand/collapse a VM's disks, a disk's queues",
         "h           histogram of the selected row, per segment",
+        "d           what limits the selected row: its diagnosis, evidence and knob",
         "q           quit;  any key closes this",
         "",
         "TOTAL  guest-observed (guest agent), else the host window (marked *)",
@@ -183,6 +218,9 @@ fn help_text() -> Vec<String> {
         "DEVICE host block layer issue to completion; QUEUE host queueing",
         "HV RDY, ENG RDY  of HV and ENGINE, the time their thread (engine,",
         "       worker) was runnable but waited for a CPU (esxtop's %RDY)",
+        "WHY    what limits it, in a word (d: the whole diagnosis):",
+        "       throttle, eng-rdy, eng-busy, vcpu-kick, device, host-q, guest-q,",
+        "       vcpu-rdy, ? (a segment dominates, cause not seen), ok (none)",
         "",
         "q0, q1 … a virtual disk's queues (the guest's, else by the kicks' notifier)",
         "lost: events or requests lost; unsplit: VM requests whose host window",

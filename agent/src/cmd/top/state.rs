@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyEventKind};
 
 use crate::{
-    model::{Hist, Op},
+    model::{diagnosis::FrameDiagnosis, Hist, Op},
     output::live::{self, Frame},
 };
 
@@ -29,6 +29,20 @@ pub struct Item {
     pub guest_observed: bool,
     /// The interval's histogram per `live::SEGMENTS` name.
     pub segs: BTreeMap<String, Hist>,
+    /// What limits it, per op, over the agent's last window (a VM's line:
+    /// its disks').
+    pub why: Vec<FrameDiagnosis>,
+}
+
+impl Item {
+    /// The diagnosis its WHY column shows: one that names a bottleneck,
+    /// the busiest op's first; else any.
+    pub fn why(&self) -> Option<&FrameDiagnosis> {
+        self.why
+            .iter()
+            .find(|d| d.diagnosis.segment.is_some())
+            .or_else(|| self.why.first())
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,10 +64,12 @@ pub enum Col {
     Out,
     Seg(usize),
     Share,
+    /// What limits it, in a word.
+    Why,
 }
 
 impl Col {
-    pub const ALL: [Col; 14] = [
+    pub const ALL: [Col; 15] = [
         Col::Name,
         Col::ReadIops,
         Col::WriteIops,
@@ -68,6 +84,7 @@ impl Col {
         Col::Seg(6),
         Col::Seg(7),
         Col::Share,
+        Col::Why,
     ];
 
     pub(super) fn width(self) -> u16 {
@@ -77,6 +94,7 @@ impl Col {
             Col::Out => 5,
             Col::Seg(_) => 9,
             Col::Share => 22,
+            Col::Why => 9,
         }
     }
 
@@ -85,17 +103,18 @@ impl Col {
         match self {
             Col::Name => 0,
             Col::Seg(0) => 1,
-            Col::ReadIops => 2,
-            Col::WriteIops => 3,
-            Col::Seg(4) => 4,
-            Col::Seg(2) => 5,
-            Col::Seg(3) => 6,
-            Col::Seg(1) => 7,
-            Col::MBps => 8,
-            Col::Seg(5) => 9,
-            Col::Out => 10,
-            Col::Share => 11,
-            Col::Seg(_) => 12,
+            Col::Why => 2,
+            Col::ReadIops => 3,
+            Col::WriteIops => 4,
+            Col::Seg(4) => 5,
+            Col::Seg(2) => 6,
+            Col::Seg(3) => 7,
+            Col::Seg(1) => 8,
+            Col::MBps => 9,
+            Col::Seg(5) => 10,
+            Col::Out => 11,
+            Col::Share => 12,
+            Col::Seg(_) => 13,
         }
     }
 
@@ -117,6 +136,7 @@ impl Col {
                 }
             ),
             Col::Share => "SHARE g/H/E/D".into(),
+            Col::Why => "WHY".into(),
         }
     }
 }
@@ -145,6 +165,7 @@ pub fn fitting(width: u16) -> Vec<Col> {
 pub enum Screen {
     Table,
     Histogram,
+    Diagnosis,
     Help,
 }
 
@@ -234,7 +255,16 @@ pub fn interval(prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64
                 inflight: r.inflight,
                 guest_observed: r.guest_observed,
                 segs: BTreeMap::new(),
+                why: Vec::new(),
             });
+        if r.queue.is_none() {
+            l.why.extend(
+                cur.diagnoses
+                    .iter()
+                    .filter(|x| x.vm == r.vm && x.disk == r.disk && x.op == r.op)
+                    .cloned(),
+            );
+        }
         match r.op {
             Op::Read => l.r_iops += d.ios as f64 / secs,
             Op::Write => l.w_iops += d.ios as f64 / secs,
@@ -266,7 +296,9 @@ pub fn interval(prev: Option<&Frame>, cur: &Frame) -> (Vec<Item>, Vec<Item>, f64
             inflight: d.inflight,
             guest_observed: false,
             segs: BTreeMap::new(),
+            why: Vec::new(),
         });
+        v.why.extend(d.why.iter().cloned());
         v.r_iops += d.r_iops;
         v.w_iops += d.w_iops;
         v.mbps += d.mbps;
@@ -323,6 +355,11 @@ impl Item {
             Col::Out => self.inflight as f64,
             Col::Seg(i) => self.seg(i, p99).unwrap_or(-1.0),
             Col::Share => self.seg(0, false).unwrap_or(-1.0),
+            // A bottleneck's share of the latency sorts it first.
+            Col::Why => self
+                .why()
+                .filter(|d| d.diagnosis.segment.is_some())
+                .map_or(-1.0, |d| d.diagnosis.share_mean),
         }
     }
 
@@ -469,6 +506,7 @@ impl State {
                 }
             }
             KeyCode::Char('h') => self.screen = Screen::Histogram,
+            KeyCode::Char('d') => self.screen = Screen::Diagnosis,
             KeyCode::Char('?') => self.screen = Screen::Help,
             _ => {}
         }

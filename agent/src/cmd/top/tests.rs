@@ -38,6 +38,36 @@ fn row(vm: &str, disk: &str, op: Op, ios: u64, seg_ns: u64) -> live::Row {
     }
 }
 
+/// A diagnosis of a throttled disk, as the agent's window gives it.
+fn throttled(vm: &str, disk: &str, op: Op) -> crate::model::diagnosis::FrameDiagnosis {
+    use crate::model::diagnosis::*;
+    crate::model::diagnosis::FrameDiagnosis {
+        vm: vm.into(),
+        disk: disk.into(),
+        op,
+        seconds: 10.0,
+        diagnosis: Diagnosis {
+            segment: Some(Segment::Engine),
+            basis: Basis::GuestObserved,
+            share_mean: 0.9,
+            share_p99: None,
+            cause: Cause::Throttle,
+            summary: "QEMU's throttle holds vd1 at its limit".into(),
+            evidence: vec!["limit iops=200".into()],
+            knob: Some(Knob {
+                now: "throttling.iops-total=200 on vd1".into(),
+                qemu: Some("QMP block_set_io_throttle".into()),
+                libvirt: Some("virsh blkdeviotune".into()),
+                host: None,
+                live: true,
+                expect: "the engine's wait goes".into(),
+            }),
+            confidence: Confidence::High,
+            to_know: None,
+        },
+    }
+}
+
 fn state() -> State {
     let prev = Frame {
         at_s: 1.0,
@@ -66,6 +96,7 @@ fn state() -> State {
         polled: 0,
         unmatched: 7,
         qemu: None,
+        diagnoses: vec![throttled("db-primary", "vd1", Op::Write)],
     };
     let (vms, disks, secs) = interval(Some(&prev), &cur);
     State {
@@ -175,8 +206,14 @@ fn at_200_columns_every_column_shows() {
         "HV RDY",
         "ENG RDY",
         "SHARE",
+        "WHY",
     ] {
         assert!(s.contains(t), "{t} missing:\n{s}");
+    }
+    // The throttled disk's word, on its line and its VM's.
+    for who in ["db-primary", "  vd1"] {
+        let line = s.lines().find(|l| l.starts_with(who)).unwrap();
+        assert!(line.contains("throttle"), "{line}");
     }
     assert!(
         s.contains("db-primary") && s.contains("  vd1") && s.contains("nvme0n1"),
@@ -253,6 +290,16 @@ fn keys_sort_filter_toggle_collapse_and_show_a_histogram() {
     );
     key(&mut st, KeyCode::Char('x'));
     assert_eq!(st.screen, Screen::Table);
+    // The selected VM's diagnosis, whole, on `d`.
+    key(&mut st, KeyCode::Char('d'));
+    let s = screen(&st, 120, 40).join("\n");
+    assert!(
+        s.contains("what limits it")
+            && s.contains("QEMU's throttle holds vd1")
+            && s.contains("try (libvirt): virsh blkdeviotune"),
+        "{s}"
+    );
+    key(&mut st, KeyCode::Char('x'));
     assert!(!key(&mut st, KeyCode::Char('q')));
 }
 

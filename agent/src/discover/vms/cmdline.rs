@@ -152,6 +152,8 @@ struct Parsed {
     files: Vec<(String, Option<PathBuf>, Option<String>)>,
     /// (drive or node id, aio mode).
     aio: Vec<(String, String)>,
+    /// (drive id, its throttle limits, group and cache mode).
+    drive_knobs: Vec<(String, DiskKnobs)>,
     devices: Vec<Device>,
     cpus: Option<u32>,
     vhost: Vec<VhostUser>,
@@ -216,12 +218,19 @@ impl Parsed {
 
     fn drive(&mut self, o: &[(String, String)]) {
         if let Some(id) = get(o, "id") {
+            // `file=` or, where a format driver is named (LUKS, qcow2
+            // with options), its protocol node's `file.filename=`.
+            let file = get(o, "file").or_else(|| get(o, "file.filename"));
             self.files
-                .push((id.to_string(), get(o, "file").map(PathBuf::from), None));
+                .push((id.to_string(), file.map(PathBuf::from), None));
             self.aio.push((
                 id.to_string(),
-                get(o, "aio").unwrap_or("threads").to_string(),
+                get(o, "aio")
+                    .or_else(|| get(o, "file.aio"))
+                    .unwrap_or("threads")
+                    .to_string(),
             ));
+            self.drive_knobs.push((id.to_string(), drive_knobs(o)));
         }
     }
 
@@ -242,6 +251,11 @@ impl Parsed {
                 ioeventfd: on(get(o, "ioeventfd")),
                 iothread: get(o, "iothread").map(str::to_string),
                 queues: queues_of(o),
+                knobs: DiskKnobs {
+                    queue_size: get(o, "queue-size").and_then(|v| v.parse().ok()),
+                    ioeventfd: get(o, "ioeventfd").map(|v| on(Some(v))),
+                    ..Default::default()
+                },
             });
         }
         match (get(o, "chardev"), get(o, "wwpn")) {
@@ -283,6 +297,20 @@ impl Parsed {
         }
     }
 
+    /// A device's settings with its drive's (throttle, cache).
+    fn knobs_of(&self, d: &Device) -> DiskKnobs {
+        let mut k = d.knobs.clone();
+        if let Some((_, dk)) = self.drive_knobs.iter().find(|(id, _)| *id == d.drive) {
+            k.throttle = dk.throttle.clone();
+            k.throttle_group = dk.throttle_group.clone();
+            k.cache = dk.cache.clone();
+        }
+        for s in k.throttle_group.iter_mut().chain(k.cache.iter_mut()) {
+            make_printable(s);
+        }
+        k
+    }
+
     fn socket_of(&self, chardev: &str) -> Option<SocketSource> {
         self.chardevs
             .iter()
@@ -306,6 +334,7 @@ impl Parsed {
                 ioeventfd: d.ioeventfd,
                 iothread: d.iothread.clone(),
                 queues: d.queues,
+                knobs: self.knobs_of(d),
                 ..Default::default()
             })
             .collect();
@@ -406,6 +435,7 @@ impl Parsed {
             not_vm,
             libvirt: None,
             vdisks_over_cap,
+            vcpus: self.cpus,
         }
     }
 }
@@ -418,6 +448,29 @@ struct Device {
     ioeventfd: bool,
     iothread: Option<String>,
     queues: Option<u32>,
+    knobs: DiskKnobs,
+}
+
+/// A `-drive`'s throttle limits (`throttling.iops-total=` …, by the names
+/// QMP's `query-block` gives them), group and cache mode.
+fn drive_knobs(o: &[(String, String)]) -> DiskKnobs {
+    const LIMITS: [(&str, &str); 6] = [
+        ("throttling.iops-total", "iops"),
+        ("throttling.iops-read", "iops_rd"),
+        ("throttling.iops-write", "iops_wr"),
+        ("throttling.bps-total", "bps"),
+        ("throttling.bps-read", "bps_rd"),
+        ("throttling.bps-write", "bps_wr"),
+    ];
+    DiskKnobs {
+        throttle: LIMITS
+            .iter()
+            .filter_map(|(opt, name)| Some((name.to_string(), get(o, opt)?.parse().ok()?)))
+            .collect(),
+        throttle_group: get(o, "throttling.group").map(str::to_string),
+        cache: get(o, "cache").map(str::to_string),
+        ..Default::default()
+    }
 }
 
 /// The most queues QEMU gives one device (VIRTIO_QUEUE_MAX).

@@ -78,6 +78,9 @@ pub struct Vm {
     /// (their requests are the VM's, on no virtual disk).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub vdisks_over_cap: usize,
+    /// vCPUs at start (`-smp`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u32>,
     /// Why this QEMU process is not a VM (it runs no guest: a capability
     /// probe), or None for a VM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -167,6 +170,41 @@ pub struct VDisk {
     /// index at or past it is not believed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queues: Option<u32>,
+    /// The settings a diagnosis may name, as its command line set them.
+    #[serde(default)]
+    pub knobs: DiskKnobs,
+}
+
+/// A virtual disk's settings as its command line set them (None: QEMU's
+/// default), for the diagnosis to say what they are and what to try.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskKnobs {
+    /// `queue-size=` (virtio; QEMU's default 256).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_size: Option<u32>,
+    /// `ioeventfd=` as set (virtio's default is on, NVMe's off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ioeventfd: Option<bool>,
+    /// The drive's throttle limits, by QMP's names (`iops`, `iops_rd`,
+    /// `iops_wr`, `bps`, `bps_rd`, `bps_wr`): `-drive throttling.*`, or
+    /// QMP's `query-block` where read.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub throttle: Vec<(String, u64)>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throttle_group: Option<String>,
+    /// `cache=` of its drive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<String>,
+}
+
+impl DiskKnobs {
+    /// The throttle limit QMP names `key` (0 and absent: none).
+    pub fn limit(&self, key: &str) -> Option<u64> {
+        self.throttle
+            .iter()
+            .find(|(k, v)| k == key && *v > 0)
+            .map(|(_, v)| *v)
+    }
 }
 
 /// An engine process serving a virtual disk: the one that pops its
@@ -274,11 +312,28 @@ impl Vm {
             self.uuid = dom.uuid.clone();
         }
         for d in &mut self.disks {
-            d.target_dev = dom
-                .disks
-                .iter()
-                .find(|x| x.alias == d.id)
-                .map(|x| x.target_dev.clone());
+            let Some(x) = dom.disks.iter().find(|x| x.alias == d.id) else {
+                d.target_dev = None;
+                continue;
+            };
+            d.target_dev = Some(x.target_dev.clone());
+            // libvirt sets a disk's <iotune> over QMP after QEMU starts:
+            // not on its command line.
+            if !x.iotune.is_empty() {
+                d.knobs.throttle = x.iotune.clone();
+            }
+            let attr = |k: &str| {
+                x.driver
+                    .iter()
+                    .find(|(a, _)| a == k)
+                    .map(|(_, v)| v.as_str())
+            };
+            if let Some(q) = attr("queue_size").and_then(|v| v.parse().ok()) {
+                d.knobs.queue_size = Some(q);
+            }
+            if let Some(on) = attr("ioeventfd") {
+                d.knobs.ioeventfd = Some(on == "on");
+            }
         }
         self.libvirt = Some(dom);
     }

@@ -921,3 +921,40 @@ fn kvm_is_read_off_the_command_line_in_each_form() {
         &a(&["-name", "enable-kvm"])
     ));
 }
+
+/// The settings a diagnosis names, from the command line: throttle limits
+/// by QMP's names, queue size, ioeventfd, vCPUs; a LUKS drive's file
+/// through its protocol node's options.
+#[test]
+fn disk_settings_come_from_the_command_line() {
+    let vm = cmdline::from_args(
+        42,
+        &args(&[
+            "qemu-system-x86_64",
+            "-smp",
+            "4",
+            "-drive",
+            "file=/images/a.img,if=none,id=vd0,format=raw,cache=none,aio=io_uring,throttling.iops-total=50,throttling.bps-read=1048576,throttling.group=g1",
+            "-device",
+            "virtio-blk-pci,drive=vd0,queue-size=64,ioeventfd=off",
+            "-drive",
+            "driver=luks,key-secret=sec0,file.filename=/images/b.luks,file.aio=native,if=none,id=vd1",
+            "-device",
+            "virtio-blk-pci,drive=vd1",
+        ]),
+    );
+    assert_eq!(vm.vcpus, Some(4));
+    let a = &vm.disks[0].knobs;
+    assert_eq!(a.limit("iops"), Some(50));
+    assert_eq!(a.limit("bps_rd"), Some(1 << 20));
+    assert_eq!(a.limit("iops_rd"), None);
+    assert_eq!(a.throttle_group.as_deref(), Some("g1"));
+    assert_eq!(a.queue_size, Some(64));
+    assert_eq!(a.ioeventfd, Some(false));
+    assert_eq!(a.cache.as_deref(), Some("none"));
+    let b = &vm.disks[1];
+    assert_eq!(b.file.as_deref(), Some(Path::new("/images/b.luks")));
+    assert_eq!(b.aio.as_deref(), Some("native"));
+    assert_eq!(b.knobs.ioeventfd, None);
+    assert!(b.knobs.throttle.is_empty());
+}

@@ -554,7 +554,7 @@ mod tests {
             clock_offset_ns: None,
             guest_ns: 0,
             hypervisor_ns: 10,
-            engine_ns: total_ns - 30,
+            engine_ns: total_ns.saturating_sub(30),
             device_ns: 20,
             total_ns,
             app_ends_from_block_layer: false,

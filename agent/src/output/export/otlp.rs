@@ -674,10 +674,10 @@ mod tests {
                 // (here 10 s behind) are placed by the I/O's kick.
                 let early = IoSpan {
                     clock_offset_ns: None,
-                    begin_ns: s.begin_ns - 10_000_000_000,
-                    guest_kick_ns: s.guest_kick_ns - 10_000_000_000,
-                    guest_irq_ns: s.guest_irq_ns - 10_000_000_000,
-                    end_ns: s.end_ns - 10_000_000_000,
+                    begin_ns: s.begin_ns.wrapping_sub(10_000_000_000),
+                    guest_kick_ns: s.guest_kick_ns.wrapping_sub(10_000_000_000),
+                    guest_irq_ns: s.guest_irq_ns.wrapping_sub(10_000_000_000),
+                    end_ns: s.end_ns.wrapping_sub(10_000_000_000),
                     ..s.clone()
                 };
                 let e = traces.of(

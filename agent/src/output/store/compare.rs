@@ -6,7 +6,10 @@ use anyhow::{bail, Result};
 use serde::Serialize;
 
 use super::StoredRun;
-use crate::model::tails::{TailEntry, PARTS};
+use crate::model::{
+    diagnosis::Diagnosis,
+    tails::{TailEntry, PARTS},
+};
 
 pub fn band_name(from_pct: f64) -> String {
     if from_pct == 0.0 {
@@ -162,6 +165,7 @@ pub fn compare_text(runs: &[StoredRun]) -> Result<String> {
         }
         for (x, y) in ps {
             pair_text(&mut out, (&name(base), &name(other)), x, y);
+            moved_text(&mut out, (base, other), (&name(base), &name(other)), (x, y));
             out.push('\n');
         }
     }
@@ -241,5 +245,54 @@ fn pair_text(out: &mut String, (a_name, b_name): (&str, &str), x: &TailEntry, y:
                 )
             }
         );
+    }
+}
+
+/// A stored run's diagnosis of one disk and op.
+fn diagnosis_of<'a>(r: &'a StoredRun, t: &TailEntry) -> Option<&'a Diagnosis> {
+    r.report
+        .entries
+        .iter()
+        .find(|e| e.vm.as_deref() == Some(t.vm.as_str()) && e.disk == t.disk && e.op == t.op)?
+        .diagnosis
+        .as_ref()
+}
+
+/// Whether the change from A to B moved the segment A's diagnosis named,
+/// and by how much of A's latency; then what B's diagnosis says.
+fn moved_text(
+    out: &mut String,
+    (a, b): (&StoredRun, &StoredRun),
+    (a_name, b_name): (&str, &str),
+    (x, y): (&TailEntry, &TailEntry),
+) {
+    let (Some(da), Some(all_a), Some(all_b)) = (diagnosis_of(a, x), x.band(0.0), y.band(0.0))
+    else {
+        return;
+    };
+    match da.segment {
+        Some(seg) => {
+            let i = PARTS.iter().position(|p| *p == seg.as_str()).unwrap_or(0);
+            let delta = all_b.mean_us[i] - all_a.mean_us[i];
+            let total = all_b.mean_us[0] - all_a.mean_us[0];
+            let _ = writeln!(
+                out,
+                "  → {a_name}'s diagnosis named {} ({}): the change moved it by {delta:+.1} µs, \
+                 {:+.0} % of {a_name}'s latency (the total moved by {total:+.1} µs)",
+                seg.as_str(),
+                da.cause.as_str(),
+                100.0 * delta / all_a.mean_us[0].max(1e-9),
+            );
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "  → {a_name}'s diagnosis named no bottleneck: {}",
+                da.summary
+            );
+        }
+    }
+    if let Some(db) = diagnosis_of(b, y) {
+        let _ = writeln!(out, "  → {b_name}'s diagnosis: {}", db.summary);
     }
 }

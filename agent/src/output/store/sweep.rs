@@ -32,6 +32,10 @@ pub struct Knee {
     /// The segment whose mean grew most from the knee to the next level.
     pub segment: String,
     pub segment_growth_us: f64,
+    /// The level past the knee as its run diagnosed it: what limits the
+    /// disk there (docs/diagnosis.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diagnosis: Option<crate::model::diagnosis::Diagnosis>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -87,12 +91,29 @@ pub fn knee(levels: &[Level]) -> Option<Knee> {
             p99_gain,
             segment: PARTS[i].to_string(),
             segment_growth_us: g,
+            diagnosis: None,
         })
     })
 }
 
+/// The diagnosis a level's run gave one VM disk and op.
+fn levels_past(
+    runs: &[(u32, StoredRun)],
+    level: u32,
+    (vm, disk, op): (&str, &str, Op),
+) -> Option<crate::model::diagnosis::Diagnosis> {
+    let (_, run) = runs.iter().find(|(v, _)| *v == level)?;
+    run.report
+        .entries
+        .iter()
+        .find(|e| e.vm.as_deref() == Some(vm) && e.disk == disk && e.op == op)?
+        .diagnosis
+        .clone()
+}
+
 /// The levels' figures per VM disk and op, from their stored runs.
 pub fn curves(levels: &[(u32, StoredRun)]) -> Vec<SweepCurve> {
+    let levels_runs = levels;
     let mut by: BTreeMap<(String, String, Op), Vec<Level>> = BTreeMap::new();
     for (value, run) in levels {
         for t in &run.tails {
@@ -119,12 +140,18 @@ pub fn curves(levels: &[(u32, StoredRun)]) -> Vec<SweepCurve> {
         }
     }
     by.into_iter()
-        .map(|((vm, disk, op), levels)| SweepCurve {
-            knee: knee(&levels),
-            vm,
-            disk,
-            op,
-            levels,
+        .map(|((vm, disk, op), levels)| {
+            let knee = knee(&levels).map(|mut k| {
+                k.diagnosis = levels_past(levels_runs, k.next, (&vm, &disk, op));
+                k
+            });
+            SweepCurve {
+                knee,
+                vm,
+                disk,
+                op,
+                levels,
+            }
         })
         .collect()
 }
@@ -176,6 +203,21 @@ impl SweepResult {
                         k.segment,
                         k.segment_growth_us
                     );
+                    let _ = writeln!(
+                        out,
+                        "  past the knee the workload's own concurrency adds latency, not IOPS: \
+                         {} {} would do as much, faster",
+                        self.over, k.at
+                    );
+                    if let Some(d) = &k.diagnosis {
+                        let _ = writeln!(
+                            out,
+                            "  at {} {}, what limits it: {}",
+                            self.over,
+                            k.next,
+                            d.text().replace('\n', "\n  ")
+                        );
+                    }
                 }
                 None => {
                     let _ = writeln!(

@@ -69,9 +69,7 @@ fn zero_per_cpu<T: aya::Pod + Default>(
 /// One VM's counts summed over CPUs.
 fn sum_counts(per_cpu: &aya::maps::PerCpuValues<VmCounts>) -> VmCounts {
     per_cpu.iter().fold(VmCounts::default(), |mut a, c| {
-        a.engine_merges += c.engine_merges;
-        a.bio_merges += c.bio_merges;
-        a.submitted += c.submitted;
+        a.add(c);
         a
     })
 }
@@ -649,10 +647,7 @@ impl BlockProbes {
             snap.vm_stats.entry(*k).or_default().merge(st);
         }
         for (vm, c) in &self.retired.vm_counts {
-            let e = snap.vm_counts.entry(*vm).or_default();
-            e.submitted += c.submitted;
-            e.bio_merges += c.bio_merges;
-            e.engine_merges += c.engine_merges;
+            snap.vm_counts.entry(*vm).or_default().add(c);
         }
         snap.counters = self.counters()?;
         Ok(snap)

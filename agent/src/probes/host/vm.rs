@@ -348,10 +348,7 @@ impl BlockProbes {
             let idx = slot % crate::abi::MAX_VM_COUNTS;
             if let Ok(per_cpu) = counts.get(&idx, 0) {
                 let c = super::sum_counts(&per_cpu);
-                let e = self.retired.vm_counts.entry(slot).or_default();
-                e.submitted += c.submitted;
-                e.bio_merges += c.bio_merges;
-                e.engine_merges += c.engine_merges;
+                self.retired.vm_counts.entry(slot).or_default().add(&c);
                 let zero = super::zero_per_cpu("vm_counts")?;
                 counts.set(idx, zero, 0).map_err(map_err("vm_counts"))?;
             }
