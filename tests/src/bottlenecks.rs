@@ -109,19 +109,7 @@ fn slowfs() -> PathBuf {
         .get_or_init(|| {
             let dir =
                 std::env::temp_dir().join(format!("iospan-slowfs-bin-{}", std::process::id()));
-            std::fs::create_dir_all(&dir).unwrap();
-            let exe = dir.join("slowfs");
-            let src = format!("{}/native/slowfs.c", env!("CARGO_MANIFEST_DIR"));
-            let out = run(Command::new("cc")
-                .args(["-O2", "-Wall", "-pthread", "-o"])
-                .arg(&exe)
-                .arg(&src));
-            assert!(
-                out.status.success(),
-                "building {src}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            exe
+            crate::build_native(&dir, "slowfs.c", "slowfs", &["-O2", "-Wall", "-pthread"])
         })
         .clone()
 }

@@ -512,14 +512,20 @@ pub fn kvm_vm(dir: &Path) -> PathBuf {
 /// `native/SRC` built into `dir/SUBDIR` under the name QEMU's processes
 /// have (iospan recognises VMs by their command).
 fn build_as_qemu(dir: &Path, subdir: &str, src: &str, opt: &str) -> PathBuf {
-    let dir = dir.join(subdir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let exe = dir.join("qemu-system-x86_64");
+    build_native(
+        &dir.join(subdir),
+        src,
+        "qemu-system-x86_64",
+        &[opt, "-rdynamic", "-pthread"],
+    )
+}
+
+/// `native/SRC` built with `cc FLAGS` into `dir/NAME`.
+pub fn build_native(dir: &Path, src: &str, name: &str, flags: &[&str]) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let exe = dir.join(name);
     let src = format!("{}/native/{src}", env!("CARGO_MANIFEST_DIR"));
-    let out = run(Command::new("cc")
-        .args([opt, "-rdynamic", "-pthread", "-o"])
-        .arg(&exe)
-        .arg(&src));
+    let out = run(Command::new("cc").args(flags).arg("-o").arg(&exe).arg(&src));
     assert!(
         out.status.success(),
         "building {src}: {}",

@@ -262,21 +262,7 @@ pub fn neighbours(
     v
 }
 
-/// The CPUs of a `Cpus_allowed_list` (`0-3,8`).
-pub fn cpu_list(list: &str) -> Vec<u32> {
-    let mut out = Vec::new();
-    for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                if let (Ok(a), Ok(b)) = (a.parse::<u32>(), b.parse::<u32>()) {
-                    out.extend(a..=b.min(a.saturating_add(4096)));
-                }
-            }
-            None => out.extend(part.parse::<u32>().ok()),
-        }
-    }
-    out
-}
+pub use crate::model::diagnosis::cpu_list;
 
 /// The host's online CPUs.
 pub fn online_cpus() -> Vec<u32> {

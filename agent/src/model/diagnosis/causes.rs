@@ -5,7 +5,7 @@ use super::rules::*;
 use super::*;
 
 /// The CPUs of a `Cpus_allowed_list` (`0-3,8`).
-pub(super) fn cpu_list(list: &str) -> Vec<u32> {
+pub fn cpu_list(list: &str) -> Vec<u32> {
     let mut out = Vec::new();
     for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         match part.split_once('-') {

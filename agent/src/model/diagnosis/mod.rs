@@ -20,6 +20,7 @@ mod queues;
 mod rules;
 mod vcpu;
 
+pub use causes::cpu_list;
 pub use rules::diagnose;
 
 /// The four segments of a guest I/O.
