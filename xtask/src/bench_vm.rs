@@ -66,6 +66,11 @@ pub struct VmArgs {
     /// iothreads do (poll-max-ns; 32768 is QEMU's default); 0: event-driven.
     #[arg(long, default_value_t = 0)]
     poll_ns: u64,
+    /// Another build of iospan (a release binary, say of the commit before a
+    /// change) measured in the same run as one more arm, its always-on tier:
+    /// what the change did to the cost, as ratios of one run.
+    #[arg(long, value_name = "IOSPAN")]
+    against: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -76,10 +81,21 @@ enum Arm {
     AlwaysOn,
     AlwaysOnOtlp,
     Deep,
+    /// `--against`'s build, always-on.
+    Against,
 }
 
 impl Arm {
     const TRACED: [Arm; 4] = [Arm::BlockOnly, Arm::AlwaysOn, Arm::AlwaysOnOtlp, Arm::Deep];
+
+    /// The traced arms of a run.
+    fn traced(a: &VmArgs) -> Vec<Arm> {
+        let mut arms = Arm::TRACED.to_vec();
+        if a.against.is_some() {
+            arms.push(Arm::Against);
+        }
+        arms
+    }
 
     fn label(self) -> &'static str {
         match self {
@@ -88,6 +104,7 @@ impl Arm {
             Arm::AlwaysOn => "always-on",
             Arm::AlwaysOnOtlp => "always-on+OTLP",
             Arm::Deep => "deep",
+            Arm::Against => "always-on (--against)",
         }
     }
 
@@ -204,6 +221,12 @@ pub fn vm(a: &VmArgs) -> Result<()> {
     if a.seconds == 0 || a.slices == 0 || a.reps == 0 {
         bail!("--seconds, --slices and --reps must be at least 1");
     }
+    if let Some(other) = a.against.as_deref().filter(|p| !p.is_file()) {
+        bail!(
+            "--against {}: no such file (give a release build of iospan, e.g. a copy of target/release/iospan built at another commit)",
+            other.display()
+        );
+    }
     if !Path::new("/dev/kvm").exists() {
         bail!("bench vm runs its VMs on KVM: /dev/kvm is missing (load kvm_intel or kvm_amd)");
     }
@@ -227,7 +250,7 @@ pub fn vm(a: &VmArgs) -> Result<()> {
     let run = cost_slices(&rig, &mut res).and_then(|()| profile_slices(&rig));
     vms.stop();
     let profiles = run?;
-    let summaries = summarise(&res, &profiles);
+    let summaries = summarise(a, &res, &profiles);
     print!("{}", render(&summaries, &profiles, a));
     let json = serde_json::json!({
         "date": chrono_free_date(),
@@ -235,6 +258,7 @@ pub fn vm(a: &VmArgs) -> Result<()> {
         "params": {
             "vms": a.vms, "queues": a.queues, "qd": a.qd, "seconds": a.seconds,
             "slices": a.slices, "reps": a.reps, "poll_ns": a.poll_ns,
+            "against": a.against,
             "device": "a loop device over /dev/shm per VM, direct-io; 4 KiB random reads, io_uring",
         },
         "summary": summaries,
@@ -254,10 +278,11 @@ pub fn vm(a: &VmArgs) -> Result<()> {
 /// traced slice the traced one and an untraced one; each traced slice
 /// against the mean of its neighbours.
 fn cost_slices(rig: &Rig, res: &mut Results) -> Result<()> {
-    let n = Arm::TRACED.len();
+    let arms = Arm::traced(rig.a);
+    let n = arms.len();
     for rep in 0..rig.a.reps {
         for i in 0..n {
-            let arm = Arm::TRACED[(i + rep as usize) % n];
+            let arm = arms[(i + rep as usize) % n];
             eprintln!(
                 "xtask: bench vm: rep {}/{} arm {}",
                 rep + 1,
@@ -294,16 +319,16 @@ fn pair(t: &Slice, b: &Slice, a: &Slice) -> Paired {
 /// One slice of each traced arm with the kernel's BPF statistics on.
 fn profile_slices(rig: &Rig) -> Result<Vec<Traced>> {
     let _stats = BpfStats::enable()?;
-    Arm::TRACED
-        .iter()
-        .map(|&arm| {
+    Arm::traced(rig.a)
+        .into_iter()
+        .map(|arm| {
             eprintln!("xtask: bench vm: profile {}", arm.label());
             traced_slice(rig, arm, 0, true).map(|(_, t)| t)
         })
         .collect()
 }
 
-fn summarise(res: &Results, profiles: &[Traced]) -> Vec<Summary> {
+fn summarise(a: &VmArgs, res: &Results, profiles: &[Traced]) -> Vec<Summary> {
     let of = |arm: Arm| res.slices.iter().filter(move |s| s.arm == arm);
     let pairs = |arm: Arm| res.paired.iter().filter(move |p| p.arm == arm);
     let traced = |arm: Arm| res.traced.iter().filter(move |t| t.arm == arm);
@@ -322,7 +347,7 @@ fn summarise(res: &Results, profiles: &[Traced]) -> Vec<Summary> {
         agent_rss_mib: None,
         syscalls_vs_untraced: 1.0,
     }];
-    for arm in Arm::TRACED {
+    for arm in Arm::traced(a) {
         let bpf = profiles
             .iter()
             .filter(|t| t.arm == arm)
@@ -490,7 +515,11 @@ fn traced_slice(rig: &Rig, arm: Arm, rep: u32, profile: bool) -> Result<(Slice, 
 
 /// iospan for an arm, attached and ready.
 fn start_tracer(rig: &Rig, arm: Arm, profile: bool, report: &Path) -> Result<Child> {
-    let mut cmd = Command::new(&rig.iospan);
+    let exe = match (arm, &rig.a.against) {
+        (Arm::Against, Some(other)) => other,
+        _ => &rig.iospan,
+    };
+    let mut cmd = Command::new(exe);
     cmd.args(["-v", "run", "--quiet", "--duration", "1h"])
         .args(arm.args())
         .arg("--json-out")

@@ -63,12 +63,72 @@ pub struct Signal {
 }
 
 impl Signal {
+    /// Whether another request may take it.
+    fn has_room(&self) -> bool {
+        self.covers == 0 || self.taken < self.covers
+    }
+
     /// How much of [from, signal] its thread waited for a CPU.
     fn waited_since(&self, from: u64) -> u64 {
         self.waits
             .iter()
             .map(|&(s, e)| e.min(self.ts_ns).saturating_sub(s.max(from)))
             .sum()
+    }
+}
+
+/// A VM's signals in time order, waiting for the requests they complete.
+/// At depth a request's own push comes after many others' completions, and
+/// a request waiting for its push is looked at again with every record:
+/// the span of times whose signals are all taken is kept, so that a look
+/// starts past it instead of walking it again.
+#[derive(Default)]
+struct Signals {
+    q: VecDeque<Signal>,
+    /// Every signal timed in [.0, .1) is taken as often as it covers.
+    full: (u64, u64),
+}
+
+impl Signals {
+    fn insert(&mut self, sig: Signal) {
+        // Nearly always in order; records from other CPUs may be a little late.
+        let at = self
+            .q
+            .iter()
+            .rposition(|s| s.ts_ns <= sig.ts_ns)
+            .map_or(0, |i| i + 1);
+        let (lo, hi) = self.full;
+        if sig.has_room() && lo <= sig.ts_ns && sig.ts_ns < hi {
+            self.full.1 = sig.ts_ns;
+        }
+        self.q.insert(at, sig);
+    }
+
+    /// The first signal at or after `done` that has room, taken once more.
+    fn take_after(&mut self, done: u64) -> Option<Signal> {
+        let (lo, hi) = self.full;
+        let in_full = lo <= done && done < hi;
+        let from = if in_full { hi } else { done };
+        let start = if in_full { lo } else { done };
+        let i = self.q.partition_point(|s| s.ts_ns < from);
+        // Everything walked over on the way is full: the span grows to it.
+        let Some(s) = self.q.range_mut(i..).find(|s| s.has_room()) else {
+            if let Some(last) = self.q.back().filter(|l| l.ts_ns >= from) {
+                self.full = (start, last.ts_ns);
+            }
+            return None;
+        };
+        s.taken = s.taken.saturating_add(1);
+        let sig = *s;
+        self.full = (start, sig.ts_ns.max(from));
+        Some(sig)
+    }
+
+    /// Signals before `horizon` are done with.
+    fn drop_before(&mut self, horizon: u64) {
+        while self.q.front().is_some_and(|s| s.ts_ns < horizon) {
+            self.q.pop_front();
+        }
     }
 }
 
@@ -82,7 +142,7 @@ struct KernelView {
 
 pub struct Correlator {
     hold_ns: u64,
-    signals: HashMap<u32, VecDeque<Signal>>,
+    signals: HashMap<u32, Signals>,
     /// Requests waiting for their signal, with whether they are split
     /// (a polled request or one without a kick is not, but its push is its
     /// own: it takes it, so that no other request does).
@@ -169,13 +229,7 @@ impl Correlator {
     }
 
     pub fn on_signal_waits(&mut self, vm: u32, sig: Signal) {
-        let q = self.signals.entry(vm).or_default();
-        // Nearly always in order; records from other CPUs may be a little late.
-        let at = q
-            .iter()
-            .rposition(|s| s.ts_ns <= sig.ts_ns)
-            .map_or(0, |i| i + 1);
-        q.insert(at, sig);
+        self.signals.entry(vm).or_default().insert(sig);
         self.latest_ns = self.latest_ns.max(sig.ts_ns);
         self.settle(false);
     }
@@ -348,14 +402,11 @@ impl Correlator {
             // completion is seldom its own).
             let (vm, done) = (ev.vm, ev.done_ns);
             let unseen = self.pushes_live.get(&vm).is_some_and(|&live| done < live);
-            let sig = self.signals.get_mut(&vm).filter(|_| !unseen).and_then(|q| {
-                let i = q.partition_point(|s| s.ts_ns < done);
-                let s = q
-                    .range_mut(i..)
-                    .find(|s| s.covers == 0 || s.taken < s.covers)?;
-                s.taken = s.taken.saturating_add(1);
-                Some(*s)
-            });
+            let sig = self
+                .signals
+                .get_mut(&vm)
+                .filter(|_| !unseen)
+                .and_then(|q| q.take_after(done));
             let waited = all || unseen || self.latest_ns >= done + self.hold_ns;
             if sig.is_none() && !waited {
                 break;
@@ -375,9 +426,7 @@ impl Correlator {
             .map_or(self.latest_ns, |(e, _)| e.done_ns)
             .saturating_sub(self.hold_ns);
         for q in self.signals.values_mut() {
-            while q.front().is_some_and(|s| s.ts_ns < horizon) {
-                q.pop_front();
-            }
+            q.drop_before(horizon);
         }
     }
 
@@ -507,6 +556,86 @@ fn queue_bases<'a>(keys: impl Iterator<Item = &'a VmSplitKey>) -> HashMap<(u32, 
 mod tests {
     use super::*;
     use crate::abi::EVENT_VM_IO;
+
+    #[test]
+    fn a_late_push_inside_the_full_span_is_taken() {
+        let push = |ts_ns| Signal {
+            ts_ns,
+            covers: 1,
+            ..Default::default()
+        };
+        let mut q = Signals::default();
+        q.insert(push(10));
+        q.insert(push(20));
+        assert_eq!(q.take_after(5).map(|s| s.ts_ns), Some(10));
+        assert_eq!(q.take_after(5).map(|s| s.ts_ns), Some(20));
+        assert_eq!(q.take_after(5), None);
+        q.insert(push(12));
+        assert_eq!(q.take_after(8).map(|s| s.ts_ns), Some(12));
+        q.insert(push(30));
+        assert_eq!(q.take_after(6).map(|s| s.ts_ns), Some(30));
+    }
+
+    /// The span of full signals skips only what a walk from each request's
+    /// completion would have found full: the same signals are taken, in
+    /// any order of pushes (some late), completions and drops.
+    #[test]
+    fn skipping_the_full_span_takes_what_a_walk_would() {
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let (mut fast, mut walk) = (Signals::default(), VecDeque::<Signal>::new());
+        let (mut push_ts, mut done_ts, mut taken) = (1_000u64, 0u64, 0usize);
+        for _ in 0..20_000 {
+            match next(10) {
+                0..=3 => {
+                    push_ts += next(40);
+                    // Now and then a record from another CPU, a little late.
+                    let ts = push_ts.saturating_sub(if next(4) == 0 { next(300) } else { 0 });
+                    let sig = Signal {
+                        ts_ns: ts,
+                        covers: [0, 1, 1, 1, 2][next(5) as usize],
+                        ..Default::default()
+                    };
+                    fast.insert(sig);
+                    let at = walk
+                        .iter()
+                        .rposition(|s| s.ts_ns <= ts)
+                        .map_or(0, |i| i + 1);
+                    walk.insert(at, sig);
+                }
+                4..=8 => {
+                    // Completions keep pace with the pushes, some out of order.
+                    done_ts = (done_ts + next(32)).saturating_sub(if next(3) == 0 {
+                        next(300)
+                    } else {
+                        0
+                    });
+                    let got = fast.take_after(done_ts);
+                    let i = walk.partition_point(|s| s.ts_ns < done_ts);
+                    let want = walk.range_mut(i..).find(|s| s.has_room()).map(|s| {
+                        s.taken += 1;
+                        *s
+                    });
+                    assert_eq!(got, want, "done at {done_ts}");
+                    taken += usize::from(got.is_some());
+                }
+                _ => {
+                    let horizon = done_ts.saturating_sub(500);
+                    fast.drop_before(horizon);
+                    while walk.front().is_some_and(|s| s.ts_ns < horizon) {
+                        walk.pop_front();
+                    }
+                }
+            }
+        }
+        assert_eq!(fast.q, walk);
+        assert!(taken > 5_000, "{taken} taken");
+    }
 
     fn io(vm: u32, kick: u64, pick: u64, start: u64, done: u64) -> VmIoEvent {
         VmIoEvent {

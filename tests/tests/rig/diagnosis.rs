@@ -110,7 +110,10 @@ impl Scenario {
             .iter()
             .map(|(comm, cpus)| pin_when_started(&a.name, comm, cpus))
             .collect();
+        // What the agent watched of the VM, shown with a failure.
+        cmd.env("RUST_LOG", "warn,iospan::cmd::run::observe=debug");
         let out = agent_integration::run_around(&mut cmd, &qemu);
+        eprint!("{}", String::from_utf8_lossy(&out.stderr));
         let pinned = pinning.into_iter().map(|p| p.join().unwrap()).collect();
         let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
             .lines()

@@ -116,7 +116,7 @@ impl Diagnoses {
                 .observer
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .take(false);
+                .take(super::observe::Reader::Window, false);
             let now_disks = diskstats::read_all();
             let depths = diskstats::delta(&disks, &now_disks)
                 .into_iter()

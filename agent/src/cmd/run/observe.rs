@@ -37,13 +37,31 @@ const LOOK_BESIDE: f64 = 0.05;
 /// How long that look takes.
 const BESIDE_SPELL: Duration = Duration::from_millis(250);
 
+/// Who takes what was watched: the run's report at its end, and the live
+/// feed window by window. Each keeps sums of its own: a window taken must
+/// not empty the run's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Reader {
+    Run,
+    Window,
+}
+
+impl Reader {
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+const READERS: usize = 2;
+
 /// One process's threads' loads as its VM's I/O saw them: each look's
 /// load since the one before, weighted by the requests the VM submitted
 /// between them (so a boot or an idle spell, with no I/O, weighs nothing).
 #[derive(Default)]
 struct Samples {
     prev: Option<Sample>,
-    by_tid: BTreeMap<u32, Weighted>,
+    /// Per reader, by tid.
+    sums: [BTreeMap<u32, Weighted>; READERS],
 }
 
 /// A thread's load summed over looks, each weighted by its requests.
@@ -62,30 +80,26 @@ impl Samples {
         if let (Some(prev), true) = (&self.prev, requests > 0) {
             let w = requests as f64;
             for l in s.since(prev) {
-                let acc = self.by_tid.entry(l.tid).or_insert_with(|| Weighted {
-                    last: l.clone(),
-                    busy: 0.0,
-                    waiting: 0.0,
-                    weight: 0.0,
-                });
-                acc.busy += l.busy * w;
-                acc.waiting += l.waiting * w;
-                acc.weight += w;
-                acc.last = l;
+                for sums in &mut self.sums {
+                    let acc = sums.entry(l.tid).or_insert_with(|| Weighted {
+                        last: l.clone(),
+                        busy: 0.0,
+                        waiting: 0.0,
+                        weight: 0.0,
+                    });
+                    acc.busy += l.busy * w;
+                    acc.waiting += l.waiting * w;
+                    acc.weight += w;
+                    acc.last = l.clone();
+                }
             }
         }
         self.prev = Some(s);
     }
 
-    /// The loads so far, the sums started afresh.
-    fn take(&mut self) -> Vec<threads::ThreadLoad> {
-        let loads = self.loads();
-        self.by_tid.clear();
-        loads
-    }
-
-    fn loads(&self) -> Vec<threads::ThreadLoad> {
-        self.by_tid
+    /// The loads `reader` has not taken yet, its sums started afresh.
+    fn take(&mut self, reader: Reader) -> Vec<threads::ThreadLoad> {
+        std::mem::take(&mut self.sums[reader.index()])
             .values()
             .filter(|a| a.weight > 0.0)
             .map(|a| threads::ThreadLoad {
@@ -105,11 +119,13 @@ struct Watched {
     procs: BTreeMap<u32, Samples>,
     throttles: Option<BTreeMap<String, qemu_counts::Throttle>>,
     passes: u32,
-    /// Its requests submitted at the last look, and how long, of the time
-    /// between looks, that count grew.
+    /// Its requests submitted at the last look, and per reader how long,
+    /// of the time between looks, that count grew ...
     submitted: Option<u64>,
-    busy_s: f64,
+    busy_s: [f64; READERS],
     last_look: Option<Instant>,
+    /// ... and in how many looks.
+    io_looks: [u32; READERS],
 }
 
 impl Watched {
@@ -123,7 +139,9 @@ impl Watched {
             _ => 0,
         };
         if let (true, Some(then)) = (requests > 0, self.last_look) {
-            self.busy_s += now.duration_since(then).as_secs_f64();
+            let spell = now.duration_since(then).as_secs_f64();
+            self.busy_s.iter_mut().for_each(|b| *b += spell);
+            self.io_looks.iter_mut().for_each(|n| *n += 1);
         }
         self.submitted = submitted.or(self.submitted);
         self.last_look = Some(now);
@@ -155,15 +173,23 @@ impl Watched {
         self.passes += 1;
     }
 
-    /// What was watched since the last take, the sums started afresh.
-    fn take(&mut self) -> VmWatch {
-        let busy_s = std::mem::take(&mut self.busy_s);
+    /// What was watched since `reader`'s last take, its sums started
+    /// afresh.
+    fn take(&mut self, reader: Reader) -> VmWatch {
+        let busy_s = std::mem::take(&mut self.busy_s[reader.index()]);
+        let threads: BTreeMap<u32, Vec<threads::ThreadLoad>> = self
+            .procs
+            .iter_mut()
+            .map(|(pid, s)| (*pid, s.take(reader)))
+            .collect();
+        log::debug!(
+            "VM {} watched for the {reader:?}: {} looks with I/O over {busy_s:.2} s, {} threads",
+            self.name,
+            std::mem::take(&mut self.io_looks[reader.index()]),
+            threads.values().map(Vec::len).sum::<usize>()
+        );
         VmWatch {
-            threads: self
-                .procs
-                .iter_mut()
-                .map(|(pid, s)| (*pid, s.take()))
-                .collect(),
+            threads,
             throttles: self.throttles.clone(),
             busy_s: (busy_s > 0.0).then_some(busy_s),
             beside: Vec::new(),
@@ -189,15 +215,15 @@ impl Observer {
         }
     }
 
-    /// What was watched since the last take; with `beside`, what ran
-    /// beside the threads that waited too (a quarter-second look at the
-    /// host's CPUs: not on an async runtime's thread).
-    pub(super) fn take(&mut self, beside: bool) -> Watch {
+    /// What was watched since `reader`'s last take; with `beside`, what
+    /// ran beside the threads that waited too (a quarter-second look at
+    /// the host's CPUs: not on an async runtime's thread).
+    pub(super) fn take(&mut self, reader: Reader, beside: bool) -> Watch {
         let mut w = Watch {
             vms: self
                 .vms
                 .values_mut()
-                .map(|v| (v.name.clone(), v.take()))
+                .map(|v| (v.name.clone(), v.take(reader)))
                 .collect(),
             host_cpus: threads::online_cpus(),
         };
@@ -268,7 +294,7 @@ pub(super) async fn watch(
             let mut o = observer.lock().unwrap_or_else(|p| p.into_inner());
             o.look(live, ours.as_deref());
             if done {
-                return Some(o.take(true));
+                return Some(o.take(Reader::Run, true));
             }
             o.forget_gone(&known);
             None
@@ -279,5 +305,57 @@ pub(super) async fn watch(
             Ok(Some(w)) => return w,
             Err(_) => return Watch::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use threads::{Role, ThreadSample};
+
+    fn sample(at_s: u64, run_ms: u64, wait_ms: u64) -> Sample {
+        let t = ThreadSample {
+            tid: 7,
+            comm: "CPU 0/KVM".into(),
+            role: Role::Vcpu(0),
+            cpus: "1".into(),
+            last_cpu: Some(1),
+            run_ns: run_ms * 1_000_000,
+            wait_ns: wait_ms * 1_000_000,
+        };
+        Sample {
+            at_ns: at_s * 1_000_000_000,
+            threads: [(7, t)].into(),
+        }
+    }
+
+    #[test]
+    fn a_window_taken_leaves_the_runs_sums_whole() {
+        let mut s = Samples::default();
+        s.add(sample(0, 0, 0), 0);
+        // 1 s: busy a tenth, waiting half; then 1 s busy a tenth, waiting none.
+        s.add(sample(1, 100, 500), 10);
+        let window = s.take(Reader::Window);
+        assert_eq!(window.len(), 1);
+        assert!((window[0].waiting - 0.5).abs() < 1e-9);
+        s.add(sample(2, 200, 500), 10);
+        let window = s.take(Reader::Window);
+        assert!(window[0].waiting.abs() < 1e-9, "{window:?}");
+        let run = s.take(Reader::Run);
+        assert_eq!(run.len(), 1);
+        assert!((run[0].waiting - 0.25).abs() < 1e-9, "{run:?}");
+        assert!((run[0].busy - 0.1).abs() < 1e-9, "{run:?}");
+        assert!(s.take(Reader::Run).is_empty());
+    }
+
+    #[test]
+    fn looks_without_io_weigh_nothing() {
+        let mut s = Samples::default();
+        s.add(sample(0, 0, 0), 0);
+        s.add(sample(1, 900, 0), 0);
+        assert!(s.take(Reader::Run).is_empty());
+        s.add(sample(2, 1000, 0), 5);
+        let run = s.take(Reader::Run);
+        assert!((run[0].busy - 0.1).abs() < 1e-9, "{run:?}");
     }
 }
