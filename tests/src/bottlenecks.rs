@@ -116,6 +116,49 @@ fn slowfs() -> PathBuf {
 
 /// A process spinning on one CPU at a higher priority than a VM's threads
 /// (nice -10): what a busy neighbour does to a thread sharing its CPU.
+/// A spinner at SCHED_IDLE on every CPU while it lasts. On a nested host a
+/// thread woken on an idle CPU waits 70-100 µs for that CPU to come out of
+/// its halt (the outer hypervisor's): a kvm_vm vhost worker's wake-up was
+/// half its 180 µs window on a quiet host against 3-8 µs on a busy one. A
+/// SCHED_IDLE task yields at once to any woken thread, so a wake-up costs
+/// what the path itself costs, on a quiet host or a busy one.
+pub struct CpusAwake(Vec<std::process::Child>);
+
+impl CpusAwake {
+    pub fn start() -> Self {
+        use std::os::unix::process::CommandExt;
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self(
+            (0..cpus)
+                .map(|cpu| {
+                    let mut c = Command::new("chrt");
+                    c.args(["-i", "0", "taskset", "-c", &cpu.to_string()])
+                        .args(["sh", "-c", "while :; do :; done"]);
+                    // SAFETY: prctl is async-signal-safe and touches no memory.
+                    unsafe {
+                        c.pre_exec(|| {
+                            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                                return Err(std::io::Error::last_os_error());
+                            }
+                            Ok(())
+                        });
+                    }
+                    c.spawn().expect("chrt -i 0 taskset sh")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for CpusAwake {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 pub struct Hog(Child);
 
 impl Hog {

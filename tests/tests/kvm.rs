@@ -235,6 +235,7 @@ fn a_kernel_vhost_worker_is_the_engine_of_its_disk() {
     // No -drive: QEMU does not open the LUN's backing (the worker reads
     // the image it is given, as the backstore's).
     let image = dir.join("disk.img");
+    let _awake = agent_integration::bottlenecks::CpusAwake::start();
     let rep = traced_vm(
         "vhost",
         n,
