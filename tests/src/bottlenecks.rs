@@ -114,58 +114,43 @@ fn slowfs() -> PathBuf {
         .clone()
 }
 
-/// A process spinning on one CPU at a higher priority than a VM's threads
-/// (nice -10): what a busy neighbour does to a thread sharing its CPU.
 /// A spinner at SCHED_IDLE on every CPU while it lasts. On a nested host a
 /// thread woken on an idle CPU waits 70-100 µs for that CPU to come out of
 /// its halt (the outer hypervisor's): a kvm_vm vhost worker's wake-up was
 /// half its 180 µs window on a quiet host against 3-8 µs on a busy one. A
 /// SCHED_IDLE task yields at once to any woken thread, so a wake-up costs
 /// what the path itself costs, on a quiet host or a busy one.
-pub struct CpusAwake(Vec<std::process::Child>);
+pub struct CpusAwake {
+    /// Held for their drop.
+    _spinners: Vec<Hog>,
+}
 
 impl CpusAwake {
     pub fn start() -> Self {
-        use std::os::unix::process::CommandExt;
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Self(
-            (0..cpus)
-                .map(|cpu| {
-                    let mut c = Command::new("chrt");
-                    c.args(["-i", "0", "taskset", "-c", &cpu.to_string()])
-                        .args(["sh", "-c", "while :; do :; done"]);
-                    // SAFETY: prctl is async-signal-safe and touches no memory.
-                    unsafe {
-                        c.pre_exec(|| {
-                            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                                return Err(std::io::Error::last_os_error());
-                            }
-                            Ok(())
-                        });
-                    }
-                    c.spawn().expect("chrt -i 0 taskset sh")
-                })
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+        Self {
+            _spinners: (0..cpus)
+                .map(|cpu| Hog::spin(cpu, &["chrt", "-i", "0"]))
                 .collect(),
-        )
-    }
-}
-
-impl Drop for CpusAwake {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
         }
     }
 }
 
+/// A process spinning on one CPU at a higher priority than a VM's threads
+/// (nice -10): what a busy neighbour does to a thread sharing its CPU.
 pub struct Hog(Child);
 
 impl Hog {
     pub fn on(cpu: u32) -> Self {
+        Self::spin(cpu, &["nice", "-n", "-10"])
+    }
+
+    /// A shell loop on `cpu`, started by `how` (a priority or a policy).
+    fn spin(cpu: u32, how: &[&str]) -> Self {
         use std::os::unix::process::CommandExt;
-        let mut cmd = Command::new("nice");
-        cmd.args(["-n", "-10", "taskset", "-c", &cpu.to_string()])
+        let mut cmd = Command::new(how[0]);
+        cmd.args(&how[1..])
+            .args(["taskset", "-c", &cpu.to_string()])
             .args(["sh", "-c", "while :; do :; done"]);
         // A test killed before its drop must not leave the CPU taken for
         // the tests after it.
@@ -178,7 +163,10 @@ impl Hog {
                 Ok(())
             });
         }
-        Self(cmd.spawn().expect("nice taskset sh"))
+        Self(
+            cmd.spawn()
+                .unwrap_or_else(|e| panic!("{how:?} taskset sh: {e}")),
+        )
     }
 }
 
