@@ -870,29 +870,33 @@ mod server {
             .into_response()
     }
 
-    /// The next frame with QEMU's own counters beside it (asked for, then
-    /// waited for: the frame under way may have been made before the ask).
+    /// The next frame with QEMU's own counters beside it. Asked for anew
+    /// at each try: a frame may take the ask and be published before the
+    /// try subscribes (a second tick's frame under way), or be replaced by
+    /// a later frame before the try reads it.
     async fn fresh_with_qemu(s: &Shared) -> Option<Arc<Frame>> {
-        s.qemu_wanted
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-        // The run takes the ask at its next frame, which is this one or,
-        // when one was under way, the one after.
         for _ in 0..3 {
-            let f = fresh(s).await?;
+            let f = fresh(s, true).await?;
             if f.qemu.is_some() {
                 return Some(f);
             }
         }
         s.qemu_wanted
             .store(false, std::sync::atomic::Ordering::Relaxed);
-        fresh(s).await
+        fresh(s, false).await
     }
 
     /// The next frame made after this call, asked for now: a run's edges
-    /// are never earlier than the request that set them.
-    async fn fresh(s: &Shared) -> Option<Arc<Frame>> {
+    /// are never earlier than the request that set them. The ask for
+    /// QEMU's counters follows the subscription, so the frame that takes
+    /// it is one this call sees.
+    async fn fresh(s: &Shared, with_qemu: bool) -> Option<Arc<Frame>> {
         let mut rx = s.frames.subscribe();
         rx.borrow_and_update();
+        if with_qemu {
+            s.qemu_wanted
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         s.frame_asked.notify_one();
         tokio::time::timeout(Duration::from_secs(5), rx.changed())
             .await
