@@ -129,9 +129,7 @@ impl CpusAwake {
     pub fn start() -> Self {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
         Self {
-            _spinners: (0..cpus)
-                .map(|cpu| Hog::spin(cpu, &["chrt", "-i", "0"]))
-                .collect(),
+            _spinners: (0..cpus).map(Hog::idle).collect(),
         }
     }
 }
@@ -143,6 +141,12 @@ pub struct Hog(Child);
 impl Hog {
     pub fn on(cpu: u32) -> Self {
         Self::spin(cpu, &["nice", "-n", "-10"])
+    }
+
+    /// A spinner at SCHED_IDLE on `cpu`: it keeps the CPU out of its halt
+    /// and yields at once to any thread woken there (see `CpusAwake`).
+    pub fn idle(cpu: u32) -> Self {
+        Self::spin(cpu, &["chrt", "-i", "0"])
     }
 
     /// A shell loop on `cpu`, started by `how` (a priority or a policy).

@@ -96,14 +96,18 @@ pub fn now_ns() -> u64 {
     (t.tv_sec as u64).saturating_mul(1_000_000_000) + t.tv_nsec as u64
 }
 
-/// The threads of `pid` now (empty when it is gone).
-pub fn sample(pid: u32) -> Sample {
-    sample_in(Path::new("/proc"), pid, now_ns())
+/// The threads of `pid` now (empty when it is gone). A thread `prev`
+/// holds is read in full (its name, last CPU) only when `full`; otherwise
+/// only what moves between looks: its scheduler times and the CPUs it
+/// may run on. A look at a VM of many threads, four times a second, is
+/// then one small read and one system call per thread.
+pub fn sample(pid: u32, prev: Option<&Sample>, full: bool) -> Sample {
+    sample_in(Path::new("/proc"), pid, now_ns(), prev.filter(|_| !full))
 }
 
 /// The threads of `pid` under a procfs mounted at `proc` (tests give a
-/// recorded tree).
-pub fn sample_in(proc: &Path, pid: u32, at_ns: u64) -> Sample {
+/// recorded tree); those in `prev` read light.
+pub fn sample_in(proc: &Path, pid: u32, at_ns: u64, prev: Option<&Sample>) -> Sample {
     let mut threads = BTreeMap::new();
     let Ok(dir) = std::fs::read_dir(proc.join(pid.to_string()).join("task")) else {
         return Sample { at_ns, threads };
@@ -112,7 +116,12 @@ pub fn sample_in(proc: &Path, pid: u32, at_ns: u64) -> Sample {
         let Some(tid) = e.file_name().to_str().and_then(|s| s.parse().ok()) else {
             continue;
         };
-        if let Some(t) = thread(&e.path(), tid, tid == pid) {
+        let known = prev.and_then(|p| p.threads.get(&tid));
+        let t = match known {
+            Some(k) => light(&e.path(), k, tid == pid),
+            None => thread(&e.path(), tid, tid == pid),
+        };
+        if let Some(t) = t {
             threads.insert(tid, t);
         }
     }
@@ -125,14 +134,16 @@ fn read(p: &Path) -> Option<String> {
         .map(|b| String::from_utf8_lossy(&b).into_owned())
 }
 
+/// Time on a CPU and runnable waiting for one, ns (`schedstat`).
+fn sched_times(dir: &Path) -> Option<(u64, u64)> {
+    let s = read(&dir.join("schedstat"))?;
+    let mut v = s.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0));
+    Some((v.next()?, v.next()?))
+}
+
 fn thread(dir: &Path, tid: u32, is_main: bool) -> Option<ThreadSample> {
     let comm = crate::model::text::printable(read(&dir.join("comm"))?.trim_end()).into_owned();
-    let mut sched = read(&dir.join("schedstat"))?
-        .split_whitespace()
-        .map(|v| v.parse::<u64>().unwrap_or(0))
-        .collect::<Vec<_>>()
-        .into_iter();
-    let (run_ns, wait_ns) = (sched.next()?, sched.next()?);
+    let (run_ns, wait_ns) = sched_times(dir)?;
     let stat = read(&dir.join("stat")).unwrap_or_default();
     let status = read(&dir.join("status")).unwrap_or_default();
     Some(ThreadSample {
@@ -148,6 +159,51 @@ fn thread(dir: &Path, tid: u32, is_main: bool) -> Option<ThreadSample> {
         run_ns,
         wait_ns,
     })
+}
+
+/// A thread already known: its times, and its CPUs from the scheduler
+/// (a pin since the last look shows at once); the rest as it was.
+fn light(dir: &Path, known: &ThreadSample, is_main: bool) -> Option<ThreadSample> {
+    let (run_ns, wait_ns) = sched_times(dir)?;
+    // Times gone backwards: another thread took the tid.
+    if run_ns < known.run_ns || wait_ns < known.wait_ns {
+        return thread(dir, known.tid, is_main);
+    }
+    let cpus = rustix::process::Pid::from_raw(known.tid as i32)
+        .and_then(|pid| rustix::thread::sched_getaffinity(Some(pid)).ok())
+        .map(|set| {
+            cpu_ranges((0..rustix::thread::CpuSet::MAX_CPU).filter(|c| set.is_set(*c)))
+        })
+        .unwrap_or_else(|| known.cpus.clone());
+    Some(ThreadSample {
+        cpus,
+        run_ns,
+        wait_ns,
+        ..known.clone()
+    })
+}
+
+/// CPUs as the kernel lists them (`Cpus_allowed_list`): `0-3,8`.
+fn cpu_ranges(cpus: impl Iterator<Item = usize>) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut run: Option<(usize, usize)> = None;
+    let flush = |out: &mut Vec<String>, (a, b): (usize, usize)| {
+        out.push(if a == b { a.to_string() } else { format!("{a}-{b}") });
+    };
+    for c in cpus {
+        run = match run {
+            Some((a, b)) if c == b + 1 => Some((a, c)),
+            Some(r) => {
+                flush(&mut out, r);
+                Some((c, c))
+            }
+            None => Some((c, c)),
+        };
+    }
+    if let Some(r) = run {
+        flush(&mut out, r);
+    }
+    out.join(",")
 }
 
 /// `processor` (field 39) of a `stat` line; the name in parentheses may
@@ -192,74 +248,105 @@ pub struct Neighbour {
     pub busy: f64,
 }
 
-/// Every thread of the host with its process, CPU time and last CPU.
-fn all_threads(proc: &Path) -> BTreeMap<u32, (u32, String, u64, Option<u32>)> {
-    let mut out = BTreeMap::new();
-    let Ok(procs) = std::fs::read_dir(proc) else {
-        return out;
-    };
-    for p in procs.flatten() {
-        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(tasks) = std::fs::read_dir(p.path().join("task")) else {
-            continue;
-        };
-        for t in tasks.flatten() {
-            let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-                continue;
-            };
-            let Some(stat) = read(&t.path().join("stat")) else {
-                continue;
-            };
-            let name = stat
-                .find('(')
-                .zip(stat.rfind(')'))
-                .map(|(a, b)| crate::model::text::printable(&stat[a + 1..b]).into_owned())
-                .unwrap_or_default();
-            let run = read(&t.path().join("schedstat"))
-                .and_then(|s| s.split_whitespace().next()?.parse().ok())
-                .unwrap_or(0);
-            out.insert(tid, (pid, name, run, last_cpu(&stat)));
-        }
-    }
-    out
+/// One host thread as `HostThreads` holds it.
+#[derive(Clone, Debug)]
+struct HostThread {
+    pid: u32,
+    name: String,
+    run_ns: u64,
+    last_cpu: Option<u32>,
 }
 
-/// The busiest threads of processes other than `not_pid` that ran on
-/// `cpus` over `spell`: what a thread waiting for those CPUs waited
-/// beside. At most `top` of them, busiest first.
-pub fn neighbours(
-    cpus: &[u32],
-    not_pid: u32,
-    spell: std::time::Duration,
-    top: usize,
-) -> Vec<Neighbour> {
-    let proc = Path::new("/proc");
-    let before = all_threads(proc);
-    std::thread::sleep(spell);
-    let after = all_threads(proc);
-    let secs = spell.as_secs_f64().max(1e-3);
-    let mut by_pid: BTreeMap<u32, Neighbour> = BTreeMap::new();
-    for (tid, (pid, name, run, cpu)) in &after {
-        if *pid == not_pid || !cpu.is_some_and(|c| cpus.contains(&c)) {
-            continue;
-        }
-        let Some((_, _, run0, _)) = before.get(tid) else {
-            continue;
-        };
-        let busy = run.saturating_sub(*run0) as f64 / 1e9 / secs;
-        let n = by_pid.entry(*pid).or_insert_with(|| Neighbour {
-            name: name.clone(),
-            pid: *pid,
-            busy: 0.0,
-        });
-        n.busy += busy;
+/// Every thread of the host at one moment, by tid.
+#[derive(Clone, Debug, Default)]
+pub struct HostThreads {
+    at_ns: u64,
+    threads: BTreeMap<u32, HostThread>,
+}
+
+impl HostThreads {
+    /// The host's threads now.
+    pub fn now() -> Self {
+        Self::read_in(Path::new("/proc"), now_ns())
     }
-    let mut v: Vec<Neighbour> = by_pid.into_values().filter(|n| n.busy >= 0.05).collect();
-    v.sort_by(|a, b| b.busy.total_cmp(&a.busy));
-    v.truncate(top);
-    v
+
+    /// Under a procfs mounted at `proc` (tests give a recorded tree).
+    pub fn read_in(proc: &Path, at_ns: u64) -> Self {
+        let mut threads = BTreeMap::new();
+        let Ok(procs) = std::fs::read_dir(proc) else {
+            return Self { at_ns, threads };
+        };
+        for p in procs.flatten() {
+            let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(tasks) = std::fs::read_dir(p.path().join("task")) else {
+                continue;
+            };
+            for t in tasks.flatten() {
+                let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                    continue;
+                };
+                if let Some(h) = host_thread(&t.path(), pid) {
+                    threads.insert(tid, h);
+                }
+            }
+        }
+        Self { at_ns, threads }
+    }
+
+    /// The busiest threads of processes other than `not_pid` that ran on
+    /// `cpus` between `earlier` and this moment: what a thread waiting
+    /// for those CPUs waited beside. At most `top` of them, busiest
+    /// first. Every set of CPUs is answered from the same two moments, so
+    /// a host of many VMs is looked at once, not once per VM.
+    pub fn neighbours_since(
+        &self,
+        earlier: &HostThreads,
+        cpus: &[u32],
+        not_pid: u32,
+        top: usize,
+    ) -> Vec<Neighbour> {
+        let secs = (self.at_ns.saturating_sub(earlier.at_ns) as f64 / 1e9).max(1e-3);
+        let mut by_pid: BTreeMap<u32, Neighbour> = BTreeMap::new();
+        for (tid, t) in &self.threads {
+            if t.pid == not_pid || !t.last_cpu.is_some_and(|c| cpus.contains(&c)) {
+                continue;
+            }
+            let Some(e) = earlier.threads.get(tid) else {
+                continue;
+            };
+            let busy = t.run_ns.saturating_sub(e.run_ns) as f64 / 1e9 / secs;
+            let n = by_pid.entry(t.pid).or_insert_with(|| Neighbour {
+                name: t.name.clone(),
+                pid: t.pid,
+                busy: 0.0,
+            });
+            n.busy += busy;
+        }
+        let mut v: Vec<Neighbour> = by_pid.into_values().filter(|n| n.busy >= 0.05).collect();
+        v.sort_by(|a, b| b.busy.total_cmp(&a.busy));
+        v.truncate(top);
+        v
+    }
+}
+
+fn host_thread(dir: &Path, pid: u32) -> Option<HostThread> {
+    let stat = read(&dir.join("stat"))?;
+    let name = stat
+        .find('(')
+        .zip(stat.rfind(')'))
+        .map(|(a, b)| crate::model::text::printable(&stat[a + 1..b]).into_owned())
+        .unwrap_or_default();
+    let run_ns = read(&dir.join("schedstat"))
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    Some(HostThread {
+        pid,
+        name,
+        run_ns,
+        last_cpu: last_cpu(&stat),
+    })
 }
 
 pub use crate::model::diagnosis::cpu_list;
@@ -329,10 +416,72 @@ mod tests {
 
     #[test]
     fn this_process_threads_are_sampled() {
-        let s = sample(std::process::id());
+        let s = sample(std::process::id(), None, true);
         let me = s.threads.get(&std::process::id()).expect("the main thread");
         assert_eq!(me.role, Role::Main);
         assert!(me.run_ns > 0);
         assert!(!me.cpus.is_empty());
+    }
+
+    #[test]
+    fn a_light_look_reads_the_times_and_cpus_and_keeps_the_rest() {
+        let pid = std::process::id();
+        let full = sample(pid, None, true);
+        let mut prev = full.clone();
+        let me = prev.threads.get_mut(&pid).unwrap();
+        // What only a full read would correct.
+        me.comm = "was-named".into();
+        me.cpus = "999".into();
+        me.run_ns = 0;
+        let light = sample(pid, Some(&prev), false);
+        let l = &light.threads[&pid];
+        assert_eq!(l.comm, "was-named");
+        assert_eq!(l.cpus, full.threads[&pid].cpus, "the CPUs are the scheduler's");
+        assert!(l.run_ns > 0);
+        // A full look reads everything again.
+        let again = sample(pid, Some(&prev), true);
+        assert_eq!(again.threads[&pid].comm, full.threads[&pid].comm);
+    }
+
+    #[test]
+    fn cpu_ranges_read_back_as_the_same_cpus() {
+        for cpus in [vec![], vec![1], vec![0, 1, 2, 3, 8], vec![0, 2, 4, 5, 6, 63, 64]] {
+            let text = cpu_ranges(cpus.iter().map(|c| *c as usize));
+            assert_eq!(cpu_list(&text), cpus, "{text}");
+        }
+        assert_eq!(cpu_ranges([0, 1, 2, 3, 8].into_iter()), "0-3,8");
+    }
+
+    #[test]
+    fn neighbours_are_other_processes_busy_on_the_cpus() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |pid: u32, tid: u32, name: &str, cpu: u32, run: u64| {
+            let t = dir.path().join(format!("{pid}/task/{tid}"));
+            std::fs::create_dir_all(&t).unwrap();
+            let rest: Vec<String> = (0..35).map(|_| "0".to_string()).collect();
+            std::fs::write(
+                t.join("stat"),
+                format!("{tid} ({name}) R {} {cpu} 0 0\n", rest.join(" ")),
+            )
+            .unwrap();
+            std::fs::write(t.join("schedstat"), format!("{run} 0 0\n")).unwrap();
+        };
+        // The VM (pid 10), a hog on CPU 1 (pid 20), a quiet one on CPU 1
+        // (pid 30), a busy one on CPU 0 (pid 40); a quarter second apart.
+        let moment = |vm: u64, hog: u64, quiet: u64, at_ns: u64| {
+            write(10, 11, "qemu", 1, vm);
+            write(20, 20, "sh", 1, hog);
+            write(30, 30, "quiet one", 1, quiet);
+            write(40, 41, "other", 0, hog);
+            HostThreads::read_in(dir.path(), at_ns)
+        };
+        let before = moment(0, 0, 0, 0);
+        let after = moment(200_000_000, 250_000_000, 1_000_000, 250_000_000);
+        let n = after.neighbours_since(&before, &[1], 10, 3);
+        assert_eq!(n.len(), 1, "{n:?}");
+        assert_eq!((n[0].name.as_str(), n[0].pid), ("sh", 20));
+        assert!((n[0].busy - 1.0).abs() < 1e-9, "{n:?}");
+        let both = after.neighbours_since(&before, &[0, 1], 10, 3);
+        assert_eq!(both.len(), 2, "{both:?}");
     }
 }

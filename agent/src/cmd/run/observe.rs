@@ -31,6 +31,9 @@ pub(super) const AGENT_EVERY: Duration = Duration::from_secs(2);
 /// Looks between reads of a VM's throttles over QMP (settings change
 /// seldom).
 const THROTTLES_EVERY: u32 = 20;
+/// Looks at a process between full reads of its threads (names, last
+/// CPUs); the looks between read each thread's times and CPUs alone.
+const FULL_EVERY: u32 = 8;
 /// A thread waiting for a CPU this share of the time has what ran beside
 /// it looked for at the end.
 const LOOK_BESIDE: f64 = 0.05;
@@ -60,6 +63,7 @@ const READERS: usize = 2;
 #[derive(Default)]
 struct Samples {
     prev: Option<Sample>,
+    looks: u32,
     /// Per reader, by tid.
     sums: [BTreeMap<u32, Weighted>; READERS],
 }
@@ -73,6 +77,15 @@ struct Weighted {
 }
 
 impl Samples {
+    /// Its threads now: in full at the first look and every
+    /// `FULL_EVERY`th, light between.
+    fn look(&mut self, pid: u32, requests: u64) {
+        let full = self.looks.is_multiple_of(FULL_EVERY);
+        self.looks = self.looks.wrapping_add(1);
+        let now = threads::sample(pid, self.prev.as_ref(), full);
+        self.add(now, requests);
+    }
+
     fn add(&mut self, s: Sample, requests: u64) {
         if s.threads.is_empty() {
             return;
@@ -155,10 +168,7 @@ impl Watched {
                     .filter_map(|d| d.engine.as_ref().map(|e| e.pid)),
             );
             for pid in pids {
-                self.procs
-                    .entry(pid)
-                    .or_default()
-                    .add(threads::sample(pid), requests);
+                self.procs.entry(pid).or_default().look(pid, requests);
             }
         }
         if self.passes.is_multiple_of(THROTTLES_EVERY) {
@@ -250,15 +260,29 @@ fn alive(known: &Mutex<Registry>) -> Vec<(u32, Vm)> {
         .collect()
 }
 
-/// What ran beside each waiting thread, once per set of CPUs.
+/// What ran beside each waiting thread: one spell over the host's
+/// threads, read for each set of CPUs a waiting thread may run on.
 fn look_beside(w: &mut Watch) {
+    let waiting = |w: &Watch| {
+        w.vms.values().any(|v| {
+            v.threads
+                .values()
+                .flatten()
+                .any(|t| t.waiting >= LOOK_BESIDE)
+        })
+    };
+    if !waiting(w) {
+        return;
+    }
+    let before = threads::HostThreads::now();
+    std::thread::sleep(BESIDE_SPELL);
+    let after = threads::HostThreads::now();
     let mut seen: BTreeMap<(String, u32), Vec<threads::Neighbour>> = BTreeMap::new();
     for v in w.vms.values_mut() {
         for (pid, loads) in &v.threads {
             for t in loads.iter().filter(|t| t.waiting >= LOOK_BESIDE) {
-                let key = (t.cpus.clone(), *pid);
-                let found = seen.entry(key).or_insert_with(|| {
-                    threads::neighbours(&threads::cpu_list(&t.cpus), *pid, BESIDE_SPELL, 3)
+                let found = seen.entry((t.cpus.clone(), *pid)).or_insert_with(|| {
+                    after.neighbours_since(&before, &threads::cpu_list(&t.cpus), *pid, 3)
                 });
                 for n in found.iter() {
                     if !v.beside.iter().any(|b| b.pid == n.pid) {
