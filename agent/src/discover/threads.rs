@@ -171,9 +171,7 @@ fn light(dir: &Path, known: &ThreadSample, is_main: bool) -> Option<ThreadSample
     }
     let cpus = rustix::process::Pid::from_raw(known.tid as i32)
         .and_then(|pid| rustix::thread::sched_getaffinity(Some(pid)).ok())
-        .map(|set| {
-            cpu_ranges((0..rustix::thread::CpuSet::MAX_CPU).filter(|c| set.is_set(*c)))
-        })
+        .map(|set| cpu_ranges((0..rustix::thread::CpuSet::MAX_CPU).filter(|c| set.is_set(*c))))
         .unwrap_or_else(|| known.cpus.clone());
     Some(ThreadSample {
         cpus,
@@ -188,7 +186,11 @@ fn cpu_ranges(cpus: impl Iterator<Item = usize>) -> String {
     let mut out: Vec<String> = Vec::new();
     let mut run: Option<(usize, usize)> = None;
     let flush = |out: &mut Vec<String>, (a, b): (usize, usize)| {
-        out.push(if a == b { a.to_string() } else { format!("{a}-{b}") });
+        out.push(if a == b {
+            a.to_string()
+        } else {
+            format!("{a}-{b}")
+        });
     };
     for c in cpus {
         run = match run {
@@ -436,7 +438,10 @@ mod tests {
         let light = sample(pid, Some(&prev), false);
         let l = &light.threads[&pid];
         assert_eq!(l.comm, "was-named");
-        assert_eq!(l.cpus, full.threads[&pid].cpus, "the CPUs are the scheduler's");
+        assert_eq!(
+            l.cpus, full.threads[&pid].cpus,
+            "the CPUs are the scheduler's"
+        );
         assert!(l.run_ns > 0);
         // A full look reads everything again.
         let again = sample(pid, Some(&prev), true);
@@ -445,7 +450,12 @@ mod tests {
 
     #[test]
     fn cpu_ranges_read_back_as_the_same_cpus() {
-        for cpus in [vec![], vec![1], vec![0, 1, 2, 3, 8], vec![0, 2, 4, 5, 6, 63, 64]] {
+        for cpus in [
+            vec![],
+            vec![1],
+            vec![0, 1, 2, 3, 8],
+            vec![0, 2, 4, 5, 6, 63, 64],
+        ] {
             let text = cpu_ranges(cpus.iter().map(|c| *c as usize));
             assert_eq!(cpu_list(&text), cpus, "{text}");
         }

@@ -341,7 +341,7 @@ impl Session {
         stop_rx: &watch::Receiver<bool>,
         signals: &mut Signals,
     ) -> Result<Option<ExitStatus>> {
-        let progress = Progress::new(opts.quiet);
+        let progress = Progress::new(opts.quiet, child.is_some());
         let deadline = opts.duration.map(|d| tokio::time::Instant::now() + d);
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         // Frames for a live view, or for the API's snapshot, stream and runs.
