@@ -340,9 +340,7 @@ fn host_thread(dir: &Path, pid: u32) -> Option<HostThread> {
         .zip(stat.rfind(')'))
         .map(|(a, b)| crate::model::text::printable(&stat[a + 1..b]).into_owned())
         .unwrap_or_default();
-    let run_ns = read(&dir.join("schedstat"))
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
+    let run_ns = sched_times(dir).map_or(0, |(run, _)| run);
     Some(HostThread {
         pid,
         name,
