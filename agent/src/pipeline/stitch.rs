@@ -75,6 +75,9 @@ pub struct StitchCounters {
     pub unmatched_guest: u64,
     /// Host requests (of disks with a guest agent) no guest request matched.
     pub unmatched_host: u64,
+    /// Why those were given up.
+    #[serde(default)]
+    pub unmatched_host_by: GivenUp,
     /// Joined, but the guest saw less time than the host spent (a wrong
     /// match or clocks running at different rates): not recorded.
     pub inconsistent: u64,
@@ -98,6 +101,40 @@ pub struct StitchCounters {
     /// waiting for their host partner.
     #[serde(default)]
     pub guest_over_cap: u64,
+}
+
+/// Why host records were given up without their guest partner.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GivenUp {
+    /// The guest had reported past them (by the reaping slack and the hold).
+    pub reported_past: u64,
+    /// They waited the longest a guest agent may lag.
+    pub lagged: u64,
+    /// The VM had `MAX_WAITING_HOST` waiting.
+    pub over_cap: u64,
+    /// Still waiting when the run ended.
+    pub at_end: u64,
+}
+
+/// Which of `GivenUp`'s counts a record goes to.
+#[derive(Clone, Copy)]
+enum Reason {
+    ReportedPast,
+    Lagged,
+    OverCap,
+    AtEnd,
+}
+
+impl GivenUp {
+    fn count(&mut self, r: Reason) {
+        let n = match r {
+            Reason::ReportedPast => &mut self.reported_past,
+            Reason::Lagged => &mut self.lagged,
+            Reason::OverCap => &mut self.over_cap,
+            Reason::AtEnd => &mut self.at_end,
+        };
+        *n += 1;
+    }
 }
 
 /// The offset of one VM's guest clock, from the bounds its requests give.
@@ -513,8 +550,11 @@ impl Stitcher {
     /// been waiting for the other.
     fn join(&mut self, h: &HostIo, g: &GuestIoEvent, waited: Side) {
         let ev = &h.ev;
+        let offset = self.clocks.get(&ev.vm).and_then(Clock::offset);
         let w = self.waiting.entry(ev.vm).or_default();
-        w.reported_ns = w.reported_ns.max(ev.done_ns);
+        w.reported_ns = w
+            .reported_ns
+            .max(reported_to(ev.done_ns, g.done_ns, offset));
         match waited {
             Side::Host => w.hosts = w.hosts.saturating_sub(1),
             Side::Guest => w.guests = w.guests.saturating_sub(1),
@@ -647,18 +687,23 @@ impl Stitcher {
         while let Some(&a) = w.host.front() {
             let reported = w.reported_ns >= a.done_ns.saturating_add(REPORT_SLACK_NS)
                 && waited(&a, self.hold_ns, guest_wall);
-            let due = all
-                || reported
-                || w.hosts > MAX_WAITING_HOST
-                || waited(&a, MAX_GUEST_LAG_NS, MAX_GUEST_LAG_WALL);
-            if !due {
+            let reason = if reported {
+                Reason::ReportedPast
+            } else if w.hosts > MAX_WAITING_HOST {
+                Reason::OverCap
+            } else if waited(&a, MAX_GUEST_LAG_NS, MAX_GUEST_LAG_WALL) {
+                Reason::Lagged
+            } else if all {
+                Reason::AtEnd
+            } else {
                 break;
-            }
+            };
             w.host.pop_front();
             if let Some(i) = position(&self.host, &a.key, |h| h.ev.done_ns == a.done_ns) {
                 remove_at(&mut self.host, &a.key, i);
                 w.hosts = w.hosts.saturating_sub(1);
                 self.counters.unmatched_host += 1;
+                self.counters.unmatched_host_by.count(reason);
             }
         }
     }
@@ -714,6 +759,17 @@ fn remove_at<T>(waiting: &mut HashMap<JoinKey, VecDeque<T>>, key: &JoinKey, i: u
             waiting.remove(key);
         }
     }
+}
+
+/// How far a joined guest record shows the guest has reported, on the
+/// host clock: its own completion moved by the VM's clock offset where one
+/// is known (a record joined to the wrong request of a repeated offset —
+/// a later one — must not carry the mark past requests still to come),
+/// else its partner's.
+fn reported_to(host_done_ns: u64, guest_done_ns: u64, offset: Option<i64>) -> u64 {
+    offset
+        .and_then(|o| u64::try_from(i128::from(guest_done_ns) + i128::from(o)).ok())
+        .map_or(host_done_ns, |g| g.min(host_done_ns))
 }
 
 /// host − guest, where it fits the clock's offsets (a guest stamp no
@@ -1001,6 +1057,85 @@ mod tests {
         );
     }
 
+    /// The same, on a small disk whose offsets repeat many times within
+    /// the late seconds, and with the guest's first records (which give
+    /// the clock its offset) among the late ones: still every one joins,
+    /// each with its own partner.
+    #[test]
+    fn late_records_of_repeated_offsets_join_their_own_partners() {
+        for before in [0u64, 200] {
+            let mut s = stitcher();
+            let ms = 1_000_000;
+            let pairs: Vec<_> = (0..24000u64)
+                .map(|i| pair(4096 * ((i * 7919) % 97), i * ms / 2))
+                .collect();
+            // Live before the stall: joined as they come.
+            for (g, h) in &pairs[..before as usize] {
+                s.on_host(*h);
+                s.on_guest(1, *g);
+            }
+            // Five seconds with the guest agent stopped; then its backlog
+            // in one drain, and its records 200 ms behind the host's.
+            let stall = before as usize + 10_000;
+            for (_, h) in &pairs[before as usize..stall] {
+                s.on_host(*h);
+            }
+            for (g, _) in &pairs[before as usize..stall] {
+                s.on_guest(1, *g);
+            }
+            for i in stall..pairs.len() {
+                s.on_host(pairs[i].1);
+                if i >= stall + 400 {
+                    s.on_guest(1, pairs[i - 400].0);
+                }
+            }
+            for (g, _) in &pairs[pairs.len() - 400..] {
+                s.on_guest(1, *g);
+            }
+            s.finish();
+            let joined = s.stitched.values().map(|st| st.window.count).sum::<u64>();
+            assert_eq!(joined, 24000, "{before}: {:?}", s.counters);
+        }
+    }
+
+    /// A host completion never delivered leaves its guest record to join
+    /// a later request at the same offset (random reads of a small disk
+    /// repeat them): that wrong join must not carry the guest's reported
+    /// mark seconds ahead, past the late records still to come, whose host
+    /// partners would then be given up unjoined.
+    #[test]
+    fn a_wrong_join_to_a_later_request_gives_up_no_other() {
+        let mut s = stitcher();
+        let ms = 1_000_000;
+        // Every request at its own offset but two: 300 and 8000 share one.
+        let at = |i: u64| if i == 8000 { 4096 * 300 } else { 4096 * i };
+        let pairs: Vec<_> = (0..10_000u64).map(|i| pair(at(i), i * ms)).collect();
+        for (g, h) in &pairs[..200] {
+            s.on_host(*h);
+            s.on_guest(1, *g);
+        }
+        assert!(s.clocks[&1].offset().is_some(), "the offset is known");
+        // The guest agent stops; 300's completion never reaches the host.
+        for (i, (_, h)) in pairs.iter().enumerate().skip(200) {
+            if i != 300 {
+                s.on_host(*h);
+            }
+        }
+        for (g, _) in &pairs[200..] {
+            s.on_guest(1, *g);
+        }
+        assert_eq!(s.counters.unmatched_host, 0, "{:?}", s.counters);
+        // 300's guest record took 8000's host request; 8000's guest record
+        // is left without one.
+        let joined = s.stitched.values().map(|st| st.window.count).sum::<u64>();
+        assert_eq!(joined, 9999);
+        s.finish();
+        assert_eq!(
+            (s.counters.unmatched_host, s.counters.unmatched_guest),
+            (0, 1)
+        );
+    }
+
     /// Once the guest has reported past a host record (plus the reaping
     /// slack and the hold), the record's partner is not coming: counted.
     #[test]
@@ -1026,6 +1161,7 @@ mod tests {
             step(&mut s, i);
         }
         assert_eq!(s.counters.unmatched_host, 1);
+        assert_eq!(s.counters.unmatched_host_by.reported_past, 1);
         assert_eq!(s.waiting[&1].hosts, 0);
     }
 
@@ -1055,6 +1191,7 @@ mod tests {
             s.on_host(pair(4096 * i, i).1);
         }
         assert_eq!(s.counters.unmatched_host, 500);
+        assert_eq!(s.counters.unmatched_host_by.over_cap, 500);
         assert_eq!(s.waiting[&1].hosts, MAX_WAITING_HOST);
     }
 
