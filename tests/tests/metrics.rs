@@ -10,7 +10,7 @@ use std::{
 use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run, run_around};
 use serde_json::Value;
 use xtask::{
-    backends::{free_port, http_get, Jaeger, Prometheus},
+    backends::{free_port, http_get, Collector, Jaeger, Prometheus},
     guest::{self, RunArgs},
 };
 
@@ -197,12 +197,14 @@ fn prometheus_percentiles_match_the_report() {
     eprintln!("{seen} exemplars, each a trace in Jaeger");
 }
 
-/// The same segments pushed over OTLP as exponential histograms, into a
-/// real Prometheus's OTLP receiver (stored as native histograms): counts
-/// exact, percentiles within the histogram's resolution.
+/// The same segments pushed over OTLP as exponential histograms into a
+/// real OpenTelemetry Collector, whose Prometheus exporter a real
+/// Prometheus scrapes (stored as native histograms): counts exact,
+/// percentiles within the histogram's resolution.
 #[test]
 fn otlp_exponential_histograms_match_the_report() {
-    let prom = Prometheus::start_otlp_receiver().expect("prometheus");
+    let relay = Collector::metrics_relay().expect("collector");
+    let prom = Prometheus::start_native(&relay.prometheus).expect("prometheus");
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let a = RunArgs {
@@ -224,7 +226,7 @@ fn otlp_exponential_histograms_match_the_report() {
             // Metrics only: Prometheus takes no traces.
             .env(
                 "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
-                format!("{}/v1/metrics", prom.otlp_endpoint()),
+                format!("http://{}/v1/metrics", relay.otlp_http),
             )
             .env("OTEL_METRIC_EXPORT_INTERVAL", "1000"),
         &qemu,
@@ -242,21 +244,36 @@ fn otlp_exponential_histograms_match_the_report() {
         .find(|e| e["vm"] == "otlp-rig" && e["disk"] == "vd0" && e["op"] == "read")
         .unwrap_or_else(|| panic!("{rep:#}"))
         .clone();
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64();
     let sel = "virt_vm_name=\"otlp-rig\",virt_disk_id=\"vd0\",disk_io_direction=\"read\"";
+    // The run's last push reaches Prometheus at its next scrape of the
+    // collector: asked until the last segment's count is the report's.
+    let last = format!(
+        "histogram_count(iospan_vm_latency_seconds{{{sel},iospan_segment=\"host_window\"}})"
+    );
+    let want = entry["segments"]["host_window"]["count"].as_f64().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let now = loop {
+        let now = unix_now();
+        let v = prom.query(&last, now).unwrap();
+        let got = v["data"]["result"][0]["value"][1]
+            .as_str()
+            .and_then(|c| c.parse::<f64>().ok());
+        if got == Some(want) || std::time::Instant::now() > deadline {
+            break now;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    };
     let scalar = |q: &str| -> f64 {
         let v = prom
             .query(q, now)
-            .unwrap_or_else(|e| panic!("{e:#}\n{}", prom.server.log()));
+            .unwrap_or_else(|e| panic!("{e:#}\n{}\n{}", prom.server.log(), relay.server.log()));
         let r = &v["data"]["result"];
         assert_eq!(
             r.as_array().map(Vec::len),
             Some(1),
-            "{q}: {v}\n{}",
-            prom.server.log()
+            "{q}: {v}\n{}\n{}",
+            prom.server.log(),
+            relay.server.log()
         );
         r[0]["value"][1].as_str().unwrap().parse().unwrap()
     };
@@ -287,4 +304,11 @@ fn otlp_exponential_histograms_match_the_report() {
         }
     }
     eprintln!("{}", checked.join("\n"));
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
 }

@@ -1,6 +1,7 @@
-//! Real tracing backends for the tests and for a local stack: built from
-//! the Go module proxy (pinned versions), cached outside the checkout, run
-//! bound to 127.0.0.1 on ports chosen per instance.
+//! Real tracing backends for the tests and for a local stack: Jaeger and
+//! the collector built from the Go module proxy (pinned versions),
+//! Prometheus as Debian ships it; cached outside the checkout, run bound to
+//! 127.0.0.1 on ports chosen per instance.
 
 use std::{
     net::TcpListener,
@@ -12,13 +13,14 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::{Subcommand, ValueEnum};
 
-use crate::sh;
+use crate::{debian, sh};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
     /// Jaeger v2 (OTLP in, query API `/api/traces`, `/api/v3/traces`).
     Jaeger,
-    /// Prometheus (scrapes /metrics) and promtool (checks PromQL).
+    /// Prometheus (scrapes /metrics) and promtool (checks PromQL):
+    /// Debian's build, unpacked.
     Prometheus,
     /// The fleet collector: collector/builder.yaml built by the
     /// OpenTelemetry Collector builder.
@@ -26,36 +28,6 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// Module, version, and the binaries built from it: (name, package).
-    fn module(
-        self,
-    ) -> (
-        &'static str,
-        &'static str,
-        &'static [(&'static str, &'static str)],
-    ) {
-        match self {
-            Self::Jaeger => (
-                "github.com/jaegertracing/jaeger",
-                "v1.76.0",
-                &[("jaeger", "./cmd/jaeger")],
-            ),
-            Self::Prometheus => (
-                "github.com/prometheus/prometheus",
-                "v0.315.0",
-                &[
-                    ("prometheus", "./cmd/prometheus"),
-                    ("promtool", "./cmd/promtool"),
-                ],
-            ),
-            Self::Otelcol => (
-                "go.opentelemetry.io/collector/cmd/builder",
-                OTELCOL_VERSION,
-                &[("iospan-otelcol", "")],
-            ),
-        }
-    }
-
     fn name(self) -> &'static str {
         match self {
             Self::Jaeger => "jaeger",
@@ -161,10 +133,23 @@ pub fn cache_dir() -> PathBuf {
 /// The backend's (main) binary, built if not cached yet; the others
 /// built from the same module lie beside it.
 pub fn ensure(b: Backend) -> Result<PathBuf> {
-    if b == Backend::Otelcol {
-        return ensure_otelcol();
+    match b {
+        Backend::Jaeger => ensure_built(b, JAEGER, &[("jaeger", "./cmd/jaeger")]),
+        Backend::Prometheus => ensure_prometheus(),
+        Backend::Otelcol => ensure_otelcol(),
     }
-    let (module, version, bins) = b.module();
+}
+
+/// Jaeger's module and version.
+const JAEGER: (&str, &str) = ("github.com/jaegertracing/jaeger", "v1.76.0");
+
+/// `b` built from a Go module at a version: its binaries (name, package),
+/// the first returned.
+fn ensure_built(
+    b: Backend,
+    (module, version): (&str, &str),
+    bins: &[(&str, &str)],
+) -> Result<PathBuf> {
     let dir = cache_dir()
         .join("backends")
         .join(format!("{}-{version}", b.name()));
@@ -226,6 +211,35 @@ pub fn ensure(b: Backend) -> Result<PathBuf> {
         std::fs::rename(&tmp, &out)?;
     }
     let _ = std::fs::remove_dir_all(&work);
+    Ok(bin)
+}
+
+/// The Debian suite whose Prometheus the suite runs: 2.53, the newest a
+/// stable Debian ships (exemplar storage and native histograms behind
+/// feature flags; no OTLP receiver, which Debian's build leaves out).
+const PROMETHEUS_SUITE: &str = "trixie";
+
+/// Prometheus and promtool side by side, from Debian's packages: fetched
+/// and unpacked as the suite's kernels are, cached by version.
+fn ensure_prometheus() -> Result<PathBuf> {
+    let suite = debian::Suite::open(PROMETHEUS_SUITE)?;
+    let version = suite.version("prometheus")?;
+    let dir = cache_dir()
+        .join("backends")
+        .join(format!("prometheus-debian-{version}"));
+    let bin = dir.join("prometheus");
+    let tools = ["prometheus", "promtool"];
+    if tools.iter().all(|t| dir.join(t).exists()) {
+        return Ok(bin);
+    }
+    std::fs::create_dir_all(&dir)?;
+    for tool in tools {
+        let from = suite.unpacked(tool)?.join("usr/bin").join(tool);
+        let to = dir.join(tool);
+        std::fs::copy(&from, to.with_extension("partial"))
+            .with_context(|| format!("Debian's {tool} package has no {}", from.display()))?;
+        std::fs::rename(to.with_extension("partial"), &to)?;
+    }
     Ok(bin)
 }
 
@@ -565,24 +579,23 @@ pub struct Prometheus {
 impl Prometheus {
     /// Scrapes `target` (host:port, path /metrics).
     pub fn start(target: &str) -> Result<Self> {
+        Self::start_with(&Self::scraping(target), &[])
+    }
+
+    /// Scrapes `target` as `start` does, native histograms kept (asked
+    /// for in the protobuf exposition).
+    pub fn start_native(target: &str) -> Result<Self> {
         Self::start_with(
-            &format!(
-                "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
-                 scrape_configs:\n  - job_name: iospan\n    static_configs:\n      - targets: [\"{target}\"]\n"
-            ),
-            &[],
+            &Self::scraping(target),
+            &["--enable-feature=native-histograms"],
         )
     }
 
-    /// Scrapes nothing; takes OTLP metrics over HTTP at `otlp_endpoint()`.
-    pub fn start_otlp_receiver() -> Result<Self> {
-        Self::start_with("global: {}\n", &["--web.enable-otlp-receiver"])
-    }
-
-    /// The OTLP/HTTP endpoint of a receiver (`start_otlp_receiver`), as
-    /// OTEL_EXPORTER_OTLP_ENDPOINT takes it (`/v1/metrics` is added).
-    pub fn otlp_endpoint(&self) -> String {
-        format!("http://{}/api/v1/otlp", self.api)
+    fn scraping(target: &str) -> String {
+        format!(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
+             scrape_configs:\n  - job_name: iospan\n    static_configs:\n      - targets: [\"{target}\"]\n"
+        )
     }
 
     fn start_with(config_text: &str, extra: &[&str]) -> Result<Self> {
@@ -639,6 +652,27 @@ impl Prometheus {
     }
 }
 
+/// `Collector::metrics_relay`'s configuration.
+const METRICS_RELAY: &str = "\
+extensions:
+  health_check:
+    endpoint: ${env:IOSPAN_HEALTH_ENDPOINT}
+receivers:
+  otlp:
+    protocols:
+      http:
+        endpoint: ${env:IOSPAN_OTLP_HTTP_ENDPOINT}
+exporters:
+  prometheus:
+    endpoint: ${env:IOSPAN_PROMETHEUS_ENDPOINT}
+service:
+  extensions: [health_check]
+  pipelines:
+    metrics:
+      receivers: [otlp]
+      exporters: [prometheus]
+";
+
 /// A running fleet collector: a shipped configuration (collector/NAME.yaml)
 /// with its endpoints and policy figures set through the environment.
 pub struct Collector {
@@ -659,7 +693,24 @@ impl Collector {
     /// Several of collector/'s files, merged in order (a tier, then
     /// overlays such as "tls").
     pub fn start_with(configs: &[&str], env: &[(&str, &str)]) -> Result<Self> {
+        let files: Vec<PathBuf> = configs
+            .iter()
+            .map(|c| sh::root().join(format!("collector/{c}.yaml")))
+            .collect();
+        Self::start_files(TempDir::new("otelcol")?, &files, env)
+    }
+
+    /// OTLP metrics in (HTTP), its Prometheus exporter out: how OTLP
+    /// metrics become series a Prometheus scrapes (exponential histograms
+    /// as native histograms, over the protobuf exposition).
+    pub fn metrics_relay() -> Result<Self> {
         let dir = TempDir::new("otelcol")?;
+        let config = dir.path().join("relay.yaml");
+        std::fs::write(&config, METRICS_RELAY)?;
+        Self::start_files(dir, &[config], &[])
+    }
+
+    fn start_files(dir: TempDir, files: &[PathBuf], env: &[(&str, &str)]) -> Result<Self> {
         let (grpc, http, prom, health) =
             (local_addr()?, local_addr()?, local_addr()?, local_addr()?);
         let mut envs: Vec<(String, String)> = vec![
@@ -669,12 +720,9 @@ impl Collector {
             ("IOSPAN_HEALTH_ENDPOINT".into(), health.clone()),
         ];
         envs.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-        let args: Vec<String> = configs
+        let args: Vec<String> = files
             .iter()
-            .map(|c| {
-                let path = sh::root().join(format!("collector/{c}.yaml"));
-                format!("--config={}", path.display())
-            })
+            .map(|path| format!("--config={}", path.display()))
             .collect();
         let server = Server::start_env(
             Backend::Otelcol,
