@@ -19,7 +19,7 @@ fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
     let (port, agent) = start_agent();
 
     // 2,000 requests whose headers never finish.
-    let mut half: Vec<TcpStream> = (0..2000)
+    let half: Vec<TcpStream> = (0..2000)
         .map(|_| {
             let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
             s.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
@@ -35,18 +35,8 @@ fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
         took < Duration::from_secs(1),
         "a real request took {took:?} beside 2000 half-open ones"
     );
-    // Their headers are due within 5 s: then the agent has closed them.
-    std::thread::sleep(Duration::from_secs(7));
-    let mut closed = 0;
-    for s in &mut half {
-        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-        let mut b = [0u8; 256];
-        match s.read(&mut b) {
-            Ok(_) => closed += 1, // EOF, or a timeout response then EOF
-            Err(e) if e.kind() == ErrorKind::ConnectionReset => closed += 1,
-            Err(_) => {}
-        }
-    }
+    // Their headers are due within 5 s: by then the agent closes them.
+    let closed = closed_within(&half, DEADLINE + Duration::from_secs(2));
     assert_eq!(
         closed,
         half.len(),
@@ -170,7 +160,7 @@ fn stream_clients_that_never_read_hold_no_queue() {
         })
         .collect();
     // Frames go out every second: 15 of them to each client, unread.
-    std::thread::sleep(Duration::from_secs(15));
+    frames_published(port, 15);
     let t = Instant::now();
     let (status, _) = request(port, "GET", "/api/v1/snapshot", "127.0.0.1");
     assert_eq!(status, 200);
@@ -214,42 +204,78 @@ const CAP: usize = iospan::cmd::api::MAX_CONNECTIONS;
 fn flood_to_the_cap(pid: u32, port: u16) -> usize {
     let n = CAP + 904;
     let base = sockets(pid);
-    let mut held: Vec<TcpStream> = (0..n)
+    let held: Vec<TcpStream> = (0..n)
         .map(|i| {
             TcpStream::connect(("127.0.0.1", port))
                 .unwrap_or_else(|e| panic!("connection {i} of the flood: {e}"))
         })
         .collect();
+    // What it holds once the flood's accepts have been served (the count
+    // right after the connects includes accepted ones not yet evicted).
     std::thread::sleep(Duration::from_secs(1));
     let peak = sockets(pid);
     assert!(
         peak <= base + CAP + 16,
         "the agent held {peak} sockets under a flood of {n} ({base} before): its cap is {CAP}"
     );
-    let closed = |held: &mut Vec<TcpStream>| {
-        held.iter_mut()
-            .map(|s| {
-                s.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
-                let mut b = [0u8; 256];
-                match s.read(&mut b) {
-                    // EOF, or a timeout response then EOF.
-                    Ok(n) => n <= b.len(),
-                    Err(e) => e.kind() == ErrorKind::ConnectionReset,
-                }
-            })
-            .filter(|&c| c)
-            .count()
-    };
-    let at_once = closed(&mut held);
+    let at_once = closed_within(&held, Duration::ZERO);
     assert!(
         at_once >= n - CAP,
         "{at_once} of {n} closed at once: those past the cap of {CAP} stay open"
     );
-    // Every deadline is 5 s.
-    std::thread::sleep(Duration::from_secs(6));
-    let by_deadline = closed(&mut held);
+    let by_deadline = closed_within(&held, DEADLINE + Duration::from_secs(1));
     assert_eq!(by_deadline, n, "connections left open past the deadline");
     n
+}
+
+/// The API's deadline for a connection's handshake and request headers
+/// (shorter as its slots fill).
+const DEADLINE: Duration = Duration::from_secs(5);
+
+/// How many of `held` the agent has closed (EOF, a reset, or a timeout
+/// response and EOF) within `within`: waited for, each answering as soon
+/// as it is closed.
+fn closed_within(held: &[TcpStream], within: Duration) -> usize {
+    let until = Instant::now() + within;
+    held.iter()
+        .filter(|&(mut s)| {
+            let left = until.saturating_duration_since(Instant::now());
+            s.set_read_timeout(Some(left.max(Duration::from_millis(20))))
+                .unwrap();
+            let mut b = [0u8; 256];
+            match s.read(&mut b) {
+                // EOF, or the start of a timeout response (then EOF).
+                Ok(n) => n <= b.len(),
+                Err(e) => e.kind() == ErrorKind::ConnectionReset,
+            }
+        })
+        .count()
+}
+
+/// Waits until the agent has published `n` frames (one a second) from
+/// now, read from its snapshot's clock (503 until its first).
+fn frames_published(port: u16, n: u32) {
+    let at = || -> Option<f64> {
+        let (status, body) = request(port, "GET", "/api/v1/snapshot", "127.0.0.1");
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        (status == 200).then(|| v["at_s"].as_f64()).flatten()
+    };
+    let give_up = Duration::from_secs(u64::from(n) * 2 + 5);
+    let until = Instant::now() + give_up;
+    let mut first = None;
+    loop {
+        if let Some(t) = at() {
+            let start = *first.get_or_insert(t);
+            if t >= start + f64::from(n) {
+                return;
+            }
+        }
+        assert!(
+            Instant::now() < until,
+            "fewer than {n} frames in {give_up:?}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }
 
 #[test]
