@@ -4,7 +4,7 @@
 
 use std::{
     process::Command,
-    time::{SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run, run_around};
@@ -29,10 +29,7 @@ fn prometheus_percentiles_match_the_report() {
     let target = format!("127.0.0.1:{port}");
     let prom = Prometheus::start(&target).expect("prometheus");
     let jaeger = Jaeger::start().expect("jaeger");
-    let started = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64();
+    let started = unix_now();
 
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
@@ -66,10 +63,7 @@ fn prometheus_percentiles_match_the_report() {
         // several buckets.
         .args(["--trace-one-in", "20"])
         .args(["--", "sh", "-c", &shell]));
-    let ended = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64();
+    let ended = unix_now();
     assert!(
         out.status.success(),
         "{}",
@@ -247,22 +241,13 @@ fn otlp_exponential_histograms_match_the_report() {
     let sel = "virt_vm_name=\"otlp-rig\",virt_disk_id=\"vd0\",disk_io_direction=\"read\"";
     // The run's last push reaches Prometheus at its next scrape of the
     // collector: asked until the last segment's count is the report's.
-    let last = format!(
-        "histogram_count(iospan_vm_latency_seconds{{{sel},iospan_segment=\"host_window\"}})"
+    let now = scraped(
+        &prom,
+        &format!(
+            "histogram_count(iospan_vm_latency_seconds{{{sel},iospan_segment=\"host_window\"}})"
+        ),
+        entry["segments"]["host_window"]["count"].as_f64().unwrap(),
     );
-    let want = entry["segments"]["host_window"]["count"].as_f64().unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let now = loop {
-        let now = unix_now();
-        let v = prom.query(&last, now).unwrap();
-        let got = v["data"]["result"][0]["value"][1]
-            .as_str()
-            .and_then(|c| c.parse::<f64>().ok());
-        if got == Some(want) || std::time::Instant::now() > deadline {
-            break now;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(250));
-    };
     let scalar = |q: &str| -> f64 {
         let v = prom
             .query(q, now)
@@ -304,6 +289,23 @@ fn otlp_exponential_histograms_match_the_report() {
         }
     }
     eprintln!("{}", checked.join("\n"));
+}
+
+/// The Unix time at which `promql` first answers `want` (or 20 s on, for
+/// the checks to tell what it answers instead).
+fn scraped(prom: &Prometheus, promql: &str, want: f64) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = unix_now();
+        let v = prom.query(promql, now).unwrap();
+        let got = v["data"]["result"][0]["value"][1]
+            .as_str()
+            .and_then(|c| c.parse::<f64>().ok());
+        if got == Some(want) || Instant::now() > deadline {
+            return now;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }
 
 fn unix_now() -> f64 {

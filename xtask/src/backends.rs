@@ -130,8 +130,8 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache/iospan")
 }
 
-/// The backend's (main) binary, built if not cached yet; the others
-/// built from the same module lie beside it.
+/// The backend's (main) binary, built or fetched if not cached yet; the
+/// others of the same build or package (promtool) lie beside it.
 pub fn ensure(b: Backend) -> Result<PathBuf> {
     match b {
         Backend::Jaeger => ensure_built(b, JAEGER, &[("jaeger", "./cmd/jaeger")]),
@@ -222,16 +222,23 @@ const PROMETHEUS_SUITE: &str = "trixie";
 /// Prometheus and promtool side by side, from Debian's packages: fetched
 /// and unpacked as the suite's kernels are, cached by version.
 fn ensure_prometheus() -> Result<PathBuf> {
+    let tools = ["prometheus", "promtool"];
+    let whole = |dir: &std::path::Path| tools.iter().all(|t| dir.join(t).exists());
+    // Each server's start asks for it: a cached one is taken without apt.
+    let backends = cache_dir().join("backends");
+    if let Some(dir) = std::fs::read_dir(&backends).ok().and_then(|d| {
+        d.flatten().map(|e| e.path()).find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("prometheus-debian-"))
+                && whole(p)
+        })
+    }) {
+        return Ok(dir.join("prometheus"));
+    }
     let suite = debian::Suite::open(PROMETHEUS_SUITE)?;
     let version = suite.version("prometheus")?;
-    let dir = cache_dir()
-        .join("backends")
-        .join(format!("prometheus-debian-{version}"));
+    let dir = backends.join(format!("prometheus-debian-{version}"));
     let bin = dir.join("prometheus");
-    let tools = ["prometheus", "promtool"];
-    if tools.iter().all(|t| dir.join(t).exists()) {
-        return Ok(bin);
-    }
     std::fs::create_dir_all(&dir)?;
     for tool in tools {
         let from = suite.unpacked(tool)?.join("usr/bin").join(tool);

@@ -471,8 +471,9 @@ impl Stitcher {
             pos: io.ev.pos,
             bytes: io.ev.bytes,
         };
-        if let Some(g) = self.take_guest(key, &io) {
-            self.join(&io, &g, Side::Guest);
+        let offset = self.clocks.get(&key.vm).and_then(Clock::offset);
+        if let Some(g) = self.take_guest(key, &io, offset) {
+            self.join(&io, &g, Side::Guest, offset);
         } else {
             let w = self.waiting.entry(key.vm).or_default();
             w.hosts += 1;
@@ -510,7 +511,7 @@ impl Stitcher {
             self.host.remove(&key);
         }
         match found {
-            Some(h) => self.join(&h, &g, Side::Host),
+            Some(h) => self.join(&h, &g, Side::Host, offset),
             None => {
                 // Room made first: the cap counts only what still waits.
                 self.evict(vm, false);
@@ -531,8 +532,12 @@ impl Stitcher {
         self.evict(vm, false);
     }
 
-    fn take_guest(&mut self, key: JoinKey, h: &HostIo) -> Option<GuestIoEvent> {
-        let offset = self.clocks.get(&key.vm).and_then(Clock::offset);
+    fn take_guest(
+        &mut self,
+        key: JoinKey,
+        h: &HostIo,
+        offset: Option<i64>,
+    ) -> Option<GuestIoEvent> {
         let q = self.guest.get_mut(&key)?;
         // Guest kicks against the host's kick moved to the guest's clock.
         let i = best(
@@ -548,9 +553,9 @@ impl Stitcher {
     }
     /// Joins a host record and a guest record, one of which (`waited`) had
     /// been waiting for the other.
-    fn join(&mut self, h: &HostIo, g: &GuestIoEvent, waited: Side) {
+    /// `offset`: the VM's clock offset as the caller matched with it.
+    fn join(&mut self, h: &HostIo, g: &GuestIoEvent, waited: Side, offset: Option<i64>) {
         let ev = &h.ev;
-        let offset = self.clocks.get(&ev.vm).and_then(Clock::offset);
         let w = self.waiting.entry(ev.vm).or_default();
         w.reported_ns = w
             .reported_ns
