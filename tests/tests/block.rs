@@ -84,7 +84,7 @@ fn check(rw: &str, qd: u32) {
         fio_lat: (lat_mean, lat_p50, lat_p99),
         fio_p90,
     } = traced_fio(rw, qd);
-    let (fio_ios, fio_mean, fio_p50, _) = fio;
+    let (fio_ios, _, fio_p50, _) = fio;
     let ios = entry["ios"].as_u64().unwrap();
     let ctx = format!("{rw} QD{qd}: {entry:#}");
 
@@ -186,12 +186,14 @@ fn check(rw: &str, qd: u32) {
             p50 >= 0.5 * fio_p50,
             "{ctx}\np50 {p50} vs fio's clat p50 {fio_p50}"
         );
-    } else {
-        assert!(
-            mean >= 0.3 * fio_mean,
-            "{ctx}\nmean {mean} implausibly below fio {fio_mean}"
-        );
     }
+    // At depth fio's clat has no floor to give ours: its sixteen requests
+    // spend most of their life outside the block layer, in io_uring's
+    // submission and completion paths and fio's reap loop (fio alone
+    // on this loop device, QD16: clat mean 50 µs while the kernel's own
+    // accounting of the same reads says 11 µs; a CI run: ours 19.7 µs,
+    // the kernel's 20.2, fio's 72.9). The kernel's accounting above bounds
+    // ours from both sides there.
     let p99 = f(&total["p99_us"]);
     assert!(
         p99 <= lat_p99 * 1.25,
