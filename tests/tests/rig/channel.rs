@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use agent_integration::{host_disk_of, iospan_bin, rig_and_image, run};
+use agent_integration::{host_disk_of, iospan_bin, rig_and_image};
 use serde_json::Value;
 use xtask::guest::{self, RunArgs};
 
@@ -189,18 +189,14 @@ fn the_guest_channel_survives_a_host_agent_restart() {
     let report = |i: u32| kept.path(i as usize - 1);
     let host_run = |i: u32| {
         let mut c = Command::new(iospan_bin());
-        c.args([
-            "run",
-            "--quiet",
-            "--disk",
-            &host,
-            "-d",
-            if i == 1 { "2s" } else { "5m" },
-            "--json-out",
-        ])
-        .arg(report(i))
-        .args(agent_integration::rig_split_args());
+        c.args(["run", "--quiet", "--disk", &host, "-d", "5m", "--json-out"])
+            .arg(report(i))
+            .args(agent_integration::rig_split_args());
         c
+    };
+    let stop = |c: &std::process::Child| {
+        // SAFETY: signalling a child we spawned and have not reaped.
+        unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
     };
     let load = |i: u32, out: std::process::Output| -> Value {
         assert!(
@@ -212,7 +208,30 @@ fn the_guest_channel_survives_a_host_agent_restart() {
         );
         serde_json::from_slice(&std::fs::read(report(i)).unwrap()).unwrap()
     };
-    let first = load(1, run(&mut host_run(1)));
+    // The first runs until it has joined a guest record to its request
+    // (its per-request stream shows one), however long this host takes to
+    // load its programs and follow the VM: a fixed 2 s once ended before
+    // the guest agent had sent it anything.
+    let stream = tempfile::NamedTempFile::new().expect("a temporary file");
+    let first = host_run(1)
+        .arg("--events-out")
+        .arg(stream.path())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("iospan");
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !std::fs::read_to_string(stream.path())
+        .unwrap_or_default()
+        .contains("\"kind\":\"guest_io\"")
+    {
+        if std::time::Instant::now() >= until {
+            stop(&first);
+            panic!("the first host agent joined no guest record in 120 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    stop(&first);
+    let first = load(1, first.wait_with_output().expect("iospan"));
     // The second until the VM is gone, then stopped as an operator would.
     let second = host_run(2)
         .stdout(std::process::Stdio::null())
@@ -220,8 +239,7 @@ fn the_guest_channel_survives_a_host_agent_restart() {
         .expect("iospan");
     let _ = child.wait();
     std::thread::sleep(std::time::Duration::from_secs(1));
-    // SAFETY: signalling a child we spawned and have not reaped.
-    unsafe { libc::kill(second.id() as i32, libc::SIGINT) };
+    stop(&second);
     let second = load(2, second.wait_with_output().expect("iospan"));
     let console = reader.join().expect("console reader");
     let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64())
