@@ -176,6 +176,7 @@ mod tests {
             merged_allowance: 0,
             edge_allowance: 0,
             after_last_read: 0,
+            in_flight_at_last_read: 0,
             before_first_read: 0,
             engine_device_mean_us: Some(i_mean),
             engine_device_max_us: Some(i_mean * 4.0),

@@ -29,6 +29,10 @@ pub struct VmQemu {
     pub predates_run: bool,
     /// Our count of its submitted requests just after QEMU's last read.
     pub submitted_at_last_read: Option<u64>,
+    /// Of those, the ones not finished when that read began: in flight
+    /// at it, so counted by QEMU or not (a read by libvirt's client takes
+    /// tens of ms).
+    pub unfinished_at_last_read: Option<u64>,
     /// The same just after QEMU's first read of a VM running before the
     /// run: ours counted from the probes' start, QEMU's from that read.
     pub submitted_at_first_read: Option<u64>,
@@ -114,6 +118,7 @@ pub fn compare(
                 (Some(at), Some(total)) => total.saturating_sub(at),
                 _ => 0,
             },
+            at_last_read: q.unfinished_at_last_read.unwrap_or(0),
             // A VM running before the run: QEMU's window begins at its
             // first read, ours when the probes started.
             before_first_read: q.submitted_at_first_read.unwrap_or(0),
@@ -137,8 +142,9 @@ pub struct Allowances {
     pub merged: u64,
     /// In flight at the window's edges.
     pub edge: u64,
-    /// Ours after QEMU's last read, and before its first.
+    /// Ours after QEMU's last read, in flight at it, and before its first.
     pub after_last_read: u64,
+    pub at_last_read: u64,
     pub before_first_read: u64,
 }
 
@@ -163,7 +169,8 @@ pub fn check(
     let uncounted = engine && ops == 0 && iospan_ops > 0;
     let mismatch = !uncounted
         && (ops > iospan_ops + a.merged + a.edge
-            || iospan_ops > ops + a.edge + a.after_last_read + a.before_first_read);
+            || iospan_ops
+                > ops + a.edge + a.after_last_read + a.at_last_read + a.before_first_read);
     Some(QemuCheck {
         ops,
         bytes,
@@ -173,6 +180,7 @@ pub fn check(
         merged_allowance: a.merged,
         edge_allowance: a.edge,
         after_last_read: a.after_last_read,
+        in_flight_at_last_read: a.at_last_read,
         before_first_read: a.before_first_read,
         engine_device_mean_us: mean("engine")
             .zip(mean("device"))
@@ -258,6 +266,7 @@ mod tests {
                 error: None,
                 predates_run: false,
                 submitted_at_last_read: at_last,
+                unfinished_at_last_read: None,
                 submitted_at_first_read: None,
                 exited_ms_after_last_read: at_last.map(|_| 40),
             },
@@ -313,6 +322,24 @@ mod tests {
     }
 
     #[test]
+    fn requests_in_flight_at_the_last_read_may_fall_either_side() {
+        let none = BTreeMap::new();
+        // libvirt read 214 while ours had 218 submitted by the read's end,
+        // 214 finished at its start; the VM made 605 and exited.
+        let submitted = BTreeMap::from([("db01".to_string(), 605)]);
+        let mut q = qemu(214, false, Some(218));
+        q.get_mut("db01").unwrap().unfinished_at_last_read = Some(4);
+        let mut r = report(605);
+        assert_eq!(compare(&mut r, &q, &none, &submitted), 0);
+        let c = check(&r);
+        assert_eq!((c.after_last_read, c.in_flight_at_last_read), (387, 4));
+        // One more of ours than those explain: a mismatch.
+        let mut r = report(606);
+        let submitted = BTreeMap::from([("db01".to_string(), 605)]);
+        assert_eq!(compare(&mut r, &q, &none, &submitted), 1);
+    }
+
+    #[test]
     fn a_vm_running_before_the_run_is_compared_from_qemus_first_read() {
         let none = BTreeMap::new();
         let mut q = qemu(53851, false, None);
@@ -353,6 +380,7 @@ mod tests {
             merged_allowance: 499,
             edge_allowance: 0,
             after_last_read: 0,
+            in_flight_at_last_read: 0,
             before_first_read: 0,
             engine_device_mean_us: Some(71.136),
             engine_device_max_us: Some(412.5),

@@ -367,6 +367,10 @@ pub struct QemuCheck {
     /// exited within the run): ours, not QEMU's.
     #[serde(default)]
     pub after_last_read: u64,
+    /// Its requests in flight when that last read began (submitted before
+    /// the read ended, not finished before it began): QEMU's or not.
+    #[serde(default)]
+    pub in_flight_at_last_read: u64,
     /// A VM running before the run: its requests between the probes'
     /// start and QEMU's first read: ours, not QEMU's.
     #[serde(default)]
@@ -401,10 +405,11 @@ impl QemuCheck {
     /// What the two counts may differ by, in words.
     pub fn allowances(&self) -> String {
         format!(
-            "{} merged, {} in flight at the edges, {} before the first read and {} after the last",
+            "{} merged, {} in flight at the edges, {} before the first read, {} in flight at the last and {} after it",
             self.merged_allowance,
             self.edge_allowance,
             self.before_first_read,
+            self.in_flight_at_last_read,
             self.after_last_read
         )
     }
@@ -899,8 +904,8 @@ fn qemu_table(report: &RunReport) -> String {
                     "not counted by its engine (it keeps no count of an export's requests)".into()
                 } else if c.after_last_read > 0 {
                     format!(
-                        "{} after QEMU's last read (the VM exited)",
-                        c.after_last_read
+                        "{} after QEMU's last read (the VM exited), {} in flight at it",
+                        c.after_last_read, c.in_flight_at_last_read
                     )
                 } else {
                     String::new()

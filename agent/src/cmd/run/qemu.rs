@@ -37,6 +37,8 @@ struct Watched {
     last: Option<Counts>,
     /// The VM's submitted requests (ours) just after the last good read.
     submitted_at_last: Option<u64>,
+    /// Of those, the ones not finished when it began: QEMU's or not.
+    unfinished_at_last: Option<u64>,
     /// The same just after the first: what ours counted before QEMU's
     /// counting for the run began.
     submitted_at_first: Option<u64>,
@@ -80,6 +82,7 @@ impl WatchedVm {
                         first: None,
                         last: None,
                         submitted_at_last: None,
+                        unfinished_at_last: None,
                         submitted_at_first: None,
                         last_at: None,
                         failures: 0,
@@ -127,6 +130,9 @@ impl State {
                 if !last && self.ticks < src.next_try {
                     continue;
                 }
+                // What QEMU has counted at least: it counts a request as
+                // it completes, and its read may take tens of ms.
+                let finished_before = ours.and_then(|o| o.finished(slot));
                 // A domain libvirt already counts as stopped (its process
                 // still exiting) answers with no disk at all: no reading.
                 let read = qemu_counts::read(&src.source, &vm).and_then(|c| {
@@ -154,6 +160,10 @@ impl State {
                         src.last = Some(last);
                         src.last_at = Some(Instant::now());
                         src.submitted_at_last = ours.and_then(|o| o.submitted(slot)).or(Some(0));
+                        src.unfinished_at_last = src
+                            .submitted_at_last
+                            .zip(finished_before)
+                            .map(|(s, f)| s.saturating_sub(f));
                         if src.submitted_at_first.is_none() {
                             src.submitted_at_first = src.submitted_at_last;
                         }
@@ -187,6 +197,7 @@ impl State {
                 let mut errors = Vec::new();
                 let mut engine_disks = BTreeSet::new();
                 let mut submitted_at_last: Option<u64> = None;
+                let mut unfinished_at_last: Option<u64> = None;
                 let mut submitted_at_first: Option<u64> = None;
                 let mut last_at: Option<Instant> = None;
                 for src in &w.sources {
@@ -203,6 +214,7 @@ impl State {
                             (Some(a), Some(b)) => Some(a.min(b)),
                             (a, b) => a.or(b),
                         };
+                        unfinished_at_last = unfinished_at_last.max(src.unfinished_at_last);
                         // The latest of the first reads: where QEMU's window began.
                         submitted_at_first = submitted_at_first.max(src.submitted_at_first);
                         last_at = match (last_at, src.last_at) {
@@ -227,6 +239,7 @@ impl State {
                         error: (!errors.is_empty()).then(|| errors.join("; ")),
                         predates_run: w.predates_run,
                         submitted_at_last_read: submitted_at_last,
+                        unfinished_at_last_read: unfinished_at_last,
                         submitted_at_first_read: submitted_at_first.filter(|_| w.predates_run),
                         exited_ms_after_last_read: w
                             .gone_at

@@ -36,18 +36,45 @@ pub use split::KernelSplits;
 pub use tier::{KickPath, TierProbes};
 pub use vm::{io_uring_tracepoints, kvm_tracepoints};
 
-/// Each VM's request counts, read from a handle of its own.
-pub struct VmCountsReader(PerCpuArray<MapData, VmCounts>);
+/// Each VM's request counts, read from handles of its own.
+pub struct VmCountsReader {
+    counts: PerCpuArray<MapData, VmCounts>,
+    latency: PerCpuHashMap<MapData, VmKey, BlkStats>,
+    nested: HashMap<MapData, VmKey, BlkStats>,
+    undelivered: HashMap<MapData, VmKey, u64>,
+}
 
 impl VmCountsReader {
     /// Requests of VM `slot`'s virtual disks submitted so far (None: none
     /// yet, or the VM has gone).
     pub fn submitted(&self, slot: u32) -> Option<u64> {
-        self.0
+        self.counts
             .get(&(slot % MAX_VM_COUNTS), 0)
             .ok()
             .map(|per_cpu| per_cpu.iter().map(|c| c.submitted).sum())
             .filter(|&n| n > 0)
+    }
+
+    /// Requests of VM `slot` finished so far, timed or known undelivered:
+    /// read before a read of QEMU's counters, what QEMU can have counted
+    /// at least (it counts a request when it completes). None: not read.
+    pub fn finished(&self, slot: u32) -> Option<u64> {
+        let mut n = 0;
+        for item in self.latency.iter() {
+            let (k, per_cpu) = item.ok()?;
+            if k.vm == slot {
+                n += per_cpu.iter().map(|s| s.ios).sum::<u64>();
+            }
+        }
+        for item in self.nested.iter() {
+            let (k, s) = item.ok()?;
+            n += if k.vm == slot { s.ios } else { 0 };
+        }
+        for item in self.undelivered.iter() {
+            let (k, u) = item.ok()?;
+            n += if k.vm == slot { u } else { 0 };
+        }
+        Some(n)
     }
 }
 
@@ -750,27 +777,50 @@ impl BlockProbes {
         })
     }
 
-    /// A read-only handle of its own on each VM's request counts, for a
+    /// Read-only handles of its own on each VM's request counts, for a
     /// thread beside the probes' owner (QEMU's counters are read there,
     /// and ours with them at the same moment).
     pub fn vm_counts_reader(&self) -> Result<VmCountsReader, LoadError> {
-        let map = |e| LoadError::Map {
-            map: "vm_counts",
+        let counts = PerCpuArray::try_from(self.dup_map("vm_counts")?);
+        let latency = PerCpuHashMap::try_from(self.dup_map("vm_latency")?);
+        let nested = HashMap::try_from(self.dup_map("vm_latency_nested")?);
+        let undelivered = HashMap::try_from(self.dup_map("vm_undelivered")?);
+        let err = |map| {
+            move |e| LoadError::Map {
+                map,
+                source: Some(e),
+            }
+        };
+        Ok(VmCountsReader {
+            counts: counts.map_err(err("vm_counts"))?,
+            latency: latency.map_err(err("vm_latency"))?,
+            nested: nested.map_err(err("vm_latency_nested"))?,
+            undelivered: undelivered.map_err(err("vm_undelivered"))?,
+        })
+    }
+
+    /// A map of the object on a file descriptor of its own.
+    fn dup_map(&self, name: &'static str) -> Result<aya::maps::Map, LoadError> {
+        let err = |e| LoadError::Map {
+            map: name,
             source: e,
         };
-        let Some(aya::maps::Map::PerCpuArray(data)) = self.ebpf.map("vm_counts") else {
-            return Err(map(None));
+        let Some(map) = self.ebpf.map(name) else {
+            return Err(err(None));
+        };
+        let (data, wrap): (&MapData, fn(MapData) -> aya::maps::Map) = match map {
+            aya::maps::Map::PerCpuArray(d) => (d, aya::maps::Map::PerCpuArray),
+            aya::maps::Map::PerCpuHashMap(d) => (d, aya::maps::Map::PerCpuHashMap),
+            aya::maps::Map::HashMap(d) => (d, aya::maps::Map::HashMap),
+            _ => return Err(err(None)),
         };
         let fd = data.fd().as_fd().try_clone_to_owned().map_err(|e| {
-            map(Some(aya::maps::MapError::from(aya::sys::SyscallError {
+            err(Some(aya::maps::MapError::from(aya::sys::SyscallError {
                 call: "dup",
                 io_error: e,
             })))
         })?;
-        let data = MapData::from_fd(fd).map_err(|e| map(Some(e)))?;
-        let counts =
-            PerCpuArray::try_from(aya::maps::Map::PerCpuArray(data)).map_err(|e| map(Some(e)))?;
-        Ok(VmCountsReader(counts))
+        Ok(wrap(MapData::from_fd(fd).map_err(|e| err(Some(e)))?))
     }
 
     pub fn program_stats(&self) -> Vec<crate::probes::progstats::ProgStats> {
