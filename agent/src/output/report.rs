@@ -12,8 +12,9 @@ use crate::{
     model::ChannelStats,
     model::SplitWindow,
     model::{BlkSegment, DiskOpStats, Hist, Op, Summary},
+    pipeline::clock::ClockEstimate,
     pipeline::correlate::{Correlator, SplitKey},
-    pipeline::stitch::{ClockEstimate, StitchCounters, StitchKey, Stitcher},
+    pipeline::stitch::{StitchCounters, StitchKey, Stitcher},
     probes::{
         host::{Counters, VmFinished, VmStatKey},
         progstats::ProgStats,

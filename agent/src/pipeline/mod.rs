@@ -2,6 +2,7 @@
 //! guest frames decoded and stitched onto them.
 
 pub mod channel;
+pub mod clock;
 pub mod correlate;
 pub mod reap;
 pub mod stitch;

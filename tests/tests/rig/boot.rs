@@ -709,7 +709,7 @@ fn guest_view(
         assert!(m("hypervisor") > 0.0 && m("guest") > 0.0, "{st}");
         let clock = &guest["clock"];
         assert!(clock["pairs"].as_u64().unwrap_or(0) >= n, "{clock}");
-        // Few bounds contradict the offset found (see stitch::Clock).
+        // Few bounds contradict the offset found (see pipeline::clock::Clock).
         assert!(
             clock["contradicting_bounds"].as_u64().unwrap_or(u64::MAX) * 10 <= n,
             "{clock}"
