@@ -36,15 +36,44 @@ typedef struct {
 } proc_cache_map_t;
 extern proc_cache_map_t proc_cache SEC(".maps");
 
+/* Whether a direct-I/O bio of a VM process's main thread is QEMU's own: a
+ * synchronous read or write (its probe of an image's alignment as it opens
+ * it and as it exits), which a guest's request never is — the main loop
+ * submits those asynchronously (io_uring, Linux AIO), aio=threads from its
+ * pool's workers. A device-mapper clone hides its kiocb: not told. */
+static __always_inline int qemus_own_io(struct bio *bio, int kind)
+{
+	struct iomap_dio *idio;
+	struct blkdev_dio *bdio;
+	struct kiocb *iocb;
+
+	switch (kind) {
+	case DIO_BLKDEV_SYNC:
+		return 1;
+	case DIO_IOMAP:
+		idio = BPF_CORE_READ(bio, bi_private);
+		iocb = BPF_CORE_READ(idio, iocb);
+		break;
+	case DIO_BLKDEV:
+		bdio = BPF_CORE_READ(bio, bi_private);
+		iocb = BPF_CORE_READ(bdio, iocb);
+		break;
+	default:
+		return 0;
+	}
+	return iocb && !BPF_CORE_READ(iocb, ki_complete);
+}
+
 /* The virtual disk a VM's direct-I/O request is for. Where the VM has one
  * virtual disk on this host disk, a direct-I/O bio of its process is that
  * disk's; only where several share it is the file or device read (see
  * enum dio_kind). Buffered I/O (cache=writeback, QEMU's own files) is not
- * resolved here (0), except from a vhost worker. `pos` is the request's
+ * resolved here (0), except from a vhost worker, nor is its main thread's
+ * synchronous direct I/O (qemus_own_io). `pos` is the request's
  * offset in the virtual disk's backing (the guest's offset on a raw
  * image), where known. */
 static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u64 *pos, int btf,
-				      struct proc_cache *c)
+				      struct proc_cache *c, int main_thread)
 {
 	struct vm_dev_key vk = { .vm = vm, .dev = dev };
 	struct iomap_dio *dio_priv;
@@ -73,6 +102,8 @@ static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u6
 	}
 	slot = &c->vdisk_slot;
 	if (!*slot)
+		return 0;
+	if (main_thread && qemus_own_io(bio, kind))
 		return 0;
 	/* A vhost worker serves only its VM's vhost disks, and submits their
 	 * bios itself (LIO's block and file backstores: no kiocb to read): on
@@ -311,7 +342,7 @@ static __always_inline int vm_bio_start(struct bio *bio, __u32 dev, __u32 op, __
 		c->proc.state = VM_PROC_RUNNING;
 	}
 	if (c->proc.state == VM_PROC_RUNNING)
-		v->vdisk = vdisk_of(bio, v->vm, v->dev, &v->pos, btf, c);
+		v->vdisk = vdisk_of(bio, v->vm, v->dev, &v->pos, btf, c, tid == tgid);
 	if (targ_vm_segments)
 		vm_pick(bio, tgid, tid, start, v, btf);
 	return 1;
