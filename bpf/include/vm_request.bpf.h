@@ -36,27 +36,25 @@ typedef struct {
 } proc_cache_map_t;
 extern proc_cache_map_t proc_cache SEC(".maps");
 
-/* Whether a direct-I/O bio of a VM process's main thread is QEMU's own: a
- * synchronous read or write (its probe of an image's alignment as it opens
- * it and as it exits), which a guest's request never is — the main loop
- * submits those asynchronously (io_uring, Linux AIO), aio=threads from its
- * pool's workers. A device-mapper clone hides its kiocb: not told. */
-static __always_inline int qemus_own_io(struct bio *bio, int kind)
+/* Whether a direct-I/O bio at offset 0 of a VM process's main thread is
+ * QEMU's own: a synchronous read there is its probe of the image's
+ * alignment, as it opens the image and again as it exits. A guest's
+ * requests never are: QEMU's main loop submits them asynchronously
+ * (io_uring, Linux AIO), aio=threads from its pool's workers. `iocb`: the
+ * bio's kiocb where its kind keeps one. A device-mapper clone hides it:
+ * not told. */
+static __always_inline int qemus_probe(struct bio *bio, int kind, struct kiocb *iocb)
 {
-	struct iomap_dio *idio;
 	struct blkdev_dio *bdio;
-	struct kiocb *iocb;
 
 	switch (kind) {
 	case DIO_BLKDEV_SYNC:
 		return 1;
-	case DIO_IOMAP:
-		idio = BPF_CORE_READ(bio, bi_private);
-		iocb = BPF_CORE_READ(idio, iocb);
-		break;
 	case DIO_BLKDEV:
 		bdio = BPF_CORE_READ(bio, bi_private);
 		iocb = BPF_CORE_READ(bdio, iocb);
+		break;
+	case DIO_IOMAP:
 		break;
 	default:
 		return 0;
@@ -68,8 +66,8 @@ static __always_inline int qemus_own_io(struct bio *bio, int kind)
  * virtual disk on this host disk, a direct-I/O bio of its process is that
  * disk's; only where several share it is the file or device read (see
  * enum dio_kind). Buffered I/O (cache=writeback, QEMU's own files) is not
- * resolved here (0), except from a vhost worker, nor is its main thread's
- * synchronous direct I/O (qemus_own_io). `pos` is the request's
+ * resolved here (0), except from a vhost worker, nor is QEMU's probe of an
+ * image (qemus_probe). `pos` is the request's
  * offset in the virtual disk's backing (the guest's offset on a raw
  * image), where known. */
 static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u64 *pos, int btf,
@@ -103,8 +101,6 @@ static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u6
 	slot = &c->vdisk_slot;
 	if (!*slot)
 		return 0;
-	if (main_thread && qemus_own_io(bio, kind))
-		return 0;
 	/* A vhost worker serves only its VM's vhost disks, and submits their
 	 * bios itself (LIO's block and file backstores: no kiocb to read): on
 	 * a host disk holding one of them, the request is that disk's. A dm
@@ -118,6 +114,8 @@ static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u6
 			return *slot != VDISK_SEVERAL ? *slot : 0;
 		bdev = READ(btf, bio, bi_bdev);
 		*pos = (READ(btf, bio, bi_iter.bi_sector) - READ(btf, bdev, bd_start_sect)) << 9;
+		if (main_thread && !*pos && qemus_probe(bio, kind, 0))
+			return 0;
 		if (*slot != VDISK_SEVERAL)
 			return *slot;
 		k.dev = VDISK_FILE_BDEV;
@@ -133,6 +131,8 @@ static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u6
 	if (!iocb)
 		return 0;
 	*pos = BPF_CORE_READ(iocb, ki_pos);
+	if (main_thread && !*pos && qemus_probe(bio, kind, iocb))
+		return 0;
 	if (*slot != VDISK_SEVERAL)
 		return *slot;
 	inode = BPF_CORE_READ(iocb, ki_filp, f_inode);

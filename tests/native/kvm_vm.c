@@ -288,7 +288,9 @@ int main(int argc, char **argv)
 		if (poll(&pfd, 1, 10000) != 1 || read(efd, big, sizeof(big)) < 8)
 			return die("eventfd read");
 		memcpy(&v, big, sizeof(v));
-		if (pread(img, buf, 4096, (off_t)(rand() % 4096) * 4096) != 4096)
+		/* Never offset 0: a synchronous read there from QEMU's main
+		 * thread is its probe of the image, not a guest's request. */
+		if (pread(img, buf, 4096, (off_t)(rand() % 4095 + 1) * 4096) != 4096)
 			return die("image read");
 		virtqueue_flush(NULL, 1);
 		/* The queue's interrupt, through its irqfd. */

@@ -12,7 +12,6 @@ use opentelemetry::{
     trace::{Event, Link, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceState},
     InstrumentationScope, KeyValue,
 };
-use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::{
     trace::{IdGenerator, RandomIdGenerator, SpanData, SpanEvents, SpanExporter as _, SpanLinks},
     Resource,
@@ -543,33 +542,43 @@ pub fn transport(opts: &TraceOpts, signal: &str) -> Result<(Transport, Option<St
 /// How long one export may wait for the collector.
 pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// An OTLP exporter of `$signal` ("traces" or "metrics") from its builder,
+/// as the flags and the environment say: one recipe for both signals,
+/// whose builders share no trait to write it once as a function.
+macro_rules! otlp_exporter {
+    ($builder:expr, $opts:expr, $signal:literal) => {{
+        use super::otlp::{transport, Transport, EXPORT_TIMEOUT};
+        use opentelemetry_otlp::{WithExportConfig, WithHttpConfig, WithTonicConfig};
+        let sec = super::tls::secure($opts, $signal)?;
+        let built = match transport($opts, $signal)? {
+            (Transport::Grpc, endpoint) => {
+                let mut b = $builder.with_tonic().with_timeout(EXPORT_TIMEOUT);
+                if let Some(tls) = super::tls::grpc_tls(&sec)? {
+                    b = b.with_tls_config(tls);
+                }
+                match endpoint {
+                    Some(e) => b.with_endpoint(e).build(),
+                    None => b.build(),
+                }
+            }
+            (Transport::Http, endpoint) => {
+                let b = $builder
+                    .with_http()
+                    .with_timeout(EXPORT_TIMEOUT)
+                    .with_http_client(super::tls::http_client(&sec, EXPORT_TIMEOUT)?);
+                match endpoint {
+                    Some(e) => b.with_endpoint(e).build(),
+                    None => b.build(),
+                }
+            }
+        };
+        built.context(concat!("setting up the OTLP ", $signal, " exporter"))
+    }};
+}
+pub(crate) use otlp_exporter;
+
 fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::SpanExporter> {
-    use opentelemetry_otlp::{WithHttpConfig, WithTonicConfig};
-    let builder = opentelemetry_otlp::SpanExporter::builder();
-    let sec = super::tls::secure(opts, "traces")?;
-    let built = match transport(opts, "traces")? {
-        (Transport::Grpc, endpoint) => {
-            let mut b = builder.with_tonic().with_timeout(EXPORT_TIMEOUT);
-            if let Some(tls) = super::tls::grpc_tls(&sec)? {
-                b = b.with_tls_config(tls);
-            }
-            match endpoint {
-                Some(e) => b.with_endpoint(e).build(),
-                None => b.build(),
-            }
-        }
-        (Transport::Http, endpoint) => {
-            let b = builder
-                .with_http()
-                .with_timeout(EXPORT_TIMEOUT)
-                .with_http_client(super::tls::http_client(&sec, EXPORT_TIMEOUT)?);
-            match endpoint {
-                Some(e) => b.with_endpoint(e).build(),
-                None => b.build(),
-            }
-        }
-    };
-    built.context("setting up the OTLP trace exporter")
+    otlp_exporter!(opentelemetry_otlp::SpanExporter::builder(), opts, "traces")
 }
 
 #[cfg(test)]

@@ -16,7 +16,6 @@ use opentelemetry::{
     metrics::{Histogram, MeterProvider as _},
     KeyValue,
 };
-use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::{
     error::OTelSdkResult,
     metrics::{
@@ -27,10 +26,7 @@ use opentelemetry_sdk::{
     runtime,
 };
 
-use super::{
-    otlp::{transport, Transport, EXPORT_TIMEOUT},
-    Names, TraceOpts,
-};
+use super::{Names, TraceOpts};
 use crate::{model::IoSpan, model::Op};
 
 pub struct Meters {
@@ -185,32 +181,11 @@ impl PushMetricExporter for OffWhenRefused {
 }
 
 fn build_exporter(opts: &TraceOpts) -> Result<opentelemetry_otlp::MetricExporter> {
-    use opentelemetry_otlp::{WithHttpConfig, WithTonicConfig};
-    let builder = opentelemetry_otlp::MetricExporter::builder();
-    let sec = super::tls::secure(opts, "metrics")?;
-    let built = match transport(opts, "metrics")? {
-        (Transport::Grpc, endpoint) => {
-            let mut b = builder.with_tonic().with_timeout(EXPORT_TIMEOUT);
-            if let Some(tls) = super::tls::grpc_tls(&sec)? {
-                b = b.with_tls_config(tls);
-            }
-            match endpoint {
-                Some(e) => b.with_endpoint(e).build(),
-                None => b.build(),
-            }
-        }
-        (Transport::Http, endpoint) => {
-            let b = builder
-                .with_http()
-                .with_timeout(EXPORT_TIMEOUT)
-                .with_http_client(super::tls::http_client(&sec, EXPORT_TIMEOUT)?);
-            match endpoint {
-                Some(e) => b.with_endpoint(e).build(),
-                None => b.build(),
-            }
-        }
-    };
-    built.context("setting up the OTLP metric exporter")
+    super::otlp::otlp_exporter!(
+        opentelemetry_otlp::MetricExporter::builder(),
+        opts,
+        "metrics"
+    )
 }
 
 #[cfg(test)]
