@@ -36,29 +36,48 @@ typedef struct {
 } proc_cache_map_t;
 extern proc_cache_map_t proc_cache SEC(".maps");
 
+/* The kiocb a direct-I/O bio serves, where its completion kind keeps one
+ * (iomap, and the block device's asynchronous paths). */
+static __always_inline __u64 bio_kiocb(struct bio *bio, int btf)
+{
+	struct blkdev_dio *bdio;
+	struct iomap_dio *idio;
+	__u64 end_io;
+
+	if (!bio)
+		return 0;
+	end_io = (__u64)READ(btf, bio, bi_end_io);
+	if (!end_io)
+		return 0;
+	if (end_io == targ_dio_end_io[DIO_IOMAP]) {
+		idio = BPF_CORE_READ(bio, bi_private);
+		return (__u64)BPF_CORE_READ(idio, iocb);
+	}
+	if (end_io == targ_dio_end_io[DIO_BLKDEV]) {
+		bdio = BPF_CORE_READ(bio, bi_private);
+		return (__u64)BPF_CORE_READ(bdio, iocb);
+	}
+	if (end_io == targ_dio_end_io[DIO_BLKDEV_ASYNC]) {
+		/* The bio is embedded in its blkdev_dio. */
+		bdio = (void *)bio - bpf_core_field_offset(struct blkdev_dio, bio);
+		return (__u64)BPF_CORE_READ(bdio, iocb);
+	}
+	return 0;
+}
+
 /* Whether a direct-I/O bio at offset 0 of a VM process's main thread is
  * QEMU's own: a synchronous read there is its probe of the image's
  * alignment, as it opens the image and again as it exits. A guest's
  * requests never are: QEMU's main loop submits them asynchronously
- * (io_uring, Linux AIO), aio=threads from its pool's workers. `iocb`: the
- * bio's kiocb where its kind keeps one. A device-mapper clone hides it:
- * not told. */
-static __always_inline int qemus_probe(struct bio *bio, int kind, struct kiocb *iocb)
+ * (io_uring, Linux AIO), aio=threads from its pool's workers. A
+ * device-mapper clone hides its kiocb: not told. */
+static __always_inline int qemus_probe(struct bio *bio, int kind, int btf)
 {
-	struct blkdev_dio *bdio;
+	struct kiocb *iocb;
 
-	switch (kind) {
-	case DIO_BLKDEV_SYNC:
+	if (kind == DIO_BLKDEV_SYNC)
 		return 1;
-	case DIO_BLKDEV:
-		bdio = BPF_CORE_READ(bio, bi_private);
-		iocb = BPF_CORE_READ(bdio, iocb);
-		break;
-	case DIO_IOMAP:
-		break;
-	default:
-		return 0;
-	}
+	iocb = (struct kiocb *)bio_kiocb(bio, btf);
 	return iocb && !BPF_CORE_READ(iocb, ki_complete);
 }
 
@@ -114,7 +133,7 @@ static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u6
 			return *slot != VDISK_SEVERAL ? *slot : 0;
 		bdev = READ(btf, bio, bi_bdev);
 		*pos = (READ(btf, bio, bi_iter.bi_sector) - READ(btf, bdev, bd_start_sect)) << 9;
-		if (main_thread && !*pos && qemus_probe(bio, kind, 0))
+		if (main_thread && !*pos && qemus_probe(bio, kind, btf))
 			return 0;
 		if (*slot != VDISK_SEVERAL)
 			return *slot;
@@ -131,7 +150,7 @@ static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u6
 	if (!iocb)
 		return 0;
 	*pos = BPF_CORE_READ(iocb, ki_pos);
-	if (main_thread && !*pos && qemus_probe(bio, kind, iocb))
+	if (main_thread && !*pos && qemus_probe(bio, kind, btf))
 		return 0;
 	if (*slot != VDISK_SEVERAL)
 		return *slot;
@@ -147,35 +166,6 @@ static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u6
 static __always_inline int in_io_worker(struct task_struct *t, int btf)
 {
 	return !!(READ(btf, t, flags) & PF_IO_WORKER_FLAG);
-}
-
-/* The kiocb a direct-I/O bio serves, where its completion kind keeps one
- * (iomap, and the block device's asynchronous paths). */
-static __always_inline __u64 bio_kiocb(struct bio *bio, int btf)
-{
-	struct blkdev_dio *bdio;
-	struct iomap_dio *idio;
-	__u64 end_io;
-
-	if (!bio)
-		return 0;
-	end_io = (__u64)READ(btf, bio, bi_end_io);
-	if (!end_io)
-		return 0;
-	if (end_io == targ_dio_end_io[DIO_IOMAP]) {
-		idio = BPF_CORE_READ(bio, bi_private);
-		return (__u64)BPF_CORE_READ(idio, iocb);
-	}
-	if (end_io == targ_dio_end_io[DIO_BLKDEV]) {
-		bdio = BPF_CORE_READ(bio, bi_private);
-		return (__u64)BPF_CORE_READ(bdio, iocb);
-	}
-	if (end_io == targ_dio_end_io[DIO_BLKDEV_ASYNC]) {
-		/* The bio is embedded in its blkdev_dio. */
-		bdio = (void *)bio - bpf_core_field_offset(struct blkdev_dio, bio);
-		return (__u64)BPF_CORE_READ(bdio, iocb);
-	}
-	return 0;
 }
 
 /* The pick an engine thread punted with the request of this bio (see

@@ -524,6 +524,17 @@ fn check(d: &Domain, r: &guest::RigResult, rep: &Value, host_disk: &str, iothrea
     );
 }
 
+/// The report's row of the domain's reads of virtio-disk0.
+fn vdisk_reads(rep: &Value, domain: &str) -> Value {
+    rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == domain && e["disk"] == "virtio-disk0" && e["op"] == "read")
+        .cloned()
+        .unwrap_or_else(|| panic!("no reads of virtio-disk0: {rep:#}"))
+}
+
 fn file_domain(tag: &str, iothread: bool, qd: u32) {
     libvirtd();
     let dir = domain_dir(tag);
@@ -613,14 +624,7 @@ fn a_libvirt_domain_that_powers_off_as_its_workload_ends_is_no_mismatch() {
         let ctx = format!("boot {boot}: {r:#?}");
         assert_eq!(r.workload["errors"].as_u64(), Some(0), "{ctx}");
         let vm = &rep["vms"][0];
-        let e = rep["entries"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|e| {
-                e["vm"] == d.name.as_str() && e["disk"] == "virtio-disk0" && e["op"] == "read"
-            })
-            .unwrap_or_else(|| panic!("no reads of virtio-disk0: {rep:#}"));
+        let e = &vdisk_reads(&rep, &d.name);
         let n = |v: &Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"));
         let merged = n(vm, "engine_merged") + n(vm, "host_merged");
         assert_eq!(
@@ -691,13 +695,7 @@ fn a_libvirt_domains_iotune_is_named_in_its_words_and_lifted_with_virsh() {
         after_create,
     };
     let (s, rep) = traced_with(&free, &host, &labelled("before", String::new()));
-    let entry = rep["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["vm"] == free.name.as_str() && e["disk"] == "virtio-disk0" && e["op"] == "read")
-        .cloned()
-        .unwrap_or_else(|| panic!("no reads of virtio-disk0: {rep:#}"));
+    let entry = vdisk_reads(&rep, &free.name);
     let dg = &entry["diagnosis"];
     assert_eq!(dg["cause"], "throttle", "{dg:#}");
     assert_eq!(dg["segment"], "engine", "{dg:#}");
