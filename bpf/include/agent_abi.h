@@ -170,7 +170,8 @@ struct vm_proc {
  * its queue notifiers (the VM stopped or shut down, or the guest reset the
  * device) it may probe or close its images: such requests are QEMU's own,
  * not any virtual disk's. The guest runs from its first kick, a queue
- * notifier made, or the agent's word (a VM running when it started). */
+ * notifier made, a vCPU's request, or the agent's word (a VM running when
+ * it started, or whose vCPU threads it saw run). */
 #define VM_PROC_STARTING 0
 #define VM_PROC_RUNNING	 1
 #define VM_PROC_STOPPED	 2

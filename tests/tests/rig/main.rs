@@ -3,15 +3,17 @@
 //! guest-observed latency (root).
 //!
 //! One binary, its tests by subject: `boot` (a traced boot per disk model,
-//! engine and aio mode), `lifecycle` (lost completions, VMs coming and
-//! going), `segments` (a delay put in one place shows in its segment),
-//! `channel` (the guest channel across restarts and reboots).
+//! engine and aio mode), `always_on` (the default tier's exact counts),
+//! `lifecycle` (lost completions, VMs coming and going), `segments` (a
+//! delay put in one place shows in its segment), `channel` (the guest
+//! channel across restarts and reboots).
 
 use std::process::Command;
 
 use agent_integration::{iospan_bin, run_around, Reports};
 use serde_json::Value;
 
+mod always_on;
 mod boot;
 mod channel;
 mod diagnosis;

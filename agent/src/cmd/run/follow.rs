@@ -73,15 +73,18 @@ pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) ->
             if let Some(vm) = known.vms.get_mut(&slot) {
                 vm.kicks = kicks;
             }
-            // No vCPU to see start the guest, no kick of it to be seen, or
-            // its start may have come before the start probe was attached
-            // (a VM exec'd while the agent started): its requests are the
-            // guest's from here (QEMU's own start-up reads included), its
-            // disks now known.
-            if !named_threads || !probes.saw_start_of(tgid) || kicks == vms::KickSource::NotSeen {
+            // No vCPU to see start the guest, or its start may have come
+            // before the start probe was attached (a VM exec'd while the
+            // agent started): its requests are the guest's from here
+            // (QEMU's own start-up reads included), its disks now known.
+            // No kick of it to be seen (TCG): from its vCPUs seen running,
+            // after QEMU's own reads as it realizes and activates its drives.
+            if !named_threads || !probes.saw_start_of(tgid) {
                 if let Err(e) = probes.mark_started(tgid) {
                     log::warn!("VM pid {tgid}: {}", crate::probes::error_chain(&e));
                 }
+            } else if kicks == vms::KickSource::NotSeen {
+                known.awaiting_run.insert(slot);
             }
             if let Some(vm) = known.vms.get(&slot) {
                 attach_vm_probes(probes, slot, vm);
@@ -90,6 +93,34 @@ pub(super) fn name_new_vms(probes: &mut BlockProbes, known: &Mutex<Registry>) ->
         }
     }
     channels
+}
+
+/// VMs waiting for their guest to be seen running (`Registry::awaiting_run`)
+/// whose vCPU threads have now run: their requests are the guest's from
+/// here. Exited ones are let go.
+pub(super) fn start_vms_that_ran(probes: &mut BlockProbes, known: &Mutex<Registry>) {
+    let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
+    let mut done = Vec::new();
+    for slot in &known.awaiting_run {
+        let Some(vm) = known.vms.get(slot).filter(|_| !known.exited.contains(slot)) else {
+            done.push(*slot);
+            continue;
+        };
+        match vms::vcpu_runtime(vm.pid) {
+            Some(ran) if ran >= vms::VCPU_RAN => {
+                if let Err(e) = probes.mark_started(vm.pid) {
+                    log::warn!("VM pid {}: {}", vm.pid, crate::probes::error_chain(&e));
+                }
+                done.push(*slot);
+            }
+            Some(_) => {}
+            None if !vms::alive(vm) => done.push(*slot),
+            None => {}
+        }
+    }
+    for slot in done {
+        known.awaiting_run.remove(&slot);
+    }
 }
 
 /// How long after its naming a VM not known to run on KVM is looked at

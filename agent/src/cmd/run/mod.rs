@@ -85,6 +85,10 @@ pub struct RunOptions {
 /// last records read, the exit's own bookkeeping done.
 const AFTER_EXIT: Duration = Duration::from_secs(1);
 
+/// How often a VM waiting for its guest to run is looked at: a few reads
+/// of /proc per vCPU, only while one waits.
+const START_LOOK: Duration = Duration::from_millis(5);
+
 /// Where and how often a run sends its frames.
 #[derive(Clone, Debug)]
 pub struct LiveFeed {
@@ -366,6 +370,10 @@ impl Session {
         // wakes us at each VM exec; the VM tick looks at its generation
         // too, for an exec whose wakeup found the ring full.
         let mut execs = execs::ExecWatch::new(&mut self.probes);
+        // A VM whose guest's start no kick shows (TCG) is looked at often
+        // while it waits: its firmware may read soon after its vCPUs run.
+        let mut start_tick = tokio::time::interval(START_LOOK);
+        start_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let ending = loop {
             tokio::select! {
                 status = async { child.as_mut().expect("guarded").wait().await }, if child.is_some() => {
@@ -390,6 +398,9 @@ impl Session {
                         // still counted, for a deep run waiting on it.
                         self.apply_wanted_tier();
                     }
+                }
+                _ = start_tick.tick(), if opts.vms && self.awaiting_run() => {
+                    start_vms_that_ran(&mut self.probes, &self.known);
                 }
                 _ = execs.exec(), if opts.vms => {
                     if execs.moved(&self.probes) {
@@ -455,7 +466,14 @@ impl Session {
     fn follow_vms(&mut self) {
         forget_exited_vms(&mut self.probes, &self.known, &mut self.exited);
         learn_late_kvm(&mut self.probes, &self.known);
+        start_vms_that_ran(&mut self.probes, &self.known);
         self.apply_wanted_tier();
+    }
+
+    /// Whether a VM waits for its vCPUs to be seen running.
+    fn awaiting_run(&self) -> bool {
+        let known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        !known.awaiting_run.is_empty()
     }
 
     /// New VMs named, their guest channels followed.

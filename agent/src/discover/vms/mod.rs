@@ -23,7 +23,8 @@ pub use engines::{
 pub use registry::{NotVm, Registry, VmMaps};
 pub use scan::{
     alive, channel_socket, engine_alive, holds_kvm_vm, identify, identify_within,
-    kvm_on_command_line, qemu_pids, scan, since_boot, started_since_boot, IDENTIFY_LIMIT,
+    kvm_on_command_line, qemu_pids, scan, since_boot, started_since_boot, vcpu_runtime,
+    IDENTIFY_LIMIT, VCPU_RAN,
 };
 pub use stack::{file_key, host_disk_of, host_stack_of, host_stack_of_dev, HostStack};
 

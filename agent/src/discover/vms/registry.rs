@@ -27,6 +27,10 @@ pub struct Registry {
     /// from its configuration (not its command line) is looked at again
     /// (`learn_kvm`).
     pub kvm_unsure: std::collections::BTreeMap<u32, std::time::Instant>,
+    /// VMs whose guest's start nothing the tier attaches can see (no kick
+    /// seen, its requests from no vCPU): their requests are QEMU's own
+    /// until a vCPU thread is seen running (`vcpu_runtime`).
+    pub awaiting_run: std::collections::BTreeSet<u32>,
 }
 
 /// A QEMU process that is not a VM.

@@ -198,3 +198,43 @@ pub fn holds_kvm_vm(pid: u32) -> bool {
         .filter_map(|e| fs::read_link(e.path()).ok())
         .any(|t| t.as_os_str() == "anon_inode:kvm-vm")
 }
+
+/// How long a VM's vCPU threads must have run before its guest is taken to
+/// run: a vCPU thread waiting for the VM to start has run about 1 ms
+/// (measured: QEMU's TCG thread paused with `-S`), one running its guest
+/// passes 5 ms within milliseconds.
+pub const VCPU_RAN: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// The CPU time of a VM's busiest vCPU thread (QEMU names them "CPU
+/// <n>/KVM", "CPU <n>/TCG", or "ALL CPUs/TCG" with one thread for all):
+/// None where it names none or is gone.
+pub fn vcpu_runtime(pid: u32) -> Option<std::time::Duration> {
+    let tasks = fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    tasks
+        .flatten()
+        .filter(|t| {
+            fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.starts_with("CPU ") || c.starts_with("ALL CPUs/"))
+        })
+        .filter_map(|t| thread_runtime(&t.path()))
+        .max()
+}
+
+/// A thread's CPU time: schedstat's first field (ns), else stat's user and
+/// system ticks (kernels without scheduler statistics).
+fn thread_runtime(task: &std::path::Path) -> Option<std::time::Duration> {
+    if let Some(ns) = fs::read_to_string(task.join("schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+    {
+        return Some(std::time::Duration::from_nanos(ns));
+    }
+    let stat = fs::read_to_string(task.join("stat")).ok()?;
+    // Fields after "(comm)": utime is field 14, stime 15.
+    let mut rest = stat[stat.rfind(')')? + 1..].split_whitespace().skip(11);
+    let ticks = rest.next()?.parse::<u64>().ok()? + rest.next()?.parse::<u64>().ok()?;
+    let hz = Some(rustix::param::clock_ticks_per_second()).filter(|&h| h > 0)?;
+    Some(std::time::Duration::from_nanos(
+        ticks.saturating_mul(1_000_000_000) / hz,
+    ))
+}

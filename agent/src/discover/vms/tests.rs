@@ -958,3 +958,32 @@ fn disk_settings_come_from_the_command_line() {
     assert_eq!(b.knobs.ioeventfd, None);
     assert!(b.knobs.throttle.is_empty());
 }
+
+#[test]
+fn a_vcpu_thread_is_seen_running_and_other_threads_are_not() {
+    let busy = |name: &str, ms: u64| {
+        std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || {
+                let t = std::time::Instant::now();
+                while t.elapsed() < std::time::Duration::from_millis(ms) {
+                    std::hint::black_box(0u64);
+                }
+                std::thread::park();
+            })
+            .unwrap()
+    };
+    let pid = std::process::id();
+    // An engine thread's work is not a vCPU's: it alone makes no runtime.
+    let worker = busy("worker", 20);
+    std::thread::sleep(std::time::Duration::from_millis(40));
+    assert_eq!(vcpu_runtime(pid), None);
+    let vcpu = busy("CPU 0/KVM", 20);
+    std::thread::sleep(std::time::Duration::from_millis(40));
+    let ran = vcpu_runtime(pid).expect("a vCPU thread");
+    assert!(ran >= VCPU_RAN, "{ran:?}");
+    assert!(ran < std::time::Duration::from_secs(1), "{ran:?}");
+    worker.thread().unpark();
+    vcpu.thread().unpark();
+    assert!(vcpu_runtime(u32::MAX).is_none());
+}

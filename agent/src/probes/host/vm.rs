@@ -17,7 +17,7 @@ use crate::probes::{map_mut_of, map_of, Attachment, Flavour, LoadError};
 use crate::{
     abi::{
         BlkStats, FileKey, RqSlot, VmCounts, VmDevKey, VmKey, VmProc, NR_DIO_END_IO, RQ_F_DONE,
-        RQ_F_REQUEUE_PENDING, VM_PROC_RUNNING,
+        RQ_F_REQUEUE_PENDING, VM_PROC_RUNNING, VM_PROC_STARTING,
     },
     discover::disks::Dev,
     discover::vms::VmMaps,
@@ -385,12 +385,16 @@ impl BlockProbes {
     }
 
     /// Takes the VM's requests as its guest's from now on, for a VM whose
-    /// vCPU threads cannot be told apart (no `debug-threads=on`).
+    /// guest's start the kernel side cannot see (no `debug-threads=on`, no
+    /// kick). A VM already running, or stopped since, is left as it is.
     pub fn mark_started(&mut self, pid: u32) -> Result<(), LoadError> {
         let mut pids: HashMap<_, u32, VmProc> = map_mut_of(&mut self.ebpf, "vm_pids")?;
         let Ok(mut p) = pids.get(&pid, 0) else {
             return Ok(());
         };
+        if p.state != VM_PROC_STARTING {
+            return Ok(());
+        }
         p.state = VM_PROC_RUNNING;
         pids.insert(pid, p, 0)
             .map_err(LoadError::map_op("vm_pids"))?;
