@@ -113,6 +113,28 @@ fn rate(slices: usize) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The same for two threads handing a byte back and forth: a wake-up and
+/// a context switch each way, where the scheduler's tracepoints run.
+fn trip_rate(slices: usize) -> f64 {
+    (0..slices)
+        .map(|_| xtask::tax::round_trips_per_cpu_s(Duration::from_millis(100)).unwrap())
+        .fold(0.0, f64::max)
+}
+
+/// A slice's rates of a syscall-bound and a switch-bound process.
+#[derive(Clone, Copy)]
+struct Rates {
+    syscalls: f64,
+    trips: f64,
+}
+
+fn rates() -> Rates {
+    Rates {
+        syscalls: rate(2),
+        trips: trip_rate(2),
+    }
+}
+
 /// Whether the kernel's name for a program is `wanted` (either flavour:
 /// `NAME_btf` or the raw tracepoint's `NAME`), in full or cut to the
 /// kernel's 15 characters.
@@ -205,13 +227,13 @@ fn signal(pid: u32, sig: libc::c_int) {
     );
 }
 
-/// The syscall loop's rate with the agent stopped (SIGSTOP) and running,
-/// in turn, `PAIRS` times, and the agent's context switches a second while
-/// it ran.
-fn stopped_and_running(pid: u32) -> (Vec<f64>, Vec<f64>, f64) {
+/// The syscall loop's and the round trips' rates with the agent stopped
+/// (SIGSTOP) and running, in turn, `PAIRS` times, and the agent's context
+/// switches a second while it ran.
+fn stopped_and_running(pid: u32) -> (Vec<Rates>, Vec<Rates>, f64) {
     let stopped_rate = || {
         signal(pid, libc::SIGSTOP);
-        let r = rate(2);
+        let r = rates();
         signal(pid, libc::SIGCONT);
         r
     };
@@ -219,7 +241,7 @@ fn stopped_and_running(pid: u32) -> (Vec<f64>, Vec<f64>, f64) {
     let (mut switches, mut ran) = (0, Duration::ZERO);
     for _ in 0..PAIRS {
         let (before, t0) = (switches_of(pid), Instant::now());
-        running.push(rate(2));
+        running.push(rates());
         switches += switches_of(pid) - before;
         ran += t0.elapsed();
         stopped.push(stopped_rate());
@@ -227,13 +249,13 @@ fn stopped_and_running(pid: u32) -> (Vec<f64>, Vec<f64>, f64) {
     (stopped, running, switches as f64 / ran.as_secs_f64())
 }
 
-/// The median of each running slice's rate against the stopped ones
-/// either side of it.
-fn median_ratio(stopped: &[f64], running: &[f64]) -> f64 {
+/// The median of each running slice's rate (`of` it) against the stopped
+/// ones either side of it.
+fn median_ratio(stopped: &[Rates], running: &[Rates], of: fn(&Rates) -> f64) -> f64 {
     let mut ratios: Vec<f64> = running
         .iter()
         .zip(stopped.windows(2))
-        .map(|(r, around)| r / ((around[0] + around[1]) / 2.0))
+        .map(|(r, around)| of(r) / ((of(&around[0]) + of(&around[1])) / 2.0))
         .collect();
     ratios.sort_by(f64::total_cmp);
     let n = ratios.len();
@@ -271,11 +293,17 @@ fn an_idle_agent_attaches_no_system_call_probe_and_costs_no_process_anything() {
     let (stopped, running, switches_per_s) = stopped_and_running(pid);
     programs.extend(attached_programs(pid));
     drop(agent);
-    eprintln!("pairs per CPU-second, the agent stopped and running, in turn:");
+    eprintln!("pairs and round trips per CPU-second, the agent stopped and running, in turn:");
     for (s, r) in stopped.iter().zip(&running) {
-        eprintln!("  {s:>9.0} {r:>9.0}");
+        eprintln!(
+            "  {:>9.0} {:>9.0}   {:>9.0} {:>9.0}",
+            s.syscalls, r.syscalls, s.trips, r.trips
+        );
     }
-    eprintln!("  {:>9.0}", stopped[PAIRS]);
+    eprintln!(
+        "  {:>9.0} {:>9} {:>11.0}",
+        stopped[PAIRS].syscalls, "", stopped[PAIRS].trips
+    );
     eprintln!("attached: {programs:?}");
     eprintln!("the idle agent's context switches: {switches_per_s:.0} a second");
     assert!(
@@ -294,16 +322,24 @@ fn an_idle_agent_attaches_no_system_call_probe_and_costs_no_process_anything() {
         switches_per_s <= IDLE_SWITCHES_PER_S,
         "an idle agent wakes {switches_per_s:.0} times a second (at most {IDLE_SWITCHES_PER_S})"
     );
-    let ratio = median_ratio(&stopped, &running);
-    eprintln!(
-        "agent running against the stopped slices around it, median of {PAIRS}: {:.1} %",
-        ratio * 100.0
-    );
-    assert!(
-        ratio >= 0.99,
-        "an idle agent costs a syscall-bound process {:.1} %",
-        (1.0 - ratio) * 100.0
-    );
+    for (kind, of) in [
+        (
+            "syscall-bound",
+            (|r: &Rates| r.syscalls) as fn(&Rates) -> f64,
+        ),
+        ("switch-bound", |r: &Rates| r.trips),
+    ] {
+        let ratio = median_ratio(&stopped, &running, of);
+        eprintln!(
+            "{kind}: the agent running against the stopped slices around it, median of {PAIRS}: {:.1} %",
+            ratio * 100.0
+        );
+        assert!(
+            ratio >= 0.99,
+            "an idle agent costs a {kind} process {:.1} %",
+            (1.0 - ratio) * 100.0
+        );
+    }
 }
 
 /// The instructions the kernel's verifier walked for each program process

@@ -129,6 +129,9 @@ struct Slice {
     cpu_ns_per_io: f64,
     /// The non-VM process's 8-byte read+write pairs per second of its own CPU.
     syscall_pairs_per_cpu_s: f64,
+    /// Its two threads' one-byte round trips (a wake-up and a switch each
+    /// way) per second of their CPU.
+    switch_trips_per_cpu_s: f64,
 }
 
 /// What iospan's report says of a traced slice (its whole attachment).
@@ -168,6 +171,7 @@ struct Paired {
     iops_ratio: f64,
     added_ns_per_io: f64,
     syscalls_ratio: f64,
+    switches_ratio: f64,
 }
 
 #[derive(Serialize)]
@@ -185,6 +189,7 @@ struct Summary {
     uncounted: Option<i64>,
     agent_rss_mib: Option<f64>,
     syscalls_vs_untraced: f64,
+    switches_vs_untraced: f64,
 }
 
 /// What every slice needs.
@@ -313,6 +318,7 @@ fn pair(t: &Slice, b: &Slice, a: &Slice) -> Paired {
         iops_ratio: t.guest_iops / mean(|s| s.guest_iops),
         added_ns_per_io: t.cpu_ns_per_io - mean(|s| s.cpu_ns_per_io),
         syscalls_ratio: t.syscall_pairs_per_cpu_s / mean(|s| s.syscall_pairs_per_cpu_s),
+        switches_ratio: t.switch_trips_per_cpu_s / mean(|s| s.switch_trips_per_cpu_s),
     }
 }
 
@@ -346,6 +352,7 @@ fn summarise(a: &VmArgs, res: &Results, profiles: &[Traced]) -> Vec<Summary> {
         uncounted: None,
         agent_rss_mib: None,
         syscalls_vs_untraced: 1.0,
+        switches_vs_untraced: 1.0,
     }];
     for arm in Arm::traced(a) {
         let bpf = profiles
@@ -368,6 +375,7 @@ fn summarise(a: &VmArgs, res: &Results, profiles: &[Traced]) -> Vec<Summary> {
             uncounted: traced(arm).map(|t| t.uncounted).sum(),
             agent_rss_mib: median_of_some(traced(arm).map(|t| t.agent_rss_mib)),
             syscalls_vs_untraced: median(pairs(arm).map(|p| p.syscalls_ratio)),
+            switches_vs_untraced: median(pairs(arm).map(|p| p.switches_ratio)),
         });
     }
     out
@@ -461,9 +469,10 @@ impl Mark {
     }
 }
 
-/// `seconds` of the load, measured; then a second of the non-VM process
-/// beside it (it idles during the slice: a busy process beside the VMs
-/// moves their throughput by several percent from one slice to the next).
+/// `seconds` of the load, measured; then a second each of the non-VM
+/// process's system calls and of its threads' round trips beside it (it
+/// idles during the slice: a busy process beside the VMs moves their
+/// throughput by several percent from one slice to the next).
 fn measure(rig: &Rig, arm: Arm, rep: u32) -> Result<Slice> {
     let m0 = Mark::now(rig)?;
     std::thread::sleep(Duration::from_secs(u64::from(rig.a.seconds)));
@@ -480,13 +489,16 @@ fn measure(rig: &Rig, arm: Arm, rep: u32) -> Result<Slice> {
         guest_iops: ios as f64 / secs,
         cpu_ns_per_io: m1.cpu_ns.saturating_sub(m0.cpu_ns) as f64 / ios as f64,
         syscall_pairs_per_cpu_s: rig.tax.measure(Duration::from_secs(1))?,
+        switch_trips_per_cpu_s: crate::tax::round_trips_per_cpu_s(Duration::from_secs(1))
+            .context("the non-VM threads' round trips")?,
     };
     eprintln!(
-        "        {}: {:.0} guest IOPS, {:.0} ns CPU/IO, non-VM {:.0} pairs per CPU-second",
+        "        {}: {:.0} guest IOPS, {:.0} ns CPU/IO, non-VM {:.0} pairs and {:.0} round trips per CPU-second",
         arm.label(),
         s.guest_iops,
         s.cpu_ns_per_io,
-        s.syscall_pairs_per_cpu_s
+        s.syscall_pairs_per_cpu_s,
+        s.switch_trips_per_cpu_s
     );
     Ok(s)
 }
@@ -784,7 +796,7 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
     );
     let _ = writeln!(
         t,
-        "{:<15} {:>10} {:>7} {:>9} {:>8} {:>8} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10}",
+        "{:<15} {:>10} {:>7} {:>9} {:>8} {:>8} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10} {:>10}",
         "arm",
         "guest IOPS",
         "IOPS %",
@@ -797,12 +809,13 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
         "unsplit",
         "uncounted",
         "RSS MiB",
-        "syscalls %"
+        "syscalls %",
+        "switches %"
     );
     for s in summaries {
         let _ = writeln!(
             t,
-            "{:<15} {:>10.0} {:>7.1} {:>9.0} {:>8.0} {:>8} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10.1}",
+            "{:<15} {:>10.0} {:>7.1} {:>9.0} {:>8.0} {:>8} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10.1} {:>10.1}",
             s.arm.label(),
             s.guest_iops,
             s.iops_vs_untraced * 100.0,
@@ -816,6 +829,7 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
             s.uncounted.map_or("-".into(), |v| v.to_string()),
             s.agent_rss_mib.map_or("-".into(), |v| format!("{v:.1}")),
             s.syscalls_vs_untraced * 100.0,
+            s.switches_vs_untraced * 100.0,
         );
     }
     for p in profiles {

@@ -17,4 +17,5 @@ pub mod pictures;
 pub mod qemu_release;
 pub mod setup;
 pub mod sh;
+pub mod tax;
 pub mod tmux;
