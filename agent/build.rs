@@ -28,6 +28,7 @@ const OBJECTS: &[(&str, &[&str])] = &[
     ),
     ("features", &["features"]),
     ("guest", &["guest"]),
+    ("floor", &["floor"]),
 ];
 
 fn main() {

@@ -28,6 +28,18 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// For `cargo xtask bench vm`: programs that do only what cannot be avoided on the hooks
+    /// a run of the always-on tier attached (its report, --like), until interrupted; then
+    /// their kernel statistics (--json-out).
+    #[command(hide = true)]
+    Floor {
+        /// A report of `iospan run --json-out` whose hooks to mirror.
+        #[arg(long, value_name = "REPORT")]
+        like: PathBuf,
+        /// Where to write the floor programs' statistics (JSON).
+        #[arg(long, value_name = "FILE")]
+        json_out: PathBuf,
+    },
     /// Trace block I/O while CMD runs (or for --duration, or until Ctrl-C), then report
     /// IOPS, MB/s and latency percentiles per disk and op, split into queue and service.
     Run(Box<RunArgs>),
@@ -401,6 +413,10 @@ struct TopArgs {
 fn real_main(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Cmd::Doctor { json } => doctor::main(json),
+        Cmd::Floor { like, json_out } => {
+            iospan::cmd::floor::main(&like, &json_out)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Run(a) => {
             let a = *a;
             let labelled = a.label.clone().map(|label| bench::Labelled {

@@ -444,3 +444,91 @@ fn doctor_names_the_process_listening_on_a_vhost_user_socket() {
         "{line}"
     );
 }
+
+/// `iospan floor` (the bench's floor arm) mirrors the hooks of a run's
+/// report in their flavours, says what it cannot mirror, and counts its
+/// programs' runs; a report it cannot use is named with the fix.
+#[test]
+fn floor_mirrors_a_reports_hooks_and_counts_their_runs() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("floor");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (like, out) = (dir.join("like.json"), dir.join("floor.json"));
+    std::fs::write(
+        &like,
+        serde_json::json!({ "probes": [
+            { "tracepoint": "block_rq_complete", "flavour": "tp_btf", "program": "block_rq_complete_btf" },
+            { "tracepoint": "sched_switch", "flavour": "raw_tp", "program": "sched_switch" },
+            { "tracepoint": "sched_waking", "flavour": "tp_btf", "program": "sched_waking_nested_btf" },
+            { "tracepoint": "/usr/bin/qemu-system-x86_64:virtqueue_flush", "flavour": "uprobe", "program": "virtqueue_flush" },
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    let bad = run(Command::new(iospan_bin())
+        .args(["floor", "--like", "/nonexistent.json", "--json-out"])
+        .arg(&out));
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("--like /nonexistent.json"),
+        "{}",
+        stderr(&bad)
+    );
+
+    let _stats = xtask::bench::BpfStats::enable().unwrap();
+    let mut c = Command::new(iospan_bin())
+        .args(["floor", "--like"])
+        .arg(&like)
+        .arg("--json-out")
+        .arg(&out)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(c.stderr.take().unwrap());
+    let mut said = String::new();
+    while !said.contains("not mirrored") {
+        let mut line = String::new();
+        assert!(
+            std::io::BufRead::read_line(&mut err, &mut line).unwrap() > 0,
+            "{said}"
+        );
+        said += &line;
+    }
+    // Switches happen on their own; a sleep is one more.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
+    assert!(c.wait().unwrap().success(), "{said}");
+    let r: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(r["tier"], "floor");
+    let attached: Vec<&str> = r["probes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["program"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        attached,
+        [
+            "block_rq_complete_btf",
+            "sched_switch",
+            "sched_waking_nested_btf"
+        ],
+        "{r:#}"
+    );
+    assert_eq!(r["not_mirrored"][0]["flavour"], "uprobe", "{r:#}");
+    let runs = |name: &str| {
+        r["agent"]["bpf"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["run_count"].as_u64())
+    };
+    assert!(runs("sched_switch").is_some_and(|n| n > 0), "{r:#}");
+    assert!(
+        runs("sched_waking_nested_btf").is_some_and(|n| n > 0),
+        "{r:#}"
+    );
+    // Programs of the floor not asked for are not even loaded.
+    assert_eq!(runs("sched_switch_btf"), None, "{r:#}");
+}

@@ -604,11 +604,11 @@ impl Drop for LoopDev {
 }
 
 /// kernel.bpf_stats_enabled on for the run, restored after.
-pub(crate) struct BpfStats(String);
+pub struct BpfStats(String);
 
 impl BpfStats {
     const PATH: &'static str = "/proc/sys/kernel/bpf_stats_enabled";
-    pub(crate) fn enable() -> Result<Self> {
+    pub fn enable() -> Result<Self> {
         let old = std::fs::read_to_string(Self::PATH).unwrap_or_else(|_| "0".into());
         std::fs::write(Self::PATH, "1")
             .context("enabling kernel.bpf_stats_enabled (needs root)")?;

@@ -83,10 +83,19 @@ enum Arm {
     Deep,
     /// `--against`'s build, always-on.
     Against,
+    /// `iospan floor`: the always-on tier's hooks with programs that do
+    /// only what cannot be avoided there.
+    Floor,
 }
 
 impl Arm {
-    const TRACED: [Arm; 4] = [Arm::BlockOnly, Arm::AlwaysOn, Arm::AlwaysOnOtlp, Arm::Deep];
+    const TRACED: [Arm; 5] = [
+        Arm::Floor,
+        Arm::BlockOnly,
+        Arm::AlwaysOn,
+        Arm::AlwaysOnOtlp,
+        Arm::Deep,
+    ];
 
     /// The traced arms of a run.
     fn traced(a: &VmArgs) -> Vec<Arm> {
@@ -105,6 +114,7 @@ impl Arm {
             Arm::AlwaysOnOtlp => "always-on+OTLP",
             Arm::Deep => "deep",
             Arm::Against => "always-on (--against)",
+            Arm::Floor => "floor",
         }
     }
 
@@ -163,6 +173,12 @@ struct Program {
     ns_per_io: f64,
 }
 
+impl Program {
+    fn ns_per_run(&self) -> f64 {
+        self.ns_per_io / self.runs_per_io.max(1e-12)
+    }
+}
+
 /// A traced slice against the untraced slices either side of it.
 #[derive(Clone, Debug, Serialize)]
 struct Paired {
@@ -203,6 +219,8 @@ struct Rig<'a> {
     out_dir: PathBuf,
     sink: OtlpSink,
     tax: Tax,
+    /// A report of the always-on tier here: the hooks the floor mirrors.
+    hooks: PathBuf,
 }
 
 impl Rig<'_> {
@@ -244,6 +262,7 @@ pub fn vm(a: &VmArgs) -> Result<()> {
             .map(|_| LoopDev::create(32))
             .collect::<Result<_>>()?,
         iospan: sh::target_dir().join("release/iospan"),
+        hooks: out_dir.join("vm-always-on-hooks.json"),
         out_dir,
         sink: OtlpSink::start()?,
         tax: Tax::start(),
@@ -251,6 +270,7 @@ pub fn vm(a: &VmArgs) -> Result<()> {
     let vms = Vms::start(&rig, &vm_exe)?;
     // The guests' start-up and the engines' first batches are no slice's.
     std::thread::sleep(Duration::from_secs(2));
+    learn_hooks(&rig)?;
     let mut res = Results::default();
     let run = cost_slices(&rig, &mut res).and_then(|()| profile_slices(&rig));
     vms.stop();
@@ -512,6 +532,7 @@ fn untraced_slice(rig: &Rig, rep: u32) -> Result<Slice> {
 fn traced_slice(rig: &Rig, arm: Arm, rep: u32, profile: bool) -> Result<(Slice, Traced)> {
     let report = rig.out_dir.join("vm-iospan.json");
     let _ = std::fs::remove_file(&report);
+    let ios0 = rig.reads()?;
     let tracer = start_tracer(rig, arm, profile, &report)?;
     // Its start-up (loading, naming the VMs) is no slice's.
     std::thread::sleep(SETTLE);
@@ -520,9 +541,10 @@ fn traced_slice(rig: &Rig, arm: Arm, rep: u32, profile: bool) -> Result<(Slice, 
     let otlp =
         (arm == Arm::AlwaysOnOtlp).then(|| rig.sink.requests.load(Ordering::Relaxed) - otlp0);
     let traced = stop_tracer(tracer, arm, &report, otlp)?;
+    let attached_ios = rig.reads()?.saturating_sub(ios0);
     std::thread::sleep(SETTLE);
     let names: Vec<&str> = rig.devs.iter().map(|d| d.name.as_str()).collect();
-    Ok((slice, traced.finish(&names)?))
+    Ok((slice, traced.finish(&names, attached_ios)?))
 }
 
 /// iospan for an arm, attached and ready.
@@ -532,15 +554,19 @@ fn start_tracer(rig: &Rig, arm: Arm, profile: bool, report: &Path) -> Result<Chi
         _ => &rig.iospan,
     };
     let mut cmd = Command::new(exe);
-    cmd.args(["-v", "run", "--quiet", "--duration", "1h"])
-        .args(arm.args())
-        .arg("--json-out")
+    if arm == Arm::Floor {
+        cmd.args(["floor", "--like"]).arg(&rig.hooks);
+    } else {
+        cmd.args(["-v", "run", "--quiet", "--duration", "1h"])
+            .args(arm.args());
+        if profile {
+            cmd.arg("--bpf-stats");
+        }
+    }
+    cmd.arg("--json-out")
         .arg(report)
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
-    if profile {
-        cmd.arg("--bpf-stats");
-    }
     if arm == Arm::AlwaysOnOtlp {
         cmd.arg("--otlp-endpoint").arg(rig.sink.endpoint());
     }
@@ -551,6 +577,15 @@ fn start_tracer(rig: &Rig, arm: Arm, profile: bool, report: &Path) -> Result<Chi
         .context("starting iospan")?;
     wait_for_line(&mut c, false, "attached block_rq_complete")?;
     Ok(c)
+}
+
+/// The always-on tier attached around the VMs once, its report kept: the
+/// hooks the floor arm mirrors (those of VMs found running included).
+fn learn_hooks(rig: &Rig) -> Result<()> {
+    eprintln!("xtask: bench vm: the always-on tier's hooks, for the floor");
+    let c = start_tracer(rig, Arm::AlwaysOn, false, &rig.hooks)?;
+    std::thread::sleep(SETTLE);
+    stop_tracer(c, Arm::AlwaysOn, &rig.hooks, None).map(|_| ())
 }
 
 /// How long the load settles after iospan starts or stops, before or after
@@ -591,10 +626,16 @@ fn stop_tracer(
 
 impl Stopped {
     /// Its figures per guest I/O of iospan's whole attachment: the requests
-    /// it counted on the VMs' disks (`disks`).
-    fn finish(self, disks: &[&str]) -> Result<Traced> {
+    /// it counted on the VMs' disks (`disks`); the floor counts none, and
+    /// takes the disks' own count over its attachment (`attached_ios`).
+    fn finish(self, disks: &[&str], attached_ios: u64) -> Result<Traced> {
         let r = &self.report;
-        let run_ios = disk_ios(r, disks).max(1);
+        let run_ios = if self.arm == Arm::Floor {
+            attached_ios
+        } else {
+            disk_ios(r, disks)
+        }
+        .max(1);
         let per_io = |ns: f64| ns / run_ios as f64;
         let programs = r["agent"]["bpf"].as_array().map(|progs| {
             let mut v: Vec<Program> = progs
@@ -611,7 +652,7 @@ impl Stopped {
             v.sort_by(|a, b| b.ns_per_io.total_cmp(&a.ns_per_io));
             v
         });
-        let followed = self.arm != Arm::BlockOnly;
+        let followed = !matches!(self.arm, Arm::BlockOnly | Arm::Floor);
         Ok(Traced {
             arm: self.arm,
             agent_ns_per_io: per_io(agent_cpu_ns(r)),
@@ -779,6 +820,10 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
     let mut t = String::new();
     let o = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
     let n = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
+    let floor_bpf = summaries
+        .iter()
+        .find(|s| s.arm == Arm::Floor)
+        .and_then(|s| s.bpf_ns_per_io);
     let _ = writeln!(
         t,
         "{} VMs x {} queues x QD{}, 4 KiB random reads (io_uring), a loop device over /dev/shm each, {}; slices of {} s, {} traced per arm and repetition, medians of {} repetitions (each traced slice against the untraced slices either side)\n",
@@ -796,13 +841,14 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
     );
     let _ = writeln!(
         t,
-        "{:<15} {:>10} {:>7} {:>9} {:>8} {:>8} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10} {:>10}",
+        "{:<15} {:>10} {:>7} {:>9} {:>8} {:>8} {:>7} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10} {:>10}",
         "arm",
         "guest IOPS",
         "IOPS %",
         "CPU ns/IO",
         "added",
         "BPF ns",
+        "x floor",
         "agent ns",
         "lost",
         "drops",
@@ -815,13 +861,16 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
     for s in summaries {
         let _ = writeln!(
             t,
-            "{:<15} {:>10.0} {:>7.1} {:>9.0} {:>8.0} {:>8} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10.1} {:>10.1}",
+            "{:<15} {:>10.0} {:>7.1} {:>9.0} {:>8.0} {:>8} {:>7} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10.1} {:>10.1}",
             s.arm.label(),
             s.guest_iops,
             s.iops_vs_untraced * 100.0,
             s.cpu_ns_per_io,
             s.added_ns_per_io,
             o(s.bpf_ns_per_io),
+            s.bpf_ns_per_io
+                .zip(floor_bpf)
+                .map_or("-".into(), |(b, f)| format!("{:.2}", b / f.max(1e-9))),
             o(s.agent_ns_per_io),
             n(s.lost),
             n(s.ringbuf_drops),
@@ -832,20 +881,35 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
             s.switches_vs_untraced * 100.0,
         );
     }
+    let floor = profiles
+        .iter()
+        .find(|p| p.arm == Arm::Floor)
+        .and_then(|p| p.programs.as_ref());
     for p in profiles {
         let Some(progs) = p.programs.as_ref() else {
             continue;
         };
         let _ = writeln!(
             t,
-            "\n{} (profile slice, BPF statistics on): per guest I/O, runs and ns",
+            "\n{} (profile slice, BPF statistics on): per guest I/O, runs and ns; ns a run, and the floor's program on the same hook",
             p.arm.label()
         );
+        let _ = writeln!(
+            t,
+            "  {:<32} {:>7} {:>7} {:>8} {:>8} {:>9}",
+            "program", "runs", "ns", "ns/run", "floor", "floor ns"
+        );
         for pr in progs.iter().filter(|p| p.ns_per_io >= 0.5) {
+            let floor = floor.and_then(|f| f.iter().find(|f| f.name == pr.name));
             let _ = writeln!(
                 t,
-                "  {:<32} {:>7.3} {:>7.0}",
-                pr.name, pr.runs_per_io, pr.ns_per_io
+                "  {:<32} {:>7.3} {:>7.0} {:>8.0} {:>8} {:>9}",
+                pr.name,
+                pr.runs_per_io,
+                pr.ns_per_io,
+                pr.ns_per_run(),
+                floor.map_or("-".into(), |f| format!("{:.0}", f.ns_per_run())),
+                floor.map_or("-".into(), |f| format!("{:.0}", f.ns_per_io)),
             );
         }
     }

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod config;
 pub mod demo;
 pub mod doctor;
+pub mod floor;
 pub mod guest;
 #[cfg(feature = "otlp")]
 pub mod replay;

@@ -2,6 +2,7 @@
 //! Everything above it sees `model` types.
 
 pub mod features;
+pub mod floor;
 pub mod guest;
 pub mod host;
 pub mod preflight;
