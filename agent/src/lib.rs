@@ -13,9 +13,12 @@
 //!   correlate, stitch).
 //! - `output`: what reads the model — report, metrics, live frames, OTLP, HTML,
 //!   the run store.
+//! - `api`: the HTTP API the service, `run --metrics-listen` and `top
+//!   --connect` share.
 //! - `cmd`: the commands, wiring the layers; `main.rs` parses arguments only.
 
 pub mod abi;
+pub mod api;
 pub mod cmd;
 pub mod discover;
 pub mod model;

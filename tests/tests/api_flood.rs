@@ -14,7 +14,7 @@ use agent_integration::api::{
 };
 
 /// Connections the API keeps at once.
-const CAP: usize = iospan::cmd::api::MAX_CONNECTIONS;
+const CAP: usize = iospan::api::MAX_CONNECTIONS;
 /// How long each flood lasts.
 const FLOOD_SECS: u64 = 12;
 
@@ -232,7 +232,7 @@ fn streams_held_open_take_at_most_their_share_of_the_slots() {
     use std::io::{Read, Write};
     raise_open_files(16_384);
     let (port, agent) = start_agent();
-    let most = iospan::cmd::api::MAX_STREAMS;
+    let most = iospan::api::MAX_STREAMS;
     let mut answers = std::collections::BTreeMap::<String, usize>::new();
     let streams: Vec<std::net::TcpStream> = (0..most + 100)
         .map(|_| {

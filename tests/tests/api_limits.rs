@@ -194,7 +194,7 @@ fn stream_clients_that_never_read_hold_no_queue() {
 }
 
 /// Connections the API keeps at once.
-const CAP: usize = iospan::cmd::api::MAX_CONNECTIONS;
+const CAP: usize = iospan::api::MAX_CONNECTIONS;
 
 /// Floods `port` with `CAP + 904` connections that never send a byte,
 /// as a scanner or a slow-loris does: the agent holds at most `CAP` of

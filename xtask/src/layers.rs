@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 /// Bottom up. A new folder of `agent/src` goes here, and in
 /// docs/architecture.md, at the height of what it may use.
 pub const LAYERS: &[&str] = &[
-    "abi", "model", "discover", "probes", "pipeline", "output", "cmd",
+    "abi", "model", "discover", "probes", "pipeline", "output", "api", "cmd",
 ];
 
 /// Files at the root of `agent/src` that belong to no layer.

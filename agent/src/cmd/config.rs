@@ -14,6 +14,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 
+use crate::api::Tls;
 use crate::output::export::{DiskThreshold, Policy, TraceOpts};
 
 pub const DEFAULT_PATH: &str = "/etc/iospan/iospan.toml";
@@ -117,13 +118,6 @@ pub struct Config {
     pub open: bool,
     pub tls: Option<Tls>,
     pub traces: TraceOpts,
-}
-
-/// The API's certificate chain and private key, PEM files.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Tls {
-    pub cert: PathBuf,
-    pub key: PathBuf,
 }
 
 impl Config {

@@ -1,6 +1,5 @@
 //! The commands: each wires the layers below for one job.
 
-pub mod api;
 pub mod bench;
 pub mod config;
 pub mod demo;
@@ -13,8 +12,6 @@ pub mod run;
 pub mod scratch;
 #[cfg(feature = "serve")]
 pub mod service;
-#[cfg(any(feature = "serve", feature = "tui"))]
-pub mod tls;
 pub mod token;
 #[cfg(feature = "tui")]
 pub mod top;

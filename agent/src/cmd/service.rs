@@ -16,7 +16,7 @@ use tokio::{
 };
 
 use crate::{
-    cmd::api::{self, Shared},
+    api::{self, Shared},
     cmd::config::{Config, DEFAULT_PATH},
     cmd::run::{self, RunOptions},
 };

@@ -8,7 +8,7 @@ use std::{net::SocketAddr, sync::Arc, sync::OnceLock};
 
 use axum::{body::Body, http::Request};
 use iospan::{
-    cmd::api::{router, Access, Shared, MAX_LABEL},
+    api::{router, Access, Shared, MAX_LABEL},
     model::text::printable,
     output::live::Frame,
 };

@@ -18,25 +18,21 @@ use crate::{
 use super::*;
 
 #[cfg(feature = "serve")]
-pub(super) async fn serve_metrics(
-    addr: std::net::SocketAddr,
-) -> Result<Arc<crate::cmd::api::Shared>> {
+pub(super) async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<crate::api::Shared>> {
     use anyhow::Context as _;
     // The agent's own token: labelled runs start and stop with it here too.
     let path = std::path::Path::new(crate::cmd::token::DEFAULT_FILE);
     let token = crate::cmd::token::load_or_create(path)
         .with_context(|| format!("--metrics-listen {addr}: the API token"))?;
-    let shared = crate::cmd::api::Shared::new(crate::cmd::api::Access::TokenToChange(token));
-    crate::cmd::api::serve(addr, None, shared.clone())
+    let shared = crate::api::Shared::new(crate::api::Access::TokenToChange(token));
+    crate::api::serve(addr, None, shared.clone())
         .await
         .with_context(|| format!("--metrics-listen {addr}"))?;
     Ok(shared)
 }
 
 #[cfg(not(feature = "serve"))]
-pub(super) async fn serve_metrics(
-    addr: std::net::SocketAddr,
-) -> Result<Arc<crate::cmd::api::Shared>> {
+pub(super) async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<crate::api::Shared>> {
     bail!("--metrics-listen {addr}: this iospan was built without the HTTP server (the `serve` feature)")
 }
 
@@ -136,7 +132,7 @@ impl Diagnoses {
 }
 
 pub(super) fn refresh_metrics(
-    m: &crate::cmd::api::Shared,
+    m: &crate::api::Shared,
     probes: &BlockProbes,
     correlator: &Mutex<Correlator>,
     known: &Mutex<Registry>,

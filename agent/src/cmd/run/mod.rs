@@ -68,7 +68,7 @@ pub struct RunOptions {
     /// Serve the HTTP API (/metrics and the rest, see `api`) on ADDR.
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// Or keep an API served elsewhere (the agent service's) up to date.
-    pub api: Option<Arc<crate::cmd::api::Shared>>,
+    pub api: Option<Arc<crate::api::Shared>>,
     /// A live view's feed: a frame of the figures so far at each interval.
     pub live: Option<LiveFeed>,
     /// Ends the run when it turns true (a live view quitting).

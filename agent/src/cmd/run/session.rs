@@ -74,7 +74,7 @@ pub(super) struct Session {
     pub known: Arc<Mutex<Registry>>,
     pub correlator: Arc<Mutex<Correlator>>,
     pub only: Vec<Dev>,
-    pub metrics: Option<Arc<crate::cmd::api::Shared>>,
+    pub metrics: Option<Arc<crate::api::Shared>>,
     pub export_shared: Option<ExportShared>,
     pub channel_tasks: Vec<JoinHandle<()>>,
     pub exited: BTreeSet<u32>,
@@ -373,7 +373,7 @@ impl Session {
         );
     }
 
-    pub(super) fn refresh_metrics(&self, m: &crate::cmd::api::Shared) {
+    pub(super) fn refresh_metrics(&self, m: &crate::api::Shared) {
         self.refresh_kernel();
         refresh_metrics(
             m,

@@ -46,7 +46,7 @@ impl Agent {
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             anyhow::bail!("--connect {addr}: use HOST:PORT, http://HOST:PORT or https://HOST:PORT");
         }
-        crate::cmd::tls::install_provider();
+        crate::api::tls::install_provider();
         // The stream lasts as long as the view: a deadline on connecting
         // only.
         let mut http =

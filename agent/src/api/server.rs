@@ -30,11 +30,7 @@ use subtle::ConstantTimeEq;
 
 /// Binds `addr` and serves in the background, over TLS when `tls`
 /// names a certificate and key.
-pub async fn serve(
-    addr: SocketAddr,
-    tls: Option<&crate::cmd::config::Tls>,
-    shared: Arc<Shared>,
-) -> Result<()> {
+pub async fn serve(addr: SocketAddr, tls: Option<&super::Tls>, shared: Arc<Shared>) -> Result<()> {
     raise_open_files();
     let acceptor = tls.map(acceptor).transpose()?;
     // Bound here, not in the background: a taken port fails the start.
@@ -60,9 +56,9 @@ fn listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
 }
 
 /// The TLS side of the API from its PEM certificate chain and key.
-fn acceptor(t: &crate::cmd::config::Tls) -> Result<tokio_rustls::TlsAcceptor> {
+fn acceptor(t: &super::Tls) -> Result<tokio_rustls::TlsAcceptor> {
     use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer};
-    crate::cmd::tls::install_provider();
+    super::tls::install_provider();
     let named = || {
         format!(
             "api.tls_cert = {}, api.tls_key = {}: PEM certificate chain and private key",

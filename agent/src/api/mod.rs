@@ -7,6 +7,8 @@
 //! `/api/v1/runs` (labelled benchmark runs: start, stop, report).
 
 pub mod conns;
+#[cfg(any(feature = "serve", feature = "tui"))]
+pub mod tls;
 
 use std::{
     collections::BTreeMap,
@@ -20,6 +22,13 @@ use crate::{
     model::Summary,
     output::live::{Frame, Row},
 };
+
+/// The API's certificate chain and private key, PEM files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tls {
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+}
 
 /// What the API serves, kept up to date by the run that measures.
 #[derive(Debug)]
