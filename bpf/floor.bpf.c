@@ -31,28 +31,28 @@ static __always_inline void stamp(void)
 
 /* The tp_btf and raw_tp flavours of hook `tp`, named `name` as the tier's
  * are (`tp`, or a second program on it: nesting.bpf.h). */
-#define FLOOR_NAMED(tp, name, body)    \
-	SEC("tp_btf/" #tp)             \
-	int name##_btf(void *ctx)      \
-	{                              \
-		body;                  \
-		return 0;              \
-	}                              \
-	SEC("raw_tp/" #tp)             \
-	int name(void *ctx)            \
-	{                              \
-		body;                  \
-		return 0;              \
+#define FLOOR_NAMED(tp, name, body) \
+	SEC("tp_btf/" #tp)          \
+	int name##_btf(void *ctx)   \
+	{                           \
+		body;               \
+		return 0;           \
+	}                           \
+	SEC("raw_tp/" #tp)          \
+	int name(void *ctx)         \
+	{                           \
+		body;               \
+		return 0;           \
 	}
 #define FLOOR(tp, body) FLOOR_NAMED(tp, tp, body)
 
 /* A classic tracepoint, for the hooks the tier attaches that way. */
-#define FLOOR_CLASSIC(cat, tp, body)      \
-	SEC("tracepoint/" #cat "/" #tp)   \
-	int tp(void *ctx)                 \
-	{                                 \
-		body;                     \
-		return 0;                 \
+#define FLOOR_CLASSIC(cat, tp, body)    \
+	SEC("tracepoint/" #cat "/" #tp) \
+	int tp(void *ctx)               \
+	{                               \
+		body;                   \
+		return 0;               \
 	}
 
 /* The block layer: the kernel stamps a request's start and issue itself
