@@ -69,47 +69,12 @@ fn attached_programs(pid: u32) -> BTreeSet<String> {
         .collect()
 }
 
-/// 1-byte reads of /dev/zero and writes to /dev/null for `d`: pairs per
-/// second of this thread's own CPU time (what the kernel's slow system-call
-/// path would add to), free of how the scheduler shares the CPUs.
-fn syscall_pairs_per_cpu_s(d: Duration) -> f64 {
-    use std::os::fd::AsRawFd;
-    let zero = std::fs::File::open("/dev/zero").unwrap();
-    let null = std::fs::OpenOptions::new()
-        .write(true)
-        .open("/dev/null")
-        .unwrap();
-    let cpu = || {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: ts is a valid timespec for the call to fill.
-        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-    };
-    let mut b = [0u8; 1];
-    let (t0, c0) = (Instant::now(), cpu());
-    let mut pairs = 0u64;
-    while t0.elapsed() < d {
-        for _ in 0..1000 {
-            // SAFETY: reads and writes one byte of a live buffer on open fds.
-            unsafe {
-                libc::read(zero.as_raw_fd(), b.as_mut_ptr().cast(), 1);
-                libc::write(null.as_raw_fd(), b.as_ptr().cast(), 1);
-            }
-        }
-        pairs += 1000;
-    }
-    pairs as f64 / (cpu() - c0)
-}
-
 /// The best of `slices` short runs of the syscall loop: interference
 /// (another task's cache traffic, the host's neighbours) only ever slows
 /// a run, while the slow system-call path slows every one.
 fn rate(slices: usize) -> f64 {
     (0..slices)
-        .map(|_| syscall_pairs_per_cpu_s(Duration::from_millis(150)))
+        .map(|_| xtask::tax::syscall_pairs_per_cpu_s(Duration::from_millis(150)).unwrap())
         .fold(0.0, f64::max)
 }
 

@@ -22,6 +22,29 @@ fn thread_cpu_s() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
+/// 1-byte reads of /dev/zero and writes to /dev/null for `d`: pairs per
+/// second of this thread's own CPU time (what the kernel's slow system-call
+/// path would add to).
+pub fn syscall_pairs_per_cpu_s(d: Duration) -> std::io::Result<f64> {
+    use std::os::fd::AsRawFd;
+    let zero = std::fs::File::open("/dev/zero")?;
+    let null = std::fs::OpenOptions::new().write(true).open("/dev/null")?;
+    let mut b = [0u8; 1];
+    let (t0, c0) = (Instant::now(), thread_cpu_s());
+    let mut pairs = 0u64;
+    while t0.elapsed() < d {
+        for _ in 0..1000 {
+            // SAFETY: reads and writes one byte of a live buffer on open fds.
+            unsafe {
+                libc::read(zero.as_raw_fd(), b.as_mut_ptr().cast(), 1);
+                libc::write(null.as_raw_fd(), b.as_ptr().cast(), 1);
+            }
+        }
+        pairs += 1000;
+    }
+    Ok(pairs as f64 / (thread_cpu_s() - c0).max(1e-9))
+}
+
 /// Round trips of one byte between this thread and a partner for `d`
 /// (each side blocks in its read until the other writes): round trips per
 /// second of the two threads' CPU time.

@@ -38,27 +38,6 @@ fn always_on_boot(a: &RunArgs) -> (Value, RigResult) {
     (rep, r)
 }
 
-/// The VM's read entry on its virtual disk, and its summary.
-fn vm_of(rep: &Value, a: &RunArgs) -> (Value, Value) {
-    let entry = rep["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| {
-            e["vm"] == a.name.as_str() && e["disk"] == a.disk_id.as_str() && e["op"] == "read"
-        })
-        .cloned()
-        .unwrap_or_else(|| panic!("no read entry for {}/{}: {rep:#}", a.name, a.disk_id));
-    let summary = rep["vms"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == a.name.as_str())
-        .cloned()
-        .unwrap_or_else(|| panic!("no VM {} in {:#}", a.name, rep["vms"]));
-    (entry, summary)
-}
-
 /// The guest's requests, every one on its virtual disk (timed, undelivered
 /// or merged into another on the way), none of QEMU's own; QEMU's count
 /// (the daemon's for vhost-user) the guest's, and no mismatch said.
@@ -67,7 +46,11 @@ fn counts_hold(a: RunArgs) {
     assert_eq!(rep["tier"], "always-on", "{rep:#}");
     assert_eq!(r.workload["ios"].as_u64(), Some(a.ios), "{r:#?}");
     assert_eq!(r.workload["errors"].as_u64(), Some(0), "{r:#?}");
-    let (vm, summary) = vm_of(&rep, &a);
+    // Every case's one disk is vd0 (RunArgs' default).
+    let (vm, summary) = (
+        super::vd0_reads(&rep, &a.name),
+        super::vm_summary(&rep, &a.name),
+    );
     let n = |v: &Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v:#}"));
     let (ios, undelivered) = (n(&vm, "ios"), n(&vm, "undelivered"));
     let merged = n(&summary, "engine_merged") + n(&summary, "host_merged");

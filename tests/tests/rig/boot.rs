@@ -119,12 +119,7 @@ fn traced_boot(a: RunArgs) {
     assert_eq!(vm["disk"], a.disk_id.as_str(), "{vm}");
     assert_eq!(vm["host_disk"], host.as_str(), "{vm}");
     let vm_ios = vm["ios"].as_u64().unwrap();
-    let summary = rep["vms"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == a.name.as_str())
-        .unwrap_or_else(|| panic!("no VM {} in {:#}", a.name, rep["vms"]));
+    let summary = &super::vm_summary(&rep, &a.name);
     let count = |k: &str| {
         summary[k]
             .as_u64()

@@ -65,13 +65,7 @@ fn counts_stay_exact_while_completions_go_missing() {
     let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64())
         .unwrap_or_else(|e| panic!("{e:#}"));
     let vm = vd0_reads(&rep, &a.name);
-    let summary = rep["vms"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == a.name.as_str())
-        .cloned()
-        .unwrap_or_else(|| panic!("no VM {}: {:#}", a.name, rep["vms"]));
+    let summary = vm_summary(&rep, &a.name);
     let n = |v: &Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"));
     let (ios, undelivered) = (n(&vm, "ios"), n(&vm, "undelivered"));
     let merged = n(&summary, "engine_merged") + n(&summary, "host_merged");

@@ -52,6 +52,18 @@ fn vd0_reads(rep: &Value, vm: &str) -> Value {
         .unwrap_or_else(|| panic!("no entry for VM {vm}: {rep:#}"))
 }
 
+/// The VM's summary in the report (its merges, undelivered completions,
+/// engines).
+fn vm_summary(rep: &Value, vm: &str) -> Value {
+    rep["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == vm)
+        .cloned()
+        .unwrap_or_else(|| panic!("no VM {vm} in {:#}", rep["vms"]))
+}
+
 /// The VM's guest channel, as the report has it.
 fn guest_channel(rep: &Value, vm: &str) -> Value {
     rep["guests"]
