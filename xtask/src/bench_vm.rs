@@ -14,9 +14,9 @@
 //! system calls per second of its own CPU are the tax on the host's other
 //! work (a system-call tracepoint slows every task's system calls), free of
 //! how much CPU the VMs leave it. The cost slices keep the kernel's BPF
-//! statistics off (two clock reads per program run); a profile slice per
-//! traced arm measures each program's runs and time per guest I/O. Medians
-//! of the repetitions.
+//! statistics off (two clock reads per program run); in every repetition a
+//! profile slice per traced arm measures each program's runs and time per
+//! guest I/O. Medians of the repetitions.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -160,10 +160,23 @@ struct Traced {
     /// iospan counted for no VM (those in flight as it attached or
     /// detached are among them), where VMs are followed.
     unsplit: Option<u64>,
+    /// Those against the VM requests iospan counted.
+    unsplit_share: Option<f64>,
     uncounted: Option<i64>,
     /// Per program (profile slices): runs and run time per guest I/O.
     programs: Option<Vec<Program>>,
     otlp_requests: Option<u64>,
+}
+
+/// An arm's profile slices, one per repetition, as medians.
+#[derive(Debug, Serialize)]
+struct ArmProfile {
+    arm: Arm,
+    reps: usize,
+    /// The median over the repetitions of all its programs' ns per guest
+    /// I/O (not the sum of the programs' medians).
+    bpf_ns_per_io: f64,
+    programs: Vec<Program>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -202,6 +215,7 @@ struct Summary {
     lost: Option<u64>,
     ringbuf_drops: Option<u64>,
     unsplit: Option<u64>,
+    unsplit_share: Option<f64>,
     uncounted: Option<i64>,
     agent_rss_mib: Option<f64>,
     syscalls_vs_untraced: f64,
@@ -235,6 +249,8 @@ struct Results {
     slices: Vec<Slice>,
     paired: Vec<Paired>,
     traced: Vec<Traced>,
+    /// A profile slice per traced arm and repetition.
+    profiles: Vec<Traced>,
 }
 
 pub fn vm(a: &VmArgs) -> Result<()> {
@@ -272,9 +288,14 @@ pub fn vm(a: &VmArgs) -> Result<()> {
     std::thread::sleep(Duration::from_secs(2));
     learn_hooks(&rig)?;
     let mut res = Results::default();
-    let run = cost_slices(&rig, &mut res).and_then(|()| profile_slices(&rig));
+    let run = (0..a.reps).try_for_each(|rep| {
+        cost_slices(&rig, rep, &mut res)?;
+        res.profiles.extend(profile_slices(&rig, rep)?);
+        Ok::<_, anyhow::Error>(())
+    });
     vms.stop();
-    let profiles = run?;
+    run?;
+    let profiles = median_profiles(a, &res.profiles);
     let summaries = summarise(a, &res, &profiles);
     print!("{}", render(&summaries, &profiles, a));
     let json = serde_json::json!({
@@ -290,6 +311,7 @@ pub fn vm(a: &VmArgs) -> Result<()> {
         "paired": res.paired,
         "traced": res.traced,
         "profiles": profiles,
+        "profiles_per_rep": res.profiles,
         "slices": res.slices,
     });
     std::fs::create_dir_all(&rig.out_dir)?;
@@ -299,32 +321,30 @@ pub fn vm(a: &VmArgs) -> Result<()> {
     Ok(())
 }
 
-/// Per repetition and traced arm (rotated): an untraced slice, then per
+/// Per traced arm (rotated by repetition): an untraced slice, then per
 /// traced slice the traced one and an untraced one; each traced slice
 /// against the mean of its neighbours.
-fn cost_slices(rig: &Rig, res: &mut Results) -> Result<()> {
+fn cost_slices(rig: &Rig, rep: u32, res: &mut Results) -> Result<()> {
     let arms = Arm::traced(rig.a);
     let n = arms.len();
-    for rep in 0..rig.a.reps {
-        for i in 0..n {
-            let arm = arms[(i + rep as usize) % n];
-            eprintln!(
-                "xtask: bench vm: rep {}/{} arm {}",
-                rep + 1,
-                rig.a.reps,
-                arm.label()
-            );
-            let mut before = untraced_slice(rig, rep)?;
-            res.slices.push(before.clone());
-            for _ in 0..rig.a.slices {
-                let (slice, traced) = traced_slice(rig, arm, rep, false)?;
-                let after = untraced_slice(rig, rep)?;
-                res.paired.push(pair(&slice, &before, &after));
-                res.slices.push(slice);
-                res.slices.push(after.clone());
-                res.traced.push(traced);
-                before = after;
-            }
+    for i in 0..n {
+        let arm = arms[(i + rep as usize) % n];
+        eprintln!(
+            "xtask: bench vm: rep {}/{} arm {}",
+            rep + 1,
+            rig.a.reps,
+            arm.label()
+        );
+        let mut before = untraced_slice(rig, rep)?;
+        res.slices.push(before.clone());
+        for _ in 0..rig.a.slices {
+            let (slice, traced) = traced_slice(rig, arm, rep, false)?;
+            let after = untraced_slice(rig, rep)?;
+            res.paired.push(pair(&slice, &before, &after));
+            res.slices.push(slice);
+            res.slices.push(after.clone());
+            res.traced.push(traced);
+            before = after;
         }
     }
     Ok(())
@@ -342,19 +362,71 @@ fn pair(t: &Slice, b: &Slice, a: &Slice) -> Paired {
     }
 }
 
-/// One slice of each traced arm with the kernel's BPF statistics on.
-fn profile_slices(rig: &Rig) -> Result<Vec<Traced>> {
+/// One slice of each traced arm with the kernel's BPF statistics on (only
+/// for these slices: they cost two clock reads a program run).
+fn profile_slices(rig: &Rig, rep: u32) -> Result<Vec<Traced>> {
     let _stats = BpfStats::enable()?;
     Arm::traced(rig.a)
         .into_iter()
         .map(|arm| {
-            eprintln!("xtask: bench vm: profile {}", arm.label());
-            traced_slice(rig, arm, 0, true).map(|(_, t)| t)
+            eprintln!(
+                "xtask: bench vm: rep {}/{} profile {}",
+                rep + 1,
+                rig.a.reps,
+                arm.label()
+            );
+            traced_slice(rig, arm, rep, true).map(|(_, t)| t)
         })
         .collect()
 }
 
-fn summarise(a: &VmArgs, res: &Results, profiles: &[Traced]) -> Vec<Summary> {
+/// Each arm's programs over its profile slices: per program, the median of
+/// its runs and ns per guest I/O over the repetitions that ran it (a
+/// program no repetition ran is not listed).
+fn median_profiles(a: &VmArgs, per_rep: &[Traced]) -> Vec<ArmProfile> {
+    Arm::traced(a)
+        .into_iter()
+        .filter_map(|arm| {
+            let reps: Vec<&Vec<Program>> = per_rep
+                .iter()
+                .filter(|t| t.arm == arm)
+                .filter_map(|t| t.programs.as_ref())
+                .collect();
+            if reps.is_empty() {
+                return None;
+            }
+            let mut names: Vec<&str> = reps
+                .iter()
+                .flat_map(|ps| ps.iter().map(|p| p.name.as_str()))
+                .collect();
+            names.sort_unstable();
+            names.dedup();
+            let of = |name: &str, f: fn(&Program) -> f64| {
+                median(
+                    reps.iter()
+                        .map(|ps| ps.iter().find(|p| p.name == name).map_or(0.0, f)),
+                )
+            };
+            let mut programs: Vec<Program> = names
+                .iter()
+                .map(|&name| Program {
+                    name: name.to_string(),
+                    runs_per_io: of(name, |p| p.runs_per_io),
+                    ns_per_io: of(name, |p| p.ns_per_io),
+                })
+                .collect();
+            programs.sort_by(|x, y| y.ns_per_io.total_cmp(&x.ns_per_io));
+            Some(ArmProfile {
+                arm,
+                reps: reps.len(),
+                bpf_ns_per_io: median(reps.iter().map(|ps| ps.iter().map(|p| p.ns_per_io).sum())),
+                programs,
+            })
+        })
+        .collect()
+}
+
+fn summarise(a: &VmArgs, res: &Results, profiles: &[ArmProfile]) -> Vec<Summary> {
     let of = |arm: Arm| res.slices.iter().filter(move |s| s.arm == arm);
     let pairs = |arm: Arm| res.paired.iter().filter(move |p| p.arm == arm);
     let traced = |arm: Arm| res.traced.iter().filter(move |t| t.arm == arm);
@@ -369,6 +441,7 @@ fn summarise(a: &VmArgs, res: &Results, profiles: &[Traced]) -> Vec<Summary> {
         lost: None,
         ringbuf_drops: None,
         unsplit: None,
+        unsplit_share: None,
         uncounted: None,
         agent_rss_mib: None,
         syscalls_vs_untraced: 1.0,
@@ -377,10 +450,8 @@ fn summarise(a: &VmArgs, res: &Results, profiles: &[Traced]) -> Vec<Summary> {
     for arm in Arm::traced(a) {
         let bpf = profiles
             .iter()
-            .filter(|t| t.arm == arm)
-            .filter_map(|t| t.programs.as_ref())
-            .map(|p| p.iter().map(|p| p.ns_per_io).sum::<f64>())
-            .next();
+            .find(|p| p.arm == arm)
+            .map(|p| p.bpf_ns_per_io);
         out.push(Summary {
             arm,
             guest_iops: median(of(arm).map(|s| s.guest_iops)),
@@ -392,6 +463,7 @@ fn summarise(a: &VmArgs, res: &Results, profiles: &[Traced]) -> Vec<Summary> {
             lost: Some(traced(arm).map(|t| t.lost).sum()),
             ringbuf_drops: Some(traced(arm).map(|t| t.ringbuf_drops).sum()),
             unsplit: traced(arm).map(|t| t.unsplit).sum(),
+            unsplit_share: median_of_some(traced(arm).map(|t| t.unsplit_share)),
             uncounted: traced(arm).map(|t| t.uncounted).sum(),
             agent_rss_mib: median_of_some(traced(arm).map(|t| t.agent_rss_mib)),
             syscalls_vs_untraced: median(pairs(arm).map(|p| p.syscalls_ratio)),
@@ -661,6 +733,7 @@ impl Stopped {
             ringbuf_drops: r["lost"]["ringbuf_drops"].as_u64().unwrap_or(0),
             lost_by_kind: r["lost"].clone(),
             unsplit: followed.then(|| unsplit(r)),
+            unsplit_share: followed.then(|| unsplit(r) as f64 / run_ios as f64),
             uncounted: followed.then(|| uncounted(r, run_ios)).transpose()?,
             programs,
             otlp_requests: self.otlp_requests,
@@ -815,7 +888,7 @@ fn peak_rss_mib(pid: u32) -> Option<f64> {
     Some(kib / 1024.0)
 }
 
-fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
+fn render(summaries: &[Summary], profiles: &[ArmProfile], a: &VmArgs) -> String {
     use std::fmt::Write;
     let mut t = String::new();
     let o = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
@@ -841,7 +914,7 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
     );
     let _ = writeln!(
         t,
-        "{:<15} {:>10} {:>7} {:>9} {:>8} {:>8} {:>7} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10} {:>10}",
+        "{:<15} {:>10} {:>7} {:>9} {:>8} {:>8} {:>7} {:>8} {:>6} {:>6} {:>8} {:>9} {:>9} {:>8} {:>10} {:>10}",
         "arm",
         "guest IOPS",
         "IOPS %",
@@ -853,6 +926,7 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
         "lost",
         "drops",
         "unsplit",
+        "unsplit %",
         "uncounted",
         "RSS MiB",
         "syscalls %",
@@ -861,7 +935,7 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
     for s in summaries {
         let _ = writeln!(
             t,
-            "{:<15} {:>10.0} {:>7.1} {:>9.0} {:>8.0} {:>8} {:>7} {:>8} {:>6} {:>6} {:>8} {:>9} {:>8} {:>10.1} {:>10.1}",
+            "{:<15} {:>10.0} {:>7.1} {:>9.0} {:>8.0} {:>8} {:>7} {:>8} {:>6} {:>6} {:>8} {:>9} {:>9} {:>8} {:>10.1} {:>10.1}",
             s.arm.label(),
             s.guest_iops,
             s.iops_vs_untraced * 100.0,
@@ -875,6 +949,8 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
             n(s.lost),
             n(s.ringbuf_drops),
             n(s.unsplit),
+            s.unsplit_share
+                .map_or("-".into(), |v| format!("{:.2}", v * 100.0)),
             s.uncounted.map_or("-".into(), |v| v.to_string()),
             s.agent_rss_mib.map_or("-".into(), |v| format!("{v:.1}")),
             s.syscalls_vs_untraced * 100.0,
@@ -884,15 +960,14 @@ fn render(summaries: &[Summary], profiles: &[Traced], a: &VmArgs) -> String {
     let floor = profiles
         .iter()
         .find(|p| p.arm == Arm::Floor)
-        .and_then(|p| p.programs.as_ref());
+        .map(|p| &p.programs);
     for p in profiles {
-        let Some(progs) = p.programs.as_ref() else {
-            continue;
-        };
+        let progs = &p.programs;
         let _ = writeln!(
             t,
-            "\n{} (profile slice, BPF statistics on): per guest I/O, runs and ns; ns a run, and the floor's program on the same hook",
-            p.arm.label()
+            "\n{} (profile slices, BPF statistics on, medians of {}): per guest I/O, runs and ns; ns a run, and the floor's program on the same hook",
+            p.arm.label(),
+            p.reps
         );
         let _ = writeln!(
             t,
