@@ -5,19 +5,15 @@
 //! `rig::channel`; SIGHUP with a broken file: `service`.)
 
 use std::{
-    io::{BufRead, BufReader, Read, Write},
-    net::{TcpListener, TcpStream},
+    io::{Read, Write},
+    net::TcpStream,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
-        Arc,
-    },
     time::{Duration, Instant},
 };
 
 use agent_integration::{iospan_bin, kvm_image, kvm_vm, run, wait_limited};
-use xtask::backends::free_port;
+use xtask::{backends::free_port, otlp_sink::OtlpSink};
 
 struct Agent(Child);
 
@@ -25,101 +21,6 @@ impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-    }
-}
-
-/// An OTLP/HTTP traces endpoint on a fixed port that can be taken down
-/// (connections refused) and brought back; counts the exports it took.
-struct Collector {
-    port: u16,
-    up: Arc<AtomicBool>,
-    taken: Arc<AtomicU64>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Collector {
-    fn new(port: u16) -> Self {
-        Self {
-            port,
-            up: Arc::new(AtomicBool::new(false)),
-            taken: Arc::new(AtomicU64::new(0)),
-            thread: None,
-        }
-    }
-
-    fn start(&mut self) {
-        let l = TcpListener::bind(("127.0.0.1", self.port)).expect("the collector's port");
-        l.set_nonblocking(true).unwrap();
-        self.up.store(true, Ordering::SeqCst);
-        let (up, taken) = (self.up.clone(), self.taken.clone());
-        self.thread = Some(std::thread::spawn(move || {
-            while up.load(Ordering::SeqCst) {
-                match l.accept() {
-                    Ok((s, _)) => {
-                        let (up, taken) = (up.clone(), taken.clone());
-                        std::thread::spawn(move || serve(s, &up, &taken));
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            }
-            // The listener closes here: connections are refused.
-        }));
-    }
-
-    fn stop(&mut self) {
-        self.up.store(false, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            t.join().unwrap();
-        }
-    }
-
-    fn taken(&self) -> u64 {
-        self.taken.load(Ordering::SeqCst)
-    }
-}
-
-/// Answers each OTLP/HTTP export on the connection with an empty success
-/// while the collector is up; once it is down, kept-alive connections are
-/// closed unanswered, as a collector that went away leaves them.
-fn serve(s: TcpStream, up: &AtomicBool, taken: &AtomicU64) {
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let mut w = s.try_clone().unwrap();
-    let mut r = BufReader::new(s);
-    loop {
-        let mut line = String::new();
-        if r.read_line(&mut line).unwrap_or(0) == 0 {
-            return;
-        }
-        let traces = line.starts_with("POST /v1/traces");
-        let mut len = 0usize;
-        loop {
-            let mut h = String::new();
-            if r.read_line(&mut h).unwrap_or(0) == 0 {
-                return;
-            }
-            if h == "\r\n" {
-                break;
-            }
-            if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
-                len = v.trim().parse().unwrap_or(0);
-            }
-        }
-        let mut body = vec![0u8; len];
-        if r.read_exact(&mut body).is_err() || !up.load(Ordering::SeqCst) {
-            return;
-        }
-        let status = if traces {
-            taken.fetch_add(1, Ordering::SeqCst);
-            "200 OK"
-        } else {
-            "404 Not Found"
-        };
-        let reply = format!(
-            "HTTP/1.1 {status}\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\n\r\n"
-        );
-        if w.write_all(reply.as_bytes()).is_err() {
-            return;
-        }
     }
 }
 
@@ -170,8 +71,8 @@ fn vm(exe: &Path, image: &Path, name: &str, n: u64) {
 fn the_service_rides_out_a_collector_that_goes_away_and_comes_back() {
     let exe = kvm_vm(Path::new(env!("CARGO_TARGET_TMPDIR")));
     let image = kvm_image(exe.parent().unwrap());
-    let mut collector = Collector::new(free_port().unwrap());
-    collector.start();
+    let mut collector = OtlpSink::down(free_port().unwrap());
+    collector.up().unwrap();
     let addr = format!("127.0.0.1:{}", free_port().unwrap());
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("faults-otlp");
     std::fs::create_dir_all(&dir).unwrap();
@@ -220,7 +121,7 @@ fn the_service_rides_out_a_collector_that_goes_away_and_comes_back() {
     };
     vm(&exe, &image, "flap-1", 200);
     until("exports taken", &|m| traces_total(m, "exported") > 0);
-    assert!(collector.taken() > 0);
+    assert!(collector.traces() > 0);
 
     collector.stop();
     let before = traces_total(&metrics(), "failed");
@@ -236,14 +137,14 @@ fn the_service_rides_out_a_collector_that_goes_away_and_comes_back() {
     );
     assert!(exported_up > 0, "{down}");
 
-    collector.start();
-    let (exported, taken) = (traces_total(&down, "exported"), collector.taken());
+    collector.up().unwrap();
+    let (exported, taken) = (traces_total(&down, "exported"), collector.traces());
     vm(&exe, &image, "flap-3", 200);
     until("exports taken again", &|m| {
         traces_total(m, "exported") > exported
     });
     assert!(
-        collector.taken() > taken,
+        collector.traces() > taken,
         "the collector took nothing after it came back"
     );
 

@@ -195,13 +195,10 @@ fn the_units_system_call_filter_allows_every_call_the_agent_makes() {
     }
     let token = std::fs::read_to_string(&token_file).unwrap();
     let post = |path: &str| -> String {
-        ureq::post(&format!("http://{addr}{path}"))
-            .header("Authorization", &format!("Bearer {}", token.trim()))
-            .send_empty()
-            .unwrap_or_else(|e| panic!("POST {path}: {e}"))
-            .body_mut()
-            .read_to_string()
-            .unwrap()
+        let (status, body) = xtask::backends::http_post(&addr, path, Some(token.trim()))
+            .unwrap_or_else(|e| panic!("POST {path}: {e:#}"));
+        assert!((200..300).contains(&status), "POST {path}: {status} {body}");
+        body
     };
     post(&format!(
         "/api/v1/runs?label=scf{}",
@@ -331,11 +328,10 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
     // The agent made its token at start, with only the unit's capabilities.
     let token = std::fs::read_to_string(&token_file).unwrap();
     let post = |path: &str| -> serde_json::Value {
-        let mut r = ureq::post(&format!("http://{addr}{path}"))
-            .header("Authorization", &format!("Bearer {}", token.trim()))
-            .send_empty()
-            .unwrap();
-        serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap()
+        let (status, body) = xtask::backends::http_post(&addr, path, Some(token.trim()))
+            .unwrap_or_else(|e| panic!("POST {path}: {e:#}"));
+        assert!((200..300).contains(&status), "POST {path}: {status} {body}");
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("POST {path}: {e}: {body}"))
     };
     let id = post(&format!(
         "/api/v1/runs?label=caps{}",

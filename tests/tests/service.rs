@@ -74,26 +74,15 @@ fn get(addr: &str, path: &str, token: Option<&str>) -> (u16, String) {
     match token {
         // Not listening (yet, or any more): 0.
         None => http_get(addr, path, &[]).unwrap_or((0, String::new())),
-        Some(t) => {
-            let resp = ureq::get(&format!("http://{addr}{path}"))
-                .header("Authorization", &format!("Bearer {t}"))
-                .config()
-                .http_status_as_error(false)
-                .build()
-                .call()
-                .unwrap();
-            let code = resp.status().as_u16();
-            (code, resp.into_body().read_to_string().unwrap())
-        }
+        Some(t) => xtask::backends::http_get_as(addr, path, t).unwrap_or_else(|e| panic!("{e:#}")),
     }
 }
 
 fn post(addr: &str, path: &str, token: &str) -> Value {
-    let mut resp = ureq::post(&format!("http://{addr}{path}"))
-        .header("Authorization", &format!("Bearer {token}"))
-        .send_empty()
-        .unwrap_or_else(|e| panic!("POST {path}: {e}"));
-    serde_json::from_str(&resp.body_mut().read_to_string().unwrap()).unwrap()
+    let (status, body) = xtask::backends::http_post(addr, path, Some(token))
+        .unwrap_or_else(|e| panic!("POST {path}: {e:#}"));
+    assert!((200..300).contains(&status), "POST {path}: {status} {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("POST {path}: {e}: {body}"))
 }
 
 #[test]
@@ -251,14 +240,9 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
 }
 
 fn post_status(addr: &str, path: &str, token: Option<&str>) -> u16 {
-    let mut req = ureq::post(&format!("http://{addr}{path}"))
-        .config()
-        .http_status_as_error(false)
-        .build();
-    if let Some(t) = token {
-        req = req.header("Authorization", &format!("Bearer {t}"));
-    }
-    req.send_empty().unwrap().status().as_u16()
+    xtask::backends::http_post(addr, path, token)
+        .unwrap_or_else(|e| panic!("POST {path}: {e:#}"))
+        .0
 }
 
 /// The default on loopback: reads open, starting and stopping runs only

@@ -201,13 +201,9 @@ fn agent(dir: &std::path::Path, host: &str) -> (Reap, String, String) {
 
 /// POST to an agent's API with its token: the answer's JSON.
 fn post(addr: &str, token: &str, path: &str) -> serde_json::Value {
-    let text = ureq::post(&format!("http://{addr}{path}"))
-        .header("Authorization", &format!("Bearer {token}"))
-        .send_empty()
-        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
-        .body_mut()
-        .read_to_string()
-        .unwrap();
+    let (status, text) = xtask::backends::http_post(addr, path, Some(token))
+        .unwrap_or_else(|e| panic!("POST {path}: {e:#}"));
+    assert!((200..300).contains(&status), "POST {path}: {status} {text}");
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
 

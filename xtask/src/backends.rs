@@ -541,23 +541,80 @@ exporters:
     )
 }
 
-/// GET `path` from `hostport` over plain HTTP, with `query` parameters:
-/// (status, body). Any status is an answer; only an unreachable server is
-/// an error.
-pub fn http_get(hostport: &str, path: &str, query: &[(&str, &str)]) -> Result<(u16, String)> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(10)))
+/// A plain-HTTP request to a local server, as the suite and the bench
+/// make them: its method, path, query and bearer token.
+pub struct HttpReq<'a> {
+    pub method: reqwest::Method,
+    pub path: &'a str,
+    pub query: &'a [(&'a str, &'a str)],
+    pub bearer: Option<&'a str>,
+}
+
+/// Sends `req` to `hostport`: (status, body). Any status is an answer;
+/// only an unreachable server (or one silent for 10 s) is an error.
+pub fn http(hostport: &str, req: &HttpReq) -> Result<(u16, String)> {
+    let url = format!("http://{hostport}{}", req.path);
+    // Built with the agent (tests), reqwest takes its TLS without a
+    // crypto provider of its own and wants one installed even for plain
+    // HTTP: ring, the agent's; an error only says one already is.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(10))
         .build()
-        .into();
-    let mut resp = agent
-        .get(&format!("http://{hostport}{path}"))
+        .context("building an HTTP client")?;
+    let mut b = client
+        .request(req.method.clone(), &url)
         .header("Accept", "application/json")
-        .query_pairs(query.iter().copied())
-        .call()
-        .with_context(|| format!("GET http://{hostport}{path}"))?;
-    let body = resp.body_mut().read_to_string()?;
-    Ok((resp.status().as_u16(), body))
+        .query(req.query);
+    if let Some(t) = req.bearer {
+        b = b.bearer_auth(t);
+    }
+    let resp = b.send().with_context(|| format!("{} {url}", req.method))?;
+    let status = resp.status().as_u16();
+    let body = resp
+        .text()
+        .with_context(|| format!("{} {url}: the body", req.method))?;
+    Ok((status, body))
+}
+
+/// GET `path` from `hostport` with `query` parameters: (status, body).
+pub fn http_get(hostport: &str, path: &str, query: &[(&str, &str)]) -> Result<(u16, String)> {
+    http(
+        hostport,
+        &HttpReq {
+            method: reqwest::Method::GET,
+            path,
+            query,
+            bearer: None,
+        },
+    )
+}
+
+/// POST to `path` on `hostport` with no body, with `bearer` as its token
+/// where given: (status, body).
+pub fn http_post(hostport: &str, path: &str, bearer: Option<&str>) -> Result<(u16, String)> {
+    http(
+        hostport,
+        &HttpReq {
+            method: reqwest::Method::POST,
+            path,
+            query: &[],
+            bearer,
+        },
+    )
+}
+
+/// GET with a bearer token: (status, body).
+pub fn http_get_as(hostport: &str, path: &str, bearer: &str) -> Result<(u16, String)> {
+    http(
+        hostport,
+        &HttpReq {
+            method: reqwest::Method::GET,
+            path,
+            query: &[],
+            bearer: Some(bearer),
+        },
+    )
 }
 
 /// A backend's scratch directory, removed with it.

@@ -19,8 +19,7 @@
 //! guest I/O. Medians of the repetitions.
 
 use std::{
-    io::{BufRead, BufReader, Read, Write},
-    net::{TcpListener, TcpStream},
+    io::{Read, Write},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{
@@ -39,6 +38,7 @@ use crate::{
         agent_cpu_ns, busy_cpu_ns, chrono_free_date, lost_requests, machine, median,
         median_of_some, wait_for_line, BpfStats, LoopDev,
     },
+    otlp_sink::OtlpSink,
     sh,
 };
 
@@ -608,10 +608,9 @@ fn traced_slice(rig: &Rig, arm: Arm, rep: u32, profile: bool) -> Result<(Slice, 
     let tracer = start_tracer(rig, arm, profile, &report)?;
     // Its start-up (loading, naming the VMs) is no slice's.
     std::thread::sleep(SETTLE);
-    let otlp0 = rig.sink.requests.load(Ordering::Relaxed);
+    let otlp0 = rig.sink.exports();
     let slice = measure(rig, arm, rep)?;
-    let otlp =
-        (arm == Arm::AlwaysOnOtlp).then(|| rig.sink.requests.load(Ordering::Relaxed) - otlp0);
+    let otlp = (arm == Arm::AlwaysOnOtlp).then(|| rig.sink.exports() - otlp0);
     let traced = stop_tracer(tracer, arm, &report, otlp)?;
     let attached_ios = rig.reads()?.saturating_sub(ios0);
     std::thread::sleep(SETTLE);
@@ -989,74 +988,4 @@ fn render(summaries: &[Summary], profiles: &[ArmProfile], a: &VmArgs) -> String 
         }
     }
     t
-}
-
-/// An OTLP/HTTP endpoint that takes every export and keeps nothing: the
-/// split+OTLP arm pays for building and sending its traces, not for a
-/// collector's work.
-struct OtlpSink {
-    port: u16,
-    requests: Arc<AtomicU64>,
-}
-
-impl OtlpSink {
-    fn start() -> Result<Self> {
-        let l = TcpListener::bind("127.0.0.1:0").context("binding the OTLP sink")?;
-        let port = l.local_addr()?.port();
-        let requests = Arc::new(AtomicU64::new(0));
-        let n = requests.clone();
-        std::thread::spawn(move || {
-            for conn in l.incoming().flatten() {
-                let n = n.clone();
-                std::thread::spawn(move || serve(conn, &n));
-            }
-        });
-        Ok(Self { port, requests })
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-}
-
-/// HTTP/1.1 requests on one connection, each answered 200 with an empty
-/// (valid) export response.
-fn serve(conn: TcpStream, n: &AtomicU64) {
-    let Ok(mut w) = conn.try_clone() else { return };
-    let mut r = BufReader::new(conn);
-    loop {
-        let mut len = 0usize;
-        let mut line = String::new();
-        let mut first = true;
-        loop {
-            line.clear();
-            match r.read_line(&mut line) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-            if line == "\r\n" && !first {
-                break;
-            }
-            first = false;
-            if let Some(v) = line
-                .to_ascii_lowercase()
-                .strip_prefix("content-length:")
-                .map(|v| v.trim().to_string())
-            {
-                len = v.parse().unwrap_or(0);
-            }
-        }
-        let mut body = vec![0u8; len];
-        if r.read_exact(&mut body).is_err() {
-            return;
-        }
-        n.fetch_add(1, Ordering::Relaxed);
-        if w.write_all(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n",
-        )
-        .is_err()
-        {
-            return;
-        }
-    }
 }

@@ -12,6 +12,7 @@ pub mod fuzz;
 pub mod guest;
 pub mod layers;
 pub mod matrix;
+pub mod otlp_sink;
 pub mod phases;
 pub mod pictures;
 pub mod qemu_release;
