@@ -956,6 +956,13 @@ fn render(summaries: &[Summary], profiles: &[ArmProfile], a: &VmArgs) -> String 
             s.switches_vs_untraced * 100.0,
         );
     }
+    render_profiles(&mut t, profiles);
+    t
+}
+
+/// Each arm's programs beside the floor's on the same hook.
+fn render_profiles(t: &mut String, profiles: &[ArmProfile]) {
+    use std::fmt::Write;
     let floor = profiles
         .iter()
         .find(|p| p.arm == Arm::Floor)
@@ -987,5 +994,4 @@ fn render(summaries: &[Summary], profiles: &[ArmProfile], a: &VmArgs) -> String 
             );
         }
     }
-    t
 }
