@@ -57,6 +57,21 @@ fn doctor_tries_each_program_type_and_names_what_is_missing() {
         seg("hypervisor")
     );
 
+    // No vhost module on this kernel: said, with why.
+    let vhost = d["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["path"] == "vhost-scsi")
+        .unwrap_or_else(|| panic!("no vhost-scsi path: {d:#}"));
+    assert_eq!(vhost["measurable"], "no", "{vhost}");
+    assert!(
+        vhost["how"]
+            .as_str()
+            .is_some_and(|h| h.contains("no vhost_scsi")),
+        "{vhost}"
+    );
+
     // What a uprobe hit costs here, measured on probes of iospan itself:
     // single-stepping an instruction costs more than emulating a push.
     let costs = d["uprobe_costs"]

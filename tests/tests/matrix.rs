@@ -6,7 +6,9 @@
 //! kicking eventfds, an io_uring engine, interrupts raised in user space)
 //! exact and tiling in every flavour iospan may choose there — fentry and
 //! kprobes on eventfd_read/eventfd_write, which this machine's kernel
-//! lacks, among them — and in the deep tier; the guest agent recording.
+//! lacks, among them — and in the deep tier; the guest agent recording;
+//! the kernel's vhost-scsi worker serving a VM process from LIO (iblock and
+//! fileio), LIO's and the disk's own counts held.
 //! A kernel iospan does not support is refused with one line.
 
 use std::collections::BTreeSet;
@@ -108,6 +110,90 @@ fn block_split_exact(o: &Outcome, doctor: &Value) {
                 want == "tp_btf"
             );
         }
+    }
+}
+
+/// LIO's command count of one backstore (`HBA/NAME`) in a `lio_cmds`
+/// listing.
+fn lio_cmds(listing: &str, backstore: &str) -> u64 {
+    listing
+        .lines()
+        .find_map(|l| l.strip_prefix(backstore)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {backstore} in LIO's listing:\n{listing}"))
+}
+
+/// The kernel's own vhost-scsi worker serving a VM process of the suite's
+/// (tests/native/vhost_scsi.c) from LIO: an iblock LUN on vdc and a fileio
+/// LUN on a file, reads and writes. Every command the VM had answered is
+/// LIO's count of that backstore, the iblock LUN's are vdc's own count and
+/// iospan's count of vdc; the VM, its vhost-scsi disks, the worker and the
+/// target's export are named.
+fn vhost_scsi_counts_exact(o: &Outcome) {
+    assert_eq!(o.rc("lio").unwrap(), 0, "{}", o.file("lio.err").unwrap());
+    let runs = [
+        ("0", "read", "iblock_0/vdc"),
+        ("0", "write", "iblock_0/vdc"),
+        ("1", "read", "fileio_1/file0"),
+        ("1", "write", "fileio_1/file0"),
+    ];
+    for (lun, op, backstore) in runs {
+        let name = format!("vhost-{lun}-{op}");
+        let err = o.file(&format!("{name}.err")).unwrap();
+        assert_eq!(o.rc(&name).unwrap(), 0, "{name}: {err}");
+        let out = o.file(&format!("{name}.out")).unwrap();
+        assert_eq!(field(&out, "requests="), 500, "{name}: {out}");
+        assert_eq!(field(&out, "errors="), 0, "{name}: {out}");
+        let (before, after) = (
+            o.file(&format!("{name}.cmds.before")).unwrap(),
+            o.file(&format!("{name}.cmds.after")).unwrap(),
+        );
+        for b in ["iblock_0/vdc", "fileio_1/file0"] {
+            let lio = lio_cmds(&after, b) - lio_cmds(&before, b);
+            let want = if b == backstore {
+                field(&out, "commands=")
+            } else {
+                0
+            };
+            assert_eq!(lio, want, "{name}: LIO's count of {b}");
+        }
+        let disk = stat_ios(
+            &o.file(&format!("{name}.stat.before")).unwrap(),
+            &o.file(&format!("{name}.stat.after")).unwrap(),
+        );
+        let rep = o.json(&format!("{name}.json")).unwrap();
+        let counted: u64 = rep["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["host_disk"] == "vdc")
+            .map(|e| e["ios"].as_u64().unwrap())
+            .sum();
+        let want = if lun == "0" { 500 } else { 0 };
+        assert_eq!(disk, want, "{name}: vdc's own count");
+        assert_eq!(counted, disk, "{name}: iospan's count of vdc");
+        let vm = &rep["vms"][0];
+        assert_eq!(vm["name"], "matrix-vhost", "{vm}");
+        let lun0 = vm["vdisks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["id"] == "scsi0/lun_0")
+            .unwrap_or_else(|| panic!("no vhost-scsi LUN 0: {vm}"));
+        assert_eq!(lun0["model"], "vhost-scsi-pci");
+        assert_eq!(lun0["backing"], "/dev/vdc");
+        let engine = vm["engines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["disk"] == "scsi0/lun_0")
+            .unwrap_or_else(|| panic!("no engine of LUN 0: {vm}"));
+        assert_eq!(engine["export"], "naa.5001405c0ffee001/lun_0", "{engine}");
+        assert!(
+            engine["program"]
+                .as_str()
+                .is_some_and(|p| p.starts_with("vhost-")),
+            "{engine}"
+        );
     }
 }
 
@@ -258,6 +344,10 @@ fn supported_kernel(series: &str) {
     assert!(works(&doctor, "atomics"), "doctor: {doctor:#}");
     block_split_exact(&o, &doctor);
     guest_agent_records(&o);
+    vhost_scsi_counts_exact(&o);
+    let vhost = &doctor["paths"][0];
+    assert_eq!(vhost["path"], "vhost-scsi", "{doctor:#}");
+    assert_eq!(vhost["measurable"], "partial", "{vhost}");
 
     // The flavours iospan picks: doctor's verdicts are what then loads.
     let always_on = vm_split_exact(&o, "always-on");

@@ -56,7 +56,7 @@ enum Cmd {
         /// Kernels by series or suite (5.10, bookworm, …); all when none.
         kernels: Vec<String>,
         /// Only these steps (doctor, guest, block, vm-always-on,
-        /// vm-avoiding, vm-deep).
+        /// vm-avoiding, vm-deep, vhost).
         #[arg(long, value_delimiter = ',')]
         steps: Vec<String>,
     },

@@ -44,6 +44,11 @@ pub const KERNELS: [Release; 3] = [
 /// Modules the matrix's init loads where the kernel has them as modules.
 const MODULES: &[&str] = &["virtio_pci", "virtio_blk", "virtio_console"];
 
+/// The in-kernel SCSI target and vhost-scsi, for the `vhost` step: loaded
+/// where the kernel package carries them (the step then says what is
+/// missing).
+const VHOST_MODULES: &[&str] = &["target_core_iblock", "target_core_file", "vhost_scsi"];
+
 /// How long one boot may take under software emulation.
 const BOOT_LIMIT: Duration = Duration::from_secs(420);
 
@@ -118,13 +123,14 @@ pub fn run(r: &'static Release) -> Result<Outcome> {
 
 /// The same, only `steps` (all when empty).
 pub fn run_steps(r: &'static Release, steps: &[String]) -> Result<Outcome> {
-    const STEPS: [&str; 6] = [
+    const STEPS: [&str; 7] = [
         "doctor",
         "guest",
         "block",
         "vm-always-on",
         "vm-avoiding",
         "vm-deep",
+        "vhost",
     ];
     if let Some(bad) = steps.iter().find(|s| !STEPS.contains(&s.as_str())) {
         bail!("no step {bad} in the matrix: {}", STEPS.join(", "));
@@ -179,6 +185,15 @@ fn build_initrd(k: &Kernel, work: &Path) -> Result<PathBuf> {
             .arg(stage.join("bin/qemu-system-x86_64"))
             .arg(native.join("vm_load.c")),
     )?;
+    // The VM process whose disk the kernel's vhost-scsi serves: QEMU's
+    // name, in a directory of its own beside vm_load's.
+    std::fs::create_dir_all(stage.join("vhost"))?;
+    sh::run(
+        Command::new("cc")
+            .args(["-static", "-O2", "-Wall", "-o"])
+            .arg(stage.join("vhost/qemu-system-x86_64"))
+            .arg(native.join("vhost_scsi.c")),
+    )?;
     std::fs::copy("/bin/busybox", stage.join("bin/busybox"))
         .context("copying /bin/busybox (busybox-static)")?;
     std::fs::copy(rig.join("matrix-init"), stage.join("init"))?;
@@ -192,7 +207,20 @@ fn build_initrd(k: &Kernel, work: &Path) -> Result<PathBuf> {
             .arg(&agent),
     )?;
     let mut names = Vec::new();
-    for m in guest::module_order(&k.root, MODULES)? {
+    let mut modules = guest::module_order(&k.root, MODULES)?;
+    for m in VHOST_MODULES {
+        match guest::module_order(&k.root, &[m]) {
+            Ok(more) => {
+                for p in more {
+                    if !modules.contains(&p) {
+                        modules.push(p);
+                    }
+                }
+            }
+            Err(e) => eprintln!("xtask: matrix: {}: {e:#}", k.release.series),
+        }
+    }
+    for m in modules {
         let name = guest::module_name(&m)?;
         std::fs::write(stage.join("modules").join(&name), guest::module_bytes(&m)?)?;
         names.push(name);
@@ -210,6 +238,9 @@ fn build_initrd(k: &Kernel, work: &Path) -> Result<PathBuf> {
 fn boot(k: &Kernel, initrd: &Path, work: &Path, steps: &[String]) -> Result<Outcome> {
     let disk = work.join("disk.img");
     guest::ensure_image(&disk, 128)?;
+    // vdc: the vhost step's iblock backstore.
+    let lio_disk = work.join("lio.img");
+    guest::ensure_image(&lio_disk, 64)?;
     let out_img = work.join("out.img");
     std::fs::write(&out_img, vec![0u8; 32 << 20])?;
     let channel = work.join("channel.out");
@@ -261,6 +292,12 @@ fn boot(k: &Kernel, initrd: &Path, work: &Path, steps: &[String]) -> Result<Outc
         out_img.display()
     ))
     .args(["-device", "virtio-blk-pci,drive=d1"])
+    .arg("-drive")
+    .arg(format!(
+        "file={},if=none,id=d2,format=raw,cache=none,aio=io_uring",
+        lio_disk.display()
+    ))
+    .args(["-device", "virtio-blk-pci,drive=d2"])
     // The guest agent's channel: its records land in a file.
     .args(["-device", "virtio-serial-pci", "-chardev"])
     .arg(format!("file,id=chan,path={}", channel.display()))

@@ -151,31 +151,38 @@ pub fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
         .spawn()
         .with_context(|| format!("starting `{}`", show(&cmd)))?;
     // Cargo names each test binary on stderr as it starts it: passed on,
-    // and kept to name the binary's time (its results come on stdout).
-    let running = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+    // and queued in order to name the binary's time (its results come on
+    // stdout, where its "running N tests" line may be read before or after
+    // the name: the n-th such line is the n-th binary's).
+    let names = std::sync::Arc::new((
+        std::sync::Mutex::new(Vec::<String>::new()),
+        std::sync::Condvar::new(),
+    ));
     let stderr = child.stderr.take().expect("piped");
-    let names = running.clone();
+    let queue = names.clone();
     let forward = std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             eprintln!("{line}");
             if let Some(bin) = test_binary(&line) {
-                let mut n = names.lock().unwrap_or_else(|p| p.into_inner());
-                if n.is_none() {
+                let (lock, arrived) = &*queue;
+                let mut q = lock.lock().unwrap_or_else(|p| p.into_inner());
+                if q.is_empty() {
                     crate::phases::record("build tests", started.elapsed());
                 }
-                *n = Some(bin);
+                q.push(bin);
+                arrived.notify_all();
             }
         }
     });
     let (mut passed, mut failed) = (0, 0);
-    // Named at the binary's own first line: cargo may announce the next
-    // binary on stderr before this one's result is read here.
+    let mut started_binaries = 0;
     let mut this_binary = None;
     for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
         let line = line?;
         println!("{line}");
         if line.starts_with("running ") {
-            this_binary = running.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            this_binary = nth_name(&names, started_binaries);
+            started_binaries += 1;
         }
         if let Some(rest) = line.strip_prefix("test result: ") {
             if let Some(took) = finished_in(rest) {
@@ -207,7 +214,23 @@ pub fn cargo_test(args: &[&str]) -> Result<(u64, u64)> {
 
 /// The test binary a cargo `Running` line starts: `tests/block.rs`,
 /// `unittests src/lib.rs` of a crate (named by its binary's file).
+/// The n-th test binary cargo named, waiting a little for its line.
+fn nth_name(
+    names: &(std::sync::Mutex<Vec<String>>, std::sync::Condvar),
+    n: usize,
+) -> Option<String> {
+    let (lock, arrived) = names;
+    let q = lock.lock().unwrap_or_else(|p| p.into_inner());
+    let (q, _) = arrived
+        .wait_timeout_while(q, std::time::Duration::from_secs(5), |q| q.len() <= n)
+        .unwrap_or_else(|p| p.into_inner());
+    q.get(n).cloned()
+}
+
 fn test_binary(line: &str) -> Option<String> {
+    if let Some(krate) = line.trim_start().strip_prefix("Doc-tests ") {
+        return Some(format!("{} (doc)", krate.trim()));
+    }
     let rest = line.trim_start().strip_prefix("Running ")?;
     let (what, bin) = rest.split_once(" (")?;
     let what = what.trim_start_matches("unittests ");
@@ -282,7 +305,28 @@ mod tests {
             .as_deref(),
             Some("iospan (src/lib.rs)")
         );
+        assert_eq!(
+            test_binary("   Doc-tests iospan").as_deref(),
+            Some("iospan (doc)")
+        );
         assert_eq!(test_binary("   Compiling png v0.18.1"), None);
+    }
+
+    #[test]
+    fn the_nth_running_line_is_the_nth_binary_named_even_when_named_late() {
+        let names = std::sync::Arc::new((
+            std::sync::Mutex::new(vec!["kvm".to_string()]),
+            std::sync::Condvar::new(),
+        ));
+        let late = names.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            late.0.lock().unwrap().push("libvirt".into());
+            late.1.notify_all();
+        });
+        assert_eq!(nth_name(&names, 0).as_deref(), Some("kvm"));
+        assert_eq!(nth_name(&names, 1).as_deref(), Some("libvirt"));
+        t.join().unwrap();
     }
 
     #[test]

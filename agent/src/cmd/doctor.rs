@@ -18,6 +18,8 @@ pub struct Doctor {
     pub probes: Vec<ProbeResult>,
     pub kvm_tracepoints: bool,
     pub segments: Vec<SegmentSupport>,
+    /// Data paths served by the kernel rather than a VM's own threads.
+    pub paths: Vec<PathSupport>,
     /// What a uprobe hit costs here, emulated and single-stepped.
     pub uprobe_costs: Vec<features::UprobeCost>,
     /// Why they were not measured, when not.
@@ -97,6 +99,14 @@ pub struct SegmentSupport {
     pub how: String,
 }
 
+/// A storage data path and what iospan gives of it on this host.
+#[derive(Debug, Serialize)]
+pub struct PathSupport {
+    pub path: &'static str,
+    pub measurable: Support,
+    pub how: String,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Support {
@@ -158,6 +168,7 @@ pub fn examine() -> Result<Doctor> {
         probes,
         kvm_tracepoints,
         segments,
+        paths: vec![vhost_scsi_path(&kernel_release_only())],
         uprobe_costs_error: uprobe_costs.as_ref().err().cloned(),
         uprobe_costs: uprobe_costs.unwrap_or_default(),
         vms: crate::discover::vms::scan(),
@@ -232,6 +243,53 @@ fn segments(probes: &[features::ProbeResult], kvm_tracepoints: bool) -> Vec<Segm
     segments
 }
 
+/// The kernel's vhost-scsi: a worker of the kernel's serves the VM's
+/// virtqueues and LIO its commands.
+fn vhost_scsi_path(release: &str) -> PathSupport {
+    if !kernel_has_module("vhost_scsi", release) {
+        return PathSupport {
+            path: "vhost-scsi",
+            measurable: Support::No,
+            how: format!(
+                "no vhost_scsi in this kernel (not loaded, not built in, none under /lib/modules/{release}): \
+                 no kernel vhost worker serves a VM here"
+            ),
+        };
+    }
+    PathSupport {
+        path: "vhost-scsi",
+        measurable: Support::Partial,
+        how: "the VM, its vhost-scsi disks (its target's LUNs in LIO's configfs), the worker vhost-<pid> and the \
+              export are named; LIO submits the worker's commands from its own workqueue (Linux 5.16 and later), \
+              so their requests are counted on the backing disk as the host's, not split"
+            .into(),
+    }
+}
+
+/// Loaded or built in (/sys/module), or a module file of this release.
+fn kernel_has_module(name: &str, release: &str) -> bool {
+    if Path::new("/sys/module").join(name).exists() {
+        return true;
+    }
+    let dir = Path::new("/lib/modules")
+        .join(release)
+        .join("kernel/drivers/vhost");
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries.flatten().any(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("{name}.ko"))
+        })
+    })
+}
+
+fn kernel_release_only() -> String {
+    rustix::system::uname()
+        .release()
+        .to_string_lossy()
+        .into_owned()
+}
+
 fn kernel_release() -> String {
     let u = rustix::system::uname();
     let field = |f: &std::ffi::CStr| f.to_string_lossy().into_owned();
@@ -299,6 +357,16 @@ impl Doctor {
                 s.segment,
                 s.measurable.as_str(),
                 s.how
+            );
+        }
+        let _ = writeln!(out, "\nkernel data paths:");
+        for p in &self.paths {
+            let _ = writeln!(
+                out,
+                "  {:<11} {:<8} {}",
+                p.path,
+                p.measurable.as_str(),
+                p.how
             );
         }
     }
