@@ -113,6 +113,37 @@ fn block_split_exact(o: &Outcome, doctor: &Value) {
     }
 }
 
+/// Linux 6.10 on: with the iblock backstore's `submit_type` 1 (direct) the
+/// vhost worker, a thread of the VM's process, submits its commands itself:
+/// every read of the disk is the VM's.
+fn vhost_scsi_direct_submission_is_the_vms(o: &Outcome) {
+    let name = "vhost-0-read-direct";
+    assert_eq!(
+        o.rc(name).unwrap(),
+        0,
+        "{}",
+        o.file(&format!("{name}.err")).unwrap()
+    );
+    let disk = stat_ios(
+        &o.file(&format!("{name}.stat.before")).unwrap(),
+        &o.file(&format!("{name}.stat.after")).unwrap(),
+    );
+    assert_eq!(disk, 500, "{name}: vdc's own count");
+    let rep = o.json(&format!("{name}.json")).unwrap();
+    let vms: u64 = rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["host_disk"] == "vdc" && e["vm"] == "matrix-vhost")
+        .map(|e| e["ios"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        vms, disk,
+        "{name}: the VM's count of vdc: {:#}",
+        rep["entries"]
+    );
+}
+
 /// LIO's command count of one backstore (`HBA/NAME`) in a `lio_cmds`
 /// listing.
 fn lio_cmds(listing: &str, backstore: &str) -> u64 {
@@ -345,6 +376,9 @@ fn supported_kernel(series: &str) {
     block_split_exact(&o, &doctor);
     guest_agent_records(&o);
     vhost_scsi_counts_exact(&o);
+    if series == "6.12" {
+        vhost_scsi_direct_submission_is_the_vms(&o);
+    }
     let vhost = &doctor["paths"][0];
     assert_eq!(vhost["path"], "vhost-scsi", "{doctor:#}");
     assert_eq!(vhost["measurable"], "partial", "{vhost}");
