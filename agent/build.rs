@@ -24,6 +24,7 @@ const OBJECTS: &[(&str, &[&str])] = &[
             "pickups",
             "signals",
             "sched",
+            "scsi_target",
         ],
     ),
     ("features", &["features"]),

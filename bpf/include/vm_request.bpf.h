@@ -12,6 +12,7 @@
 #include "blk_op.bpf.h"
 #include "core_fixes.bpf.h"
 #include "picks.bpf.h"
+#include "scsi_target.bpf.h"
 #include "signals.bpf.h"
 #include "stats.bpf.h"
 #include "vm_join.bpf.h"
@@ -90,7 +91,7 @@ static __always_inline int qemus_probe(struct bio *bio, int kind, int btf)
  * offset in the virtual disk's backing (the guest's offset on a raw
  * image), where known. */
 static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u64 *pos, int btf,
-				      struct proc_cache *c, int main_thread)
+				      struct proc_cache *c, int main_thread, int for_worker)
 {
 	struct vm_dev_key vk = { .vm = vm, .dev = dev };
 	struct iomap_dio *dio_priv;
@@ -110,7 +111,7 @@ static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u6
 			kind = i;
 			break;
 		}
-	if (kind < 0 && !in_vhost_worker())
+	if (kind < 0 && !for_worker)
 		return 0;
 	if (c->dev != dev) {
 		slot = bpf_map_lookup_elem(&vm_disks, &vk);
@@ -120,9 +121,10 @@ static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u6
 	slot = &c->vdisk_slot;
 	if (!*slot)
 		return 0;
-	/* A vhost worker serves only its VM's vhost disks, and submits their
-	 * bios itself (LIO's block and file backstores: no kiocb to read): on
-	 * a host disk holding one of them, the request is that disk's. A dm
+	/* A vhost worker serves only its VM's vhost disks, and its commands'
+	 * bios are submitted by it or by LIO's workqueue for it (LIO's block
+	 * and file backstores: no kiocb to read): on a host disk holding one
+	 * of them, the request is that disk's. A dm
 	 * clone's offset is the physical disk's, not the virtual disk's. */
 	if (kind < 0 || kind == DIO_DM_CLONE)
 		return *slot != VDISK_SEVERAL ? *slot : 0;
@@ -310,8 +312,10 @@ static __always_inline int vm_bio_start(struct bio *bio, __u32 dev, __u32 op, __
 					struct vm_start *v)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
+	__u32 tgid = submitter_tgid(pid_tgid), tid = (__u32)pid_tgid;
 	struct proc_cache *c = cached_proc(tgid);
+	/* Acting for the VM: a task executing its SCSI command. */
+	int acting = tgid != pid_tgid >> 32;
 
 	if (!c || !c->proc.slot)
 		return 0;
@@ -332,7 +336,8 @@ static __always_inline int vm_bio_start(struct bio *bio, __u32 dev, __u32 op, __
 		c->proc.state = VM_PROC_RUNNING;
 	}
 	if (c->proc.state == VM_PROC_RUNNING)
-		v->vdisk = vdisk_of(bio, v->vm, v->dev, &v->pos, btf, c, tid == tgid);
+		v->vdisk = vdisk_of(bio, v->vm, v->dev, &v->pos, btf, c, tid == tgid,
+				    acting || in_vhost_worker());
 	if (targ_vm_segments)
 		vm_pick(bio, tgid, tid, start, v, btf);
 	return 1;
@@ -342,7 +347,7 @@ static __always_inline int vm_bio_start(struct bio *bio, __u32 dev, __u32 op, __
 static __always_inline int vm_request_start(struct request *rq, __u64 start, int btf,
 					    struct vm_start *v)
 {
-	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	__u32 tgid = submitter_tgid(bpf_get_current_pid_tgid());
 	struct proc_cache *c = cached_proc(tgid);
 
 	/* Most requests are no VM's: out before any read of the request. */

@@ -5,7 +5,8 @@
  * vhost worker pops the ring, hands each SCSI command to LIO and its
  * backstore, and pushes the response, with no thread of this process in
  * the data path. The process acts as the guest's virtio-scsi driver: one
- * thread ("CPU 0/KVM") keeps QD commands available, kicks the queue by
+ * thread ("CPU 0/KVM", beside the main thread, named as QEMU's process)
+ * keeps QD commands available, kicks the queue by
  * writing its eventfd (as KVM's ioeventfd does for a guest's notify
  * write), and reaps the used ring when the call eventfd fires.
  *
@@ -29,6 +30,7 @@
  * (M: every command the device answered, READ CAPACITY's included). */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <linux/vhost.h>
 #include <linux/virtio_ring.h>
@@ -337,15 +339,67 @@ static void arg_value(int argc, char **argv, const char *flag, const char *prefi
 	}
 }
 
+/* What the guest's driver did. */
+struct run {
+	long ios, done, errors;
+	uint32_t block;
+	int rc;
+};
+
+/* The guest's driver, in a vCPU thread as QEMU's ("CPU 0/KVM"): QEMU's
+ * main thread keeps the process's name. */
+static void *vcpu(void *arg)
+{
+	struct run *r = arg;
+	long made = 0;
+	uint64_t blocks, chunks;
+	uint32_t per;
+	uint8_t *seen;
+	int i;
+
+	prctl(PR_SET_NAME, "CPU 0/KVM");
+	capacity(&r->block, &blocks);
+	if (!r->block || XFER % r->block || blocks * r->block < (uint64_t)XFER * 4 * r->ios) {
+		fprintf(stderr,
+			"vhost_scsi: LUN %d: %llu blocks of %u: too small for %ld commands\n", lun,
+			(unsigned long long)blocks, r->block, r->ios);
+		r->rc = 1;
+		return NULL;
+	}
+	per = XFER / r->block;
+	chunks = blocks / per;
+	seen = calloc(chunks / 8 + 1, 1);
+	srand(getpid());
+	for (i = 0; i < qd && made < r->ios; i++, made++)
+		issue(i, next_lba(chunks, per, seen), per);
+	kick();
+	while (r->done < r->ios) {
+		int more = 0;
+
+		while (r->done < r->ios && (i = reap()) >= 0) {
+			r->done++;
+			r->errors += !ok(i);
+			if (made < r->ios) {
+				issue(i, next_lba(chunks, per, seen), per);
+				made++;
+				more = 1;
+			}
+		}
+		if (more)
+			kick();
+		else if (r->done < r->ios)
+			wait_call();
+	}
+	r->rc = r->errors ? 1 : 0;
+	return NULL;
+}
+
 int main(int argc, char **argv)
 {
 	char name[64], wwpn[224], w[256];
-	long ios = env_long("IOSPAN_VHOST_IOS", 1000), made = 0, done = 0, errors = 0;
+	struct run r = { .ios = env_long("IOSPAN_VHOST_IOS", 1000) };
 	const char *op = getenv("IOSPAN_VHOST_OP");
-	uint32_t block, per;
-	uint64_t blocks, chunks;
-	uint8_t *seen;
-	int i;
+	pthread_t t;
 
 	arg_value(argc, argv, "-device", "vhost-scsi-pci,", "wwpn=", w, sizeof(w));
 	arg_value(argc, argv, "-name", "guest=", "guest=", name, sizeof(name));
@@ -375,42 +429,11 @@ int main(int argc, char **argv)
 	usleep(env_long("IOSPAN_VHOST_DELAY_MS", 0) * 1000);
 	signal(SIGALRM, give_up);
 	alarm(env_long("IOSPAN_VHOST_LIMIT_S", 60));
-	prctl(PR_SET_NAME, "CPU 0/KVM");
-	capacity(&block, &blocks);
-	if (!block || XFER % block || blocks * block < (uint64_t)XFER * 4 * ios) {
-		fprintf(stderr,
-			"vhost_scsi: LUN %d: %llu blocks of %u: too small for %ld commands\n", lun,
-			(unsigned long long)blocks, block, ios);
-		return 1;
-	}
-	per = XFER / block;
-	chunks = blocks / per;
-	seen = calloc(chunks / 8 + 1, 1);
-	srand(getpid());
-	for (i = 0; i < qd && made < ios; i++, made++)
-		issue(i, next_lba(chunks, per, seen), per);
-	kick();
-	while (done < ios) {
-		int more = 0;
-
-		while (done < ios && (i = reap()) >= 0) {
-			done++;
-			errors += !ok(i);
-			if (made < ios) {
-				issue(i, next_lba(chunks, per, seen), per);
-				made++;
-				more = 1;
-			}
-		}
-		if (more)
-			kick();
-		else if (done < ios)
-			wait_call();
-	}
-	printf("vhost_scsi: %s requests=%ld errors=%ld commands=%llu kicks=%llu "
-	       "calls=%llu "
+	if (pthread_create(&t, NULL, vcpu, &r) || pthread_join(t, NULL))
+		die("the vCPU thread");
+	printf("vhost_scsi: %s requests=%ld errors=%ld commands=%llu kicks=%llu calls=%llu "
 	       "block=%u\n",
-	       name, done, errors, (unsigned long long)answered, (unsigned long long)kicks,
-	       (unsigned long long)calls, block);
-	return errors ? 1 : 0;
+	       name, r.done, r.errors, (unsigned long long)answered, (unsigned long long)kicks,
+	       (unsigned long long)calls, r.block);
+	return r.rc;
 }

@@ -129,18 +129,50 @@ fn vhost_scsi_direct_submission_is_the_vms(o: &Outcome) {
         &o.file(&format!("{name}.stat.after")).unwrap(),
     );
     assert_eq!(disk, 500, "{name}: vdc's own count");
-    let rep = o.json(&format!("{name}.json")).unwrap();
-    let vms: u64 = rep["entries"]
+    vm_counts_its_lun(name, &o.json(&format!("{name}.json")).unwrap(), disk);
+}
+
+/// The VM's requests on its vhost-scsi LUN on vdc: all of the disk's,
+/// whichever task submitted them (LIO's workqueue by default, followed
+/// from the worker by kprobes on target_core_mod; the always-on tier
+/// attaches no system-call tracepoint), every one split or counted unsplit.
+fn vm_counts_its_lun(name: &str, rep: &Value, disk: u64) {
+    let ios: u64 = rep["entries"]
         .as_array()
         .unwrap()
         .iter()
-        .filter(|e| e["host_disk"] == "vdc" && e["vm"] == "matrix-vhost")
+        .filter(|e| e["vm"] == "matrix-vhost" && e["disk"] == "scsi0/lun_0")
         .map(|e| e["ios"].as_u64().unwrap())
         .sum();
     assert_eq!(
-        vms, disk,
-        "{name}: the VM's count of vdc: {:#}",
+        ios, disk,
+        "{name}: the VM's count of its LUN: {:#}",
         rep["entries"]
+    );
+    let split: u64 = rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["vm"] == "matrix-vhost")
+        .filter_map(|e| e["segments"]["host_window"]["count"].as_u64())
+        .sum();
+    let unsplit = agent_integration::unsplit(rep);
+    assert_eq!(
+        split + unsplit.counted + unsplit.polled,
+        ios,
+        "{name}: every request split or counted: {}",
+        rep["lost"]["host_split"]
+    );
+    let attached: Vec<(String, String)> = flavours(rep);
+    for f in ["target_init_cmd", "__target_execute_cmd"] {
+        assert!(
+            attached.iter().any(|(tp, fl)| tp == f && fl == "kprobe"),
+            "{name}: no kprobe on {f}: {attached:?}"
+        );
+    }
+    assert!(
+        !attached.iter().any(|(tp, _)| tp.starts_with("syscalls:")),
+        "{name}: a system-call tracepoint in the always-on tier: {attached:?}"
     );
 }
 
@@ -156,9 +188,9 @@ fn lio_cmds(listing: &str, backstore: &str) -> u64 {
 /// The kernel's own vhost-scsi worker serving a VM process of the suite's
 /// (tests/native/vhost_scsi.c) from LIO: an iblock LUN on vdc and a fileio
 /// LUN on a file, reads and writes. Every command the VM had answered is
-/// LIO's count of that backstore, the iblock LUN's are vdc's own count and
-/// iospan's count of vdc; the VM, its vhost-scsi disks, the worker and the
-/// target's export are named.
+/// LIO's count of that backstore, the iblock LUN's are vdc's own count,
+/// iospan's count of vdc and the VM's of its LUN; the VM, its vhost-scsi
+/// disks, the worker and the target's export are named.
 fn vhost_scsi_counts_exact(o: &Outcome) {
     assert_eq!(o.rc("lio").unwrap(), 0, "{}", o.file("lio.err").unwrap());
     let runs = [
@@ -196,12 +228,13 @@ fn vhost_scsi_counts_exact(o: &Outcome) {
             .as_array()
             .unwrap()
             .iter()
-            .filter(|e| e["host_disk"] == "vdc")
+            .filter(|e| e["host_disk"] == "vdc" && e["vm"].is_null())
             .map(|e| e["ios"].as_u64().unwrap())
             .sum();
         let want = if lun == "0" { 500 } else { 0 };
         assert_eq!(disk, want, "{name}: vdc's own count");
         assert_eq!(counted, disk, "{name}: iospan's count of vdc");
+        vm_counts_its_lun(&name, &rep, disk);
         let vm = &rep["vms"][0];
         assert_eq!(vm["name"], "matrix-vhost", "{vm}");
         let lun0 = vm["vdisks"]

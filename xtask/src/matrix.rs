@@ -190,7 +190,7 @@ fn build_initrd(k: &Kernel, work: &Path) -> Result<PathBuf> {
     std::fs::create_dir_all(stage.join("vhost"))?;
     sh::run(
         Command::new("cc")
-            .args(["-static", "-O2", "-Wall", "-o"])
+            .args(["-static", "-O2", "-Wall", "-pthread", "-o"])
             .arg(stage.join("vhost/qemu-system-x86_64"))
             .arg(native.join("vhost_scsi.c")),
     )?;

@@ -150,6 +150,7 @@ pub fn examine() -> Result<Doctor> {
     } else {
         None
     };
+    let kprobes = works(ProbeType::Kprobe);
     let tiers = tier_plan(
         fn_probe,
         kvm_tracepoints,
@@ -168,7 +169,7 @@ pub fn examine() -> Result<Doctor> {
         probes,
         kvm_tracepoints,
         segments,
-        paths: vec![vhost_scsi_path(&kernel_release_only())],
+        paths: vec![vhost_scsi_path(&kernel_release_only(), kprobes)],
         uprobe_costs_error: uprobe_costs.as_ref().err().cloned(),
         uprobe_costs: uprobe_costs.unwrap_or_default(),
         vms: crate::discover::vms::scan(),
@@ -245,7 +246,7 @@ fn segments(probes: &[features::ProbeResult], kvm_tracepoints: bool) -> Vec<Segm
 
 /// The kernel's vhost-scsi: a worker of the kernel's serves the VM's
 /// virtqueues and LIO its commands.
-fn vhost_scsi_path(release: &str) -> PathSupport {
+fn vhost_scsi_path(release: &str, kprobes: bool) -> PathSupport {
     if !kernel_has_module("vhost_scsi", release) {
         return PathSupport {
             path: "vhost-scsi",
@@ -256,13 +257,23 @@ fn vhost_scsi_path(release: &str) -> PathSupport {
             ),
         };
     }
+    let named = "the VM, its vhost-scsi disks (its target's LUNs in LIO's configfs), the worker vhost-<pid> and \
+                 the export are named";
     PathSupport {
         path: "vhost-scsi",
         measurable: Support::Partial,
-        how: "the VM, its vhost-scsi disks (its target's LUNs in LIO's configfs), the worker vhost-<pid> and the \
-              export are named; LIO submits the worker's commands from its own workqueue (Linux 5.16 and later), \
-              so their requests are counted on the backing disk as the host's, not split"
-            .into(),
+        how: if kprobes {
+            format!(
+                "{named}; each command is followed from the worker to the task executing it (LIO's workqueue \
+                 by default) by kprobes on target_init_cmd and __target_execute_cmd: its requests are the VM's, \
+                 on its virtual disk; not split yet (counted in lost.host_split)"
+            )
+        } else {
+            format!(
+                "{named}; no kprobes here: the commands LIO's workqueue submits (the default) are counted on the \
+                 backing disk as the host's"
+            )
+        },
     }
 }
 

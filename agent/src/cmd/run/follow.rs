@@ -309,6 +309,10 @@ pub(super) fn attach_vm_probes(probes: &mut BlockProbes, slot: u32, vm: &vms::Vm
         // VM without a vhost disk, do not).
         flags |= crate::abi::VMF_VHOST;
     }
+    if vm.disks.iter().any(vms::VDisk::kernel_vhost) {
+        // LIO's workqueue submits its worker's commands: followed to it.
+        probes.ensure_scsi_target();
+    }
     if vm.channel.is_some() {
         // Its guest agent joins each request: the kernel streams them all.
         flags |= crate::abi::VMF_STREAM_ALL;

@@ -27,6 +27,7 @@ use crate::{
 
 mod block;
 mod nesting;
+mod scsi_target;
 mod split;
 mod tier;
 mod vm;
@@ -437,6 +438,9 @@ impl BlockProbes {
         let next_vm = cfg.vm_pids.len() as u32 + LATE_VM_SLOTS;
         let dio_end_io = dio_end_io_addresses();
         let getrq = u32::from(!has_block_io_start(btf));
+        let scsi_target = u32::from(
+            cfg.track_vms && !cfg.avoid.contains(&Flavour::Kprobe) && scsi_target::lio_loaded(),
+        );
         let mut ebpf = EbpfLoader::new()
             .btf(btf)
             .override_global("targ_max_disks", &max_disks, true)
@@ -449,6 +453,7 @@ impl BlockProbes {
             .override_global("next_vm", &next_vm, true)
             .override_global("targ_dio_end_io", &dio_end_io[..], true)
             .override_global("targ_getrq", &getrq, true)
+            .override_global("targ_scsi_target", &scsi_target, true)
             .map_max_entries("blk_latency", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("blk_latency_nested", max_disks * BLK_NR_OPS as u32)
             .map_max_entries("disk_queues", max_disks)

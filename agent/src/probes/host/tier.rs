@@ -62,7 +62,7 @@ pub struct TierProbes {
     one_in: u32,
     slower_than_ns: u64,
     /// Flavours the run was told never to use (`--avoid`).
-    avoid: Vec<Flavour>,
+    pub(super) avoid: Vec<Flavour>,
 }
 
 enum EventfdLink {
