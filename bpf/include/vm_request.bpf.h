@@ -89,9 +89,10 @@ static __always_inline int qemus_probe(struct bio *bio, int kind, int btf)
  * resolved here (0), except from a vhost worker, nor is QEMU's probe of an
  * image (qemus_probe). `pos` is the request's
  * offset in the virtual disk's backing (the guest's offset on a raw
- * image), where known. */
+ * image), where known. `acting`: the task executes a VM's SCSI command
+ * for it (LIO's workqueue). */
 static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u64 *pos, int btf,
-				      struct proc_cache *c, int main_thread, int for_worker)
+				      struct proc_cache *c, int main_thread, int acting)
 {
 	struct vm_dev_key vk = { .vm = vm, .dev = dev };
 	struct iomap_dio *dio_priv;
@@ -111,7 +112,7 @@ static __always_inline __u32 vdisk_of(struct bio *bio, __u32 vm, __u32 dev, __u6
 			kind = i;
 			break;
 		}
-	if (kind < 0 && !for_worker)
+	if (kind < 0 && !acting && !in_vhost_worker())
 		return 0;
 	if (c->dev != dev) {
 		slot = bpf_map_lookup_elem(&vm_disks, &vk);
@@ -304,15 +305,16 @@ static __always_inline struct proc_cache *cached_proc(__u32 tgid)
 	return c;
 }
 
-/* A request of bio `bio` (its first), on host disk `dev`, op `op`,
- * starting at `start` (the kernel's stamp, or ours): whether a VM
- * submitted it, and if so what it is. `btf`: a constant per inlined call
+/* A request of bio `bio` (its first), submitted for process `tgid`
+ * (submitter_tgid), on host disk `dev`, op `op`, starting at `start` (the
+ * kernel's stamp, or ours): whether a VM submitted it, and if so what it
+ * is. `btf`: a constant per inlined call
  * site, choosing direct or probe reads. */
-static __always_inline int vm_bio_start(struct bio *bio, __u32 dev, __u32 op, __u64 start, int btf,
-					struct vm_start *v)
+static __always_inline int vm_bio_start(struct bio *bio, __u32 tgid, __u32 dev, __u32 op,
+					__u64 start, int btf, struct vm_start *v)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	__u32 tgid = submitter_tgid(pid_tgid), tid = (__u32)pid_tgid;
+	__u32 tid = (__u32)pid_tgid;
 	struct proc_cache *c = cached_proc(tgid);
 	/* Acting for the VM: a task executing its SCSI command. */
 	int acting = tgid != pid_tgid >> 32;
@@ -336,8 +338,7 @@ static __always_inline int vm_bio_start(struct bio *bio, __u32 dev, __u32 op, __
 		c->proc.state = VM_PROC_RUNNING;
 	}
 	if (c->proc.state == VM_PROC_RUNNING)
-		v->vdisk = vdisk_of(bio, v->vm, v->dev, &v->pos, btf, c, tid == tgid,
-				    acting || in_vhost_worker());
+		v->vdisk = vdisk_of(bio, v->vm, v->dev, &v->pos, btf, c, tid == tgid, acting);
 	if (targ_vm_segments)
 		vm_pick(bio, tgid, tid, start, v, btf);
 	return 1;
@@ -353,7 +354,7 @@ static __always_inline int vm_request_start(struct request *rq, __u64 start, int
 	/* Most requests are no VM's: out before any read of the request. */
 	if (!c || !c->proc.slot)
 		return 0;
-	return vm_bio_start(READ(btf, rq, bio), btf ? rq_dev_btf(rq) : rq_dev(rq),
+	return vm_bio_start(READ(btf, rq, bio), tgid, btf ? rq_dev_btf(rq) : rq_dev(rq),
 			    op_class(READ(btf, rq, cmd_flags)), start, btf, v);
 }
 

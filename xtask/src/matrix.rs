@@ -235,16 +235,17 @@ fn build_initrd(k: &Kernel, work: &Path) -> Result<PathBuf> {
     Ok(initrd)
 }
 
-fn boot(k: &Kernel, initrd: &Path, work: &Path, steps: &[String]) -> Result<Outcome> {
+/// The boot's QEMU: the kernel and initramfs, the workload's disk (vda),
+/// the results' disk (vdb, `out.img`), the vhost step's iblock backstore
+/// (vdc) and the guest agent's channel (`channel.out`), all under `work`.
+fn qemu_command(k: &Kernel, initrd: &Path, work: &Path, steps: &[String]) -> Result<Command> {
     let disk = work.join("disk.img");
     guest::ensure_image(&disk, 128)?;
-    // vdc: the vhost step's iblock backstore.
     let lio_disk = work.join("lio.img");
     guest::ensure_image(&lio_disk, 64)?;
     let out_img = work.join("out.img");
     std::fs::write(&out_img, vec![0u8; 32 << 20])?;
     let channel = work.join("channel.out");
-    let _ = std::fs::remove_file(&channel);
     let mut c = Command::new("qemu-system-x86_64");
     // One TCG thread: the kernel patches its own text as probes attach
     // (static keys), which multi-threaded TCG has been seen to run torn.
@@ -302,6 +303,14 @@ fn boot(k: &Kernel, initrd: &Path, work: &Path, steps: &[String]) -> Result<Outc
     .args(["-device", "virtio-serial-pci", "-chardev"])
     .arg(format!("file,id=chan,path={}", channel.display()))
     .args(["-device", "virtserialport,chardev=chan,name=org.iospan.0"]);
+    Ok(c)
+}
+
+fn boot(k: &Kernel, initrd: &Path, work: &Path, steps: &[String]) -> Result<Outcome> {
+    let channel = work.join("channel.out");
+    let _ = std::fs::remove_file(&channel);
+    let out_img = work.join("out.img");
+    let mut c = qemu_command(k, initrd, work, steps)?;
     let tag = format!("{} {}", k.release.suite, k.release.series);
     eprintln!("xtask: matrix: booting Debian {tag}'s cloud kernel");
     let t = Instant::now();

@@ -169,7 +169,7 @@ pub fn examine() -> Result<Doctor> {
         probes,
         kvm_tracepoints,
         segments,
-        paths: vec![vhost_scsi_path(&kernel_release_only(), kprobes)],
+        paths: vec![vhost_scsi_path(&release(), kprobes)],
         uprobe_costs_error: uprobe_costs.as_ref().err().cloned(),
         uprobe_costs: uprobe_costs.unwrap_or_default(),
         vms: crate::discover::vms::scan(),
@@ -247,7 +247,7 @@ fn segments(probes: &[features::ProbeResult], kvm_tracepoints: bool) -> Vec<Segm
 /// The kernel's vhost-scsi: a worker of the kernel's serves the VM's
 /// virtqueues and LIO its commands.
 fn vhost_scsi_path(release: &str, kprobes: bool) -> PathSupport {
-    if !kernel_has_module("vhost_scsi", release) {
+    if !has_vhost_scsi(release) {
         return PathSupport {
             path: "vhost-scsi",
             measurable: Support::No,
@@ -277,24 +277,23 @@ fn vhost_scsi_path(release: &str, kprobes: bool) -> PathSupport {
     }
 }
 
-/// Loaded or built in (/sys/module), or a module file of this release.
-fn kernel_has_module(name: &str, release: &str) -> bool {
-    if Path::new("/sys/module").join(name).exists() {
+/// vhost_scsi loaded or built in (/sys/module), or a module file of this
+/// release (vhost_scsi.ko, compressed or not).
+fn has_vhost_scsi(release: &str) -> bool {
+    if Path::new("/sys/module/vhost_scsi").exists() {
         return true;
     }
     let dir = Path::new("/lib/modules")
         .join(release)
         .join("kernel/drivers/vhost");
     std::fs::read_dir(dir).is_ok_and(|entries| {
-        entries.flatten().any(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .starts_with(&format!("{name}.ko"))
-        })
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("vhost_scsi.ko"))
     })
 }
 
-fn kernel_release_only() -> String {
+fn release() -> String {
     rustix::system::uname()
         .release()
         .to_string_lossy()
@@ -307,9 +306,14 @@ fn kernel_release() -> String {
     format!(
         "{} {} {}",
         field(u.sysname()),
-        field(u.release()),
+        release(),
         field(u.machine())
     )
+}
+
+/// One line of what this host can measure: name, verdict, how.
+fn support_row(out: &mut String, name: &str, measurable: Support, how: &str) {
+    let _ = writeln!(out, "  {name:<11} {:<8} {how}", measurable.as_str());
 }
 
 impl Doctor {
@@ -362,23 +366,11 @@ impl Doctor {
         }
         let _ = writeln!(out, "\nsegments this host can measure:");
         for s in &self.segments {
-            let _ = writeln!(
-                out,
-                "  {:<11} {:<8} {}",
-                s.segment,
-                s.measurable.as_str(),
-                s.how
-            );
+            support_row(out, s.segment, s.measurable, &s.how);
         }
         let _ = writeln!(out, "\nkernel data paths:");
         for p in &self.paths {
-            let _ = writeln!(
-                out,
-                "  {:<11} {:<8} {}",
-                p.path,
-                p.measurable.as_str(),
-                p.how
-            );
+            support_row(out, p.path, p.measurable, &p.how);
         }
     }
 

@@ -10,7 +10,7 @@
 use aya::programs::KProbe;
 
 use super::BlockProbes;
-use crate::probes::{error_chain, Attachment, Flavour};
+use crate::probes::{Attachment, Flavour};
 
 /// (program, kernel function).
 const PROBES: [(&str, &str); 3] = [
@@ -36,8 +36,8 @@ impl BlockProbes {
         }
         let mut attached = Vec::new();
         for (program, function) in PROBES {
-            match self.attach_kprobe(program, function) {
-                Ok(()) => attached.push(Attachment {
+            match super::tier::kprobe_on(&mut self.ebpf, program, function) {
+                Ok(_) => attached.push(Attachment {
                     tracepoint: function.into(),
                     flavour: Flavour::Kprobe,
                     program: program.into(),
@@ -56,18 +56,6 @@ impl BlockProbes {
             log::info!("attached {} via kprobe", a.tracepoint);
         }
         self.attachments.extend(attached);
-    }
-
-    fn attach_kprobe(&mut self, program: &str, function: &str) -> Result<(), String> {
-        let p = self
-            .ebpf
-            .program_mut(program)
-            .ok_or_else(|| format!("program {program} missing"))?;
-        let p: &mut KProbe = p.try_into().map_err(|e| format!("{e:#}"))?;
-        if p.fd().is_err() {
-            p.load().map_err(|e| error_chain(&e))?;
-        }
-        p.attach(function, 0).map(drop).map_err(|e| error_chain(&e))
     }
 
     /// Unloading a program detaches its links.

@@ -552,15 +552,22 @@ fn attach_fentry(ebpf: &mut Ebpf, btf: Option<&Btf>, f: &str) -> Result<EventfdL
 }
 
 fn attach_kprobe(ebpf: &mut Ebpf, f: &str) -> Result<EventfdLink, String> {
-    let name = format!("{f}_kprobe");
+    kprobe_on(ebpf, &format!("{f}_kprobe"), f).map(|l| EventfdLink::Kprobe(f.to_string(), l))
+}
+
+/// Loads (once) and attaches kprobe program `program` on kernel function
+/// `function` (or its return, for a kretprobe program).
+pub(super) fn kprobe_on(
+    ebpf: &mut Ebpf,
+    program: &str,
+    function: &str,
+) -> Result<KProbeLinkId, String> {
     let p = ebpf
-        .program_mut(&name)
-        .ok_or_else(|| format!("program {name} missing"))?;
+        .program_mut(program)
+        .ok_or_else(|| format!("program {program} missing"))?;
     let p: &mut KProbe = p.try_into().map_err(|e| format!("{e:#}"))?;
     if p.fd().is_err() {
         p.load().map_err(|e| error_chain(&e))?;
     }
-    p.attach(f, 0)
-        .map(|l| EventfdLink::Kprobe(f.to_string(), l))
-        .map_err(|e| error_chain(&e))
+    p.attach(function, 0).map_err(|e| error_chain(&e))
 }
