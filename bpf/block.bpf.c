@@ -300,7 +300,7 @@ static __always_inline void on_getrq(struct bio *bio, int btf)
 	__s64 *held;
 
 	if (!targ_track_vms ||
-	    !vm_bio_start(bio, submitter_tgid(bpf_get_current_pid_tgid()), bio_disk_dev(bio),
+	    !vm_bio_start(bio, acting_cmd(bpf_get_current_pid_tgid()), bio_disk_dev(bio),
 			  op_class(READ(btf, bio, bi_opf)), bpf_ktime_get_ns(), btf, &v))
 		return;
 	if (bpf_map_update_elem(&bio_starts, &key, &v, BPF_NOEXIST))

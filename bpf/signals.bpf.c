@@ -263,7 +263,7 @@ int kvm_msi_set_irq(void *ctx)
 	vhost = in_vhost_worker();
 	if (vhost) {
 		flags = bpf_map_lookup_elem(&vm_flags, &vm);
-		if (!flags || !(*flags & VMF_VHOST))
+		if (!flags || (*flags & (VMF_VHOST | VMF_VHOST_SIGNAL)) != VMF_VHOST)
 			return 0;
 	}
 	if (deep_tier()) {
@@ -271,6 +271,35 @@ int kvm_msi_set_irq(void *ctx)
 		return vhost ? on_signal(0) : 0;
 	}
 	join_interrupt(vm);
+	return 0;
+}
+
+/* A kernel vhost worker signalling a queue of its VM (`vhost_signal`,
+ * after it pushed the used ring): the window's end, with or without KVM
+ * (an irqfd's MSI is raised inside it; QEMU's own eventfd read under
+ * TCG), and whichever thread the worker is (a kernel thread before Linux
+ * 6.4). A kprobe attached with LIO's (scsi_target.bpf.c): the VM is then
+ * marked VMF_VHOST_SIGNAL and its vhost MSIs are not counted again. */
+SEC("kprobe/vhost_signal")
+int BPF_KPROBE(vhost_signal_kprobe)
+{
+	struct vm_proc *p;
+	__u32 tgid, *flags;
+
+	if (!targ_vm_segments || !in_vhost_worker())
+		return 0;
+	tgid = served_tgid();
+	p = tgid ? vm_proc_of(tgid) : 0;
+	if (!p)
+		return 0;
+	flags = bpf_map_lookup_elem(&vm_flags, &p->slot);
+	if (!flags || !(*flags & VMF_VHOST_SIGNAL))
+		return 0;
+	if (deep_tier()) {
+		note_raise(p->slot);
+		return on_signal(0);
+	}
+	join_interrupt(p->slot);
 	return 0;
 }
 

@@ -155,7 +155,8 @@ enum counter {
 	CNT_NESTED_WAKING =
 		13, /* sched_waking runs the kernel skipped, run by the second program */
 	CNT_NESTED_WAKEUP = 14, /* the same for sched_wakeup (nesting.bpf.h) */
-	NR_COUNTERS = 15,
+	CNT_ACTING_FULL = 15, /* a VM's SCSI command run with no room to follow it (scsi_target) */
+	NR_COUNTERS = 16,
 };
 
 /* Value of the hash `vm_pids`, per process (tgid): the VM slot it belongs
@@ -467,8 +468,9 @@ struct tier_state {
 #define VM_GEN_AGENT_STEP 1000
 
 /* Value of `vm_flags`, per VM slot. */
-#define VMF_STREAM_ALL (1 << 0) /* stream every joined request (a guest agent joins them) */
-#define VMF_VHOST      (1 << 1) /* its kernel vhost workers serve a disk: their interrupts end windows */
+#define VMF_STREAM_ALL	 (1 << 0) /* stream every joined request (a guest agent joins them) */
+#define VMF_VHOST	 (1 << 1) /* its kernel vhost workers serve a disk: their interrupts end windows */
+#define VMF_VHOST_SIGNAL (1 << 2) /* those are seen at vhost_signal (kprobe), not at their MSI */
 
 /* One VM request joined in the kernel, streamed when sampled: the request
  * (kind EVENT_VM_SPLIT) and the signal that ended its window. */

@@ -9,6 +9,7 @@
 #define IOSPAN_PICKS_BPF_H
 
 #include "host.bpf.h"
+#include "scsi_target.bpf.h"
 
 /* Functions of their own (pickups.bpf.c), each verified once rather
  * than at every caller: their loops over a thread's slots made the
@@ -145,8 +146,13 @@ static __always_inline __u64 take_pop(__u32 tid, __u64 pick_ns, __u32 op)
 static __always_inline void claim_vhost_kick(__u32 tgid, __u32 tid)
 {
 	struct pick p = {};
-	__u64 *kick = bpf_map_lookup_elem(&vhost_kicks, &tgid);
+	__u64 *kick;
 
+	/* Where LIO runs, its programs time each command from its batch's
+	 * kick to its pop (scsi_target.bpf.c). */
+	if (targ_scsi_target)
+		return;
+	kick = bpf_map_lookup_elem(&vhost_kicks, &tgid);
 	if (!kick)
 		return;
 	p.kick_ns = *kick;

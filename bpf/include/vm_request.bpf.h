@@ -305,19 +305,39 @@ static __always_inline struct proc_cache *cached_proc(__u32 tgid)
 	return c;
 }
 
-/* A request of bio `bio` (its first), submitted for process `tgid`
- * (submitter_tgid), on host disk `dev`, op `op`, starting at `start` (the
- * kernel's stamp, or ours): whether a VM submitted it, and if so what it
- * is. `btf`: a constant per inlined call
- * site, choosing direct or probe reads. */
-static __always_inline int vm_bio_start(struct bio *bio, __u32 tgid, __u32 dev, __u32 op,
-					__u64 start, int btf, struct vm_start *v)
+/* A VM's SCSI command's notification: the kick it came with and its pop
+ * by the vhost worker, whichever task submits it (`tid`, at `start`); in
+ * the deep tier, the worker's CPU waits from kick to pop, and the
+ * submitter's from pop to start where it is a VM's thread (the worker). */
+static __always_inline void vhost_cmd_pick(const struct vhost_cmd *cmd, __u32 tid, __u64 start,
+					   struct vm_start *v)
+{
+	if (cmd->flags & VHOST_CMD_POLLED) {
+		v->polled = 1;
+		return;
+	}
+	if (!cmd->kick_ns)
+		return;
+	v->kick_ns = cmd->kick_ns;
+	v->pick_ns = cmd->pick_ns;
+	if (deep_tier()) {
+		v->hv_wait_ns = waited_within(cmd->worker, cmd->kick_ns, cmd->pick_ns);
+		v->eng_wait_ns = waited_within(tid, cmd->pick_ns, start);
+	}
+}
+
+/* A request of bio `bio` (its first), submitted by the current task for
+ * the SCSI command `cmd` of a VM (acting_cmd), or none, on host disk
+ * `dev`, op `op`, starting at `start` (the kernel's stamp, or ours):
+ * whether a VM submitted it, and if so what it is. `btf`: a constant per
+ * inlined call site, choosing direct or probe reads. */
+static __always_inline int vm_bio_start(struct bio *bio, const struct vhost_cmd *cmd, __u32 dev,
+					__u32 op, __u64 start, int btf, struct vm_start *v)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)pid_tgid;
+	__u32 tgid = submitter_tgid(pid_tgid, cmd);
 	struct proc_cache *c = cached_proc(tgid);
-	/* Acting for the VM: a task executing its SCSI command. */
-	int acting = tgid != pid_tgid >> 32;
 
 	if (!c || !c->proc.slot)
 		return 0;
@@ -338,8 +358,10 @@ static __always_inline int vm_bio_start(struct bio *bio, __u32 tgid, __u32 dev, 
 		c->proc.state = VM_PROC_RUNNING;
 	}
 	if (c->proc.state == VM_PROC_RUNNING)
-		v->vdisk = vdisk_of(bio, v->vm, v->dev, &v->pos, btf, c, tid == tgid, acting);
-	if (targ_vm_segments)
+		v->vdisk = vdisk_of(bio, v->vm, v->dev, &v->pos, btf, c, tid == tgid, !!cmd);
+	if (targ_vm_segments && cmd)
+		vhost_cmd_pick(cmd, tid, start, v);
+	else if (targ_vm_segments)
 		vm_pick(bio, tgid, tid, start, v, btf);
 	return 1;
 }
@@ -348,13 +370,14 @@ static __always_inline int vm_bio_start(struct bio *bio, __u32 tgid, __u32 dev, 
 static __always_inline int vm_request_start(struct request *rq, __u64 start, int btf,
 					    struct vm_start *v)
 {
-	__u32 tgid = submitter_tgid(bpf_get_current_pid_tgid());
-	struct proc_cache *c = cached_proc(tgid);
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	const struct vhost_cmd *cmd = acting_cmd(pid_tgid);
+	struct proc_cache *c = cached_proc(submitter_tgid(pid_tgid, cmd));
 
 	/* Most requests are no VM's: out before any read of the request. */
 	if (!c || !c->proc.slot)
 		return 0;
-	return vm_bio_start(READ(btf, rq, bio), tgid, btf ? rq_dev_btf(rq) : rq_dev(rq),
+	return vm_bio_start(READ(btf, rq, bio), cmd, btf ? rq_dev_btf(rq) : rq_dev(rq),
 			    op_class(READ(btf, rq, cmd_flags)), start, btf, v);
 }
 

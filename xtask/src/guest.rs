@@ -151,21 +151,47 @@ pub fn luks_image(image: &Path, luks: &Path) -> Result<()> {
         return Ok(());
     }
     let part = luks.with_extension("part");
-    let _ = std::fs::remove_file(&part);
-    sh::run(
-        Command::new("qemu-img")
-            .args(["convert", "-f", "raw", "-O", "luks", "--object"])
-            .arg(format!("secret,id=sec0,data={LUKS_SECRET}"))
-            .args([
-                "-o",
-                "key-secret=sec0,cipher-alg=serpent-256,cipher-mode=xts,iter-time=10",
-            ])
-            .arg(image)
-            .arg(&part),
-    )
-    .context("making a LUKS image (qemu-img, from qemu-utils)")?;
-    std::fs::rename(&part, luks)?;
-    Ok(())
+    // qemu-img sizes the key's PBKDF by timing it in thread CPU time, which
+    // the kernel keeps at tick granularity: on a busy machine a timing can
+    // read 0 ms and qemu-img gives up ("Unable to get accurate CPU usage").
+    // That refusal is about the clock, not the image: try again.
+    const ATTEMPTS: u32 = 5;
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let _ = std::fs::remove_file(&part);
+        let mut cmd = luks_convert(image, &part);
+        eprintln!("xtask: {}", sh::show(&cmd));
+        let out =
+            sh::output(&mut cmd).context("making a LUKS image (qemu-img, from qemu-utils)")?;
+        if out.status.success() {
+            std::fs::rename(&part, luks)?;
+            return Ok(());
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        if !err.contains("accurate CPU usage") || attempt == ATTEMPTS {
+            bail!(
+                "making a LUKS image (qemu-img, from qemu-utils): `{}` failed ({}): {}",
+                sh::show(&cmd),
+                out.status,
+                err.trim()
+            );
+        }
+        eprintln!("xtask: qemu-img could not time its key derivation; trying again ({attempt}/{ATTEMPTS})");
+    }
+}
+
+fn luks_convert(image: &Path, part: &Path) -> Command {
+    let mut cmd = Command::new("qemu-img");
+    cmd.args(["convert", "-f", "raw", "-O", "luks", "--object"])
+        .arg(format!("secret,id=sec0,data={LUKS_SECRET}"))
+        .args([
+            "-o",
+            "key-secret=sec0,cipher-alg=serpent-256,cipher-mode=xts,iter-time=10",
+        ])
+        .arg(image)
+        .arg(part);
+    cmd
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -236,13 +236,19 @@ fn build_initrd(k: &Kernel, work: &Path) -> Result<PathBuf> {
 }
 
 /// The boot's QEMU: the kernel and initramfs, the workload's disk (vda),
-/// the results' disk (vdb, `out.img`), the vhost step's iblock backstore
-/// (vdc) and the guest agent's channel (`channel.out`), all under `work`.
+/// the results' disk (vdb, `out.img`), the vhost step's iblock backstores
+/// (vdc, and vdd which QEMU delays) and the guest agent's channel
+/// (`channel.out`), all under `work`.
 fn qemu_command(k: &Kernel, initrd: &Path, work: &Path, steps: &[String]) -> Result<Command> {
     let disk = work.join("disk.img");
     guest::ensure_image(&disk, 128)?;
+    // LIO's disks: fresh and sparse at each boot, so that a read costs
+    // the same wherever it lands and whichever run makes it (the host's
+    // disk serves none of it), and the vhost step's runs compare.
     let lio_disk = work.join("lio.img");
-    guest::ensure_image(&lio_disk, 64)?;
+    sparse_image(&lio_disk, 64)?;
+    let slow_disk = work.join("lio-slow.img");
+    sparse_image(&slow_disk, 64)?;
     let out_img = work.join("out.img");
     std::fs::write(&out_img, vec![0u8; 32 << 20])?;
     let channel = work.join("channel.out");
@@ -299,11 +305,26 @@ fn qemu_command(k: &Kernel, initrd: &Path, work: &Path, steps: &[String]) -> Res
         lio_disk.display()
     ))
     .args(["-device", "virtio-blk-pci,drive=d2"])
+    // vhost's delayed backstore (vdd): every request waits in QEMU's
+    // throttle, a slow device as the guest sees it.
+    .arg("-drive")
+    .arg(format!(
+        "file={},if=none,id=d3,format=raw,cache=none,aio=io_uring,throttling.iops-total=200",
+        slow_disk.display()
+    ))
+    .args(["-device", "virtio-blk-pci,drive=d3"])
     // The guest agent's channel: its records land in a file.
     .args(["-device", "virtio-serial-pci", "-chardev"])
     .arg(format!("file,id=chan,path={}", channel.display()))
     .args(["-device", "virtserialport,chardev=chan,name=org.iospan.0"]);
     Ok(c)
+}
+
+/// A fresh image of `mib` MiB of holes at `path`.
+fn sparse_image(path: &Path, mib: u64) -> Result<()> {
+    let f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    f.set_len(mib << 20)
+        .with_context(|| format!("sizing {}", path.display()))
 }
 
 fn boot(k: &Kernel, initrd: &Path, work: &Path, steps: &[String]) -> Result<Outcome> {

@@ -77,7 +77,8 @@ pub mod counter {
     pub const JOIN_DEFERRED: u32 = 12;
     pub const NESTED_WAKING: u32 = 13;
     pub const NESTED_WAKEUP: u32 = 14;
-    pub const NR: u32 = 15;
+    pub const ACTING_FULL: u32 = 15;
+    pub const NR: u32 = 16;
 }
 
 #[repr(C)]
@@ -188,6 +189,7 @@ pub struct TierState {
 /// `vm_flags` bits, per VM slot.
 pub const VMF_STREAM_ALL: u32 = 1 << 0;
 pub const VMF_VHOST: u32 = 1 << 1;
+pub const VMF_VHOST_SIGNAL: u32 = 1 << 2;
 
 /// Why a joined request was streamed (`VmSplitEvent::sampled_by`).
 pub const SAMPLED_ALL: u32 = 1 << 0;

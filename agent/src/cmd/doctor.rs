@@ -259,21 +259,26 @@ fn vhost_scsi_path(release: &str, kprobes: bool) -> PathSupport {
     }
     let named = "the VM, its vhost-scsi disks (its target's LUNs in LIO's configfs), the worker vhost-<pid> and \
                  the export are named";
-    PathSupport {
-        path: "vhost-scsi",
-        measurable: Support::Partial,
-        how: if kprobes {
-            format!(
-                "{named}; each command is followed from the worker to the task executing it (LIO's workqueue \
-                 by default) by kprobes on target_init_cmd and __target_execute_cmd: its requests are the VM's, \
-                 on its virtual disk; not split yet (counted in lost.host_split)"
-            )
-        } else {
-            format!(
+    if kprobes {
+        PathSupport {
+            path: "vhost-scsi",
+            measurable: Support::Yes,
+            how: format!(
+                "{named}; split by kprobes: the guest's kick (vhost_poll_wakeup), the worker's batch \
+                 (vhost_disable_notify) and pop of each command (target_init_cmd), the task executing it \
+                 (__target_execute_cmd: LIO's workqueue by default, or the worker), the worker's signal \
+                 (vhost_signal); requests popped with no kick of their own are counted as polled"
+            ),
+        }
+    } else {
+        PathSupport {
+            path: "vhost-scsi",
+            measurable: Support::Partial,
+            how: format!(
                 "{named}; no kprobes here: the commands LIO's workqueue submits (the default) are counted on the \
-                 backing disk as the host's"
-            )
-        },
+                 backing disk as the host's, and none is split"
+            ),
+        }
     }
 }
 

@@ -310,8 +310,12 @@ pub(super) fn attach_vm_probes(probes: &mut BlockProbes, slot: u32, vm: &vms::Vm
         flags |= crate::abi::VMF_VHOST;
     }
     if vm.disks.iter().any(vms::VDisk::kernel_vhost) {
-        // LIO's workqueue submits its worker's commands: followed to it.
-        probes.ensure_scsi_target();
+        // LIO's workqueue submits its worker's commands: followed to it,
+        // and timed from the kick to the worker's signal.
+        use crate::probes::host::VhostScsiProbes;
+        if probes.ensure_scsi_target() == VhostScsiProbes::Split {
+            flags |= crate::abi::VMF_VHOST_SIGNAL;
+        }
     }
     if vm.channel.is_some() {
         // Its guest agent joins each request: the kernel streams them all.

@@ -33,6 +33,7 @@ mod tier;
 mod vm;
 
 pub use block::disks_without_start_time;
+pub use scsi_target::VhostScsiProbes;
 pub use split::KernelSplits;
 pub use tier::{KickPath, TierProbes};
 pub use vm::{io_uring_tracepoints, kvm_tracepoints};
@@ -233,6 +234,10 @@ pub struct Counters {
     /// Requests of VMs whose (VM, disk, op) found the VM table full.
     #[serde(default)]
     pub vm_table_full: u64,
+    /// A VM's SCSI commands LIO ran while the table of tasks acting for
+    /// VMs was full: their requests are counted as the executing task's.
+    #[serde(default)]
+    pub scsi_cmds_unfollowed: u64,
     /// VM disk entries whose count differs from QEMU's own by more than
     /// merges and the requests in flight at the edges (filled in by the run).
     #[serde(default)]
@@ -246,7 +251,7 @@ impl Counters {
     /// Every loss and degradation: (key, what it means, count). The key
     /// is the metric label and the JSON field; `unseen` is known only at a
     /// run's end.
-    pub fn losses(&self) -> [(&'static str, &'static str, u64); 15] {
+    pub fn losses(&self) -> [(&'static str, &'static str, u64); 16] {
         let h = &self.host_split;
         [
             ("ringbuf_drops", "ring buffer drops", self.ringbuf_drops),
@@ -278,6 +283,11 @@ impl Counters {
                 self.undelivered,
             ),
             ("vm_table_full", "VM table full", self.vm_table_full),
+            (
+                "scsi_cmds_unfollowed",
+                "VM SCSI commands not followed to their submitter",
+                self.scsi_cmds_unfollowed,
+            ),
             (
                 "qemu_mismatch",
                 "VM disks whose count differs from QEMU's",
@@ -777,6 +787,7 @@ impl BlockProbes {
             records_streamed: sum(counter::SAMPLED)?,
             join_deferred: sum(counter::JOIN_DEFERRED)?,
             vm_table_full: sum(counter::VM_TABLE_FULL)?,
+            scsi_cmds_unfollowed: sum(counter::ACTING_FULL)?,
             host_split: Default::default(),
             qemu_mismatch: 0,
         })

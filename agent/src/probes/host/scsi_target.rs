@@ -1,22 +1,31 @@
-//! LIO's commands for a kernel vhost-scsi worker's VM
-//! (`bpf/scsi_target.bpf.c`): kprobes on target_core_mod's
-//! `target_init_cmd` (the worker prepares a command) and
-//! `__target_execute_cmd` (a task executes it, the backstore's submission
-//! inside), so that requests LIO's workqueue submits for a VM are the VM's.
-//! Attached when the first VM with a kernel vhost disk is followed, where
-//! LIO is loaded and kprobes work; fentry is not used: these are module
-//! functions.
+//! A kernel vhost-scsi worker's commands, kick to submission
+//! (`bpf/scsi_target.bpf.c`, `vhost_signal` in `bpf/signals.bpf.c`).
+//! LIO's: kprobes on target_core_mod's `target_init_cmd` (the worker pops
+//! and prepares a command) and `__target_execute_cmd` (a task executes it,
+//! the backstore's submission inside), so that requests LIO's workqueue
+//! submits for a VM are the VM's. vhost's: `vhost_poll_wakeup` (the
+//! guest's kick), `vhost_disable_notify` (the worker starts a batch) and
+//! `vhost_signal` (the interrupt), so that they are split. Attached when
+//! the first VM with a kernel vhost disk is followed, where LIO is loaded
+//! and kprobes work; fentry is not used: these are module functions.
 
 use aya::programs::KProbe;
 
 use super::BlockProbes;
 use crate::probes::{Attachment, Flavour};
 
-/// (program, kernel function).
-const PROBES: [(&str, &str); 3] = [
+/// (program, kernel function): LIO's, which make the commands the VM's.
+const LIO_PROBES: [(&str, &str); 3] = [
     ("target_init_cmd_kprobe", "target_init_cmd"),
     ("target_execute_kprobe", "__target_execute_cmd"),
     ("target_execute_kretprobe", "__target_execute_cmd"),
+];
+
+/// vhost's, which time them: without LIO's they have nothing to time.
+const VHOST_PROBES: [(&str, &str); 3] = [
+    ("vhost_poll_wakeup_kprobe", "vhost_poll_wakeup"),
+    ("vhost_disable_notify_kprobe", "vhost_disable_notify"),
+    ("vhost_signal_kprobe", "vhost_signal"),
 ];
 
 /// Whether LIO's core is loaded: the programs then have a function to
@@ -25,17 +34,41 @@ pub(super) fn lio_loaded() -> bool {
     std::path::Path::new("/sys/module/target_core_mod").exists()
 }
 
+/// What the probes of vhost-scsi VMs give.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VhostScsiProbes {
+    /// None: a worker's commands LIO's workqueue submits are the host's.
+    None,
+    /// The commands are the VM's, not split.
+    Attributed,
+    /// The commands are the VM's and split (their vhost workers' signals
+    /// end their windows: `VMF_VHOST_SIGNAL`).
+    Split,
+}
+
 impl BlockProbes {
-    /// The LIO probes, all or none, once: without one of them no command
-    /// is followed to its submitter (said in the log; the commands'
-    /// requests are then counted as the submitting task's).
-    pub fn ensure_scsi_target(&mut self) {
-        let attached_already = self.attachments.iter().any(|a| a.program == PROBES[0].0);
-        if attached_already || self.tier.avoid.contains(&Flavour::Kprobe) || !lio_loaded() {
-            return;
+    /// The vhost-scsi probes, once: each set all or none (said in the log
+    /// when one fails).
+    pub fn ensure_scsi_target(&mut self) -> VhostScsiProbes {
+        if self.tier.avoid.contains(&Flavour::Kprobe) || !lio_loaded() {
+            return VhostScsiProbes::None;
+        }
+        if !self.probe_set(&LIO_PROBES, "are counted as the host's") {
+            return VhostScsiProbes::None;
+        }
+        if !self.probe_set(&VHOST_PROBES, "are not split") {
+            return VhostScsiProbes::Attributed;
+        }
+        VhostScsiProbes::Split
+    }
+
+    /// `probes` attached (already, or now), or none of them.
+    fn probe_set(&mut self, probes: &[(&str, &str)], without: &str) -> bool {
+        if self.attachments.iter().any(|a| a.program == probes[0].0) {
+            return true;
         }
         let mut attached = Vec::new();
-        for (program, function) in PROBES {
+        for &(program, function) in probes {
             match super::tier::kprobe_on(&mut self.ebpf, program, function) {
                 Ok(_) => attached.push(Attachment {
                     tracepoint: function.into(),
@@ -44,11 +77,10 @@ impl BlockProbes {
                 }),
                 Err(e) => {
                     log::info!(
-                        "kprobe {program} on {function}: {e}: a vhost-scsi worker's commands \
-                         submitted by LIO's workqueue are counted as the host's"
+                        "kprobe {program} on {function}: {e}: a vhost-scsi worker's commands {without}"
                     );
-                    self.detach_scsi_target();
-                    return;
+                    self.unload(probes);
+                    return false;
                 }
             }
         }
@@ -56,11 +88,12 @@ impl BlockProbes {
             log::info!("attached {} via kprobe", a.tracepoint);
         }
         self.attachments.extend(attached);
+        true
     }
 
     /// Unloading a program detaches its links.
-    fn detach_scsi_target(&mut self) {
-        for (program, _) in PROBES {
+    fn unload(&mut self, probes: &[(&str, &str)]) {
+        for &(program, _) in probes {
             if let Some(p) = self
                 .ebpf
                 .program_mut(program)
