@@ -23,6 +23,10 @@
  *   IOSPAN_VHOST_LIMIT_S  give up after this long (default 60), saying
  *                       where the queue stood: a hung device never hangs
  *                       the caller
+ *   IOSPAN_VHOST_WORKER_CPU  the CPU the kernel's worker is made on (Linux
+ *                       6.4 on, where it is a thread of this process and
+ *                       takes the affinity of the thread that makes it);
+ *                       this process's own threads keep theirs
  * Commands are 4 KiB at distinct, never adjacent 4 KiB-aligned offsets
  * chosen at random within the LUN's capacity (READ CAPACITY(10) first;
  * it must hold 4 x IOS chunks). At exit it prints:
@@ -43,6 +47,7 @@
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -125,6 +130,26 @@ static void set_ring(int i)
 		die("setting a vring");
 }
 
+/* Owning the device makes its worker, on IOSPAN_VHOST_WORKER_CPU if set:
+ * this thread moves there for the ioctl and back after. */
+static void set_owner(void)
+{
+	long cpu = env_long("IOSPAN_VHOST_WORKER_CPU", -1);
+	cpu_set_t mine, worker;
+
+	if (cpu >= 0) {
+		CPU_ZERO(&worker);
+		CPU_SET(cpu, &worker);
+		if (sched_getaffinity(0, sizeof(mine), &mine) ||
+		    sched_setaffinity(0, sizeof(worker), &worker))
+			die("IOSPAN_VHOST_WORKER_CPU");
+	}
+	if (ioctl(vhost, VHOST_SET_OWNER))
+		die("VHOST_SET_OWNER");
+	if (cpu >= 0 && sched_setaffinity(0, sizeof(mine), &mine))
+		die("restoring the main thread's CPUs");
+}
+
 static void set_device(const char wwpn[224])
 {
 	struct vhost_memory *m = calloc(1, sizeof(*m) + sizeof(struct vhost_memory_region));
@@ -135,8 +160,9 @@ static void set_device(const char wwpn[224])
 	vhost = open("/dev/vhost-scsi", O_RDWR);
 	if (vhost < 0)
 		die("/dev/vhost-scsi");
-	if (ioctl(vhost, VHOST_SET_OWNER) || ioctl(vhost, VHOST_GET_FEATURES, &features))
-		die("VHOST_SET_OWNER");
+	set_owner();
+	if (ioctl(vhost, VHOST_GET_FEATURES, &features))
+		die("VHOST_GET_FEATURES");
 	features &= wanted;
 	if (ioctl(vhost, VHOST_SET_FEATURES, &features))
 		die("VHOST_SET_FEATURES");

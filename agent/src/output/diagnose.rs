@@ -121,9 +121,15 @@ fn thread(t: &ThreadLoad) -> Thread {
     }
 }
 
-/// The thread serving a disk: its iothread, else its engine process's
-/// (or QEMU's) main loop.
+/// The thread serving a disk: the kernel's vhost worker of a vhost-scsi
+/// disk (a thread of QEMU's since Linux 6.4: before, a kernel thread, not
+/// one of the VM's), its iothread, else its engine process's (or QEMU's)
+/// main loop.
 fn engine_thread(vm: &Vm, d: &VDisk, w: &VmWatch) -> Option<Thread> {
+    if d.kernel_vhost() {
+        let loads = w.threads.get(&vm.pid)?;
+        return loads.iter().find(|t| t.role == Role::Vhost).map(thread);
+    }
     let pid = d.engine.as_ref().map_or(vm.pid, |e| e.pid);
     let loads = w.threads.get(&pid)?;
     let role = match (&d.iothread, &d.engine) {

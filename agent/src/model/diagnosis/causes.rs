@@ -248,8 +248,19 @@ pub(super) fn engine_cpu_wait(f: &Figures, d: &VmDisk) -> Option<Finding> {
     let t = d.engine.clone().unwrap_or_default();
     let pin = apart(d, &t);
     let (dom, _) = libvirt_names(d);
+    let vhost = d
+        .model
+        .as_deref()
+        .is_some_and(|m| m.starts_with("vhost-scsi"));
     let (qemu, libvirt) = match (&d.iothread, &pin) {
         (_, None) => (None, None),
+        (_, Some(cpus)) if vhost => (
+            Some(format!("taskset -pc {cpus} {} (the disk's vhost worker)", t.tid)),
+            Some(format!(
+                "virsh emulatorpin {dom} {cpus} --live, or <cputune><emulatorpin cpuset='{cpus}'/></cputune> \
+                 (the worker is one of QEMU's threads, made by its main loop)"
+            )),
+        ),
         (Some(id), Some(cpus)) => (
             Some(format!("taskset -pc {cpus} {} (the iothread {id})", t.tid)),
             Some(match libvirt_iothread(id) {

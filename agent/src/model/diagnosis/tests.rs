@@ -167,6 +167,41 @@ fn an_engine_waiting_for_a_cpu_is_named_with_where_to_pin_it() {
     );
 }
 
+/// A vhost-scsi disk's engine is the kernel's worker, pinned as a thread
+/// of QEMU's (not its main loop, which may sit elsewhere).
+#[test]
+fn a_vhost_worker_waiting_for_a_cpu_is_the_one_pinned() {
+    let mut f = figures(500.0, [300.0, 1300.0, 200.0, 250.0]);
+    f.cpu_wait = Some(CpuWait {
+        hypervisor_us: 300.0,
+        engine_us: 900.0,
+    });
+    let mut d = vm();
+    d.model = Some("vhost-scsi-pci".into());
+    d.domain = Some("web1".into());
+    d.engine = Some(thread("vhost-4200", "1", 0.1, 0.6));
+    d.beside = vec![Beside {
+        name: "sh".into(),
+        pid: 99,
+        busy: 0.97,
+    }];
+    let x = diagnose(&f, Some(&d), None);
+    assert_eq!(x.cause, Cause::EngineCpuWait, "{}", x.text());
+    assert!(x.summary.contains("vhost-4200"), "{}", x.summary);
+    let k = x.knob.unwrap();
+    assert_eq!(
+        k.qemu.as_deref(),
+        Some("taskset -pc 0 4242 (the disk's vhost worker)")
+    );
+    assert!(
+        k.libvirt
+            .as_deref()
+            .unwrap()
+            .starts_with("virsh emulatorpin web1 0 --live"),
+        "{k:?}"
+    );
+}
+
 #[test]
 fn a_wake_up_a_quiet_host_makes_is_no_starvation() {
     let mut f = figures(1500.0, [300.0, 120.0, 60.0, 250.0]);
