@@ -445,13 +445,17 @@ fn vhost_scsi_starved(o: &Outcome) {
         vm_counts_its_lun(name, &rep, "0", disk);
         reps.push(rep);
     }
+    // Woken by a kick, the starved worker waits for its CPU before it
+    // pops: most of the hypervisor segment. (Its wait to run the completion
+    // work is in the engine segment, not timed as a CPU wait.)
     let (free, starved) = (&reps[0], &reps[1]);
     assert!(
         waits(starved) >= 10.0 * waits(free).max(1.0)
-            && waits(starved) >= 0.2 * mean(starved, "host_window"),
-        "the starved worker's CPU waits ({} µs of {} µs) against {} µs",
+            && mean(starved, "hypervisor_cpu_wait") >= 0.5 * mean(starved, "hypervisor"),
+        "the starved worker's CPU waits ({} µs; {} µs of the hypervisor's {} µs) against {} µs",
         waits(starved),
-        mean(starved, "host_window"),
+        mean(starved, "hypervisor_cpu_wait"),
+        mean(starved, "hypervisor"),
         waits(free)
     );
     let d = &starved["entries"]
