@@ -72,7 +72,9 @@ int BPF_KPROBE(vhost_poll_wakeup_kprobe)
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
 	__u64 now;
 
-	if (!vhost_vm(tgid) || !in_vcpu())
+	/* Most vhost wake-ups (vhost-net's sockets) come from no vCPU: the
+	 * comm first, the VM's tables only for a vCPU's. */
+	if (!in_vcpu() || !vhost_vm(tgid))
 		return 0;
 	now = bpf_ktime_get_ns();
 	bpf_map_update_elem(&vhost_kicks, &tgid, &now, BPF_NOEXIST);
@@ -99,11 +101,10 @@ int BPF_KPROBE(vhost_disable_notify_kprobe)
 		bpf_map_update_elem(&vhost_batches, &tid, &b, BPF_ANY);
 		return 0;
 	}
+	/* No batch yet: its commands find none, and come with no kick. */
 	cur = bpf_map_lookup_elem(&vhost_batches, &tid);
 	if (cur)
 		cur->spent = 1;
-	else
-		bpf_map_update_elem(&vhost_batches, &tid, &b, BPF_ANY);
 	return 0;
 }
 
