@@ -9,42 +9,10 @@ use std::{
     process::Command,
 };
 
-pub use iospan::abi::RqSlot;
+pub use iospan::abi::{RqCompletion, RqOutcome, RqSlot};
 
 pub mod api;
 pub mod bottlenecks;
-
-/// `struct rq_completion`
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RqCompletion {
-    pub rq: u64,
-    pub kstart_ns: u64,
-    pub kissue_ns: u64,
-    pub now_ns: u64,
-    pub remaining: u32,
-    pub nr_bytes: u32,
-}
-
-/// `struct rq_outcome`
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RqOutcome {
-    pub start_ns: u64,
-    pub issue_ns: u64,
-    pub bytes: u32,
-    pub requeues: u16,
-    pub flags: u16,
-    pub vm: u32,
-    pub vdisk: u32,
-    pub kick_ns: u64,
-    pub pick_ns: u64,
-    pub pos: u64,
-    pub queue: u32,
-    pub hv_wait_ns: u32,
-    pub eng_wait_ns: u32,
-    pub _pad: u32,
-}
 
 #[repr(C)]
 pub struct ShimField {

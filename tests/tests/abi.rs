@@ -133,3 +133,47 @@ fn hist_buckets() {
         );
     }
 }
+
+/// The records' Rust side is what bindgen makes of the header today: a
+/// header changed without `cargo xtask abi` fails here.
+#[test]
+fn the_rust_records_are_generated_from_the_header() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let kept = std::fs::read_to_string(root.join(xtask::abi::GENERATED)).unwrap();
+    let now = xtask::abi::generate().unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(
+        kept == now,
+        "{} differs from what bpf/include/agent_abi.h gives: run `cargo xtask abi`",
+        xtask::abi::GENERATED
+    );
+}
+
+/// The check above can fail: a field renamed in a record of a copy of the
+/// headers gives other Rust, with the new name in it.
+#[test]
+fn a_header_changed_alone_is_a_drift() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let copy = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(root.join("bpf/include")).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), copy.path().join(e.file_name())).unwrap();
+        }
+    }
+    let header = copy.path().join("agent_abi.h");
+    let text = std::fs::read_to_string(&header).unwrap();
+    let changed = text.replacen(
+        "struct vm_proc {\n\t__u32 slot;",
+        "struct vm_proc {\n\t__u32 drifted;",
+        1,
+    );
+    assert_ne!(
+        changed, text,
+        "struct vm_proc's first field moved: update this test"
+    );
+    std::fs::write(&header, changed).unwrap();
+    let drifted = xtask::abi::generate_from(copy.path()).unwrap_or_else(|e| panic!("{e:#}"));
+    let kept = std::fs::read_to_string(root.join(xtask::abi::GENERATED)).unwrap();
+    assert_ne!(drifted, kept);
+    assert!(drifted.contains("pub drifted: __u32,"), "{drifted}");
+}

@@ -17,8 +17,18 @@ use agent_integration::api::{
 fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
     raise_open_files(4096);
     let (port, agent) = start_agent();
+    half_open_requests_are_closed(port);
+    bad_requests_are_refused(port);
+    let too_many = run_floods_are_bounded(port, agent.0.id());
+    let (_, metrics) = request(port, "GET", "/metrics", "127.0.0.1");
+    assert_eq!(refused(&metrics, "runs"), too_many);
+    assert!(refused(&metrics, "bad_request") >= 5);
+    assert_eq!(refused(&metrics, "unauthorized"), 1);
+}
 
-    // 2,000 requests whose headers never finish.
+/// 2,000 requests whose headers never finish: a real one still answers at
+/// once, and they are closed at the header deadline.
+fn half_open_requests_are_closed(port: u16) {
     let half: Vec<TcpStream> = (0..2000)
         .map(|_| {
             let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -43,8 +53,11 @@ fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
         "half-open connections left open past the header deadline"
     );
     drop(half);
+}
 
-    // A label too long, or with a control character; a Host from elsewhere.
+/// A label too long, or with a control character; a Host from elsewhere;
+/// no token.
+fn bad_requests_are_refused(port: u16) {
     let long = "x".repeat(200);
     assert_eq!(
         request(
@@ -96,9 +109,12 @@ fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
     assert!(out.starts_with("HTTP/1.1 401"), "{out}");
+}
 
-    // 10,000 runs started (none stopped), a thousand at a time.
-    let before = rss_kib(agent.0.id());
+/// 10,000 runs started (none stopped), a thousand at a time: the agent
+/// keeps its bound of runs and its memory. The refusals, counted.
+fn run_floods_are_bounded(port: u16, pid: u32) -> u64 {
+    let before = rss_kib(pid);
     let mut created = 0;
     let mut too_many = 0;
     let auth = bearer();
@@ -130,15 +146,12 @@ fn half_open_connections_and_run_floods_leave_the_api_answering_and_bounded() {
     let (_, list) = request(port, "GET", "/api/v1/runs", "127.0.0.1");
     let runs: serde_json::Value = serde_json::from_str(&list).unwrap();
     assert_eq!(runs.as_array().map(Vec::len), Some(1024));
-    let grew = rss_kib(agent.0.id()).saturating_sub(before);
+    let grew = rss_kib(pid).saturating_sub(before);
     assert!(
         grew < 64 << 10,
         "10,000 run requests grew the agent by {grew} KiB"
     );
-    let (_, metrics) = request(port, "GET", "/metrics", "127.0.0.1");
-    assert_eq!(refused(&metrics, "runs"), too_many);
-    assert!(refused(&metrics, "bad_request") >= 5);
-    assert_eq!(refused(&metrics, "unauthorized"), 1);
+    too_many
 }
 
 /// Clients of the frame stream (`top --connect`) that never read: each

@@ -201,6 +201,13 @@ fn json_report_and_per_request_stream_agree() {
         .arg(format!("--filename={}", dev.dev_path())));
     assert!(out.status.success(), "{}", stderr(&out));
     let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    check_run_report(&r);
+    check_request_stream(&r, &events, &dev.name);
+}
+
+/// The report: its schema, BTF probes where they take it, every request
+/// counted, every statistic of every entry.
+fn check_run_report(r: &Value) {
     assert_eq!(r["schema"], "iospan.run/v1");
     assert!(r["duration_s"].as_f64().unwrap() > 0.0);
     assert!(
@@ -243,8 +250,12 @@ fn json_report_and_per_request_stream_agree() {
             assert!(e[k].is_number(), "{k} in {e}");
         }
     }
+}
 
-    let lines: Vec<Value> = std::fs::read_to_string(&events)
+/// The per-request stream: every streamed record written, one in ten, each
+/// tiled by its queue and service time.
+fn check_request_stream(r: &Value, events: &Path, disk: &str) {
+    let lines: Vec<Value> = std::fs::read_to_string(events)
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -262,7 +273,7 @@ fn json_report_and_per_request_stream_agree() {
         lines.len()
     );
     for ev in &lines {
-        assert_eq!(ev["disk"], dev.name.as_str());
+        assert_eq!(ev["disk"], disk);
         assert_eq!(ev["bytes"], 4096);
         let (t, q, s) = (
             ev["total_us"].as_f64().unwrap(),

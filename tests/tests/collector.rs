@@ -80,9 +80,6 @@ fn every_shipped_collector_config_validates() {
 /// with their VM and disk labels.
 #[test]
 fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
-    // The latency policy counts whole milliseconds and keeps those above
-    // its threshold: IOSPAN_SLOW_MS=2 keeps traces of 3.0 ms and more.
-    const SLOW_US: f64 = 3000.0;
     let jaeger = backends::Jaeger::start().unwrap_or_else(|e| panic!("{e:#}"));
     let gw = backends::Collector::start(
         "gateway",
@@ -102,91 +99,14 @@ fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
     // Per VM: the totals (µs) of the I/Os its agent exported.
     let mut exported: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     for vm in ["keep-vm", "other-vm"] {
-        let a = xtask::guest::RunArgs {
-            ios: 400,
-            name: vm.into(),
-            ..Default::default()
-        };
-        let (qemu, _) = xtask::guest::qemu_command(&rig, &a, &image);
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path();
-        let (rep, ev) = (dir.join("report.json"), dir.join("events.jsonl"));
-        agent_integration::run_around(
-            Command::new(agent_integration::iospan_bin())
-                .args(["run", "--quiet", "--disk", &host])
-                .args(agent_integration::rig_split_args())
-                .arg("--json-out")
-                .arg(&rep)
-                .arg("--events-out")
-                .arg(&ev)
-                .args(["--otlp-endpoint", &format!("http://{}", gw.otlp_http)])
-                .args([
-                    "--otlp-protocol",
-                    "http/protobuf",
-                    "--trace-one-in",
-                    "1",
-                    "--trace-slowest",
-                    "0",
-                ])
-                // Each agent its own host, as in a fleet.
-                .env("OTEL_RESOURCE_ATTRIBUTES", format!("host.name=hv-{vm}")),
-            &qemu,
-        );
-        let report: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&rep).unwrap()).unwrap();
-        let ex = &report["export"];
-        assert_eq!(ex["exported_traces"], ex["offered"], "{vm}: {ex}");
-        let totals: Vec<f64> = std::fs::read_to_string(&ev)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .filter(|r| r["kind"] == "guest_io" && r["vm"] == vm)
-            .map(|r| r["total_us"].as_f64().unwrap())
-            .collect();
-        assert_eq!(
-            totals.len() as u64,
-            ex["exported_traces"].as_u64().unwrap(),
-            "{vm}"
-        );
+        let totals = export_through(&gw, &rig, &image, &host, vm);
         exported.insert(vm.to_string(), totals);
     }
-
-    // What Jaeger holds, per VM, once the gateway has decided.
-    let traces_of = |vm: &str| -> Vec<f64> {
-        jaeger_traces(&jaeger, "virt.vm.name", vm)
-            .iter()
-            .map(|t| {
-                let hosts: Vec<_> = t["processes"]
-                    .as_object()
-                    .unwrap()
-                    .values()
-                    .flat_map(|p| p["tags"].as_array().cloned().unwrap_or_default())
-                    .filter(|tag| tag["key"] == "host.name")
-                    .map(|tag| tag["value"].clone())
-                    .collect();
-                assert_eq!(hosts, [format!("hv-{vm}")], "the host of a {vm} trace");
-                root_of(t)["duration"].as_f64().unwrap()
-            })
-            .collect()
-    };
     let keep_n = exported["keep-vm"].len();
     let other = &exported["other-vm"];
     let slow_lo = other.iter().filter(|t| **t > SLOW_US + 1.0).count();
     let slow_hi = other.iter().filter(|t| **t >= SLOW_US - 1.0).count();
-    let t0 = std::time::Instant::now();
-    let (mut kept_keep, mut kept_other) = (Vec::new(), Vec::new());
-    while t0.elapsed() < std::time::Duration::from_secs(60) {
-        kept_keep = traces_of("keep-vm");
-        kept_other = traces_of("other-vm");
-        if kept_keep.len() >= keep_n && kept_other.len() >= slow_lo {
-            // Decisions come a wait after the last span: one more wait for stragglers.
-            std::thread::sleep(std::time::Duration::from_secs(3));
-            kept_keep = traces_of("keep-vm");
-            kept_other = traces_of("other-vm");
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(500));
-    }
+    let (kept_keep, kept_other) = kept_traces(&jaeger, keep_n, slow_lo);
     let ctx = format!(
         "keep-vm: {} exported, {} kept; other-vm: {} exported, {slow_lo}..={slow_hi} slower than {SLOW_US} µs, {} kept\n{}",
         keep_n,
@@ -210,7 +130,115 @@ fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
     }
     eprintln!("{}", ctx.lines().next().unwrap_or(""));
 
-    // Span metrics of every exported span (before sampling), by VM and disk.
+    check_span_metrics(&prom, &gw, keep_n, other.len());
+}
+
+/// The latency policy counts whole milliseconds and keeps those above
+/// its threshold: IOSPAN_SLOW_MS=2 keeps traces of 3.0 ms and more.
+const SLOW_US: f64 = 3000.0;
+
+/// A rig guest traced by its own agent (its own host, as in a fleet), every
+/// I/O exported to the gateway: the totals (µs) of those it exported.
+fn export_through(
+    gw: &backends::Collector,
+    rig: &xtask::guest::Rig,
+    image: &std::path::Path,
+    host: &str,
+    vm: &str,
+) -> Vec<f64> {
+    let a = xtask::guest::RunArgs {
+        ios: 400,
+        name: vm.into(),
+        ..Default::default()
+    };
+    let (qemu, _) = xtask::guest::qemu_command(rig, &a, image);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let (rep, ev) = (dir.join("report.json"), dir.join("events.jsonl"));
+    agent_integration::run_around(
+        Command::new(agent_integration::iospan_bin())
+            .args(["run", "--quiet", "--disk", host])
+            .args(agent_integration::rig_split_args())
+            .arg("--json-out")
+            .arg(&rep)
+            .arg("--events-out")
+            .arg(&ev)
+            .args(["--otlp-endpoint", &format!("http://{}", gw.otlp_http)])
+            .args([
+                "--otlp-protocol",
+                "http/protobuf",
+                "--trace-one-in",
+                "1",
+                "--trace-slowest",
+                "0",
+            ])
+            // Each agent its own host, as in a fleet.
+            .env("OTEL_RESOURCE_ATTRIBUTES", format!("host.name=hv-{vm}")),
+        &qemu,
+    );
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&rep).unwrap()).unwrap();
+    let ex = &report["export"];
+    assert_eq!(ex["exported_traces"], ex["offered"], "{vm}: {ex}");
+    let totals: Vec<f64> = std::fs::read_to_string(&ev)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r["kind"] == "guest_io" && r["vm"] == vm)
+        .map(|r| r["total_us"].as_f64().unwrap())
+        .collect();
+    assert_eq!(
+        totals.len() as u64,
+        ex["exported_traces"].as_u64().unwrap(),
+        "{vm}"
+    );
+    totals
+}
+
+/// What Jaeger holds of each VM's traces (their durations, µs) once the
+/// gateway has decided: every one of the watched VM, the slow ones of the
+/// other.
+fn kept_traces(jaeger: &backends::Jaeger, keep_n: usize, slow_lo: usize) -> (Vec<f64>, Vec<f64>) {
+    let traces_of = |vm: &str| -> Vec<f64> {
+        jaeger_traces(jaeger, "virt.vm.name", vm)
+            .iter()
+            .map(|t| {
+                let hosts: Vec<_> = t["processes"]
+                    .as_object()
+                    .unwrap()
+                    .values()
+                    .flat_map(|p| p["tags"].as_array().cloned().unwrap_or_default())
+                    .filter(|tag| tag["key"] == "host.name")
+                    .map(|tag| tag["value"].clone())
+                    .collect();
+                assert_eq!(hosts, [format!("hv-{vm}")], "the host of a {vm} trace");
+                root_of(t)["duration"].as_f64().unwrap()
+            })
+            .collect()
+    };
+    let t0 = std::time::Instant::now();
+    let (mut kept_keep, mut kept_other) = (Vec::new(), Vec::new());
+    while t0.elapsed() < std::time::Duration::from_secs(60) {
+        kept_keep = traces_of("keep-vm");
+        kept_other = traces_of("other-vm");
+        if kept_keep.len() >= keep_n && kept_other.len() >= slow_lo {
+            // Decisions come a wait after the last span: one more wait for stragglers.
+            std::thread::sleep(std::time::Duration::from_secs(3));
+            kept_keep = traces_of("keep-vm");
+            kept_other = traces_of("other-vm");
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    (kept_keep, kept_other)
+}
+
+/// Span metrics of every exported span (before sampling), by VM and disk.
+fn check_span_metrics(
+    prom: &backends::Prometheus,
+    gw: &backends::Collector,
+    keep_n: usize,
+    other_n: usize,
+) {
     let t0 = std::time::Instant::now();
     loop {
         let now = std::time::SystemTime::now()
@@ -231,13 +259,13 @@ fn the_gateway_keeps_what_its_policy_says_and_derives_span_metrics() {
                 .and_then(|s| s["value"][1].as_str()?.parse::<f64>().ok())
                 .unwrap_or(0.0)
         };
-        if calls("keep-vm") as usize == keep_n && calls("other-vm") as usize == other.len() {
+        if calls("keep-vm") as usize == keep_n && calls("other-vm") as usize == other_n {
             break;
         }
         assert!(
             t0.elapsed() < std::time::Duration::from_secs(60),
             "span metrics {q:#} vs {keep_n} and {} exported\n{}",
-            other.len(),
+            other_n,
             gw.server.log()
         );
         std::thread::sleep(std::time::Duration::from_secs(1));

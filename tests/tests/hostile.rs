@@ -111,88 +111,15 @@ fn fake_vms_of_a_local_user_neither_stall_nor_steer_the_agent() {
         .unwrap();
     let base = base_held.path().to_path_buf();
     open_dir(&base);
-
-    // A socket only root can reach, counting who connects.
-    let private = base.join("root-only");
-    std::fs::create_dir_all(&private).unwrap();
-    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
-    let sock = private.join("ctl.sock");
-    let listener = UnixListener::bind(&sock).unwrap();
-    listener.set_nonblocking(true).unwrap();
-
-    // Backstores: a FIFO for udev_path, and links to /dev/zero.
-    let fifo_store = base.join("fifo-store");
-    open_dir(&fifo_store);
-    mkfifo(&fifo_store.join("udev_path"));
-    let zero_store = base.join("zero-store");
-    open_dir(&zero_store);
-    std::os::unix::fs::symlink("/dev/zero", zero_store.join("udev_path")).unwrap();
-    std::os::unix::fs::symlink("/dev/zero", zero_store.join("info")).unwrap();
-    let abs_target = base.join("abs-target");
-    evil_target(&abs_target, &fifo_store);
-    let zero_target = base.join("zero-target");
-    evil_target(&zero_target, &zero_store);
-    let up = "../../../../../../../..";
-    let disk = base.join("disk.img");
-    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
-    std::fs::set_permissions(&disk, std::fs::Permissions::from_mode(0o644)).unwrap();
-
+    let traps = Traps::lay(&base);
     let exe = fake_qemu(&base.join("bin"));
-    let chan = |id: &str| {
-        vec![
-            "-chardev".to_string(),
-            format!("socket,id={id},path={}", sock.display()),
-            "-device".into(),
-            format!("virtserialport,chardev={id},name=org.iospan.0"),
-        ]
-    };
-    let drive = vec![
-        "-drive".to_string(),
-        format!(
-            "file={},if=none,id=d0,format=raw,aio=io_uring,cache=none",
-            disk.display()
-        ),
-        "-device".into(),
-        "virtio-blk-pci,drive=d0,id=vd0".into(),
-    ];
-    let vhost = |wwpn: String| {
-        vec![
-            "-device".to_string(),
-            format!("vhost-scsi-pci,wwpn={wwpn},id=vs0"),
-        ]
-    };
-    let cases: Vec<Vec<String>> = vec![
-        [
-            vec!["-name".into(), "guest=abs-fifo".into()],
-            vhost(abs_target.display().to_string()),
-            chan("c0"),
-        ]
-        .concat(),
-        [
-            vec!["-name".into(), "guest=dotdot-zero".into()],
-            vhost(format!("{up}{}", zero_target.display())),
-            chan("c1"),
-        ]
-        .concat(),
-        [
-            vec!["-name".into(), "guest=channel-only".into()],
-            drive.clone(),
-            chan("c2"),
-        ]
-        .concat(),
-    ];
+    let cases = traps.command_lines();
     // Two found by the start-up scan, the rest at their exec while it runs.
     let mut fakes: Vec<Child> = cases[..2].iter().map(|a| as_nobody(&exe, a)).collect();
     // One whose executable is gone, with a FIFO where its path says it was.
     let del_dir = base.join("del");
     let del_exe = fake_qemu(&del_dir);
-    let deleted_args = [
-        vec!["-name".into(), "guest=deleted-exe".into()],
-        drive.clone(),
-        chan("c3"),
-    ]
-    .concat();
-    fakes.push(as_nobody(&del_exe, &deleted_args));
+    fakes.push(as_nobody(&del_exe, &cases[3]));
     std::thread::sleep(Duration::from_millis(300));
     std::fs::remove_file(&del_exe).unwrap();
     mkfifo(&del_dir.join("qemu-system-x86_64 (deleted)"));
@@ -212,14 +139,7 @@ fn fake_vms_of_a_local_user_neither_stall_nor_steer_the_agent() {
     fakes.push(as_nobody(&exe, &cases[0]));
     let waited = wait_rss(agent.id(), Duration::from_secs(30));
     let took = started.elapsed();
-    let mut connections = 0;
-    loop {
-        match listener.accept() {
-            Ok(_) => connections += 1,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-            Err(e) => panic!("accept: {e}"),
-        }
-    }
+    let connections = traps.connections();
     for f in &mut fakes {
         let _ = f.kill();
         let _ = f.wait();
@@ -236,9 +156,130 @@ fn fake_vms_of_a_local_user_neither_stall_nor_steer_the_agent() {
         connections, 0,
         "the agent connected to a socket only the fake VMs' command lines named"
     );
-    let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    // Each fake was identified at once (nothing it named was waited on,
-    // so none ran out its identification time and was dropped).
+    check_every_fake_identified(&json);
+}
+
+/// What the fake VMs' command lines name: a socket only root can reach,
+/// backstores that would block or never end a read, a disk.
+struct Traps {
+    sock: std::path::PathBuf,
+    listener: UnixListener,
+    abs_target: std::path::PathBuf,
+    zero_target: std::path::PathBuf,
+    disk: std::path::PathBuf,
+}
+
+impl Traps {
+    fn lay(base: &std::path::Path) -> Self {
+        // A socket only root can reach, counting who connects.
+        let private = base.join("root-only");
+        std::fs::create_dir_all(&private).unwrap();
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let sock = private.join("ctl.sock");
+        let listener = UnixListener::bind(&sock).unwrap();
+        listener.set_nonblocking(true).unwrap();
+
+        // Backstores: a FIFO for udev_path, and links to /dev/zero.
+        let fifo_store = base.join("fifo-store");
+        open_dir(&fifo_store);
+        mkfifo(&fifo_store.join("udev_path"));
+        let zero_store = base.join("zero-store");
+        open_dir(&zero_store);
+        std::os::unix::fs::symlink("/dev/zero", zero_store.join("udev_path")).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", zero_store.join("info")).unwrap();
+        let abs_target = base.join("abs-target");
+        evil_target(&abs_target, &fifo_store);
+        let zero_target = base.join("zero-target");
+        evil_target(&zero_target, &zero_store);
+        let disk = base.join("disk.img");
+        std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+        std::fs::set_permissions(&disk, std::fs::Permissions::from_mode(0o644)).unwrap();
+
+        Self {
+            sock,
+            listener,
+            abs_target,
+            zero_target,
+            disk,
+        }
+    }
+
+    /// The fakes' arguments: a vhost-scsi target by absolute path to a
+    /// FIFO backstore, one by `..` to /dev/zero, a channel with a disk,
+    /// and (the fourth) the one whose executable goes.
+    fn command_lines(&self) -> Vec<Vec<String>> {
+        let (sock, disk) = (&self.sock, &self.disk);
+        let (abs_target, zero_target) = (&self.abs_target, &self.zero_target);
+        let up = "../../../../../../../..";
+        let chan = |id: &str| {
+            vec![
+                "-chardev".to_string(),
+                format!("socket,id={id},path={}", sock.display()),
+                "-device".into(),
+                format!("virtserialport,chardev={id},name=org.iospan.0"),
+            ]
+        };
+        let drive = vec![
+            "-drive".to_string(),
+            format!(
+                "file={},if=none,id=d0,format=raw,aio=io_uring,cache=none",
+                disk.display()
+            ),
+            "-device".into(),
+            "virtio-blk-pci,drive=d0,id=vd0".into(),
+        ];
+        let vhost = |wwpn: String| {
+            vec![
+                "-device".to_string(),
+                format!("vhost-scsi-pci,wwpn={wwpn},id=vs0"),
+            ]
+        };
+        let cases: Vec<Vec<String>> = vec![
+            [
+                vec!["-name".into(), "guest=abs-fifo".into()],
+                vhost(abs_target.display().to_string()),
+                chan("c0"),
+            ]
+            .concat(),
+            [
+                vec!["-name".into(), "guest=dotdot-zero".into()],
+                vhost(format!("{up}{}", zero_target.display())),
+                chan("c1"),
+            ]
+            .concat(),
+            [
+                vec!["-name".into(), "guest=channel-only".into()],
+                drive.clone(),
+                chan("c2"),
+            ]
+            .concat(),
+            [
+                vec!["-name".into(), "guest=deleted-exe".into()],
+                drive,
+                chan("c3"),
+            ]
+            .concat(),
+        ];
+        cases
+    }
+
+    /// Connections made to the root-only socket.
+    fn connections(&self) -> usize {
+        let mut connections = 0;
+        loop {
+            match self.listener.accept() {
+                Ok(_) => connections += 1,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return connections,
+                Err(e) => panic!("accept: {e}"),
+            }
+        }
+    }
+}
+
+/// Each fake was identified at once (nothing it named was waited on, so
+/// none ran out its identification time and was dropped).
+fn check_every_fake_identified(json: &std::path::Path) {
+    let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
     let names: Vec<&str> = rep["vms"]
         .as_array()
         .unwrap()
@@ -259,8 +300,6 @@ fn fake_vms_of_a_local_user_neither_stall_nor_steer_the_agent() {
 /// escapes reach no output.
 #[test]
 fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record() {
-    use iospan::pipeline::transport::{encode, Frame, GuestDisk, Hello, MAX_PAYLOAD};
-    use std::io::Write;
     use std::os::fd::AsRawFd;
 
     let base_held = tempfile::Builder::new()
@@ -270,16 +309,49 @@ fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record()
 
     let base = base_held.path().to_path_buf();
     open_dir(&base);
-    let disk = base.join("disk.img");
-    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
     // The channel's listening socket, held by the fake VM (an inherited
     // descriptor, as libvirt passes it) and accepted on here.
     let listener = UnixListener::bind(base.join("chan.sock")).unwrap();
     let fd = listener.as_raw_fd();
     // SAFETY: clears close-on-exec on a descriptor we own.
     assert_eq!(unsafe { libc::fcntl(fd, libc::F_SETFD, 0) }, 0);
+    let mut vm = flooding_vm(&base, fd);
+    std::thread::sleep(Duration::from_millis(300));
+
+    let json = base.join("report.json");
+    #[allow(clippy::zombie_processes)]
+    let agent = Command::new(iospan_bin())
+        .args(["run", "--quiet", "--duration", "12s", "--json-out"])
+        .arg(&json)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut conn = accept_agent(listener, agent.id() as i32);
+    let sent = flood(&mut conn, Duration::from_secs(6));
+    let waited = wait_rss(agent.id(), Duration::from_secs(40));
+    drop(conn);
+    let _ = vm.kill();
+    let _ = vm.wait();
+    let (status, rss_kib) = waited.expect("iospan run -d 12s did not end");
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "iospan run: wait status {status:#x}"
+    );
+    assert!(sent >= 100_000, "only {sent} records sent in 6 s");
+    assert!(
+        rss_kib < 128 << 10,
+        "peak RSS {rss_kib} KiB after {sent} records"
+    );
+    check_flood_counted(&json, sent, rss_kib);
+}
+
+/// A fake VM with a disk and the guest channel on inherited descriptor `fd`,
+/// named with a terminal escape.
+fn flooding_vm(base: &std::path::Path, fd: i32) -> Child {
+    let disk = base.join("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
     let exe = fake_qemu(&base.join("bin"));
-    let mut vm = Command::new(&exe)
+    Command::new(&exe)
         .args(["-name", "guest=flood\u{1b}[2J"])
         .arg("-drive")
         .arg(format!(
@@ -293,23 +365,16 @@ fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record()
         .env("FAKE_QEMU_SECONDS", "40")
         .stdin(Stdio::null())
         .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+        .unwrap()
+}
 
-    let json = base.join("report.json");
-    #[allow(clippy::zombie_processes)]
-    let agent = Command::new(iospan_bin())
-        .args(["run", "--quiet", "--duration", "12s", "--json-out"])
-        .arg(&json)
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+/// The agent's connection to the channel. Every agent on the host follows
+/// every VM's channel: another test's may reach this one first. Only ours
+/// is flooded.
+fn accept_agent(listener: UnixListener, agent_pid: i32) -> std::os::unix::net::UnixStream {
     listener.set_nonblocking(false).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
-    let agent_pid = agent.id() as i32;
     std::thread::spawn(move || {
-        // Every agent on the host follows every VM's channel: another
-        // test's may reach this one first. Only ours is flooded.
         let ours = loop {
             match listener.accept() {
                 Ok((s, _)) if peer_pid(&s) == Some(agent_pid) => break Ok(s),
@@ -319,10 +384,16 @@ fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record()
         };
         let _ = tx.send(ours);
     });
-    let mut conn = rx
-        .recv_timeout(Duration::from_secs(10))
+    rx.recv_timeout(Duration::from_secs(10))
         .expect("the agent never connected to the VM's own channel")
-        .unwrap();
+        .unwrap()
+}
+
+/// A hello with escapes in its strings, then frames of records as fast as
+/// the agent takes them for `how_long`: the records sent.
+fn flood(conn: &mut std::os::unix::net::UnixStream, how_long: Duration) -> u64 {
+    use iospan::pipeline::transport::{encode, Frame, GuestDisk, Hello, MAX_PAYLOAD};
+    use std::io::Write;
     // Major 252, minor 0.
     let dev = 252 << 20;
     let hello = Frame::Hello(Hello {
@@ -340,7 +411,7 @@ fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record()
     let mut sent = 0u64;
     let mut seq = 1u64;
     let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(6) {
+    while t0.elapsed() < how_long {
         let recs: Vec<iospan::abi::GuestIoEvent> = (0..per_frame as u64)
             .map(|i| {
                 let n = sent + i;
@@ -366,22 +437,12 @@ fn a_guest_flooding_its_channel_leaves_the_agent_small_and_counts_every_record()
         sent += per_frame as u64;
         seq += 1;
     }
-    let waited = wait_rss(agent.id(), Duration::from_secs(40));
-    drop(conn);
-    let _ = vm.kill();
-    let _ = vm.wait();
-    let (status, rss_kib) = waited.expect("iospan run -d 12s did not end");
-    assert!(
-        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "iospan run: wait status {status:#x}"
-    );
-    assert!(sent >= 100_000, "only {sent} records sent in 6 s");
-    assert!(
-        rss_kib < 128 << 10,
-        "peak RSS {rss_kib} KiB after {sent} records"
-    );
+    sent
+}
 
-    let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+/// Every record the flood sent taken and counted; the name shown, not obeyed.
+fn check_flood_counted(json: &std::path::Path, sent: u64, rss_kib: i64) {
+    let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
     let g = rep["guests"]
         .as_array()
         .unwrap()

@@ -376,8 +376,20 @@ fn traced_with(d: &Domain, host_disk: &str, extra: &Extra) -> (guest::RigResult,
 fn check(d: &Domain, r: &guest::RigResult, rep: &Value, host_disk: &str, iothread: bool) {
     let ctx = format!("{}: {r:#?}", d.name);
     assert_eq!(r.workload["errors"].as_u64(), Some(0), "{ctx}");
-    // The VM by its domain name and UUID; the probe and libvirtd's own
-    // capability probes are no VMs, and counted.
+    let vm = the_domain_is_the_one_vm(d, rep, iothread);
+    let e = the_disk_counts_the_guests_reads(d, r, rep, vm, host_disk, &ctx);
+    let unjoinable = the_host_window_is_split(r, rep, vm, e, iothread);
+    the_guest_agent_joins_its_reads(d, r, rep, e, unjoinable);
+}
+
+fn count(v: &Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"))
+}
+
+/// The VM by its domain name and UUID; the probe and libvirtd's own
+/// capability probes are no VMs, and counted. Its virtual disk as
+/// libvirt's users know it.
+fn the_domain_is_the_one_vm<'r>(d: &Domain, rep: &'r Value, iothread: bool) -> &'r Value {
     let vms = rep["vms"].as_array().unwrap();
     assert_eq!(vms.len(), 1, "only the domain is a VM: {:#}", rep["vms"]);
     let vm = &vms[0];
@@ -400,6 +412,19 @@ fn check(d: &Domain, r: &guest::RigResult, rep: &Value, host_disk: &str, iothrea
     } else {
         assert!(vd.get("iothread").is_none(), "{vm}");
     }
+    vm
+}
+
+/// The virtual disk's one row: exactly the guest's own count, and
+/// libvirt's.
+fn the_disk_counts_the_guests_reads<'r>(
+    d: &Domain,
+    r: &guest::RigResult,
+    rep: &'r Value,
+    vm: &Value,
+    host_disk: &str,
+    ctx: &str,
+) -> &'r Value {
     let rows: Vec<&Value> = rep["entries"]
         .as_array()
         .unwrap()
@@ -417,14 +442,13 @@ fn check(d: &Domain, r: &guest::RigResult, rep: &Value, host_disk: &str, iothrea
     assert_eq!(e["host_disk"], host_disk, "{e}");
     // Exactly the guest's own count: timed, undelivered, or merged on the
     // way into another request.
-    let n = |v: &Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"));
-    let merged = n(vm, "engine_merged") + n(vm, "host_merged");
-    let undelivered = n(e, "undelivered");
+    let merged = count(vm, "engine_merged") + count(vm, "host_merged");
+    let undelivered = count(e, "undelivered");
     assert_eq!(
-        n(e, "ios") + undelivered + merged,
+        count(e, "ios") + undelivered + merged,
         r.guest_reads,
         "VM {} + undelivered {undelivered} + merged {merged} vs the guest's /sys/block/vda/stat: {ctx}\n{vm}",
-        n(e, "ios")
+        count(e, "ios")
     );
     // libvirt's own count of the disk (`virsh domstats --block`: QEMU's
     // accounting, read without touching its monitor) beside ours.
@@ -437,7 +461,22 @@ fn check(d: &Domain, r: &guest::RigResult, rep: &Value, host_disk: &str, iothrea
     let q = &e["qemu"];
     assert_eq!(q["ops"].as_u64(), Some(r.guest_reads), "{q:#}\n{ctx}");
     assert_eq!(q["mismatch"], false, "{q:#}");
-    // Hypervisor, engine and device, tiling the host window.
+    e
+}
+
+/// Hypervisor, engine and device, tiling the host window; QEMU's mean
+/// beside ours. The requests that cannot join a guest record (not split,
+/// or undelivered).
+fn the_host_window_is_split(
+    r: &guest::RigResult,
+    rep: &Value,
+    vm: &Value,
+    e: &Value,
+    iothread: bool,
+) -> u64 {
+    let merged = count(vm, "engine_merged") + count(vm, "host_merged");
+    let undelivered = count(e, "undelivered");
+    let q = &e["qemu"];
     let seg = |k: &str| e["segments"][k].clone();
     let window = seg("host_window");
     let w = window["count"].as_u64().unwrap_or(0);
@@ -448,7 +487,7 @@ fn check(d: &Domain, r: &guest::RigResult, rep: &Value, host_disk: &str, iothrea
     assert!(iothread || unsplit.polled == 0, "{:#}", rep["lost"]);
     assert!(
         w + unsplit.polled + unsplit.counted + merged + undelivered >= r.guest_reads
-            && w <= n(e, "ios"),
+            && w <= count(e, "ios"),
         "split {w} of {}: {:#}",
         r.guest_reads,
         rep["lost"]
@@ -485,6 +524,16 @@ fn check(d: &Domain, r: &guest::RigResult, rep: &Value, host_disk: &str, iothrea
         (qm / upper - 1.0).abs() <= 0.1,
         "QEMU's mean {qm} µs vs our engine + device {upper} µs: {q:#}"
     );
+    unsplit.polled + unsplit.counted + undelivered
+}
+
+fn the_guest_agent_joins_its_reads(
+    d: &Domain,
+    r: &guest::RigResult,
+    rep: &Value,
+    e: &Value,
+    unjoinable: u64,
+) {
     // The guest agent on libvirt's channel (a socket libvirt bound and
     // passed to QEMU as an fd): all four segments, the guest-observed
     // mean within 10 % of the workload's own.
@@ -503,7 +552,6 @@ fn check(d: &Domain, r: &guest::RigResult, rep: &Value, host_disk: &str, iothrea
     // only split windows join the guest's records).
     let st = &e["stitched"];
     let joined = st["count"].as_u64().unwrap_or(0);
-    let unjoinable = unsplit.polled + unsplit.counted + undelivered;
     assert!(
         (joined + unjoinable) * 100 >= r.workload_reads * 99,
         "stitched {joined} (+ {unjoinable} not split) of {}: {}",

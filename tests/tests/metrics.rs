@@ -30,7 +30,38 @@ fn prometheus_percentiles_match_the_report() {
     let prom = Prometheus::start(&target).expect("prometheus");
     let jaeger = Jaeger::start().expect("jaeger");
     let started = unix_now();
+    let tmp = tempfile::tempdir().unwrap();
+    let report = tmp.path().join("prom.json");
+    let ended = scraped_run(&target, &jaeger, &report);
+    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let entry = rep["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["vm"] == "prom-rig" && e["disk"] == "vd0" && e["op"] == "read")
+        .unwrap_or_else(|| panic!("{rep:#}"))
+        .clone();
 
+    // A moment before the run ended: the series are current there.
+    let p = PromAt {
+        prom: &prom,
+        at: ended - 1.0,
+    };
+    let ios = p.scalar(&format!("iospan_vm_ios_total{{{SEL}}}"));
+    assert_eq!(ios as u64, entry["ios"].as_u64().unwrap(), "{entry}");
+    check_percentiles(&p, &entry);
+    check_tables_and_export(&p, &rep);
+    let exported = rep["export"]["exported_traces"].as_u64().unwrap();
+    check_exemplars(&prom, &jaeger, (started, ended), exported);
+}
+
+/// The series of the rig VM's reads.
+const SEL: &str = "vm=\"prom-rig\",vdisk=\"vd0\",op=\"read\"";
+
+/// A rig guest traced with /metrics served on `target` while Prometheus
+/// scrapes it and traces go to Jaeger; the report in `report`. The time
+/// it ended (Unix seconds).
+fn scraped_run(target: &str, jaeger: &Jaeger, report: &std::path::Path) -> f64 {
     let (rig, image) = rig_and_image();
     let host = host_disk_of(&image);
     let a = RunArgs {
@@ -40,8 +71,6 @@ fn prometheus_percentiles_match_the_report() {
         ..Default::default()
     };
     let (qemu, _) = guest::qemu_command(&rig, &a, &image);
-    let tmp = tempfile::tempdir().unwrap();
-    let report = tmp.path().join("prom.json");
     // The VM, then three seconds more of serving: the last scrapes see the
     // finished run.
     let mut shell = format!("'{}'", qemu.get_program().to_string_lossy());
@@ -56,8 +85,8 @@ fn prometheus_percentiles_match_the_report() {
         .args(["run", "--quiet", "--disk", &host])
         .args(agent_integration::rig_split_args())
         .arg("--json-out")
-        .arg(&report)
-        .args(["--metrics-listen", &target])
+        .arg(report)
+        .args(["--metrics-listen", target])
         .args(["--otlp-endpoint", &format!("http://{}", jaeger.otlp_http)])
         // Traces through the run, not only its slowest: exemplars in
         // several buckets.
@@ -70,32 +99,35 @@ fn prometheus_percentiles_match_the_report() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        http_get(&target, "/metrics", &[]).is_err(),
+        http_get(target, "/metrics", &[]).is_err(),
         "the endpoint goes with the run"
     );
-    let rep: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    let entry = rep["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["vm"] == "prom-rig" && e["disk"] == "vd0" && e["op"] == "read")
-        .unwrap_or_else(|| panic!("{rep:#}"))
-        .clone();
+    ended
+}
 
-    // A moment before the run ended: the series are current there.
-    let at = ended - 1.0;
-    let sel = "vm=\"prom-rig\",vdisk=\"vd0\",op=\"read\"";
-    let scalar = |q: &str| -> f64 {
-        let v = prom
-            .query(q, at)
-            .unwrap_or_else(|e| panic!("{e:#}\n{}", prom.server.log()));
+/// Prometheus queried at one instant.
+struct PromAt<'p> {
+    prom: &'p Prometheus,
+    at: f64,
+}
+
+impl PromAt<'_> {
+    /// The value of a query answered by one series.
+    fn scalar(&self, q: &str) -> f64 {
+        let v = self
+            .prom
+            .query(q, self.at)
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", self.prom.server.log()));
         let r = &v["data"]["result"];
         assert_eq!(r.as_array().map(Vec::len), Some(1), "{q}: {v}");
         r[0]["value"][1].as_str().unwrap().parse().unwrap()
-    };
-    let ios = scalar(&format!("iospan_vm_ios_total{{{sel}}}"));
-    assert_eq!(ios as u64, entry["ios"].as_u64().unwrap(), "{entry}");
+    }
+}
 
+/// Each segment's count, p50 and p99 in PromQL against the report's.
+fn check_percentiles(p: &PromAt, entry: &Value) {
+    let sel = SEL;
+    let scalar = |q: &str| p.scalar(q);
     let mut checked = Vec::new();
     for (seg, summary) in [
         ("total", &entry["total"]),
@@ -133,7 +165,12 @@ fn prometheus_percentiles_match_the_report() {
         }
     }
     eprintln!("{}", checked.join("\n"));
+}
 
+fn check_tables_and_export(p: &PromAt, rep: &Value) {
+    let scalar = |q: &str| p.scalar(q);
+    let at = p.at;
+    let prom = p.prom;
     // In flight once the VM is gone: nothing. Every table has room.
     assert_eq!(scalar("iospan_vm_inflight_requests{vm=\"prom-rig\"}"), 0.0);
     let full = prom
@@ -153,7 +190,15 @@ fn prometheus_percentiles_match_the_report() {
         "live export counters: {}",
         rep["export"]
     );
+}
 
+fn check_exemplars(
+    prom: &Prometheus,
+    jaeger: &Jaeger,
+    (started, ended): (f64, f64),
+    exported: u64,
+) {
+    let sel = SEL;
     // Exemplars: each guest-observed bucket's latest exported trace.
     let ex = prom
         .exemplars(

@@ -79,8 +79,56 @@ fn check_jaeger(protocol: &str) {
         ..Default::default()
     };
     let (rep, _, log) = traced_with_console(&a, &endpoint, protocol, &vm);
-    // Jaeger takes traces only: at most one line turns OTLP metrics off
-    // (over HTTP its 404), and no failure is repeated at the end.
+    check_metrics_refused_once(&log, protocol);
+    let ex = &rep["export"];
+    let n = |k: &str| ex[k].as_u64().unwrap_or_else(|| panic!("{k}: {ex}"));
+    let (offered, chosen, exported) = (n("offered"), n("chosen"), n("exported_traces"));
+    assert!(offered >= 1900, "joined guest I/Os offered: {ex}");
+    assert_eq!(n("dropped_queue_full") + n("failed_traces"), 0, "{ex}");
+    assert_eq!(exported, chosen, "{ex}");
+
+    // Everything the agent says it exported is in Jaeger, and nothing else.
+    let traces = jaeger_traces(&jaeger, exported);
+    let ids: std::collections::HashSet<&str> = traces
+        .iter()
+        .map(|t| t["traceID"].as_str().unwrap())
+        .collect();
+    let mut tally = Tally::default();
+    for t in &traces {
+        check_trace(t, &vm, &ids, &mut tally);
+    }
+    assert!(
+        tally.single_block * 10 >= traces.len() as u64 * 9,
+        "{} of {} traces of one 4 KiB read",
+        tally.single_block,
+        traces.len()
+    );
+
+    // The policy: one in ONE_IN of the offered, and at most SLOWEST per
+    // second of the run (and the run's last part) for the one virtual disk.
+    let by_reason = &tally.by_reason;
+    let get = |k: &str| by_reason.get(k).copied().unwrap_or(0);
+    assert_eq!(
+        get("uniform"),
+        offered / ONE_IN,
+        "{by_reason:?} of {offered}"
+    );
+    let seconds = rep["duration_s"].as_f64().unwrap().ceil() as u64 + 1;
+    assert!(
+        get("slowest") >= SLOWEST as u64 && get("slowest") <= SLOWEST as u64 * seconds,
+        "{by_reason:?} over {seconds} s"
+    );
+    assert_eq!(get("slower_than"), 0, "{by_reason:?}");
+    eprintln!(
+        "{protocol}: {} traces, {} links between I/Os one signal completed",
+        traces.len(),
+        tally.links
+    );
+}
+
+/// Jaeger takes traces only: at most one line turns OTLP metrics off
+/// (over HTTP its 404), and no failure is repeated at the end.
+fn check_metrics_refused_once(log: &str, protocol: &str) {
     let said: Vec<&str> = log.lines().filter(|l| l.contains("metrics")).collect();
     assert!(
         !log.contains("pushing the last OTLP metrics") && said.len() <= 1,
@@ -92,14 +140,11 @@ fn check_jaeger(protocol: &str) {
             "{log}"
         );
     }
-    let ex = &rep["export"];
-    let n = |k: &str| ex[k].as_u64().unwrap_or_else(|| panic!("{k}: {ex}"));
-    let (offered, chosen, exported) = (n("offered"), n("chosen"), n("exported_traces"));
-    assert!(offered >= 1900, "joined guest I/Os offered: {ex}");
-    assert_eq!(n("dropped_queue_full") + n("failed_traces"), 0, "{ex}");
-    assert_eq!(exported, chosen, "{ex}");
+}
 
-    // Everything the agent says it exported is in Jaeger, and nothing else.
+/// The service's traces, once Jaeger holds as many as were exported (or
+/// after 30 s, whatever it holds).
+fn jaeger_traces(jaeger: &Jaeger, exported: u64) -> Vec<Value> {
     let mut traces = Vec::new();
     for _ in 0..60 {
         let (code, body) = jaeger
@@ -114,145 +159,126 @@ fn check_jaeger(protocol: &str) {
         std::thread::sleep(Duration::from_millis(500));
     }
     assert_eq!(traces.len() as u64, exported, "{}", jaeger.server.log());
+    traces
+}
 
-    let mut by_reason: BTreeMap<String, u64> = BTreeMap::new();
-    let ids: std::collections::HashSet<&str> = traces
+/// What the traces hold, over all of them.
+#[derive(Default)]
+struct Tally {
+    by_reason: BTreeMap<String, u64>,
+    links: u64,
+    single_block: u64,
+}
+
+fn refs(s: &Value, kind: &str) -> Vec<Value> {
+    s["references"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["refType"] == kind)
+        .cloned()
+        .collect()
+}
+
+/// One trace: its root names the I/O, its children tile it.
+fn check_trace(t: &Value, vm: &str, ids: &std::collections::HashSet<&str>, tally: &mut Tally) {
+    let spans = t["spans"].as_array().unwrap();
+    let roots: Vec<&Value> = spans
         .iter()
-        .map(|t| t["traceID"].as_str().unwrap())
+        .filter(|s| refs(s, "CHILD_OF").is_empty())
         .collect();
-    let mut links = 0;
-    let mut single_block = 0;
-    for t in &traces {
-        let spans = t["spans"].as_array().unwrap();
-        let refs = |s: &Value, kind: &str| -> Vec<Value> {
-            s["references"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter(|r| r["refType"] == kind)
-                .cloned()
-                .collect()
-        };
-        let roots: Vec<&Value> = spans
-            .iter()
-            .filter(|s| refs(s, "CHILD_OF").is_empty())
-            .collect();
-        assert_eq!(roots.len(), 1, "{t:#}");
-        let root = roots[0];
-        // Links (I/Os one engine signal completed) lead to exported traces.
-        for r in refs(root, "FOLLOWS_FROM") {
-            let id = r["traceID"].as_str().unwrap();
-            assert!(ids.contains(id), "link to {id}, not exported: {root:#}");
-            links += 1;
-        }
-        assert!(
-            tag(root, "virt.queue.index").is_some_and(|q| q.as_i64() == Some(0)),
-            "one virtqueue: {root:#}"
-        );
-        assert_eq!(root["operationName"], "vdisk.read", "{root:#}");
-        assert_eq!(tag(root, "virt.vm.name"), Some(&Value::from(vm.clone())));
-        assert_eq!(tag(root, "virt.disk.id"), Some(&Value::from("vd0")));
-        assert_eq!(tag(root, "disk.io.direction"), Some(&Value::from("read")));
-        assert_eq!(tag(root, "iospan.has_guest"), Some(&Value::from(true)));
-        assert_eq!(
-            tag(root, "iospan.run.label"),
-            Some(&Value::from(vm.clone()))
-        );
-        // 4 KiB reads; at depth the guest's block layer now and then merges
-        // two that happen to be adjacent, and the trace is of its request.
-        let bytes = tag(root, "iospan.io.bytes").and_then(Value::as_u64);
-        assert!(bytes.is_some_and(|b| b > 0 && b % 4096 == 0), "{root:#}");
-        if bytes == Some(4096) {
-            single_block += 1;
-        }
-        *by_reason
-            .entry(
-                tag(root, "iospan.sampled_by")
-                    .unwrap()
-                    .as_str()
-                    .unwrap()
-                    .into(),
-            )
-            .or_default() += 1;
-        let events: Vec<&str> = root["logs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|l| l["fields"].as_array().unwrap())
-            .filter(|f| f["key"] == "event")
-            .map(|f| f["value"].as_str().unwrap())
-            .collect();
-        for e in ["kick", "interrupt.raised", "interrupt.received"] {
-            assert!(events.contains(&e), "{e} not in {events:?}");
-        }
-
-        // The children: every one the root's, back to back, in order,
-        // tiling the root (Jaeger keeps microseconds: one of rounding each).
-        let mut children: Vec<&Value> = spans.iter().filter(|s| !std::ptr::eq(*s, root)).collect();
-        children.sort_by_key(|s| s["startTime"].as_u64().unwrap());
-        let names: Vec<&str> = children
-            .iter()
-            .map(|s| s["operationName"].as_str().unwrap())
-            .collect();
-        assert_eq!(
-            names,
-            [
-                "guest.submit",
-                "hypervisor.notify",
-                "engine.submit",
-                "host.queue",
-                "device",
-                "engine.complete",
-                "hypervisor.interrupt",
-                "guest.complete"
-            ],
-            "{t:#}"
-        );
-        for c in &children {
-            let r = &c["references"][0];
-            assert_eq!(r["refType"], "CHILD_OF");
-            assert_eq!(r["spanID"], root["spanID"]);
-            assert!(tag(c, "iospan.segment").is_some(), "{c:#}");
-        }
-        let us = |s: &Value, k: &str| s[k].as_u64().unwrap() as f64;
-        let sum: f64 = children.iter().map(|c| us(c, "duration")).sum();
-        let total = us(root, "duration");
-        let slack = (0.01 * total).max(children.len() as f64);
-        assert!(
-            (sum - total).abs() <= slack,
-            "children {sum} µs vs root {total} µs: {t:#}"
-        );
-        for w in children.windows(2) {
-            let end = us(w[0], "startTime") + us(w[0], "duration");
-            assert!((us(w[1], "startTime") - end).abs() <= 1.0, "gap: {t:#}");
-        }
-        assert!((us(children[0], "startTime") - us(root, "startTime")).abs() <= 1.0);
+    assert_eq!(roots.len(), 1, "{t:#}");
+    let root = roots[0];
+    // Links (I/Os one engine signal completed) lead to exported traces.
+    for r in refs(root, "FOLLOWS_FROM") {
+        let id = r["traceID"].as_str().unwrap();
+        assert!(ids.contains(id), "link to {id}, not exported: {root:#}");
+        tally.links += 1;
+    }
+    assert!(
+        tag(root, "virt.queue.index").is_some_and(|q| q.as_i64() == Some(0)),
+        "one virtqueue: {root:#}"
+    );
+    assert_eq!(root["operationName"], "vdisk.read", "{root:#}");
+    assert_eq!(tag(root, "virt.vm.name"), Some(&Value::from(vm)));
+    assert_eq!(tag(root, "virt.disk.id"), Some(&Value::from("vd0")));
+    assert_eq!(tag(root, "disk.io.direction"), Some(&Value::from("read")));
+    assert_eq!(tag(root, "iospan.has_guest"), Some(&Value::from(true)));
+    assert_eq!(tag(root, "iospan.run.label"), Some(&Value::from(vm)));
+    // 4 KiB reads; at depth the guest's block layer now and then merges
+    // two that happen to be adjacent, and the trace is of its request.
+    let bytes = tag(root, "iospan.io.bytes").and_then(Value::as_u64);
+    assert!(bytes.is_some_and(|b| b > 0 && b % 4096 == 0), "{root:#}");
+    if bytes == Some(4096) {
+        tally.single_block += 1;
+    }
+    *tally
+        .by_reason
+        .entry(
+            tag(root, "iospan.sampled_by")
+                .unwrap()
+                .as_str()
+                .unwrap()
+                .into(),
+        )
+        .or_default() += 1;
+    let events: Vec<&str> = root["logs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|l| l["fields"].as_array().unwrap())
+        .filter(|f| f["key"] == "event")
+        .map(|f| f["value"].as_str().unwrap())
+        .collect();
+    for e in ["kick", "interrupt.raised", "interrupt.received"] {
+        assert!(events.contains(&e), "{e} not in {events:?}");
     }
 
-    assert!(
-        single_block * 10 >= traces.len() as u64 * 9,
-        "{single_block} of {} traces of one 4 KiB read",
-        traces.len()
-    );
+    check_children(t, spans, root);
+}
 
-    // The policy: one in ONE_IN of the offered, and at most SLOWEST per
-    // second of the run (and the run's last part) for the one virtual disk.
-    let get = |k: &str| by_reason.get(k).copied().unwrap_or(0);
+/// The children: every one the root's, back to back, in order,
+/// tiling the root (Jaeger keeps microseconds: one of rounding each).
+fn check_children(t: &Value, spans: &[Value], root: &Value) {
+    let mut children: Vec<&Value> = spans.iter().filter(|s| !std::ptr::eq(*s, root)).collect();
+    children.sort_by_key(|s| s["startTime"].as_u64().unwrap());
+    let names: Vec<&str> = children
+        .iter()
+        .map(|s| s["operationName"].as_str().unwrap())
+        .collect();
     assert_eq!(
-        get("uniform"),
-        offered / ONE_IN,
-        "{by_reason:?} of {offered}"
+        names,
+        [
+            "guest.submit",
+            "hypervisor.notify",
+            "engine.submit",
+            "host.queue",
+            "device",
+            "engine.complete",
+            "hypervisor.interrupt",
+            "guest.complete"
+        ],
+        "{t:#}"
     );
-    let seconds = rep["duration_s"].as_f64().unwrap().ceil() as u64 + 1;
+    for c in &children {
+        let r = &c["references"][0];
+        assert_eq!(r["refType"], "CHILD_OF");
+        assert_eq!(r["spanID"], root["spanID"]);
+        assert!(tag(c, "iospan.segment").is_some(), "{c:#}");
+    }
+    let us = |s: &Value, k: &str| s[k].as_u64().unwrap() as f64;
+    let sum: f64 = children.iter().map(|c| us(c, "duration")).sum();
+    let total = us(root, "duration");
+    let slack = (0.01 * total).max(children.len() as f64);
     assert!(
-        get("slowest") >= SLOWEST as u64 && get("slowest") <= SLOWEST as u64 * seconds,
-        "{by_reason:?} over {seconds} s"
+        (sum - total).abs() <= slack,
+        "children {sum} µs vs root {total} µs: {t:#}"
     );
-    assert_eq!(get("slower_than"), 0, "{by_reason:?}");
-    eprintln!(
-        "{protocol}: {} traces, {links} links between I/Os one signal completed",
-        traces.len()
-    );
+    for w in children.windows(2) {
+        let end = us(w[0], "startTime") + us(w[0], "duration");
+        assert!((us(w[1], "startTime") - end).abs() <= 1.0, "gap: {t:#}");
+    }
+    assert!((us(children[0], "startTime") - us(root, "startTime")).abs() <= 1.0);
 }
 
 #[test]

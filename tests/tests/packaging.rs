@@ -277,6 +277,16 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
     let tmp = scratch("caps");
     let dir = tmp.path();
     let (conf, token_file) = agent_config(dir, &host, &addr);
+    let mut guard = Reap(start_with_the_units_capabilities(&conf, &addr));
+    let agent = &mut guard.0;
+    holds_the_units_capabilities_only(agent.id());
+    // The agent made its token at start, with only the unit's capabilities.
+    let token = std::fs::read_to_string(&token_file).unwrap();
+    measures_a_guest(&rig, &image, &addr, token.trim());
+}
+
+/// The agent under the unit's bounding set, healthy.
+fn start_with_the_units_capabilities(conf: &Path, addr: &str) -> std::process::Child {
     let caps: Vec<String> = bounding_set()
         .iter()
         .map(|c| format!("+{}", c.trim_start_matches("CAP_").to_lowercase()))
@@ -286,13 +296,12 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
         .arg("--no-new-privs")
         .arg(iospan_bin())
         .args(["agent", "--config"])
-        .arg(&conf)
+        .arg(conf)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut guard = Reap(agent);
-    let agent = &mut guard.0;
-    let status = |p: &str| http_get(&addr, p, &[]).map_or(0, |r| r.0);
+    let mut agent = agent;
+    let status = |p: &str| http_get(addr, p, &[]).map_or(0, |r| r.0);
     let t = Instant::now();
     while status("/healthz") != 200 {
         if let Some(s) = agent.try_wait().unwrap() {
@@ -303,9 +312,13 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
         assert!(t.elapsed() < Duration::from_secs(30), "never healthy");
         std::thread::sleep(Duration::from_millis(200));
     }
-    // The process really holds nothing more: the unit's set (CAP_SYS_PTRACE
-    // 19, CAP_SYS_ADMIN 21, CAP_SYS_RESOURCE 24, CAP_SYSLOG 34, CAP_PERFMON 38,
-    // CAP_BPF 39), less what this machine's root lacks to begin with.
+    agent
+}
+
+/// The process really holds nothing more: the unit's set (CAP_SYS_PTRACE
+/// 19, CAP_SYS_ADMIN 21, CAP_SYS_RESOURCE 24, CAP_SYSLOG 34, CAP_PERFMON 38,
+/// CAP_BPF 39), less what this machine's root lacks to begin with.
+fn holds_the_units_capabilities_only(pid: u32) {
     let bounding = |pid: &str| {
         let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
         let bnd = st
@@ -317,18 +330,20 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
     };
     let unit: u64 = (1 << 19) | (1 << 21) | (1 << 24) | (1 << 34) | (1 << 38) | (1 << 39);
     let ours = bounding("self");
-    assert_eq!(bounding(&agent.id().to_string()), unit & ours);
+    assert_eq!(bounding(&pid.to_string()), unit & ours);
     if unit & !ours != 0 {
         eprintln!(
             "this machine's root lacks capabilities {:#x} of the unit's",
             unit & !ours
         );
     }
+}
 
-    // The agent made its token at start, with only the unit's capabilities.
-    let token = std::fs::read_to_string(&token_file).unwrap();
+/// A labelled run around a guest's reads counts them all, exactly but for
+/// what it names as lost.
+fn measures_a_guest(rig: &guest::Rig, image: &Path, addr: &str, token: &str) {
     let post = |path: &str| -> serde_json::Value {
-        let (status, body) = xtask::backends::http_post(&addr, path, Some(token.trim()))
+        let (status, body) = xtask::backends::http_post(addr, path, Some(token))
             .unwrap_or_else(|e| panic!("POST {path}: {e:#}"));
         assert!((200..300).contains(&status), "POST {path}: {status} {body}");
         serde_json::from_str(&body).unwrap_or_else(|e| panic!("POST {path}: {e}: {body}"))
@@ -346,7 +361,7 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
         no_guest_agent: true,
         ..Default::default()
     };
-    let (mut qemu, dev) = guest::qemu_command(&rig, &a, &image);
+    let (mut qemu, dev) = guest::qemu_command(rig, &a, image);
     let t0 = Instant::now();
     let out = run(&mut qemu);
     let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
@@ -375,8 +390,10 @@ fn the_units_capabilities_are_enough_to_measure_a_guest() {
         ios + undelivered <= r.guest_reads
             && ios + lost >= r.guest_reads
             && lost <= r.guest_reads / 100,
-        "{e:#}\n{ios} reads + {undelivered} undelivered, {lost} lost in the run, for the guest's {}",
-        r.guest_reads
+        "{e:#}\n{ios} reads + {undelivered} undelivered, {lost} lost in the run, for the guest's {}\n\
+         the agent's losses since its start:\n{}",
+        r.guest_reads,
+        losses(addr)
     );
     for seg in ["total", "hv", "engine", "device"] {
         assert!(
@@ -447,4 +464,16 @@ fn the_deb_installs_the_agent_its_unit_configuration_and_dashboards() {
     let unit = std::fs::read_to_string(root.join("lib/systemd/system/iospan.service")).unwrap();
     assert_eq!(unit, unit_text());
     verify(&unit_for(&bin, &root.join("verify")));
+}
+
+/// The agent's nonzero loss counters (its /metrics), to say which moved.
+fn losses(addr: &str) -> String {
+    match http_get(addr, "/metrics", &[]) {
+        Ok((_, body)) => body
+            .lines()
+            .filter(|l| l.starts_with("iospan_lost_total{") && !l.ends_with(" 0"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Err(e) => format!("(/metrics unread: {e:#})"),
+    }
 }

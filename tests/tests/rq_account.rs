@@ -298,111 +298,20 @@ fn stamps_from_the_future_are_distrusted() {
 /// its bytes, its last issue time, and segments that tile its lifetime.
 #[test]
 fn interleaved_streams_over_many_queues_and_reused_tags() {
-    #[derive(Clone, Debug)]
-    enum Ev {
-        Issue,
-        Requeue,
-        Partial(u32),
-        Final(u32),
-    }
-    let mut seed: u64 = 0x2545_F491_4F6C_DD1D;
-    let mut rnd = move |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n
-    };
+    let mut rnd = XorShift(0x2545_F491_4F6C_DD1D);
     let mut slots: HashMap<u64, RqSlot> = HashMap::new();
     let mut now = 1_000u64;
     let mut ended = 0u32;
     for round in 0..200 {
-        // 4 queues x 8 hardware contexts x 16 tags in flight at once.
-        struct Io {
-            key: u64,
-            start: u64,
-            size: u32,
-            script: Vec<Ev>,
-            next: usize,
-            last_issue: u64,
-            requeues: u16,
-        }
-        let mut ios: Vec<Io> = Vec::new();
-        for q in 0..4u64 {
-            for h in 0..8u64 {
-                for t in 0..16u64 {
-                    let key = (1 << 63) | (q << 36) | (h << 21) | t;
-                    let size = 4096 * (1 + rnd(8) as u32);
-                    let mut script = vec![Ev::Issue];
-                    let mut left = size;
-                    for _ in 0..rnd(3) {
-                        if rnd(2) == 0 && left > 512 {
-                            let piece = 512
-                                * (1 + rnd((left / 512 - 1).max(1) as u64) as u32)
-                                    .min(left / 512 - 1)
-                                    .max(1);
-                            script.push(Ev::Partial(piece));
-                            left -= piece;
-                        }
-                        if rnd(2) == 0 {
-                            script.push(Ev::Requeue);
-                            script.push(Ev::Issue);
-                        }
-                    }
-                    script.push(Ev::Final(left));
-                    ios.push(Io {
-                        key,
-                        start: now,
-                        size,
-                        script,
-                        next: 0,
-                        last_issue: 0,
-                        requeues: 0,
-                    });
-                }
-            }
-        }
+        let mut ios = round_of_ios(&mut rnd, now);
         let mut remaining: Vec<usize> = (0..ios.len()).collect();
         while !remaining.is_empty() {
-            let pick = rnd(remaining.len() as u64) as usize;
-            let i = remaining[pick];
-            now += 1 + rnd(50);
-            let io = &mut ios[i];
+            let pick = rnd.below(remaining.len() as u64) as usize;
+            let io = &mut ios[remaining[pick]];
+            now += 1 + rnd.below(50);
             let slot = slots.entry(io.key).or_default();
-            let ev = io.script[io.next].clone();
-            io.next += 1;
-            let left_before: u32 = io.script[io.next - 1..]
-                .iter()
-                .map(|e| match e {
-                    Ev::Partial(n) | Ev::Final(n) => *n,
-                    _ => 0,
-                })
-                .sum();
-            match ev {
-                Ev::Issue => {
-                    rq::issue(slot, io.key, now);
-                    io.last_issue = now;
-                }
-                Ev::Requeue => {
-                    rq::requeue(slot, io.key);
-                    io.requeues += 1;
-                }
-                Ev::Partial(n) => {
-                    let c = done(io.key, io.start, 0, now, left_before, n);
-                    assert!(
-                        rq::complete(Some(slot), &c).is_none(),
-                        "round {round}: partial ended the I/O"
-                    );
-                }
-                Ev::Final(n) => {
-                    let c = done(io.key, io.start, 0, now, n, n);
-                    let o = rq::complete(Some(slot), &c).expect("final completion ends the I/O");
-                    assert_eq!(o.bytes, io.size, "round {round}: bytes of {:#x}", io.key);
-                    assert_eq!(o.issue_ns, io.last_issue);
-                    assert_eq!(o.requeues, io.requeues);
-                    let seg = rq::segments(&o, now);
-                    assert_eq!(seg[1] + seg[2], seg[0], "queue + service tile the total");
-                    ended += 1;
-                }
+            if play_next(slot, io, now, round) {
+                ended += 1;
             }
             if io.next == io.script.len() {
                 remaining.swap_remove(pick);
@@ -414,4 +323,121 @@ fn interleaved_streams_over_many_queues_and_reused_tags() {
         );
     }
     assert_eq!(ended, 200 * 4 * 8 * 16);
+}
+
+/// A request's events, in its own order.
+#[derive(Clone, Debug)]
+enum Ev {
+    Issue,
+    Requeue,
+    Partial(u32),
+    Final(u32),
+}
+
+/// One I/O of a round: its script, how far it has played, what it expects.
+struct Io {
+    key: u64,
+    start: u64,
+    size: u32,
+    script: Vec<Ev>,
+    next: usize,
+    last_issue: u64,
+    requeues: u16,
+}
+
+/// A seeded xorshift: the same interleaving every run.
+struct XorShift(u64);
+
+impl XorShift {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// 4 queues x 8 hardware contexts x 16 tags in flight at once, each with
+/// a script of partial completions and requeues.
+fn round_of_ios(rnd: &mut XorShift, now: u64) -> Vec<Io> {
+    let mut ios = Vec::new();
+    for q in 0..4u64 {
+        for h in 0..8u64 {
+            for t in 0..16u64 {
+                let size = 4096 * (1 + rnd.below(8) as u32);
+                ios.push(Io {
+                    key: (1 << 63) | (q << 36) | (h << 21) | t,
+                    start: now,
+                    size,
+                    script: script_of(rnd, size),
+                    next: 0,
+                    last_issue: 0,
+                    requeues: 0,
+                });
+            }
+        }
+    }
+    ios
+}
+
+fn script_of(rnd: &mut XorShift, size: u32) -> Vec<Ev> {
+    let mut script = vec![Ev::Issue];
+    let mut left = size;
+    for _ in 0..rnd.below(3) {
+        if rnd.below(2) == 0 && left > 512 {
+            let piece = 512
+                * (1 + rnd.below((left / 512 - 1).max(1) as u64) as u32)
+                    .min(left / 512 - 1)
+                    .max(1);
+            script.push(Ev::Partial(piece));
+            left -= piece;
+        }
+        if rnd.below(2) == 0 {
+            script.push(Ev::Requeue);
+            script.push(Ev::Issue);
+        }
+    }
+    script.push(Ev::Final(left));
+    script
+}
+
+/// The I/O's next event on its slot; true when it ended the I/O.
+fn play_next(slot: &mut RqSlot, io: &mut Io, now: u64, round: u32) -> bool {
+    let ev = io.script[io.next].clone();
+    io.next += 1;
+    let left_before: u32 = io.script[io.next - 1..]
+        .iter()
+        .map(|e| match e {
+            Ev::Partial(n) | Ev::Final(n) => *n,
+            _ => 0,
+        })
+        .sum();
+    match ev {
+        Ev::Issue => {
+            rq::issue(slot, io.key, now);
+            io.last_issue = now;
+        }
+        Ev::Requeue => {
+            rq::requeue(slot, io.key);
+            io.requeues += 1;
+        }
+        Ev::Partial(n) => {
+            let c = done(io.key, io.start, 0, now, left_before, n);
+            assert!(
+                rq::complete(Some(slot), &c).is_none(),
+                "round {round}: partial ended the I/O"
+            );
+        }
+        Ev::Final(n) => {
+            let c = done(io.key, io.start, 0, now, n, n);
+            let o = rq::complete(Some(slot), &c).expect("final completion ends the I/O");
+            assert_eq!(o.bytes, io.size, "round {round}: bytes of {:#x}", io.key);
+            assert_eq!(o.issue_ns, io.last_issue);
+            assert_eq!(o.requeues, io.requeues);
+            let seg = rq::segments(&o, now);
+            assert_eq!(seg[1] + seg[2], seg[0], "queue + service tile the total");
+            return true;
+        }
+    }
+    false
 }

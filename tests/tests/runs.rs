@@ -64,9 +64,23 @@ fn compare_names_the_segment_that_moved_and_the_report_draws() {
         no_guest_agent: true,
         ..Default::default()
     };
+    labelled_runs_check_and_keep_their_labels(&runs, &base);
+    // The same workload on QEMU's own virtio-blk and on vhost-user, the
+    // same image: the comparison names, at each statistic, a segment and
+    // its share, with the figures behind it.
+    compare_two_engines(&runs, &base);
+    compare_a_throttled_engine(&runs);
+    // The HTML report, drawn by a real browser: each segment's colour is
+    // on the page (the tail bars and the CDF).
+    let html = report_with_a_failing_check(&runs);
+    let png = screenshot(&runs, &html);
+    check_segment_colours(&png, &html);
+}
+
+fn labelled_runs_check_and_keep_their_labels(runs: &Path, base: &RunArgs) {
     // The same workload, once as is and once behind a throttle in the
     // daemon (200 IOPS at QD1: ~5 ms per I/O spent in the engine).
-    let (out, code) = labelled(&runs, "vu-free", &base, &["--check", "read.p99<10s"]);
+    let (out, code) = labelled(runs, "vu-free", base, &["--check", "read.p99<10s"]);
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("PASS read.p99<10s"), "{out}");
     assert!(
@@ -78,24 +92,23 @@ fn compare_names_the_segment_that_moved_and_the_report_draws() {
         ..base.clone()
     };
     // A threshold the throttled run cannot meet: the run fails with 1.
-    let (out, code) = labelled(&runs, "vu-throttled", &slow, &["--check", "read.mean<1ms"]);
+    let (out, code) = labelled(runs, "vu-throttled", &slow, &["--check", "read.mean<1ms"]);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("FAIL read.mean<1ms"), "{out}");
     // The label is taken now.
-    let (_, code) = labelled(&runs, "vu-free", &base, &[]);
+    let (_, code) = labelled(runs, "vu-free", base, &[]);
     assert_ne!(code, 0, "a second run under a used label was stored");
+}
 
-    // The same workload on QEMU's own virtio-blk and on vhost-user, the
-    // same image: the comparison names, at each statistic, a segment and
-    // its share, with the figures behind it.
+fn compare_two_engines(runs: &Path, base: &RunArgs) {
     let virtio = RunArgs {
         disk: DiskModel::VirtioBlk,
         name: "bench-virtio".into(),
         ..base.clone()
     };
-    let (out, code) = labelled(&runs, "virtio-free", &virtio, &[]);
+    let (out, code) = labelled(runs, "virtio-free", &virtio, &[]);
     assert_eq!(code, 0, "{out}");
-    let (cmp, err, code) = iospan(&runs, &["compare", "virtio-free", "vu-free"]);
+    let (cmp, err, code) = iospan(runs, &["compare", "virtio-free", "vu-free"]);
     assert_eq!(code, 0, "{err}");
     eprintln!("{cmp}");
     assert!(
@@ -115,12 +128,14 @@ fn compare_names_the_segment_that_moved_and_the_report_draws() {
     for row in cmp.lines().filter(|l| l.contains("B − A")) {
         assert_eq!(figures(row).len(), 5, "{row}");
     }
+}
 
-    let (cmp, err, code) = iospan(&runs, &["compare", "vu-free", "vu-throttled"]);
+/// At the mean and in the p99 tail (ten I/Os each), the engine is what
+/// moved, and at the mean its change is nearly all of the total's.
+fn compare_a_throttled_engine(runs: &Path) {
+    let (cmp, err, code) = iospan(runs, &["compare", "vu-free", "vu-throttled"]);
     assert_eq!(code, 0, "{err}");
     eprintln!("{cmp}");
-    // At the mean and in the p99 tail (ten I/Os each), the engine is what
-    // moved, and at the mean its change is nearly all of the total's.
     let verdict = |at: &str| {
         cmp.lines()
             .find(|l| l.contains(&format!("→ at {at}:")))
@@ -166,12 +181,12 @@ fn compare_names_the_segment_that_moved_and_the_report_draws() {
     assert_eq!(rows.len(), 2, "{cmp}");
     let (a, b) = (figures(rows[0]), figures(rows[1]));
     assert!(b[0] > a[0] + 1000.0, "the throttle's ms: {cmp}");
+}
 
-    // The HTML report, drawn by a real browser: each segment's colour is
-    // on the page (the tail bars and the CDF).
+fn report_with_a_failing_check(runs: &Path) -> std::path::PathBuf {
     let html = runs.join("vu-throttled.html");
     let (summary, err, code) = iospan(
-        &runs,
+        runs,
         &[
             "report",
             "vu-throttled",
@@ -183,6 +198,11 @@ fn compare_names_the_segment_that_moved_and_the_report_draws() {
     );
     assert_eq!(code, 1, "a failing check: {summary}{err}");
     assert!(summary.contains("FAIL read.p99.engine<1us"), "{summary}");
+    html
+}
+
+/// The page as chromium draws it, headless.
+fn screenshot(runs: &Path, html: &Path) -> std::path::PathBuf {
     let png = runs.join("vu-throttled.png");
     let shot = run(Command::new("chromium")
         .args([
@@ -209,7 +229,11 @@ fn compare_names_the_segment_that_moved_and_the_report_draws() {
         "no screenshot: {}",
         String::from_utf8_lossy(&shot.stderr)
     );
-    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&png).unwrap()));
+    png
+}
+
+fn check_segment_colours(png: &Path, html: &Path) {
+    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(png).unwrap()));
     let mut reader = decoder.read_info().unwrap();
     let mut buf = vec![0; reader.output_buffer_size().unwrap()];
     let info = reader.next_frame(&mut buf).unwrap();

@@ -106,42 +106,12 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
             .spawn()
             .unwrap(),
     );
-    let t = Instant::now();
-    while get(&addr, "/healthz", None).0 != 200 {
-        assert!(t.elapsed() < Duration::from_secs(30), "never healthy");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_healthy(&addr);
     // Everything but health wants the token.
     assert_eq!(get(&addr, "/api/v1/snapshot", None).0, 401);
     assert_eq!(get(&addr, "/api/v1/snapshot", Some("wrong")).0, 401);
     assert_eq!(get(&addr, "/api/v1/snapshot", Some(token)).0, 200);
-
-    // SIGHUP with a broken file: refused, the service stays. And one
-    // broken on the token's line: the log names the line, never the token.
-    for broken in [
-        "[agent]\nmax_disk = 1\n".to_string(),
-        format!("[api]\nlisten = \"{addr}\"\ntoken = \"{token}\n"),
-    ] {
-        std::fs::write(&path, broken).unwrap();
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
-        std::thread::sleep(Duration::from_millis(500));
-        assert!(
-            agent.0.try_wait().unwrap().is_none(),
-            "a bad reload stopped the agent"
-        );
-    }
-    // And with a good one: it restarts measuring on the new settings.
-    std::fs::write(&path, conf(7)).unwrap();
-    unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
-    let t = Instant::now();
-    while get(&addr, "/healthz", None).0 != 200 || t.elapsed() < Duration::from_secs(2) {
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "not healthy after reload"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    check_reloads(&mut agent, &path, &addr, token, &conf(7));
 
     // top --connect, in a terminal, watching the service.
     let tmux = Tmux::start(
@@ -153,80 +123,146 @@ fn the_service_measures_a_guest_reports_a_run_and_reloads() {
         40,
     );
     tmux.until("the header", |s| s.contains("VM / DISK"));
-
-    // A labelled run around a guest's workload.
-    let started = post(
-        &addr,
-        &format!(
-            "/api/v1/runs?label=qd4{}",
-            agent_integration::rig_split_query()
-        ),
+    let svc = Service {
+        addr: &addr,
         token,
-    );
-    let id = started["id"].as_u64().unwrap();
-    assert_eq!(started["label"], "qd4");
-    let a = RunArgs {
-        qd: 4,
-        ios: 3000,
-        name: "svc-rig".into(),
-        no_guest_agent: true,
-        ..Default::default()
+        tmux: &tmux,
     };
-    // The same boot under a standalone `iospan run` as well: the two count
-    // the same requests.
-    let (qemu, dev) = guest::qemu_command(&rig, &a, &image);
-    let tmp = tempfile::tempdir().unwrap();
-    let standalone = tmp.path().join("svc-standalone.json");
-    let t0 = Instant::now();
-    let out = run_around(
-        Command::new(iospan_bin())
-            .args(["run", "--quiet", "--disk", &host])
-            .args(agent_integration::rig_split_args())
-            .arg("--json-out")
-            .arg(&standalone),
-        &qemu,
-    );
-    let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_string)
-        .collect();
-    let r = guest::parse(&console, &a, dev, t0.elapsed().as_secs_f64()).unwrap();
-    let rep: Value = serde_json::from_slice(&std::fs::read(&standalone).unwrap()).unwrap();
-    let standalone_ios = rep["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["vm"] == "svc-rig" && e["disk"] == "vd0" && e["op"] == "read")
-        .and_then(|e| e["ios"].as_u64())
-        .unwrap_or_else(|| panic!("{rep:#}"));
-    tmux.until("the guest's row", |s| s.contains("svc-rig"));
-    let stopped = post(&addr, &format!("/api/v1/runs/{id}/stop"), token);
-    let report = &stopped["report"];
-    let entry = report["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["vm"] == "svc-rig" && e["disk"] == "vd0" && e["op"] == "read")
-        .unwrap_or_else(|| panic!("{stopped:#}"));
-    // Exactly what the standalone run counted (and the guest itself, merges
-    // aside: the rig tests hold that).
-    assert_eq!(entry["ios"].as_u64(), Some(standalone_ios), "{entry:#}");
-    assert!(
-        standalone_ios <= r.guest_reads,
-        "{standalone_ios} vs {}",
-        r.guest_reads
-    );
-    for seg in ["total", "hv", "engine", "device", "queue"] {
-        assert!(
-            entry["segments"][seg]["count"].as_u64().unwrap_or(0) > 0,
-            "{seg}: {entry:#}"
-        );
-    }
-    let (_, runs) = get(&addr, "/api/v1/runs", Some(token));
-    assert!(runs.contains("\"qd4\""), "{runs}");
-
+    svc.labelled_run_counts_as_a_standalone_one(&rig, &image, &host);
     // SIGTERM: a clean stop.
     tmux.keys(&["q"]);
+    stop_cleanly(&mut agent, token);
+}
+
+fn wait_healthy(addr: &str) {
+    let t = Instant::now();
+    while get(addr, "/healthz", None).0 != 200 {
+        assert!(t.elapsed() < Duration::from_secs(30), "never healthy");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// SIGHUP with a broken file: refused, the service stays. And one broken
+/// on the token's line: the log names the line, never the token. With a
+/// good one, `good`, it restarts measuring on the new settings.
+fn check_reloads(agent: &mut Agent, path: &std::path::Path, addr: &str, token: &str, good: &str) {
+    for broken in [
+        "[agent]\nmax_disk = 1\n".to_string(),
+        format!("[api]\nlisten = \"{addr}\"\ntoken = \"{token}\n"),
+    ] {
+        std::fs::write(path, broken).unwrap();
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(
+            agent.0.try_wait().unwrap().is_none(),
+            "a bad reload stopped the agent"
+        );
+    }
+    std::fs::write(path, good).unwrap();
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(agent.0.id() as i32, libc::SIGHUP) };
+    let t = Instant::now();
+    while get(addr, "/healthz", None).0 != 200 || t.elapsed() < Duration::from_secs(2) {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "not healthy after reload"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The service as a client sees it, with `top --connect` watching.
+struct Service<'s> {
+    addr: &'s str,
+    token: &'s str,
+    tmux: &'s Tmux,
+}
+
+impl Service<'_> {
+    /// A labelled run around a guest's workload counts what a standalone
+    /// `iospan run` around the same boot counts.
+    fn labelled_run_counts_as_a_standalone_one(
+        &self,
+        rig: &guest::Rig,
+        image: &std::path::Path,
+        host: &str,
+    ) {
+        let (addr, token, tmux) = (self.addr, self.token, self.tmux);
+        let started = post(
+            addr,
+            &format!(
+                "/api/v1/runs?label=qd4{}",
+                agent_integration::rig_split_query()
+            ),
+            token,
+        );
+        let id = started["id"].as_u64().unwrap();
+        assert_eq!(started["label"], "qd4");
+        let a = RunArgs {
+            qd: 4,
+            ios: 3000,
+            name: "svc-rig".into(),
+            no_guest_agent: true,
+            ..Default::default()
+        };
+        // The same boot under a standalone `iospan run` as well: the two count
+        // the same requests.
+        let (qemu, dev) = guest::qemu_command(rig, &a, image);
+        let tmp = tempfile::tempdir().unwrap();
+        let standalone = tmp.path().join("svc-standalone.json");
+        let t0 = Instant::now();
+        let out = run_around(
+            Command::new(iospan_bin())
+                .args(["run", "--quiet", "--disk", host])
+                .args(agent_integration::rig_split_args())
+                .arg("--json-out")
+                .arg(&standalone),
+            &qemu,
+        );
+        let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect();
+        let r = guest::parse(&console, &a, dev, t0.elapsed().as_secs_f64()).unwrap();
+        let rep: Value = serde_json::from_slice(&std::fs::read(&standalone).unwrap()).unwrap();
+        let standalone_ios = rep["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["vm"] == "svc-rig" && e["disk"] == "vd0" && e["op"] == "read")
+            .and_then(|e| e["ios"].as_u64())
+            .unwrap_or_else(|| panic!("{rep:#}"));
+        tmux.until("the guest's row", |s| s.contains("svc-rig"));
+        let stopped = post(addr, &format!("/api/v1/runs/{id}/stop"), token);
+        let report = &stopped["report"];
+        let entry = report["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["vm"] == "svc-rig" && e["disk"] == "vd0" && e["op"] == "read")
+            .unwrap_or_else(|| panic!("{stopped:#}"));
+        // Exactly what the standalone run counted (and the guest itself, merges
+        // aside: the rig tests hold that).
+        assert_eq!(entry["ios"].as_u64(), Some(standalone_ios), "{entry:#}");
+        assert!(
+            standalone_ios <= r.guest_reads,
+            "{standalone_ios} vs {}",
+            r.guest_reads
+        );
+        for seg in ["total", "hv", "engine", "device", "queue"] {
+            assert!(
+                entry["segments"][seg]["count"].as_u64().unwrap_or(0) > 0,
+                "{seg}: {entry:#}"
+            );
+        }
+        let (_, runs) = get(addr, "/api/v1/runs", Some(token));
+        assert!(runs.contains("\"qd4\""), "{runs}");
+    }
+}
+
+fn stop_cleanly(agent: &mut Agent, token: &str) {
+    // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(agent.0.id() as i32, libc::SIGTERM) };
     let status = agent_integration::wait_limited(&mut agent.0, Duration::from_secs(30))
         .expect("the agent did not stop on SIGTERM");
@@ -265,15 +301,8 @@ fn on_loopback_runs_start_only_with_the_agents_own_token() {
             token_file.display()
         ),
     );
-    let healthy = |addr: &str| {
-        let t = Instant::now();
-        while get(addr, "/healthz", None).0 != 200 {
-            assert!(t.elapsed() < Duration::from_secs(30), "never healthy");
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    };
     let mut agent = Agent::start(&conf);
-    healthy(&addr);
+    wait_healthy(&addr);
     let meta = std::fs::metadata(&token_file).expect("the agent made no token file");
     assert_eq!(meta.permissions().mode() & 0o777, 0o600);
     let token = std::fs::read_to_string(&token_file)
@@ -300,8 +329,26 @@ fn on_loopback_runs_start_only_with_the_agents_own_token() {
         "{metrics}"
     );
 
-    // `top`: never the token in argv; a token file must be private.
-    let out = run(Command::new(iospan_bin()).args(["top", "--connect", &addr, "--token", &token]));
+    top_refuses_a_token_seen_by_others(&addr, &token, &dir);
+
+    // The next start keeps the token.
+    let _ = agent.0.kill();
+    let _ = agent.0.wait();
+    let _agent = Agent::start(&conf);
+    wait_healthy(&addr);
+    assert_eq!(std::fs::read_to_string(&token_file).unwrap().trim(), token);
+    assert_eq!(
+        post_status(&addr, "/api/v1/runs?label=y", Some(&token)),
+        201
+    );
+
+    a_standalone_run_keeps_the_same_rule();
+}
+
+/// `top`: never the token in argv; a token file must be private.
+fn top_refuses_a_token_seen_by_others(addr: &str, token: &str, dir: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let out = run(Command::new(iospan_bin()).args(["top", "--connect", addr, "--token", token]));
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("IOSPAN_TOKEN"),
@@ -309,10 +356,10 @@ fn on_loopback_runs_start_only_with_the_agents_own_token() {
         String::from_utf8_lossy(&out.stderr)
     );
     let open = dir.join("open-token");
-    std::fs::write(&open, &token).unwrap();
+    std::fs::write(&open, token).unwrap();
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).unwrap();
     let out = run(Command::new(iospan_bin())
-        .args(["top", "--connect", &addr, "--token-file"])
+        .args(["top", "--connect", addr, "--token-file"])
         .arg(&open));
     assert!(!out.status.success());
     assert!(
@@ -320,20 +367,12 @@ fn on_loopback_runs_start_only_with_the_agents_own_token() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
 
-    // The next start keeps the token.
-    let _ = agent.0.kill();
-    let _ = agent.0.wait();
-    let _agent = Agent::start(&conf);
-    healthy(&addr);
-    assert_eq!(std::fs::read_to_string(&token_file).unwrap().trim(), token);
-    assert_eq!(
-        post_status(&addr, "/api/v1/runs?label=y", Some(&token)),
-        201
-    );
-
-    // `iospan run --metrics-listen`: the same rule, with the token of the
-    // agent's default file.
+/// `iospan run --metrics-listen`: the same rule, with the token of the
+/// agent's default file.
+fn a_standalone_run_keeps_the_same_rule() {
+    use std::os::unix::fs::PermissionsExt;
     let addr2 = format!("127.0.0.1:{}", free_port().unwrap());
     let mut standalone = Command::new(iospan_bin())
         .args([
@@ -350,7 +389,7 @@ fn on_loopback_runs_start_only_with_the_agents_own_token() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    healthy(&addr2);
+    wait_healthy(&addr2);
     assert_eq!(get(&addr2, "/api/v1/snapshot", None).0, 200);
     let default = std::fs::read_to_string("/var/lib/iospan/api-token").unwrap();
     assert_eq!(

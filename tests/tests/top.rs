@@ -72,26 +72,49 @@ fn top_shows_a_guests_segments_and_answers_its_keys() {
     }
     let _vm = Kill(&mut vm);
 
-    let segs = ["TOTAL", "GUEST", "HV", "ENGINE", "DEVICE", "QUEUE"];
-    let filled = |s: &str| {
-        let Some(header) = s.lines().next() else {
-            return false;
-        };
-        s.lines()
-            .filter(|l| l.starts_with("top-rig") || l.starts_with("  vd0"))
-            .count()
-            == 2
-            && s.lines().filter(|l| l.starts_with("top-rig")).all(|row| {
-                let c = cells(header, row, &["R/s"]);
-                c[0].parse::<f64>().is_ok_and(|v| v > 0.0)
-                    && cells(header, row, &segs)
-                        .iter()
-                        .all(|v| v.parse::<f64>().is_ok_and(|v| v > 0.0))
-            })
-    };
-    let s = tmux.until("the VM's row with IOPS and every segment", filled);
+    let s = tmux.until("the VM's row with IOPS and every segment", vm_row_filled);
     eprintln!("{s}");
+    keys_change_the_statistic_the_order_and_the_filter(&tmux);
+    the_queue_row_is_the_disks(&tmux);
+    // the histogram of the selected row (the disk)
+    tmux.keys(&["h"]);
+    let h = tmux.until("the histogram", |s| {
+        s.contains("histogram") && s.contains("TOTAL (")
+    });
+    assert!(h.contains("GUEST (") && h.contains("DEVICE ("), "{h}");
+    tmux.keys(&["x"]);
+    tmux.until("the table again", |s| !s.contains("TOTAL ("));
+    // quit
+    tmux.keys(&["q"]);
+    let t = Instant::now();
+    while tmux.alive() {
+        assert!(t.elapsed() < Duration::from_secs(20), "top did not quit");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
 
+const SEGS: [&str; 6] = ["TOTAL", "GUEST", "HV", "ENGINE", "DEVICE", "QUEUE"];
+
+/// The VM's row and its disk's, the VM's with a rate and every segment.
+fn vm_row_filled(s: &str) -> bool {
+    let segs = SEGS;
+    let Some(header) = s.lines().next() else {
+        return false;
+    };
+    s.lines()
+        .filter(|l| l.starts_with("top-rig") || l.starts_with("  vd0"))
+        .count()
+        == 2
+        && s.lines().filter(|l| l.starts_with("top-rig")).all(|row| {
+            let c = cells(header, row, &["R/s"]);
+            c[0].parse::<f64>().is_ok_and(|v| v > 0.0)
+                && cells(header, row, &segs)
+                    .iter()
+                    .all(|v| v.parse::<f64>().is_ok_and(|v| v > 0.0))
+        })
+}
+
+fn keys_change_the_statistic_the_order_and_the_filter(tmux: &Tmux) {
     // mean -> p99
     tmux.keys(&["m"]);
     tmux.until("p99", |s| {
@@ -111,7 +134,11 @@ fn top_shows_a_guests_segments_and_answers_its_keys() {
     tmux.until("filter cleared", |s| {
         s.contains("top-rig") && !s.contains("filter /")
     });
-    // the virtual disk's queues: select it, expand it
+}
+
+/// The virtual disk's queues: select it, expand it.
+fn the_queue_row_is_the_disks(tmux: &Tmux) {
+    let segs = SEGS;
     // A frame whose interval had no joined request complete shows the row
     // empty (seen once in CI: the agent beside a TCG guest at full speed on
     // two CPUs), so the row is waited for with its rate and segments.
@@ -136,19 +163,4 @@ fn top_shows_a_guests_segments_and_answers_its_keys() {
     let joined = &segs[..5];
     assert_eq!(cells(header, q0, joined), cells(header, vd0, joined), "{s}");
     assert!(s.contains("unmatched "), "{s}");
-    // the histogram of the selected row (the disk)
-    tmux.keys(&["h"]);
-    let h = tmux.until("the histogram", |s| {
-        s.contains("histogram") && s.contains("TOTAL (")
-    });
-    assert!(h.contains("GUEST (") && h.contains("DEVICE ("), "{h}");
-    tmux.keys(&["x"]);
-    tmux.until("the table again", |s| !s.contains("TOTAL ("));
-    // quit
-    tmux.keys(&["q"]);
-    let t = Instant::now();
-    while tmux.alive() {
-        assert!(t.elapsed() < Duration::from_secs(20), "top did not quit");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }

@@ -84,101 +84,122 @@ impl GuestArm {
 /// host (VM attribution on), and with the guest agent too, boots
 /// interleaved; and what iospan costs per guest I/O.
 pub fn guest(a: &GuestArgs) -> Result<()> {
-    use crate::guest::{self as rig, RunArgs};
+    use crate::guest as rig;
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
-    let iospan = sh::target_dir().join("release/iospan");
     let out_dir = sh::target_dir().join("bench");
     std::fs::create_dir_all(&out_dir)?;
     let built = rig::build()?;
     let image = rig::dir().join("disk.img");
     rig::ensure_image(&image, 256)?;
-    let report = out_dir.join("guest-iospan.json");
-    struct Row {
-        arm: GuestArm,
-        p50: f64,
-        mean: f64,
-        p99: f64,
-        bpf_ns: Option<f64>,
-        uprobe_hits: Option<f64>,
-    }
-    let mut rows: Vec<Row> = Vec::new();
+    let mut rows: Vec<GuestRow> = Vec::new();
     for rep in 0..a.reps {
         // Rotated, so no arm always boots first (a cold page cache, a warm CPU).
         let mut arms = GuestArm::ALL;
         arms.rotate_left(rep as usize % GuestArm::ALL.len());
         for arm in arms {
-            let args = RunArgs {
-                qd: a.qd,
-                ios: a.ios,
-                name: "bench-guest".into(),
-                no_guest_agent: arm != GuestArm::HostAndGuest,
-                ..Default::default()
-            };
-            let (qemu, dev) = rig::qemu_command(&built, &args, &image);
-            let mut cmd = if arm == GuestArm::Untraced {
-                qemu
-            } else {
-                let mut c = Command::new(&iospan);
-                c.args(["run", "--quiet", "--bpf-stats", "--json-out"])
-                    .arg(&report)
-                    .arg("--")
-                    .arg(qemu.get_program())
-                    .args(qemu.get_args());
-                c
-            };
-            let t = Instant::now();
-            let out = cmd.output().context("booting the rig guest")?;
-            let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .map(str::to_string)
-                .collect();
-            let r = rig::parse(&console, &args, dev, t.elapsed().as_secs_f64())?;
-            let w = &r.workload;
-            let (bpf, uprobe_hits) = if arm != GuestArm::Untraced {
-                let j: Value = serde_json::from_slice(&std::fs::read(&report)?)?;
-                let progs = j["agent"]["bpf"].as_array().cloned().unwrap_or_default();
-                let ns: u64 = progs.iter().filter_map(|p| p["run_time_ns"].as_u64()).sum();
-                // Hits of the programs attached as uprobes, from the kernel's run counts.
-                let uprobes: Vec<String> = j["probes"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter(|p| p["flavour"] == "uprobe")
-                    .filter_map(|p| p["program"].as_str().map(str::to_string))
-                    .collect();
-                let hits: u64 = progs
-                    .iter()
-                    .filter(|p| {
-                        p["name"]
-                            .as_str()
-                            .is_some_and(|n| uprobes.iter().any(|u| u == n))
-                    })
-                    .filter_map(|p| p["run_count"].as_u64())
-                    .sum();
-                let per_io = |v: u64| v as f64 / r.guest_reads.max(1) as f64;
-                (Some(per_io(ns)), Some(per_io(hits)))
-            } else {
-                (None, None)
-            };
+            let row = guest_boot(a, arm, &built, &image, &out_dir)?;
             eprintln!(
                 "xtask: bench guest: rep {} {}: p50 {} µs, mean {} µs",
                 rep + 1,
                 arm.label(),
-                w["p50_us"],
-                w["mean_us"]
+                row.p50,
+                row.mean
             );
-            let num = |k: &str| w[k].as_f64().unwrap_or(f64::NAN);
-            rows.push(Row {
-                arm,
-                p50: num("p50_us"),
-                mean: num("mean_us"),
-                p99: num("p99_us"),
-                bpf_ns: bpf,
-                uprobe_hits,
-            });
+            rows.push(row);
         }
     }
-    let med = |arm: GuestArm, f: &dyn Fn(&Row) -> Option<f64>| {
+    render_guest(a, &rows, &out_dir)
+}
+
+/// One boot of the guest arm: its workload's latency, and iospan's cost.
+struct GuestRow {
+    arm: GuestArm,
+    p50: f64,
+    mean: f64,
+    p99: f64,
+    bpf_ns: Option<f64>,
+    uprobe_hits: Option<f64>,
+}
+
+fn guest_boot(
+    a: &GuestArgs,
+    arm: GuestArm,
+    built: &crate::guest::Rig,
+    image: &Path,
+    out_dir: &Path,
+) -> Result<GuestRow> {
+    use crate::guest::{self as rig, RunArgs};
+    let report = out_dir.join("guest-iospan.json");
+    let args = RunArgs {
+        qd: a.qd,
+        ios: a.ios,
+        name: "bench-guest".into(),
+        no_guest_agent: arm != GuestArm::HostAndGuest,
+        ..Default::default()
+    };
+    let (qemu, dev) = rig::qemu_command(built, &args, image);
+    let mut cmd = if arm == GuestArm::Untraced {
+        qemu
+    } else {
+        let mut c = Command::new(sh::target_dir().join("release/iospan"));
+        c.args(["run", "--quiet", "--bpf-stats", "--json-out"])
+            .arg(&report)
+            .arg("--")
+            .arg(qemu.get_program())
+            .args(qemu.get_args());
+        c
+    };
+    let t = Instant::now();
+    let out = cmd.output().context("booting the rig guest")?;
+    let console: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let r = rig::parse(&console, &args, dev, t.elapsed().as_secs_f64())?;
+    let cost = if arm == GuestArm::Untraced {
+        None
+    } else {
+        Some(bpf_cost_per_io(&report, r.guest_reads)?)
+    };
+    let num = |k: &str| r.workload[k].as_f64().unwrap_or(f64::NAN);
+    Ok(GuestRow {
+        arm,
+        p50: num("p50_us"),
+        mean: num("mean_us"),
+        p99: num("p99_us"),
+        bpf_ns: cost.map(|c| c.0),
+        uprobe_hits: cost.map(|c| c.1),
+    })
+}
+
+/// BPF ns and uprobe hits per guest I/O, from a run's `--json-out` report.
+fn bpf_cost_per_io(report: &Path, guest_reads: u64) -> Result<(f64, f64)> {
+    let j: Value = serde_json::from_slice(&std::fs::read(report)?)?;
+    let progs = j["agent"]["bpf"].as_array().cloned().unwrap_or_default();
+    let ns: u64 = progs.iter().filter_map(|p| p["run_time_ns"].as_u64()).sum();
+    // Hits of the programs attached as uprobes, from the kernel's run counts.
+    let uprobes: Vec<String> = j["probes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["flavour"] == "uprobe")
+        .filter_map(|p| p["program"].as_str().map(str::to_string))
+        .collect();
+    let hits: u64 = progs
+        .iter()
+        .filter(|p| {
+            p["name"]
+                .as_str()
+                .is_some_and(|n| uprobes.iter().any(|u| u == n))
+        })
+        .filter_map(|p| p["run_count"].as_u64())
+        .sum();
+    let per_io = |v: u64| v as f64 / guest_reads.max(1) as f64;
+    Ok((per_io(ns), per_io(hits)))
+}
+
+fn render_guest(a: &GuestArgs, rows: &[GuestRow], out_dir: &Path) -> Result<()> {
+    let med = |arm: GuestArm, f: &dyn Fn(&GuestRow) -> Option<f64>| {
         median(rows.iter().filter(|r| r.arm == arm).filter_map(f))
     };
     println!(
@@ -393,64 +414,12 @@ fn measure(
     out_dir: &Path,
 ) -> Result<Sample> {
     let report = out_dir.join("overhead-iospan.json");
-    let mut tracer = match arm {
-        Arm::None => None,
-        Arm::Iospan => {
-            let _ = std::fs::remove_file(&report);
-            let mut c = Command::new(iospan)
-                .args([
-                    "-v",
-                    "run",
-                    "--quiet",
-                    "--no-vms",
-                    "--bpf-stats",
-                    "--disk",
-                    &dev.name,
-                    "--duration",
-                    "1h",
-                    "--json-out",
-                ])
-                .arg(&report)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .context("starting iospan")?;
-            wait_for_line(&mut c, false, "attached block_rq_complete")?;
-            Some(c)
-        }
-        Arm::Bpftrace => {
-            let mut c = Command::new("bpftrace")
-                .args(["-e", BPFTRACE_BIOLATENCY])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .spawn()
-                .context("starting bpftrace")?;
-            wait_for_line(&mut c, true, "Attaching")?;
-            Some(c)
-        }
-    };
+    let mut tracer = start_tracer(arm, dev, iospan, &report)?;
     // Let attach-time work settle before the window opens.
     std::thread::sleep(Duration::from_millis(500));
     let fio_json = out_dir.join("overhead-fio.json");
     let cpu0 = busy_cpu_ns()?;
-    let status = Command::new("fio")
-        .args([
-            "--name=bench",
-            "--ioengine=io_uring",
-            "--direct=1",
-            "--rw=randread",
-            "--bs=4k",
-            "--time_based",
-            "--group_reporting",
-        ])
-        .arg(format!("--filename={}", dev.path()))
-        .arg(format!("--iodepth={}", a.iodepth))
-        .arg(format!("--numjobs={}", a.jobs))
-        .arg(format!("--runtime={}", a.seconds))
-        .arg("--output-format=json")
-        .arg(format!("--output={}", fio_json.display()))
-        .status()
-        .context("running fio")?;
+    let status = run_fio(a, dev, &fio_json)?;
     let cpu1 = busy_cpu_ns()?;
     if !status.success() {
         bail!("fio failed ({status})");
@@ -497,6 +466,66 @@ fn measure(
         s.lost = Some(lost_requests(&r));
     }
     Ok(s)
+}
+
+/// The arm's tracer, started and attached (None for the untraced arm).
+fn start_tracer(arm: Arm, dev: &LoopDev, iospan: &Path, report: &Path) -> Result<Option<Child>> {
+    Ok(match arm {
+        Arm::None => None,
+        Arm::Iospan => {
+            let _ = std::fs::remove_file(report);
+            let mut c = Command::new(iospan)
+                .args([
+                    "-v",
+                    "run",
+                    "--quiet",
+                    "--no-vms",
+                    "--bpf-stats",
+                    "--disk",
+                    &dev.name,
+                    "--duration",
+                    "1h",
+                    "--json-out",
+                ])
+                .arg(report)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .context("starting iospan")?;
+            wait_for_line(&mut c, false, "attached block_rq_complete")?;
+            Some(c)
+        }
+        Arm::Bpftrace => {
+            let mut c = Command::new("bpftrace")
+                .args(["-e", BPFTRACE_BIOLATENCY])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("starting bpftrace")?;
+            wait_for_line(&mut c, true, "Attaching")?;
+            Some(c)
+        }
+    })
+}
+fn run_fio(a: &OverheadArgs, dev: &LoopDev, fio_json: &Path) -> Result<std::process::ExitStatus> {
+    Command::new("fio")
+        .args([
+            "--name=bench",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--rw=randread",
+            "--bs=4k",
+            "--time_based",
+            "--group_reporting",
+        ])
+        .arg(format!("--filename={}", dev.path()))
+        .arg(format!("--iodepth={}", a.iodepth))
+        .arg(format!("--numjobs={}", a.jobs))
+        .arg(format!("--runtime={}", a.seconds))
+        .arg("--output-format=json")
+        .arg(format!("--output={}", fio_json.display()))
+        .status()
+        .context("running fio")
 }
 
 pub(crate) fn wait_for_line(c: &mut Child, stdout: bool, needle: &str) -> Result<()> {
@@ -665,41 +694,14 @@ pub struct CollectorArgs {
 /// The replay shares this machine's CPUs with the collector, so the
 /// portable figure is spans per second of the collector's own CPU time.
 pub fn collector(a: &CollectorArgs) -> Result<()> {
-    use crate::{
-        backends::{self, Collector, Jaeger},
-        guest::{self as rig, RunArgs},
-    };
+    use crate::backends::{self, Collector, Jaeger};
     sh::cargo(&["build", "--release", "-p", "iospan"])?;
     let iospan = sh::target_dir().join("release/iospan");
     let out_dir = sh::target_dir().join("bench");
     std::fs::create_dir_all(&out_dir)?;
     backends::ensure(backends::Backend::Otelcol)?;
-    let built = rig::build()?;
-    let image = rig::dir().join("disk.img");
-    rig::ensure_image(&image, 256)?;
     let events = out_dir.join("collector-events.jsonl");
-    let args = RunArgs {
-        qd: 16,
-        ios: a.ios,
-        name: "bench-guest".into(),
-        ..Default::default()
-    };
-    let (qemu, _) = rig::qemu_command(&built, &args, &image);
-    eprintln!("xtask: bench collector: recording {} rig I/Os", a.ios);
-    let out = Command::new(&iospan)
-        .args(["run", "--quiet", "--events-out"])
-        .arg(&events)
-        .arg("--")
-        .arg(qemu.get_program())
-        .args(qemu.get_args())
-        .output()
-        .context("recording the rig run")?;
-    if !out.status.success() {
-        bail!(
-            "recording the rig run: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    record_rig_events(a, &iospan, &events)?;
     let jaeger = Jaeger::start()?;
     // The gateway at its shipped defaults (slow 5 ms, 1% baseline).
     let gw = Collector::start(
@@ -711,12 +713,6 @@ pub fn collector(a: &CollectorArgs) -> Result<()> {
     } else {
         format!("http://{}", gw.otlp_http)
     };
-    struct Row {
-        spans: f64,
-        wall_s: f64,
-        cpu_s: f64,
-        failed: u64,
-    }
     let mut rows = Vec::new();
     for rep in 0..a.reps {
         let cpu0 = gw.server.cpu_time()?;
@@ -732,7 +728,7 @@ pub fn collector(a: &CollectorArgs) -> Result<()> {
         let cpu_s = (gw.server.cpu_time()? - cpu0).as_secs_f64();
         let s: Value = serde_json::from_slice(&out.stdout)
             .with_context(|| format!("iospan replay: {}", String::from_utf8_lossy(&out.stderr)))?;
-        let row = Row {
+        let row = ReplayRow {
             spans: s["exported_spans"].as_f64().unwrap_or(0.0),
             wall_s: s["elapsed_s"].as_f64().unwrap_or(f64::NAN),
             cpu_s,
@@ -749,7 +745,50 @@ pub fn collector(a: &CollectorArgs) -> Result<()> {
         );
         rows.push(row);
     }
-    let med = |f: &dyn Fn(&Row) -> f64| median(rows.iter().map(f));
+    render_collector(a, &rows, &out_dir)
+}
+
+/// A rig run's I/Os, recorded once as the events the replays send.
+fn record_rig_events(a: &CollectorArgs, iospan: &Path, events: &Path) -> Result<()> {
+    use crate::guest::{self as rig, RunArgs};
+    let built = rig::build()?;
+    let image = rig::dir().join("disk.img");
+    rig::ensure_image(&image, 256)?;
+    let args = RunArgs {
+        qd: 16,
+        ios: a.ios,
+        name: "bench-guest".into(),
+        ..Default::default()
+    };
+    let (qemu, _) = rig::qemu_command(&built, &args, &image);
+    eprintln!("xtask: bench collector: recording {} rig I/Os", a.ios);
+    let out = Command::new(iospan)
+        .args(["run", "--quiet", "--events-out"])
+        .arg(events)
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args())
+        .output()
+        .context("recording the rig run")?;
+    if !out.status.success() {
+        bail!(
+            "recording the rig run: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// One replay through the gateway.
+struct ReplayRow {
+    spans: f64,
+    wall_s: f64,
+    cpu_s: f64,
+    failed: u64,
+}
+
+fn render_collector(a: &CollectorArgs, rows: &[ReplayRow], out_dir: &Path) -> Result<()> {
+    let med = |f: &dyn Fn(&ReplayRow) -> f64| median(rows.iter().map(f));
     let wall = med(&|r| r.spans / r.wall_s);
     let per_cpu = med(&|r| r.spans / r.cpu_s);
     let cores = med(&|r| r.cpu_s / r.wall_s);

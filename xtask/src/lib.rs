@@ -2,6 +2,7 @@
 //! (the guest rig). Depends on nothing of the agent, so it builds on a
 //! machine that still lacks clang and libbpf.
 
+pub mod abi;
 pub mod backends;
 pub mod bench;
 pub mod bench_vm;

@@ -3,7 +3,7 @@
 //! xtask depends on nothing of the agent, so it builds on a machine that
 //! still lacks clang and libbpf: `setup` is what installs them.
 
-use xtask::{backends, bench, bench_vm, dist, fuzz, guest, layers, phases, setup, sh};
+use xtask::{abi, backends, bench, bench_vm, dist, fuzz, guest, layers, phases, setup, sh};
 
 use std::process::Command;
 
@@ -34,6 +34,13 @@ enum Cmd {
         /// Extra arguments for the test harness (e.g. a test name filter).
         #[arg(last = true)]
         args: Vec<String>,
+    },
+    /// Generate the Rust side of the eBPF programs' records
+    /// (agent/src/abi/generated.rs) from bpf/include/agent_abi.h.
+    Abi {
+        /// Only say whether the checked-in file is current (exit 1 if not).
+        #[arg(long)]
+        check: bool,
     },
     /// Set up, build, and run the main job: trace the VMs on this host for a
     /// while, or, with none running, boot the rig guest and trace it.
@@ -117,6 +124,7 @@ fn main() -> Result<()> {
             setup::ensure(bench)
         }
         Cmd::Test { args } => test(&args),
+        Cmd::Abi { check } => abi::run(check),
         Cmd::Demo => demo(),
         Cmd::Bench {
             which: BenchCmd::Overhead(a),

@@ -1,14 +1,23 @@
-//! The records and map layouts shared with the eBPF programs, mirroring
-//! `bpf/include/agent_abi.h` one definition for one.
+//! The records and map layouts shared with the eBPF programs. The records
+//! are generated from `bpf/include/agent_abi.h` (`generated.rs`, written by
+//! `cargo xtask abi`; the suite's `abi` test fails when the header changed
+//! without it); the constants are typed here for their users.
 //!
-//! The agent-integration test
-//! `abi_layout` compiles the header natively and compares every size and
-//! offset below with the C compiler's; the const asserts catch the rest at
-//! build time.
+//! The agent-integration test `abi_layout` also compiles the header
+//! natively and compares every size and offset with the C compiler's; the
+//! const asserts catch the rest at build time.
 
 use std::mem::size_of;
 
-use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+use zerocopy::FromBytes;
+
+mod generated;
+
+pub use generated::{
+    BlkIoEvent, BlkStats, DiskSlot, DoneEnt, DoneRing, FileKey, GuestIoEvent, GuestReapEvent,
+    RqCompletion, RqOutcome, RqSlot, TierState, VdiskKey, VmCounts, VmDevKey, VmIoEvent, VmKey,
+    VmProc, VmPushesEvent, VmSignalEvent, VmSplitEvent, VmSplitKey, VmSplitStats, VmUnsplit,
+};
 
 pub const HIST_SUB_BITS: u32 = 3;
 pub const HIST_SUB: u32 = 1 << HIST_SUB_BITS;
@@ -81,21 +90,6 @@ pub mod counter {
     pub const NR: u32 = 16;
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct BlkStats {
-    pub busy: u32,
-    pub _pad: u32,
-    pub ios: u64,
-    pub bytes: u64,
-    pub errors: u64,
-    pub requeued: u64,
-    pub partial: u64,
-    pub sum_ns: [u64; BLK_NR_SEGS],
-    pub max_ns: [u64; BLK_NR_SEGS],
-    pub hist: [[u64; HIST_BUCKETS]; BLK_NR_SEGS],
-}
-
 /// The always-on tier's segments of a VM request's host window
 /// (`enum vm_segment`), in `VmSplitStats`' order.
 pub const VM_NR_SEGS: usize = 5;
@@ -107,84 +101,12 @@ pub mod vm_seg {
     pub const PICKUP_TO_DONE: usize = 4;
 }
 
-/// `vm_split` key: one VM's requests of one virtual disk, host disk, op
-/// and guest queue (`queue`: the raw `VQ_*` notifier, 0 when none).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct VmSplitKey {
-    pub vm: u32,
-    pub vdisk: u32,
-    pub dev: u32,
-    pub op: u16,
-    pub queue: u16,
-}
-
-/// `vm_split` value, per CPU: the host windows the kernel joined.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct VmSplitStats {
-    pub count: u64,
-    pub bytes: u64,
-    pub sum_ns: [u64; VM_NR_SEGS],
-    pub max_ns: [u64; VM_NR_SEGS],
-    pub hist: [[u64; HIST_BUCKETS]; VM_NR_SEGS],
-}
-
 /// How long a completed VM request waits for its signal (ns).
 pub const SIGNAL_HOLD_NS: u64 = 50_000_000;
 
 /// Completions waiting for their VM's interrupt, per VM (`vm_done`).
 pub const DONE_RING: usize = 256;
 pub const DONE_ENT_SIZE: usize = 72;
-/// One `struct done_ring`, only ever zeroed here (a VM gone frees it).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct DoneRing {
-    pub head: u64,
-    pub tail: u64,
-    pub vm: u32,
-    pub _pad: u32,
-    pub ent: [[u64; DONE_ENT_SIZE / 8]; DONE_RING],
-}
-
-impl DoneRing {
-    pub const ZERO: DoneRing = DoneRing {
-        head: 0,
-        tail: 0,
-        vm: 0,
-        _pad: 0,
-        ent: [[0; DONE_ENT_SIZE / 8]; DONE_RING],
-    };
-}
-
-/// A VM's virtual disk (`vm_unsplit` key).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct VdiskKey {
-    pub vm: u32,
-    pub vdisk: u32,
-}
-
-/// `vm_unsplit` value: requests counted whose window was not split, by why.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct VmUnsplit {
-    pub no_kick: u64,
-    pub no_signal: u64,
-    pub polled: u64,
-    pub unordered: u64,
-}
-
-/// The one entry of `tier`: what the agent asks of the kernel side now.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TierState {
-    pub deep: u32,
-    pub handoff: u32,
-    pub one_in: u32,
-    pub pick_at_read: u32,
-    pub slower_than_ns: u64,
-}
 
 /// `vm_flags` bits, per VM slot.
 pub const VMF_STREAM_ALL: u32 = 1 << 0;
@@ -196,52 +118,6 @@ pub const SAMPLED_ALL: u32 = 1 << 0;
 pub const SAMPLED_SLOW: u32 = 1 << 1;
 pub const SAMPLED_ONE_IN: u32 = 1 << 2;
 
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct DiskSlot {
-    pub queue: u64,
-    pub dev: u32,
-    pub _pad: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RqSlot {
-    pub rq: u64,
-    pub start_ns: u64,
-    pub issue_ns: u64,
-    pub done_bytes: u32,
-    pub requeues: u16,
-    pub flags: u16,
-    pub vm: u32,
-    pub vdisk: u32,
-    pub kick_ns: u64,
-    pub pick_ns: u64,
-    pub pos: u64,
-    pub dev: u32,
-    pub op: u16,
-    pub queue: u16,
-    pub hv_wait_ns: u32,
-    pub eng_wait_ns: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct VmKey {
-    pub vm: u32,
-    pub dev: u32,
-    pub op: u32,
-    pub vdisk: u32,
-}
-
-/// `vm_pids` value: the VM slot of a process, and its guest's state.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct VmProc {
-    pub slot: u32,
-    pub state: u32,
-}
-
 /// `vm_counts` is an array by VM slot modulo this.
 pub const MAX_VM_COUNTS: u32 = 1024;
 /// How far the agent moves `vm_gen` (the kernel side moves it by one).
@@ -250,21 +126,6 @@ pub const VM_GEN_AGENT_STEP: u32 = 1000;
 pub const VM_PROC_STARTING: u32 = 0;
 pub const VM_PROC_RUNNING: u32 = 1;
 pub const VM_PROC_STOPPED: u32 = 2;
-
-/// `vm_counts` value: per VM (and per CPU), what became of its requests
-/// besides completing.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct VmCounts {
-    pub engine_merges: u64,
-    pub bio_merges: u64,
-    pub submitted: u64,
-    /// The deep tier: interrupts raised for its guest, those after which
-    /// the vCPU that ran next had waited for a CPU, and that wait in all.
-    pub raises: u64,
-    pub vcpu_waits: u64,
-    pub vcpu_wait_ns: u64,
-}
 
 impl VmCounts {
     /// Another share added (a CPU's, a retired entry's).
@@ -276,15 +137,6 @@ impl VmCounts {
         self.vcpu_waits += o.vcpu_waits;
         self.vcpu_wait_ns += o.vcpu_wait_ns;
     }
-}
-
-/// A backing file, by the kernel's (superblock dev, inode).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct FileKey {
-    pub dev: u32,
-    pub _pad: u32,
-    pub ino: u64,
 }
 
 /// The direct-I/O completion functions (enum dio_kind), in order.
@@ -300,35 +152,8 @@ pub const NR_DIO_END_IO: usize = 5;
 /// `vdisk_files` key for a block device: dev = this, ino = its dev_t.
 pub const VDISK_FILE_BDEV: u32 = u32::MAX;
 
-/// Which of a VM's virtual disks a host disk backs (`vm_disks`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct VmDevKey {
-    pub vm: u32,
-    pub dev: u32,
-}
-
 /// `vm_disks` value: several of the VM's disks share the host disk.
 pub const VDISK_SEVERAL: u32 = u32::MAX;
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
-pub struct BlkIoEvent {
-    pub kind: u16,
-    pub op: u8,
-    pub flags: u8,
-    pub dev: u32,
-    pub start_ns: u64,
-    pub issue_ns: u64,
-    pub done_ns: u64,
-    pub sector: u64,
-    pub bytes: u32,
-    pub requeues: u16,
-    pub cpu_lo: u8,
-    pub _pad: u8,
-    pub vdisk: u32,
-    pub vm: u32,
-}
 
 const _: () = assert!(size_of::<BlkIoEvent>() == 56);
 const _: () = assert!(size_of::<RqSlot>() == 80);
@@ -374,75 +199,6 @@ unsafe impl aya::Pod for VmUnsplit {}
 unsafe impl aya::Pod for TierState {}
 unsafe impl aya::Pod for VmSplitEvent {}
 
-/// A VM request whose host window the kernel joined, streamed because it
-/// was sampled (`struct vm_split_event`): the request and the signal that
-/// ended its window.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
-pub struct VmSplitEvent {
-    pub io: VmIoEvent,
-    pub signal_ns: u64,
-    /// `SAMPLED_*`: why it was streamed.
-    pub sampled_by: u32,
-    pub _pad: u32,
-}
-
-/// A VM's request at its final host completion, with the kick and pickup
-/// that led to it (`struct vm_io_event`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
-pub struct VmIoEvent {
-    pub kind: u16,
-    pub op: u8,
-    pub flags: u8,
-    pub dev: u32,
-    pub kick_ns: u64,
-    pub pick_ns: u64,
-    pub start_ns: u64,
-    pub issue_ns: u64,
-    pub done_ns: u64,
-    pub bytes: u32,
-    pub vm: u32,
-    pub vdisk: u32,
-    pub queue: u16,
-    pub _pad: u16,
-    pub pos: u64,
-    /// The engine thread's waits for a CPU within kick → pickup.
-    pub hv_wait_ns: u32,
-    /// The submitting thread's within pickup → start.
-    pub eng_wait_ns: u32,
-}
-
-/// An engine thread of a VM signalled the guest (`struct vm_signal_event`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
-pub struct VmSignalEvent {
-    pub kind: u16,
-    pub _pad: u16,
-    pub vm: u32,
-    pub ts_ns: u64,
-    /// The signalling thread's last two waits for a CPU, newest first
-    /// (start 0: none).
-    pub wait_start: [u64; 2],
-    pub wait_end: [u64; 2],
-}
-
-/// A VM engine thread's used-ring pushes, one request each, sent together
-/// (`struct vm_pushes_event`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
-pub struct VmPushesEvent {
-    pub kind: u16,
-    /// Pushes in `ts`, oldest first.
-    pub n: u16,
-    pub vm: u32,
-    pub ts: [u64; PUSH_BATCH],
-    /// The pushing thread's last two waits for a CPU as it sent them,
-    /// newest first (start 0: none).
-    pub wait_start: [u64; 2],
-    pub wait_end: [u64; 2],
-}
-
 impl VmPushesEvent {
     /// Its pushes (at most `PUSH_BATCH`, whatever `n` says).
     pub fn pushes(&self) -> &[u64] {
@@ -462,43 +218,7 @@ pub enum Record {
     GuestReap(GuestReapEvent),
 }
 
-/// One request as the guest saw it (`struct guest_io_event`), guest clock.
-#[repr(C)]
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable,
-)]
-pub struct GuestIoEvent {
-    pub kind: u16,
-    pub op: u8,
-    pub flags: u8,
-    pub dev: u32,
-    pub sector: u64,
-    pub start_ns: u64,
-    pub issue_ns: u64,
-    pub kick_ns: u64,
-    pub irq_ns: u64,
-    pub done_ns: u64,
-    pub bytes: u32,
-    pub queue: u32,
-    pub sys_ns: u64,
-    pub reap_ns: u64,
-    pub tgid: u32,
-    pub tid: u32,
-}
-
 const _: () = assert!(size_of::<GuestIoEvent>() == 88);
-
-/// A system call handing completions back to the application
-/// (`struct guest_reap_event`), guest clock.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, KnownLayout, Immutable)]
-pub struct GuestReapEvent {
-    pub kind: u16,
-    pub flags: u8,
-    pub _pad: u8,
-    pub id: u32,
-    pub ts_ns: u64,
-}
 
 const _: () = assert!(size_of::<GuestReapEvent>() == 16);
 

@@ -139,7 +139,6 @@ fn accounted_run(a: &RunArgs, tag: &str, marker: &str) -> Accounted {
 #[test]
 fn the_guest_channel_survives_a_host_agent_restart() {
     let (rig, image) = rig_and_image();
-    let host = host_disk_of(&image);
     let a = RunArgs {
         // 15-25 s of workload: the first host agent hears its first
         // seconds, the second (after seconds of loading its programs) the
@@ -157,90 +156,20 @@ fn the_guest_channel_survives_a_host_agent_restart() {
         .expect("qemu");
     // The console, read as it comes: the first host agent starts once the
     // guest agent runs (before, there is nothing to hear).
-    let stdout = child.stdout.take().expect("qemu stdout");
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let reader = std::thread::spawn(move || {
-        use std::io::BufRead;
-        std::io::BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .inspect(|l| {
-                let _ = tx.send(l.clone());
-            })
-            .collect::<Vec<String>>()
-    });
-    let started = std::time::Instant::now();
-    loop {
-        let line = rx
-            .recv_timeout(std::time::Duration::from_secs(60))
-            .unwrap_or_else(|e| {
-                panic!(
-                    "no guest agent on the console after {:?}: {e}",
-                    started.elapsed()
-                )
-            });
-        if line.contains("iospan: guest agent:") {
-            break;
-        }
-    }
-    let kept = Reports::in_temp(
-        &[1, 2].map(|i| format!("iospan-host-restart-{}-{i}.json", std::process::id())),
-    );
-    let report = |i: u32| kept.path(i as usize - 1);
-    let host_run = |i: u32| {
-        let mut c = Command::new(iospan_bin());
-        c.args(["run", "--quiet", "--disk", &host, "-d", "5m", "--json-out"])
-            .arg(report(i))
-            .args(agent_integration::rig_split_args());
-        c
-    };
-    let stop = |c: &std::process::Child| {
-        // SAFETY: signalling a child we spawned and have not reaped.
-        unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
-    };
-    let load = |i: u32, out: std::process::Output| -> Value {
-        assert!(
-            out.status.success(),
-            "host run {i}: {}\n{}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr),
-            String::from_utf8_lossy(&out.stdout)
-        );
-        serde_json::from_slice(&std::fs::read(report(i)).unwrap()).unwrap()
-    };
-    // The first runs until it has joined a guest record to its request
-    // (its per-request stream shows one), however long this host takes to
-    // load its programs and follow the VM: a fixed 2 s once ended before
-    // the guest agent had sent it anything.
-    let stream = tempfile::NamedTempFile::new().expect("a temporary file");
-    let first = host_run(1)
-        .arg("--events-out")
-        .arg(stream.path())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("iospan");
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while !std::fs::read_to_string(stream.path())
-        .unwrap_or_default()
-        .contains("\"kind\":\"guest_io\"")
-    {
-        if std::time::Instant::now() >= until {
-            stop(&first);
-            panic!("the first host agent joined no guest record in 120 s");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    stop(&first);
-    let first = load(1, first.wait_with_output().expect("iospan"));
+    let (reader, rx) = console_of(&mut child);
+    wait_for_console(&rx, "iospan: guest agent:");
+    let runs = HostRuns::new(host_disk_of(&image));
+    let first = runs.first_until_joined();
     // The second until the VM is gone, then stopped as an operator would.
-    let second = host_run(2)
+    let second = runs
+        .spawn(2)
         .stdout(std::process::Stdio::null())
         .spawn()
         .expect("iospan");
     let _ = child.wait();
     std::thread::sleep(std::time::Duration::from_secs(1));
     stop(&second);
-    let second = load(2, second.wait_with_output().expect("iospan"));
+    let second = runs.load(2, second.wait_with_output().expect("iospan"));
     let console = reader.join().expect("console reader");
     let r = guest::parse(&console, &a, dev, t.elapsed().as_secs_f64())
         .unwrap_or_else(|e| panic!("{e:#}"));
@@ -253,9 +182,133 @@ fn the_guest_channel_survives_a_host_agent_restart() {
         "the first host agent did not find the VM: {}",
         first["vms"]
     );
+    check_handover(&first, &second, &console, r.workload_reads);
+}
+
+/// A child's stdout read line by line as it comes: every line kept (the
+/// thread's result) and sent to the receiver.
+fn console_of(
+    child: &mut std::process::Child,
+) -> (
+    std::thread::JoinHandle<Vec<String>>,
+    std::sync::mpsc::Receiver<String>,
+) {
+    let stdout = child.stdout.take().expect("qemu stdout");
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .inspect(|l| {
+                let _ = tx.send(l.clone());
+            })
+            .collect::<Vec<String>>()
+    });
+    (reader, rx)
+}
+
+fn wait_for_console(rx: &std::sync::mpsc::Receiver<String>, needle: &str) {
+    let started = std::time::Instant::now();
+    loop {
+        let line = rx
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .unwrap_or_else(|e| {
+                panic!(
+                    "no {needle:?} on the console after {:?}: {e}",
+                    started.elapsed()
+                )
+            });
+        if line.contains(needle) {
+            return;
+        }
+    }
+}
+
+fn stop(c: &std::process::Child) {
+    // SAFETY: signalling a child we spawned and have not reaped.
+    unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
+}
+
+/// The two host agents of the restart, each with its report.
+struct HostRuns {
+    host: String,
+    kept: Reports,
+}
+
+impl HostRuns {
+    fn new(host: String) -> Self {
+        let kept = Reports::in_temp(
+            &[1, 2].map(|i| format!("iospan-host-restart-{}-{i}.json", std::process::id())),
+        );
+        Self { host, kept }
+    }
+
+    fn report(&self, i: u32) -> &std::path::Path {
+        self.kept.path(i as usize - 1)
+    }
+
+    fn spawn(&self, i: u32) -> Command {
+        let mut c = Command::new(iospan_bin());
+        c.args([
+            "run",
+            "--quiet",
+            "--disk",
+            &self.host,
+            "-d",
+            "5m",
+            "--json-out",
+        ])
+        .arg(self.report(i))
+        .args(agent_integration::rig_split_args());
+        c
+    }
+
+    fn load(&self, i: u32, out: std::process::Output) -> Value {
+        assert!(
+            out.status.success(),
+            "host run {i}: {}\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        );
+        serde_json::from_slice(&std::fs::read(self.report(i)).unwrap()).unwrap()
+    }
+
+    /// The first runs until it has joined a guest record to its request
+    /// (its per-request stream shows one), however long this host takes to
+    /// load its programs and follow the VM: a fixed 2 s once ended before
+    /// the guest agent had sent it anything.
+    fn first_until_joined(&self) -> Value {
+        let stream = tempfile::NamedTempFile::new().expect("a temporary file");
+        let first = self
+            .spawn(1)
+            .arg("--events-out")
+            .arg(stream.path())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("iospan");
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while !std::fs::read_to_string(stream.path())
+            .unwrap_or_default()
+            .contains("\"kind\":\"guest_io\"")
+        {
+            if std::time::Instant::now() >= until {
+                stop(&first);
+                panic!("the first host agent joined no guest record in 120 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        stop(&first);
+        self.load(1, first.wait_with_output().expect("iospan"))
+    }
+}
+
+/// Nothing lost at the handover between the two host agents.
+fn check_handover(first: &Value, second: &Value, console: &[String], workload_reads: u64) {
     let (c1, c2) = (
-        guest_channel(&first, "hostrestart"),
-        guest_channel(&second, "hostrestart"),
+        guest_channel(first, "hostrestart"),
+        guest_channel(second, "hostrestart"),
     );
     for c in [&c1, &c2] {
         assert!(c["records"].as_u64().unwrap() > 0, "{c}");
@@ -266,16 +319,14 @@ fn the_guest_channel_survives_a_host_agent_restart() {
     // then (skipped to the next frame, counted as one decode error).
     assert_eq!(c1["decode_errors"].as_u64(), Some(0), "{c1}");
     assert!(c2["decode_errors"].as_u64().unwrap() <= 1, "{c2}");
-    // Nothing lost at the handover: what the first host agent did not
-    // acknowledge, the guest agent sent again to the second (which may
-    // thus also hear a few the first handled). Every workload read reached
-    // one of them; the guest agent dropped nothing and had nothing left
-    // undelivered when it exited.
+    // What the first host agent did not acknowledge, the guest agent sent
+    // again to the second (which may thus also hear a few the first
+    // handled). Every workload read reached one of them; the guest agent
+    // dropped nothing and had nothing left undelivered when it exited.
     let records = c1["records"].as_u64().unwrap() + c2["records"].as_u64().unwrap();
     assert!(
-        records >= r.workload_reads,
-        "{c1} {c2} vs {} workload reads",
-        r.workload_reads
+        records >= workload_reads,
+        "{c1} {c2} vs {workload_reads} workload reads"
     );
     let last = console
         .iter()
@@ -285,7 +336,7 @@ fn the_guest_channel_survives_a_host_agent_restart() {
         last.contains(" 0 dropped, 0 unconfirmed, 0 undelivered"),
         "{last}"
     );
-    let joined = vd0_reads(&second, "hostrestart")["stitched"]["count"]
+    let joined = vd0_reads(second, "hostrestart")["stitched"]["count"]
         .as_u64()
         .unwrap_or(0);
     assert!(

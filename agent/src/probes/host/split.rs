@@ -30,8 +30,7 @@ impl KernelSplits {
 }
 
 /// The requests of ring `r` published and not yet settled, per virtual
-/// disk (a `struct done_ent` as words: seq first, `bytes | vdisk << 32`
-/// eighth).
+/// disk.
 fn count_waiting(r: &DoneRing, out: &mut BTreeMap<VdiskKey, u64>) {
     if r.vm == 0 {
         return;
@@ -41,8 +40,8 @@ fn count_waiting(r: &DoneRing, out: &mut BTreeMap<VdiskKey, u64>) {
             .min(r.head.saturating_add(crate::abi::DONE_RING as u64))
     {
         let e = &r.ent[idx as usize % crate::abi::DONE_RING];
-        if e[0] == idx + 1 {
-            let vdisk = (e[7] >> 32) as u32;
+        if e.seq == idx + 1 {
+            let vdisk = e.vdisk;
             *out.entry(VdiskKey { vm: r.vm, vdisk }).or_default() += 1;
         }
     }
@@ -154,7 +153,7 @@ impl BlockProbes {
                 }
             }
             rings
-                .set(idx, DoneRing::ZERO, 0)
+                .set(idx, DoneRing::default(), 0)
                 .map_err(LoadError::map_op("vm_done"))?;
         }
         Ok(())
