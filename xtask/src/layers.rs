@@ -20,6 +20,10 @@ pub const LAYERS: &[&str] = &[
     "abi", "model", "discover", "probes", "pipeline", "output", "api", "cmd",
 ];
 
+/// The layers that may name aya: the probes, which talk to it, and the
+/// records' marker that they are plain data for its maps.
+const AYA_USERS: &[&str] = &["abi", "probes"];
+
 /// Files at the root of `agent/src` that belong to no layer.
 const ROOTS: &[&str] = &["lib.rs", "main.rs"];
 
@@ -71,6 +75,18 @@ pub fn check(sources: &[(String, String)]) -> Vec<String> {
             ));
             continue;
         };
+        if !AYA_USERS.contains(&LAYERS[my_layer]) {
+            let code = strip_comments(text);
+            if let Some(i) = code.find("aya::") {
+                let line = code[..i].matches('\n').count() + 1;
+                problems.push(format!(
+                    "{rel}:{line}: `{}` (layer {}) names aya: only {AYA_USERS:?} may; put what it \
+                     needs behind `probes`",
+                    me.join("::"),
+                    LAYERS[my_layer]
+                ));
+            }
+        }
         let children = child_mods(text);
         for (line, target) in references(text, &me, &children) {
             let Some(their_layer) = layer_of(&target) else {
@@ -410,6 +426,18 @@ mod tests {
         assert!(run(&[("probes/block.rs", "use super::attach;")]).is_empty());
         // model/hist.rs's super::super is the crate root.
         assert!(run(&[("model/hist.rs", "use super::super::abi::X;")]).is_empty());
+    }
+
+    #[test]
+    fn aya_is_named_only_below_the_pipeline() {
+        assert!(run(&[("probes/ring.rs", "use aya::maps::RingBuf;\n")]).is_empty());
+        let found = run(&[(
+            "cmd/run.rs",
+            "fn f() {}\nfn g() { aya::sys::enable_stats(); }\n",
+        )]);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].starts_with("cmd/run.rs:2: "), "{found:?}");
+        assert!(run(&[("output/x.rs", "// aya::maps is below\n")]).is_empty());
     }
 
     #[test]

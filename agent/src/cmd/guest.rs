@@ -404,13 +404,14 @@ pub fn run(opts: &GuestOptions) -> Result<()> {
         // Records are submitted without wake-ups: drain on a timer.
         std::thread::sleep(DRAIN_EVERY);
         let mut batch: Vec<GuestIoEvent> = Vec::new();
-        while let Some(item) = ring.next() {
-            match Record::from_bytes(&item) {
+        let _ = ring.drain(|item| {
+            match Record::from_bytes(item) {
                 Some(Record::GuestIo(ev)) => reaper.on_io(ev, &mut batch),
                 Some(Record::GuestReap(r)) => reaper.on_reap(r, &mut batch),
                 _ => {}
             }
-        }
+            Ok::<(), std::convert::Infallible>(())
+        });
         if stop_at.is_some() {
             reaper.flush(&mut batch);
         } else {

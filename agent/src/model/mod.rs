@@ -1,6 +1,8 @@
 //! What the agent knows, independent of how it was measured: operations,
 //! segments, per-(disk, op) statistics. No aya, no terminal here.
 
+pub mod block;
+pub mod dev;
 pub mod diagnosis;
 pub mod hist;
 pub mod loss;
@@ -13,6 +15,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+pub use dev::Dev;
 pub use hist::{Hist, Summary};
 pub use loss::{ChannelStats, SenderStats, SplitCounters};
 pub use span::IoSpan;

@@ -12,11 +12,11 @@ use serde::{Deserialize, Serialize};
 use crate::{
     discover::disks,
     discover::vms::Registry,
+    model::block::BlockSnapshot,
     model::SplitWindow,
     model::{BlkSegment, Hist, Op},
     pipeline::correlate::{Correlator, SplitKey},
     pipeline::stitch::StitchKey,
-    probes::host::BlockSnapshot,
 };
 
 /// The segment columns of a live view, in order.

@@ -14,12 +14,12 @@ use std::fmt::Write;
 use crate::{
     discover::disks,
     discover::vms::Registry,
+    model::block::{BlockSnapshot, Counters},
     model::SplitWindow,
     model::{hist::Hist, BlkSegment},
     output::export::{Exemplars, ExportCounters, SeriesKey},
     pipeline::correlate::SplitKey,
     pipeline::stitch::StitchKey,
-    probes::host::{BlockSnapshot, Counters},
 };
 
 pub use crate::model::hist::bounds_ns;

@@ -9,17 +9,14 @@ use crate::{
     discover::disks::{self, Dev},
     discover::diskstats::{DiskStat, KernelCount},
     discover::vms::{KickSource, Registry},
+    model::block::{Counters, VmFinished, VmStatKey},
     model::ChannelStats,
     model::SplitWindow,
     model::{BlkSegment, DiskOpStats, Hist, Op, Summary},
     pipeline::clock::ClockEstimate,
     pipeline::correlate::{Correlator, SplitKey},
     pipeline::stitch::{StitchCounters, StitchKey, Stitcher},
-    probes::{
-        host::{Counters, VmFinished, VmStatKey},
-        progstats::ProgStats,
-        Attachment,
-    },
+    probes::{progstats::ProgStats, Attachment},
 };
 
 pub const SCHEMA: &str = "iospan.run/v1";

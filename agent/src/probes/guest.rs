@@ -3,7 +3,7 @@
 //! guest's clock.
 
 use aya::{
-    maps::{MapData, PerCpuArray, RingBuf},
+    maps::{PerCpuArray, RingBuf},
     programs::{BtfTracePoint, KProbe, RawTracePoint},
     Btf, Ebpf, EbpfLoader,
 };
@@ -124,12 +124,14 @@ impl GuestProbes {
         Ok(Self { ebpf, coverage })
     }
 
-    pub fn take_events(&mut self) -> Result<RingBuf<MapData>, GuestProbeError> {
+    pub fn take_events(&mut self) -> Result<super::ring::Ring, GuestProbeError> {
         let map = self
             .ebpf
             .take_map("guest_events")
             .ok_or_else(|| GuestProbeError::Load("no guest_events map".into()))?;
-        RingBuf::try_from(map).map_err(|e| GuestProbeError::Load(error_chain(&e)))
+        RingBuf::try_from(map)
+            .map(super::ring::Ring::new)
+            .map_err(|e| GuestProbeError::Load(error_chain(&e)))
     }
 
     /// (records the ring had no room for, requests the in-flight table had

@@ -7,6 +7,7 @@ pub mod guest;
 pub mod host;
 pub mod preflight;
 pub mod progstats;
+pub mod ring;
 pub mod uprobe;
 
 use std::os::fd::AsFd;

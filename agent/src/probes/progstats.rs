@@ -12,6 +12,12 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
+/// Has the kernel keep every program's run time and count while the
+/// returned descriptor is open (they cost a clock read per run).
+pub fn keep_run_times() -> Result<std::os::fd::OwnedFd, aya::sys::SyscallError> {
+    aya::sys::enable_stats(aya::sys::Stats::RunTime)
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ProgStats {
     pub name: String,

@@ -8,7 +8,7 @@ use std::{
 };
 
 use anyhow::Result;
-use tokio::{io::unix::AsyncFd, sync::watch};
+use tokio::sync::watch;
 
 use crate::{
     abi::{BlkIoEvent, Record, RQ_F_NO_ISSUE, RQ_F_NO_START},
@@ -43,7 +43,7 @@ const DRAIN_IDLE_MAX: Duration = Duration::from_secs(1);
 /// side wakes us past a backlog threshold or after a quiet spell, not per
 /// record, so a timer drains too.
 pub(super) async fn drain_events<W: Write>(
-    ring: aya::maps::RingBuf<aya::maps::MapData>,
+    ring: crate::probes::ring::Ring,
     out: Option<W>,
     known: Arc<Mutex<Registry>>,
     correlator: Arc<Mutex<Correlator>>,
@@ -51,9 +51,8 @@ pub(super) async fn drain_events<W: Write>(
     slower_than_ns: u64,
     tracer: Option<Tracer>,
 ) -> Result<Drained> {
-    // SAFETY: the ring buffer owns its fd and outlives the registration
-    // (AsyncFd owns the ring buffer).
-    let mut fd = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
+    let mut ring = ring
+        .awaitable()
         .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
     let mut every = DRAIN_EVERY;
     let mut d = Drain {
@@ -67,17 +66,12 @@ pub(super) async fn drain_events<W: Write>(
     };
     loop {
         let stopping = tokio::select! {
-            r = fd.readable_mut() => { if let Ok(mut g) = r { g.clear_ready(); } false }
+            _ = ring.woken() => false,
             _ = tokio::time::sleep(every) => false,
             _ = stop.changed() => true,
         };
-        let ring = fd.get_mut();
         let mut corr = correlator.lock().unwrap_or_else(|p| p.into_inner());
-        let mut drained = false;
-        while let Some(item) = ring.next() {
-            d.record(&mut corr, &item)?;
-            drained = true;
-        }
+        let drained = ring.drain(|item| d.record(&mut corr, item))?;
         every = if drained {
             DRAIN_EVERY
         } else {

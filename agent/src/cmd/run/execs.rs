@@ -5,17 +5,14 @@
 
 use std::time::Duration;
 
-use aya::maps::{MapData, RingBuf};
-use tokio::io::unix::AsyncFd;
-
-use crate::probes::host::BlockProbes;
+use crate::probes::{host::BlockProbes, ring::AwaitedRing};
 
 /// How often a run looks for a VM just exec'd when the kernel side cannot
 /// wake it (the ring buffer not polled): one map read a look.
 const EXEC_LOOK: Duration = Duration::from_millis(10);
 
 pub(super) struct ExecWatch {
-    ring: Option<AsyncFd<RingBuf<MapData>>>,
+    ring: Option<AwaitedRing>,
     poll: tokio::time::Interval,
     /// The kernel side's generation when VMs were last named.
     seen_gen: Option<u32>,
@@ -26,11 +23,7 @@ impl ExecWatch {
         let ring = probes
             .take_vm_execs()
             .map_err(anyhow::Error::from)
-            // SAFETY: the ring buffer owns its fd and outlives the
-            // registration (AsyncFd owns the ring buffer).
-            .and_then(|r| {
-                Ok(unsafe { AsyncFd::register_with_interest(r, tokio::io::Interest::READABLE) }?)
-            })
+            .and_then(|r| Ok(r.awaitable()?))
             .map_err(|e| log::warn!("VM execs are looked for every {EXEC_LOOK:?}: {e:#}"))
             .ok();
         let mut poll = tokio::time::interval(EXEC_LOOK);
@@ -44,17 +37,13 @@ impl ExecWatch {
 
     /// Resolves when a VM may have been exec'd since the last call.
     pub(super) async fn exec(&mut self) {
-        let Some(fd) = self.ring.as_mut() else {
+        let Some(ring) = self.ring.as_mut() else {
             self.poll.tick().await;
             return;
         };
-        match fd.readable_mut().await {
-            Ok(mut ready) => {
-                // Cleared before the drain: a record written after it
-                // wakes us again.
-                ready.clear_ready();
-                let ring = ready.get_inner_mut();
-                while ring.next().is_some() {}
+        match ring.woken().await {
+            Ok(()) => {
+                let _ = ring.drain(|_| Ok::<(), std::convert::Infallible>(()));
             }
             Err(e) => {
                 log::warn!("VM execs are looked for every {EXEC_LOOK:?}: {e}");

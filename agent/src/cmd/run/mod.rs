@@ -118,7 +118,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     let (known, cfg) = discover(&opts, &only, tracer.as_ref());
     let _stats = opts
         .bpf_stats
-        .then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime))
+        .then(crate::probes::progstats::keep_run_times)
         .transpose()
         .context("enabling BPF run-time statistics")?;
     let probes = BlockProbes::load(&cfg).context("loading the block-layer probes")?;

@@ -86,7 +86,7 @@ pub(super) struct Session {
 
 /// What the end of the trace hands the report.
 pub(super) struct Ended {
-    pub snap: crate::probes::host::BlockSnapshot,
+    pub snap: crate::model::block::BlockSnapshot,
     pub kernel: std::collections::BTreeMap<Dev, diskstats::DiskStat>,
     pub elapsed: f64,
     pub events_written: u64,
