@@ -524,7 +524,7 @@ fn url_escape(v: &str) -> String {
 /// `cargo xtask backends run jaeger` stops, and its Jaeger with it, on a
 /// SIGINT or SIGTERM sent to its own process alone (not a terminal's
 /// Ctrl-C, which reaches the whole group), and its Jaeger does not outlive
-/// it even when it is killed outright.
+/// it even when it is killed outright. Stopped, it leaves no scratch directory.
 #[test]
 fn the_backends_runner_takes_its_jaeger_down_with_it() {
     use std::io::BufRead;
@@ -556,6 +556,14 @@ fn the_backends_runner_takes_its_jaeger_down_with_it() {
             .unwrap()
             .trim()
             .to_string();
+        let scratch = std::path::PathBuf::from(
+            running
+                .split(", scratch ")
+                .nth(1)
+                .and_then(|r| r.split(", query ").next())
+                .unwrap_or_else(|| panic!("no scratch directory in {running:?}")),
+        );
+        assert!(scratch.is_dir(), "{running}");
         assert!(std::net::TcpStream::connect(&query).is_ok(), "{running}");
         unsafe { libc::kill(child.id() as i32, sig) };
         let t = std::time::Instant::now();
@@ -578,6 +586,17 @@ fn the_backends_runner_takes_its_jaeger_down_with_it() {
                 "signal {sig}: Jaeger still answers at {query}"
             );
             std::thread::sleep(Duration::from_millis(200));
+        }
+        // Stopped, it removes its scratch directory; killed outright, it
+        // cannot, and the one who killed it does.
+        if code.is_some() {
+            assert!(
+                !scratch.exists(),
+                "signal {sig}: {} left",
+                scratch.display()
+            );
+        } else {
+            std::fs::remove_dir_all(&scratch).unwrap();
         }
     }
 }

@@ -72,11 +72,14 @@ pub fn main(cmd: BackendsCmd) -> Result<()> {
             let stop = block_stop_signals();
             FOREGROUND.store(true, std::sync::atomic::Ordering::Relaxed);
             let mut j = Jaeger::start()?;
+            // The scratch directory is said too: killed outright (SIGKILL),
+            // we cannot remove it; whoever killed us can.
             eprintln!(
-                "xtask: {} running: OTLP grpc {} http {}, query http://{}",
+                "xtask: {} running: OTLP grpc {} http {}, scratch {}, query http://{}",
                 which.name(),
                 j.otlp_grpc,
                 j.otlp_http,
+                j.server.scratch().display(),
                 j.query
             );
             let waiter = std::thread::spawn(move || {
@@ -336,6 +339,11 @@ pub struct Server {
 }
 
 impl Server {
+    /// Its scratch directory (configuration, data, log), removed with it.
+    pub fn scratch(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
     /// Runs `b`'s binary with `args` (which may name files in `dir`), and
     /// waits until `GET ready_path` on `ready_at` answers 200.
     fn start(
