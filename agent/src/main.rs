@@ -600,6 +600,7 @@ impl RunArgs {
             api: None,
             live: None,
             stop: None,
+            no_report: false,
             // The deep tier's per-request records give the diagnosis the
             // p99 tail's composition.
             tails: a.deep,

@@ -73,6 +73,9 @@ pub struct RunOptions {
     pub live: Option<LiveFeed>,
     /// Ends the run when it turns true (a live view quitting).
     pub stop: Option<watch::Receiver<bool>>,
+    /// No report is made of the run (a live view's): QEMU's own counters,
+    /// which a report sets beside ours, are not read.
+    pub no_report: bool,
     /// Keep every request's segments for the run's tails (a labelled
     /// benchmark run: `RunOutcome::tails`).
     pub tails: bool,
@@ -153,7 +156,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
     // QEMU's own counters, beside ours at the end. The agent service reads
     // them at its API runs' edges instead (see `send_frame`): not every
     // 100 ms for its whole life.
-    let qemu_task = (opts.vms && opts.api.is_none()).then(|| {
+    let qemu_task = (opts.vms && opts.api.is_none() && !opts.no_report).then(|| {
         // Without its own handle on our counts, a VM that exits within
         // the run has its last requests taken for a mismatch.
         let ours = s

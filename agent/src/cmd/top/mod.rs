@@ -133,6 +133,7 @@ pub async fn top(opts: TopOptions) -> Result<()> {
             every: opts.interval,
         }),
         stop: Some(stop_rx),
+        no_report: true,
         ..Default::default()
     })
     .await;
