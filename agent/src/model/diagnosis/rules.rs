@@ -31,8 +31,9 @@ pub const QUEUE_FULL: f64 = 0.9;
 /// of what its queues hold. Not all of it: a descriptor is the guest's
 /// again from the interrupt to its next submission (the guest's own
 /// completion and submission work, guest segment), so a queue held full
-/// shows at the host as 0.78-0.87 of its size on an emulated guest (QD 16
-/// behind queue-size 4, 5 ms device, by `IOPS × host time`). What tells a
+/// shows at the host as about 0.8 of its size on an emulated guest (QD 16
+/// behind queue-size 4, 5 ms device, by `IOPS × host time`: 0.82-0.87, and
+/// under 0.8 in the runs a threshold of 0.8 missed). What tells a
 /// full queue from a busy one is the guest holding 1.5 times as many.
 pub const GUEST_QUEUE_FULL: f64 = 0.6;
 
