@@ -14,13 +14,8 @@ impl Ring {
 
     /// Each record now in the ring, oldest first, to `f` (its error stops
     /// the drain); whether there was any.
-    pub fn drain<E>(&mut self, mut f: impl FnMut(&[u8]) -> Result<(), E>) -> Result<bool, E> {
-        let mut any = false;
-        while let Some(item) = self.0.next() {
-            f(&item)?;
-            any = true;
-        }
-        Ok(any)
+    pub fn drain<E>(&mut self, f: impl FnMut(&[u8]) -> Result<(), E>) -> Result<bool, E> {
+        drain(&mut self.0, f)
     }
 
     /// The ring registered with the running tokio reactor, to be awaited.
@@ -45,13 +40,19 @@ impl AwaitedRing {
     }
 
     /// As `Ring::drain`.
-    pub fn drain<E>(&mut self, mut f: impl FnMut(&[u8]) -> Result<(), E>) -> Result<bool, E> {
-        let ring = self.0.get_mut();
-        let mut any = false;
-        while let Some(item) = ring.next() {
-            f(&item)?;
-            any = true;
-        }
-        Ok(any)
+    pub fn drain<E>(&mut self, f: impl FnMut(&[u8]) -> Result<(), E>) -> Result<bool, E> {
+        drain(self.0.get_mut(), f)
     }
+}
+
+fn drain<E>(
+    ring: &mut RingBuf<MapData>,
+    mut f: impl FnMut(&[u8]) -> Result<(), E>,
+) -> Result<bool, E> {
+    let mut any = false;
+    while let Some(item) = ring.next() {
+        f(&item)?;
+        any = true;
+    }
+    Ok(any)
 }
