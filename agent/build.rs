@@ -9,27 +9,39 @@ use std::{
     process::Command,
 };
 
-/// Each object the agent embeds, and the programs (one `.bpf.c` per concern)
-/// in it. The host's concerns share maps and settings, so they are one
-/// object: compiled to LLVM bitcode, linked (llvm-link), then to BPF (llc),
-/// which gives one BTF for it all as a single file's compile would.
+/// Each object the agent embeds, and the files it is made of (one per
+/// concern; headers only declare). A file defines what its header
+/// declares, so an object of several is compiled to LLVM bitcode, linked
+/// (llvm-link), its cross-file calls inlined (opt: the functions marked
+/// `__inline_linked`, so each program reaches the verifier whole), then
+/// made BPF (llc): one BTF for it all, as a single file's compile would give.
 const OBJECTS: &[(&str, &[&str])] = &[
     (
         "host",
         &[
-            "block",
-            "vms",
-            "notifiers",
-            "kicks",
-            "pickups",
-            "signals",
-            "sched",
-            "scsi_target",
+            "block.bpf.c",
+            "vms.bpf.c",
+            "notifiers.bpf.c",
+            "kicks.bpf.c",
+            "pickups.bpf.c",
+            "signals.bpf.c",
+            "sched.bpf.c",
+            "scsi_target.bpf.c",
+            "vm_request.bpf.c",
+            "vm_join.bpf.c",
+            "stats.bpf.c",
+            "nesting.bpf.c",
+            "host.bpf.c",
+            "core_fixes.bpf.c",
+            "blk_op.bpf.c",
+            "maps.bpf.c",
+            "rq_account.c",
+            "hist.c",
         ],
     ),
-    ("features", &["features"]),
-    ("guest", &["guest"]),
-    ("floor", &["floor"]),
+    ("features", &["features.bpf.c"]),
+    ("guest", &["guest.bpf.c", "blk_op.bpf.c", "maps.bpf.c"]),
+    ("floor", &["floor.bpf.c"]),
 ];
 
 fn main() {
@@ -41,57 +53,28 @@ fn main() {
         "aarch64" => "arm64",
         other => panic!("no vmlinux.h for target arch {other}: add bpf/include/vmlinux/<arch>/"),
     };
-    let clang = env::var("CLANG").unwrap_or_else(|_| "clang".into());
-    let llvm_link = env::var("LLVM_LINK").unwrap_or_else(|_| "llvm-link".into());
-    let llc = env::var("LLC").unwrap_or_else(|_| "llc".into());
+    let tools = Tools::from_env();
+    let clang = &tools.clang;
 
     for entry in walk(&bpf) {
         println!("cargo:rerun-if-changed={}", entry.display());
     }
-    for var in ["CLANG", "LLVM_LINK", "LLC"] {
+    for var in ["CLANG", "LLVM_LINK", "LLVM_DIS", "OPT", "LLC"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
 
-    for (object, programs) in OBJECTS {
+    for (object, files) in OBJECTS {
         let obj = out.join(format!("{object}.bpf.o"));
-        if let [one] = programs {
-            compile(
-                &clang,
-                arch,
-                &bpf,
-                &bpf.join(format!("{one}.bpf.c")),
-                &obj,
-                false,
-            );
+        if let [one] = files {
+            compile(clang, arch, &bpf, &bpf.join(one), &obj, false);
         } else {
             let mut parts = Vec::new();
-            for prog in *programs {
-                let part = out.join(format!("{prog}.bc"));
-                compile(
-                    &clang,
-                    arch,
-                    &bpf,
-                    &bpf.join(format!("{prog}.bpf.c")),
-                    &part,
-                    true,
-                );
+            for file in *files {
+                let part = out.join(format!("{object}-{file}.bc"));
+                compile(clang, arch, &bpf, &bpf.join(file), &part, true);
                 parts.push(part);
             }
-            let linked = out.join(format!("{object}.bc"));
-            run(
-                Command::new(&llvm_link).args(&parts).arg("-o").arg(&linked),
-                &llvm_link,
-                &linked,
-            );
-            run(
-                Command::new(&llc)
-                    .args(["-march=bpf", "-mcpu=v3", "-filetype=obj"])
-                    .arg(&linked)
-                    .arg("-o")
-                    .arg(&obj),
-                &llc,
-                &obj,
-            );
+            link(&tools, &parts, &out.join(object), &obj);
         }
         // DWARF is only for humans; BTF and BTF.ext (what CO-RE needs) stay.
         for strip in ["llvm-strip", "llvm-strip-19", "llvm-strip-14"] {
@@ -102,6 +85,112 @@ fn main() {
             }
         }
     }
+}
+
+/// The LLVM tools, each overridable by its variable.
+struct Tools {
+    clang: String,
+    llvm_link: String,
+    llvm_dis: String,
+    opt: String,
+    llc: String,
+}
+
+impl Tools {
+    fn from_env() -> Self {
+        let tool = |var: &str, name: &str| env::var(var).unwrap_or_else(|_| name.into());
+        Tools {
+            clang: tool("CLANG", "clang"),
+            llvm_link: tool("LLVM_LINK", "llvm-link"),
+            llvm_dis: tool("LLVM_DIS", "llvm-dis"),
+            opt: tool("OPT", "opt"),
+            llc: tool("LLC", "llc"),
+        }
+    }
+}
+
+/// Links an object's bitcode `parts` (`stem`.bc), inlines each
+/// `__inline_linked` function where it is called and drops its definition
+/// (internalized, then dead): BPF has no calls of more than five
+/// arguments, and a global function is verified alone, without its
+/// caller's pointers. Everything else keeps its linkage: the programs, the
+/// maps, the settings the agent patches and the `__noinline` functions meant
+/// to be verified once.
+fn link(tools: &Tools, parts: &[PathBuf], stem: &Path, obj: &Path) {
+    let linked = stem.with_extension("bc");
+    run(
+        Command::new(&tools.llvm_link)
+            .args(parts)
+            .arg("-o")
+            .arg(&linked),
+        &tools.llvm_link,
+        &linked,
+    );
+    let ir = output(
+        Command::new(&tools.llvm_dis).arg(&linked).args(["-o", "-"]),
+        &tools.llvm_dis,
+        &linked,
+    );
+    let keep = kept_symbols(&ir).join(",");
+    let inlined = stem.with_extension("inlined.bc");
+    run(
+        Command::new(&tools.opt)
+            .arg("-passes=internalize,default<O2>")
+            .arg(format!("-internalize-public-api-list={keep}"))
+            .arg(&linked)
+            .arg("-o")
+            .arg(&inlined),
+        &tools.opt,
+        &inlined,
+    );
+    run(
+        Command::new(&tools.llc)
+            .args(["-march=bpf", "-mcpu=v3", "-filetype=obj"])
+            .arg(&inlined)
+            .arg("-o")
+            .arg(obj),
+        &tools.llc,
+        obj,
+    );
+}
+
+/// The module's external definitions (functions and globals) other than
+/// the functions marked always-inline: in a linked module those are the
+/// `__inline_linked` ones, as a header's static inlines are internal.
+fn kept_symbols(ir: &str) -> Vec<String> {
+    let inline_groups: Vec<&str> = ir
+        .lines()
+        .filter_map(|l| l.strip_prefix("attributes #"))
+        .filter(|l| l.contains("{ alwaysinline ") || l.contains(" alwaysinline "))
+        .filter_map(|l| l.split(' ').next())
+        .collect();
+    let mut kept = Vec::new();
+    for line in ir.lines() {
+        let external = |rest: &str| !rest.starts_with("internal ") && !rest.starts_with("private ");
+        if let Some(rest) = line.strip_prefix("define ") {
+            let Some(name) = symbol_name(rest) else {
+                continue;
+            };
+            let group = rest.rsplit(" #").next().and_then(|g| g.split(' ').next());
+            if external(rest) && !group.is_some_and(|g| inline_groups.contains(&g)) {
+                kept.push(name);
+            }
+        } else if let Some(rest) = line.strip_prefix('@') {
+            let (name, def) = rest.split_once(" = ").unwrap_or((rest, ""));
+            if external(def) && !def.starts_with("external ") {
+                kept.push(name.trim_matches('"').to_string());
+            }
+        }
+    }
+    kept
+}
+
+/// The `@name` a `define` line defines.
+fn symbol_name(define: &str) -> Option<String> {
+    let at = define.find('@')?;
+    let rest = &define[at + 1..];
+    let end = rest.find('(')?;
+    Some(rest[..end].trim_matches('"').to_string())
 }
 
 fn compile(clang: &str, arch: &str, bpf: &Path, src: &Path, out: &Path, bitcode: bool) {
@@ -115,10 +204,28 @@ fn compile(clang: &str, arch: &str, bpf: &Path, src: &Path, out: &Path, bitcode:
     .arg("-I")
     .arg(bpf.join("include/vmlinux").join(arch));
     if bitcode {
-        cmd.arg("-emit-llvm");
+        // Optimized once, linked (link): as one file's compile would be.
+        cmd.args(["-emit-llvm", "-Xclang", "-disable-llvm-passes"]);
     }
     cmd.arg("-c").arg(src).arg("-o").arg(out);
     run(&mut cmd, clang, src);
+}
+
+/// Runs a build tool on `what` for its standard output.
+fn output(cmd: &mut Command, tool: &str, what: &Path) -> String {
+    let out = cmd.output().unwrap_or_else(|e| {
+        panic!(
+            "running `{tool}` on {}: {e}\n\
+             hint: install llvm (`apt-get install llvm`), or run `cargo xtask setup`",
+            what.display()
+        )
+    });
+    assert!(
+        out.status.success(),
+        "`{tool}` failed on {}",
+        what.display()
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Runs a build tool on `what`, naming the package that has it on failure.

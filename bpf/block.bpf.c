@@ -23,23 +23,16 @@
 #include "vm_request.bpf.h"
 
 const volatile __u32 targ_max_disks = DEFAULT_MAX_DISKS;
-const volatile __u32 targ_sample_every = 0;	    /* stream 1 in N requests; 0: none */
-const volatile __u64 targ_slower_than_ns = 0;	    /* stream requests at least this slow; 0: off */
-const volatile __u64 targ_wakeup_bytes = 256 << 10; /* wake the reader past this backlog */
+const volatile __u32 targ_sample_every = 0;   /* stream 1 in N requests; 0: none */
+const volatile __u64 targ_slower_than_ns = 0; /* stream requests at least this slow; 0: off */
 /* Stream only requests of these disks (all when targ_nr_stream_devs is 0);
  * histograms always cover every disk. */
 const volatile __u32 targ_nr_stream_devs = 0;
+
 /* Kernels before block_io_start (v6.5): a VM's request is taken at
  * block_getrq by its bio and joined to its request at its first issue. */
 const volatile __u32 targ_getrq = 0;
 const volatile __u32 targ_stream_devs[MAX_STREAM_DEVS] = {};
-
-counters_map_t counters SEC(".maps");
-events_map_t events SEC(".maps");
-__u64 events_woken_ns = 0;
-const struct blk_stats zero_stats = {};
-const struct vm_split_stats zero_split = {};
-proc_cache_map_t proc_cache SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);

@@ -17,8 +17,6 @@
 #include "blk_op.bpf.h"
 #include "maps.bpf.h"
 
-counters_map_t counters SEC(".maps");
-
 /* Where an I/O came from: the system call that submitted it. */
 struct origin {
 	__u64 sys_ns;

@@ -10,13 +10,77 @@
  * system-call tracepoint, no cost to any other write on the host.
  */
 #include "kicks.bpf.h"
+#include "linked.h"
 #include "notifiers.bpf.h"
 
 kvm_notifiers_map_t kvm_notifiers SEC(".maps");
 mmio_marks_map_t mmio_marks SEC(".maps");
 last_wake_map_t last_wake SEC(".maps");
-file_kicks_map_t file_kicks SEC(".maps");
-thread_kicks_map_t thread_kicks SEC(".maps");
+
+/* The queue a notify address names: its offset in its page (virtio-pci's
+ * notify addresses 4 bytes apart, NVMe's doorbells 8); at offset 0, its
+ * page (queue 0, or a device with a page per queue: the agent tells). */
+static __always_inline __u16 queue_of_gpa(__u64 gpa)
+{
+	if (gpa & 0xfff)
+		return VQ_BY_ADDR | (gpa & 0xfff);
+	return VQ_BY_ADDR | VQ_ADDR_PAGE | ((gpa >> 12) & (VQ_ADDR_PAGE - 1));
+}
+
+/* A kick at `now` for engine thread `tid`'s notifier in `slot`: the
+ * first one since its last pickup counts. */
+static __always_inline void thread_kick(__u32 tid, __u32 slot, __u64 now)
+{
+	struct thread_kicks *k = bpf_map_lookup_elem(&thread_kicks, &tid);
+
+	if (!k || slot >= KICK_SLOTS || k->ts[slot])
+		return;
+	k->ts[slot] = now;
+	__sync_fetch_and_or(&k->pending, 1u << slot);
+}
+
+/* The slot of `queue` among engine thread `tid`'s notifiers, given one
+ * if it has none yet (KICK_SLOTS at most: a further notifier shares the
+ * last slot). */
+static __always_inline __u32 kick_slot(__u32 tid, __u16 queue)
+{
+	static const struct thread_kicks fresh;
+	struct thread_kicks *k = lookup_or_init(&thread_kicks, &tid, &fresh);
+	__u32 i;
+
+	if (!k)
+		return KICK_SLOTS;
+	for (i = 0; i < KICK_SLOTS; i++) {
+		if (k->queue[i] == queue)
+			return i;
+		if (!k->queue[i]) {
+			k->queue[i] = queue;
+			return i;
+		}
+	}
+	return KICK_SLOTS - 1;
+}
+
+__inline_linked void learnt_kick(__u32 tgid, __u64 gpa, __u32 engine, __u64 now)
+{
+	struct notify_key k = { .tgid = tgid, .gpa = gpa };
+	struct notify_engine e = { .tid = engine, .queue = queue_of_gpa(gpa) }, *old;
+
+	old = bpf_map_lookup_elem(&kvm_notifiers, &k);
+	if (old && old->tid == engine) {
+		thread_kick(engine, old->slot, now);
+		return;
+	}
+	if (old) {
+		struct thread_kicks *stale = bpf_map_lookup_elem(&thread_kicks, &old->tid);
+
+		if (stale && old->slot < KICK_SLOTS)
+			stale->ts[old->slot & (KICK_SLOTS - 1)] = 0;
+	}
+	e.slot = kick_slot(engine, e.queue);
+	bpf_map_update_elem(&kvm_notifiers, &k, &e, BPF_ANY);
+	thread_kick(engine, e.slot, now);
+}
 
 /* The VM a read or write belongs to. An eventfd write moves exactly 8
  * bytes; reads are made with larger buffers (QEMU drains an eventfd with a

@@ -11,6 +11,7 @@
  * kicks make instead (kicks.bpf.c).
  */
 #include "notifiers.bpf.h"
+#include "linked.h"
 
 vq_notifiers_map_t vq_notifiers SEC(".maps");
 vm_open_notifiers_map_t vm_open_notifiers SEC(".maps");
@@ -25,6 +26,53 @@ struct {
 	__type(key, __u32);
 	__type(value, __u32);
 } notifiers_made SEC(".maps");
+
+__inline_linked __u64 fd_file(__u32 fd)
+{
+	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+	struct fdtable *fdt = BPF_CORE_READ(t, files, fdt);
+	struct file **fds;
+	struct file *f = NULL;
+
+	if (!fdt || fd >= BPF_CORE_READ(fdt, max_fds))
+		return 0;
+	fds = BPF_CORE_READ(fdt, fd);
+	if (bpf_probe_read_kernel(&f, sizeof(f), &fds[fd]))
+		return 0;
+	return (__u64)f;
+}
+
+__inline_linked void note_kicked(const struct fd_key *k, struct notifier *n)
+{
+	__s64 *open, first = 1;
+
+	if (n->kicked)
+		return;
+	n->kicked = 1;
+	open = bpf_map_lookup_elem(&vm_open_notifiers, &k->tgid);
+	if (open)
+		__sync_fetch_and_add(open, 1);
+	else
+		bpf_map_update_elem(&vm_open_notifiers, &k->tgid, &first, BPF_ANY);
+}
+
+__inline_linked void note_file_kick(__u32 tgid, __u64 file, __u16 queue)
+{
+	struct kick k = { .ts_ns = bpf_ktime_get_ns(), .queue = queue };
+
+	if (bpf_map_lookup_elem(&vhost_kick_files, &file))
+		bpf_map_update_elem(&vhost_kicks, &tgid, &k.ts_ns, BPF_NOEXIST);
+	else
+		bpf_map_update_elem(&file_kicks, &file, &k, BPF_NOEXIST);
+}
+
+__inline_linked void mark_started(__u32 tgid)
+{
+	struct vm_proc *p = vm_proc_of(tgid);
+
+	if (p && p->state == VM_PROC_STARTING)
+		vm_proc_set_state(p, VM_PROC_RUNNING);
+}
 
 /* An eventfd made by a vCPU, or once the guest ran: a queue notifier
  * (see vq_notifiers). Rare, so attached whenever VMs are tracked. */

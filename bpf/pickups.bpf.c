@@ -11,15 +11,87 @@
  * tier), the submitting calls that end a pickup's batch (the deep tier)
  * and io_uring's hand-offs to its workers.
  */
+#include "pickups.bpf.h"
 #include "kicks.bpf.h"
+#include "linked.h"
 #include "notifiers.bpf.h"
 #include "nesting.bpf.h"
 
-thread_picks_map_t thread_picks SEC(".maps");
-vm_last_pick_map_t vm_last_pick SEC(".maps");
-thread_pops_map_t thread_pops SEC(".maps");
-punted_picks_map_t punted_picks SEC(".maps");
-wake_nesting_map_t wake_nesting SEC(".maps");
+__inline_linked void kicks_read_by_sleep(__u32 tid)
+{
+	struct thread_kicks *k = bpf_map_lookup_elem(&thread_kicks, &tid);
+	__u64 now;
+	__u32 i;
+
+	if (!k || !k->pending)
+		return;
+	now = bpf_ktime_get_ns();
+	for (i = 0; i < KICK_SLOTS; i++) {
+		__u64 t = k->ts[i];
+
+		if (t && t < now)
+			__sync_val_compare_and_swap(&k->ts[i], t, 0);
+	}
+}
+
+__inline_linked void pick_after_sleep(__u32 tgid, __u32 tid, __u64 now, __u64 nvcsw)
+{
+	struct pick *cur = bpf_map_lookup_elem(&thread_picks, &tid);
+
+	if (cur && (cur->flags & PICK_TAKEN) && cur->nvcsw == nvcsw)
+		return;
+	pick_up_thread_kick(tgid, tid, now, nvcsw);
+}
+
+__inline_linked int take_pick(struct pick *p, __u64 now, __u64 nvcsw)
+{
+	int polled = !!(p->flags & PICK_SPENT);
+
+	p->flags |= polled ? PICK_POLLS : PICK_TAKEN;
+	p->last_start_ns = now;
+	p->nvcsw = nvcsw;
+	return polled;
+}
+
+__inline_linked __u64 take_pop(__u32 tid, __u64 pick_ns, __u32 op)
+{
+	struct pops *q;
+	__u32 h, i;
+
+	if (op > BLK_OP_WRITE)
+		return pick_ns;
+	q = bpf_map_lookup_elem(&thread_pops, &tid);
+	if (!q || q->pick_ns != pick_ns)
+		return pick_ns;
+	for (i = 0; i < 4; i++) {
+		h = q->head[op & 1];
+		if (h == q->tail[op & 1])
+			return pick_ns;
+		if (__sync_val_compare_and_swap(&q->head[op & 1], h, h + 1) == h)
+			return q->ts[op & 1][h & POPS_MASK];
+	}
+	return pick_ns;
+}
+
+__inline_linked void claim_vhost_kick(__u32 tgid, __u32 tid)
+{
+	struct pick p = {};
+	__u64 *kick;
+
+	/* Where LIO runs, its programs time each command from its batch's
+	 * kick to its pop (scsi_target.bpf.c). */
+	if (targ_scsi_target)
+		return;
+	kick = bpf_map_lookup_elem(&vhost_kicks, &tgid);
+	if (!kick)
+		return;
+	p.kick_ns = *kick;
+	p.pick_ns = bpf_ktime_get_ns();
+	p.engine = tid;
+	bpf_map_delete_elem(&vhost_kicks, &tgid);
+	bpf_map_update_elem(&thread_picks, &tid, &p, BPF_ANY);
+	bpf_map_update_elem(&vm_last_pick, &tgid, &p, BPF_ANY);
+}
 
 /* How long thread `tid`, running now, waited for a CPU within [from, to]:
  * its last RUN_WAITS waits, clipped to the interval (more waits than that

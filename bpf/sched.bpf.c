@@ -10,13 +10,9 @@
  * QEMU since v6.4) picking up a kick on the eventfds QEMU handed it: it
  * runs all its device's work when it runs.
  */
-#include "picks.bpf.h"
+#include "pickups.bpf.h"
 #include "signals.bpf.h"
 #include "nesting.bpf.h"
-
-thread_waits_map_t thread_waits SEC(".maps");
-vhost_kick_files_map_t vhost_kick_files SEC(".maps");
-vhost_kicks_map_t vhost_kicks SEC(".maps");
 
 /* A VM thread made runnable: its wait starts, unless one already runs
  * (a thread woken while still on its CPU is not waiting; switching out

@@ -19,6 +19,7 @@
 #include <bpf/bpf_tracing.h>
 #include <bpf/bpf_core_read.h>
 #include "host.bpf.h"
+#include "linked.h"
 #include "scsi_target.bpf.h"
 
 const volatile __u32 targ_scsi_target = 0;
@@ -50,6 +51,33 @@ struct {
 	__type(key, __u32);
 	__type(value, struct vhost_batch);
 } vhost_batches SEC(".maps");
+
+__inline_linked const struct vhost_cmd *acting_cmd(__u64 pid_tgid)
+{
+	__u32 tid = (__u32)pid_tgid;
+
+	if (!targ_scsi_target)
+		return 0;
+	return bpf_map_lookup_elem(&acting_for, &tid);
+}
+
+__inline_linked __u32 submitter_tgid(__u64 pid_tgid, const struct vhost_cmd *cmd)
+{
+	return cmd ? cmd->tgid : pid_tgid >> 32;
+}
+
+__inline_linked __u32 served_tgid(void)
+{
+	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+	struct mm_struct *mm;
+
+	if (!(BPF_CORE_READ(t, flags) & PF_KTHREAD_FLAG))
+		return bpf_get_current_pid_tgid() >> 32;
+	mm = BPF_CORE_READ(t, mm);
+	if (!mm || !bpf_core_field_exists(mm->owner))
+		return 0;
+	return BPF_CORE_READ(mm, owner, tgid);
+}
 
 /* Whether VM process `tgid` has a disk its kernel vhost workers serve. */
 static __always_inline int vhost_vm(__u32 tgid)

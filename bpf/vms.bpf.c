@@ -9,26 +9,8 @@
 #include "notifiers.bpf.h"
 #include "signals.bpf.h"
 
-/* Attribute requests to VMs (processes in vm_pids) and keep vm_latency. */
-const volatile __u32 targ_track_vms = 0;
-/* Split VMs' host windows (kicks, pickups, signals); needs targ_track_vms. */
-const volatile __u32 targ_vm_segments = 0;
 /* Next VM slot to hand out; the agent starts it past the VMs it found. */
 __u32 next_vm = 0;
-/* Addresses of the direct-I/O completion functions, in enum dio_kind's
- * order (from kallsyms; 0 when absent). */
-const volatile __u64 targ_dio_end_io[NR_DIO_END_IO] = {};
-
-tier_map_t tier SEC(".maps");
-vm_pids_map_t vm_pids SEC(".maps");
-vm_flags_map_t vm_flags SEC(".maps");
-vm_counts_map_t vm_counts SEC(".maps");
-vm_gen_map_t vm_gen SEC(".maps");
-vdisk_files_map_t vdisk_files SEC(".maps");
-vm_latency_map_t vm_latency SEC(".maps");
-vm_latency_nested_map_t vm_latency_nested SEC(".maps");
-vm_undelivered_map_t vm_undelivered SEC(".maps");
-vm_disks_map_t vm_disks SEC(".maps");
 
 /* The tgid of each VM process just exec'd, each record waking the agent:
  * it names the VM at once instead of looking every few milliseconds (an

@@ -11,21 +11,6 @@
 #define REQ_OP_MASK ((1 << 8) - 1)
 
 /* The reported operation class of a request's cmd_flags. */
-static __always_inline __u8 op_class(__u32 cmd_flags)
-{
-	switch (cmd_flags & REQ_OP_MASK) {
-	case REQ_OP_READ:
-		return BLK_OP_READ;
-	case REQ_OP_WRITE:
-		return BLK_OP_WRITE;
-	case REQ_OP_FLUSH:
-		return BLK_OP_FLUSH;
-	case REQ_OP_DISCARD:
-	case REQ_OP_SECURE_ERASE:
-		return BLK_OP_DISCARD;
-	default:
-		return BLK_OP_OTHER;
-	}
-}
+__u8 op_class(__u32 cmd_flags);
 
 #endif

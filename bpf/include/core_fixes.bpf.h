@@ -16,34 +16,11 @@ struct request___rq_disk {
 
 #define MINORBITS 20
 
-static __always_inline __u32 rq_dev(struct request *rq)
-{
-	struct gendisk *disk;
-
-	if (bpf_core_field_exists(struct request___rq_disk, rq_disk))
-		disk = BPF_CORE_READ((struct request___rq_disk *)rq, rq_disk);
-	else
-		disk = BPF_CORE_READ(rq, q, disk);
-	if (!disk)
-		return 0;
-	return ((__u32)BPF_CORE_READ(disk, major) << MINORBITS) |
-	       (__u32)BPF_CORE_READ(disk, first_minor);
-}
+__u32 rq_dev(struct request *rq);
 
 /* The same for tp_btf programs, whose request pointer is BTF-typed and
  * read directly. */
-static __always_inline __u32 rq_dev_btf(struct request *rq)
-{
-	struct gendisk *disk;
-
-	if (bpf_core_field_exists(struct request___rq_disk, rq_disk))
-		disk = ((struct request___rq_disk *)rq)->rq_disk;
-	else
-		disk = rq->q->disk;
-	if (!disk)
-		return 0;
-	return ((__u32)disk->major << MINORBITS) | (__u32)disk->first_minor;
-}
+__u32 rq_dev_btf(struct request *rq);
 
 /* 309dca309fc3 ("block: store a block_device pointer in struct bio"),
  * v5.12: a bio names its block device (a partition's names its disk)
@@ -52,18 +29,6 @@ struct bio___bi_disk {
 	struct gendisk *bi_disk;
 } __attribute__((preserve_access_index));
 
-static __always_inline __u32 bio_disk_dev(struct bio *bio)
-{
-	struct gendisk *disk;
-
-	if (bpf_core_field_exists(struct bio___bi_disk, bi_disk))
-		disk = BPF_CORE_READ((struct bio___bi_disk *)bio, bi_disk);
-	else
-		disk = BPF_CORE_READ(bio, bi_bdev, bd_disk);
-	if (!disk)
-		return 0;
-	return ((__u32)BPF_CORE_READ(disk, major) << MINORBITS) |
-	       (__u32)BPF_CORE_READ(disk, first_minor);
-}
+__u32 bio_disk_dev(struct bio *bio);
 
 #endif /* IOSPAN_CORE_FIXES_BPF_H */

@@ -5,8 +5,9 @@
  * VMs, their merges), notifiers.bpf.c (the deep tier's notifier
  * registrations), kicks.bpf.c, pickups.bpf.c, signals.bpf.c, sched.bpf.c
  * (context switches: pickups at switch-in, CPU waits) — linked into one
- * object, host.bpf.o, whose maps and settings are one set. Each map and
- * setting is defined in the file of its concern and declared here.
+ * object, host.bpf.o, whose maps and settings are one set. The ones
+ * several concerns share are declared here and defined in host.bpf.c; a
+ * concern's own are in its header and its file.
  */
 #ifndef IOSPAN_HOST_BPF_H
 #define IOSPAN_HOST_BPF_H
@@ -20,10 +21,13 @@
 
 /* Settings the agent fills in before loading (block.bpf.c, vms.bpf.c). */
 extern const volatile __u64 targ_wakeup_bytes;
+
 /* Attribute requests to VMs (processes in vm_pids) and keep vm_latency. */
 extern const volatile __u32 targ_track_vms;
+
 /* Split VMs' host windows (kicks, pickups, signals); needs targ_track_vms. */
 extern const volatile __u32 targ_vm_segments;
+
 /* Addresses of the direct-I/O completion functions, in enum dio_kind's
  * order (from kallsyms; 0 when absent). */
 extern const volatile __u64 targ_dio_end_io[NR_DIO_END_IO];
@@ -35,6 +39,7 @@ typedef struct {
 	__uint(max_entries, 16 << 20);
 } events_map_t;
 extern events_map_t events SEC(".maps");
+
 /* When a record last woke the reader (block.bpf.c). */
 extern __u64 events_woken_ns;
 
@@ -149,38 +154,18 @@ typedef struct {
 extern vm_gen_map_t vm_gen SEC(".maps");
 
 /* What a process's requests are attributed to has changed. */
-static __always_inline void vm_gen_bump(void)
-{
-	__u32 zero = 0, *g = bpf_map_lookup_elem(&vm_gen, &zero);
-
-	if (g)
-		__sync_fetch_and_add(g, 1);
-}
+void vm_gen_bump(void);
 
 /* The generation now (see vm_gen). */
-static __always_inline __u32 vm_gen_now(void)
-{
-	__u32 zero = 0, *g = bpf_map_lookup_elem(&vm_gen, &zero);
-
-	return g ? *g : 0;
-}
+__u32 vm_gen_now(void);
 
 /* The VM a process belongs to, if it is one's (or an engine registered
  * under one). */
-static __always_inline struct vm_proc *vm_proc_of(__u32 tgid)
-{
-	return bpf_map_lookup_elem(&vm_pids, &tgid);
-}
+struct vm_proc *vm_proc_of(__u32 tgid);
 
 /* A VM process's guest changed state: it is written in place, and the
  * block start's caches of it are bumped. */
-static __always_inline void vm_proc_set_state(struct vm_proc *p, __u32 state)
-{
-	if (p->state == state)
-		return;
-	p->state = state;
-	vm_gen_bump();
-}
+void vm_proc_set_state(struct vm_proc *p, __u32 state);
 
 /* A kick not yet picked up: when it came (the first since the last
  * pickup) and through which guest queue (VQ_*). */
@@ -372,121 +357,49 @@ typedef struct {
 extern thread_pushes_map_t thread_pushes SEC(".maps");
 
 /* Source of a zeroed blk_stats for new vm_latency entries (too big for the
- * stack; defined in block.bpf.c). */
+ * stack). */
 extern const struct blk_stats zero_stats;
 
 /* The tier of the moment (see struct tier_state). */
-static __always_inline struct tier_state *tier_now(void)
-{
-	__u32 zero = 0;
+struct tier_state *tier_now(void);
 
-	return bpf_map_lookup_elem(&tier, &zero);
-}
-
-static __always_inline int deep_tier(void)
-{
-	struct tier_state *t = tier_now();
-
-	return t && t->deep;
-}
+int deep_tier(void);
 
 /* Longer than the reader's own drain period while records come (25 ms), so
  * that a steady stream adds few wakeups to its timer's. */
 #define EVENTS_WAKE_AFTER_NS (100 * 1000 * 1000ULL)
 
-/* No wakeup per record: the reader drains on a timer while records come,
- * and is woken when the backlog grows past targ_wakeup_bytes or by the
- * first record after a quiet spell (EVENTS_WAKE_AFTER_NS), so that an
- * idle reader can sleep without a timer waking it and still sees a new
- * stream of records at once. `now_ns` is the record's own latest stamp
- * (no clock read of its own); an older one than the last wake's wakes
- * nobody. Two CPUs racing on the stamp wake it twice. */
-static __always_inline __u64 wakeup_flags(__u64 now_ns)
-{
-	if ((__s64)(now_ns - events_woken_ns) >= (__s64)EVENTS_WAKE_AFTER_NS ||
-	    bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= targ_wakeup_bytes) {
-		events_woken_ns = now_ns;
-		return BPF_RB_FORCE_WAKEUP;
-	}
-	return BPF_RB_NO_WAKEUP;
-}
-
 /* One record into the ring buffer, stamped last at `now_ns`; no room is
  * counted, never silent. */
-static __always_inline int emit(void *rec, __u64 size, __u64 now_ns)
-{
-	if (bpf_ringbuf_output(&events, rec, size, wakeup_flags(now_ns))) {
-		count(CNT_RINGBUF_DROPS);
-		return -1;
-	}
-	return 0;
-}
+int emit(void *rec, __u64 size, __u64 now_ns);
 
 /* vCPU threads are named "CPU <n>/KVM" or "CPU <n>/TCG" (debug-threads=on,
  * as libvirt runs QEMU). */
-static __always_inline int vcpu_comm(const char *c)
-{
-	return c[0] == 'C' && c[1] == 'P' && c[2] == 'U' && c[3] == ' ';
-}
+int vcpu_comm(const char *c);
 
-static __always_inline int in_vcpu(void)
-{
-	char c[16];
-
-	bpf_get_current_comm(c, sizeof(c));
-	return vcpu_comm(c);
-}
+int in_vcpu(void);
 
 /* QEMU's iothreads are named "IO <id>" (debug-threads=on, as libvirt runs
  * QEMU). They poll their queues before they sleep (poll-max-ns, 32 µs by
  * default): the only engine threads whose requests may come with no kick. */
-static __always_inline int in_iothread(void)
-{
-	char c[16];
-
-	bpf_get_current_comm(c, sizeof(c));
-	return c[0] == 'I' && c[1] == 'O' && c[2] == ' ';
-}
+int in_iothread(void);
 
 /* The kernel's vhost workers are named "vhost-<owner pid>"; since v6.4
  * (vhost_task) they are threads of the owner, QEMU, so its requests and
  * signals reach the VM's slot through its tgid. */
-static __always_inline int vhost_comm(const char *c)
-{
-	return c[0] == 'v' && c[1] == 'h' && c[2] == 'o' && c[3] == 's' && c[4] == 't' &&
-	       c[5] == '-';
-}
+int vhost_comm(const char *c);
 
-static __always_inline int in_vhost_worker(void)
-{
-	char c[16];
-
-	bpf_get_current_comm(c, sizeof(c));
-	return vhost_comm(c);
-}
+int in_vhost_worker(void);
 
 /* A field through a kernel pointer: a direct load in tp_btf programs
  * (their pointers are typed), a probe read in raw_tp ones. `btf` is a
  * constant at each inlined call site. */
 #define READ(btf, p, f) ((btf) ? (p)->f : BPF_CORE_READ(p, f))
 
-static __always_inline struct task_struct *current_task(int btf)
-{
-	return btf ? bpf_get_current_task_btf() : (struct task_struct *)bpf_get_current_task();
-}
+struct task_struct *current_task(int btf);
 
-static __always_inline __u64 current_nvcsw(void)
-{
-	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+__u64 current_nvcsw(void);
 
-	return BPF_CORE_READ(t, nvcsw);
-}
-
-static __always_inline struct vm_counts *vm_counts_of(__u32 vm)
-{
-	__u32 idx = vm & (MAX_VM_COUNTS - 1);
-
-	return bpf_map_lookup_elem(&vm_counts, &idx);
-}
+struct vm_counts *vm_counts_of(__u32 vm);
 
 #endif /* IOSPAN_HOST_BPF_H */

@@ -17,7 +17,7 @@
 #ifndef IOSPAN_KICKS_BPF_H
 #define IOSPAN_KICKS_BPF_H
 
-#include "picks.bpf.h"
+#include "host.bpf.h"
 
 /* (tgid, notify address) -> its engine thread and queue. */
 struct notify_key {
@@ -76,38 +76,9 @@ typedef struct {
 } last_wake_map_t;
 extern last_wake_map_t last_wake SEC(".maps");
 
-/* The queue a notify address names: its offset in its page (virtio-pci's
- * notify addresses 4 bytes apart, NVMe's doorbells 8); at offset 0, its
- * page (queue 0, or a device with a page per queue: the agent tells). */
-static __always_inline __u16 queue_of_gpa(__u64 gpa)
-{
-	if (gpa & 0xfff)
-		return VQ_BY_ADDR | (gpa & 0xfff);
-	return VQ_BY_ADDR | VQ_ADDR_PAGE | ((gpa >> 12) & (VQ_ADDR_PAGE - 1));
-}
-
 /* The write at `gpa` of VM process `tgid` woke `engine`: that is its
  * notifier's engine, and this a kick for it. A kick already waiting for
  * the thread the notifier had before is that thread's no more. */
-static __always_inline void learnt_kick(__u32 tgid, __u64 gpa, __u32 engine, __u64 now)
-{
-	struct notify_key k = { .tgid = tgid, .gpa = gpa };
-	struct notify_engine e = { .tid = engine, .queue = queue_of_gpa(gpa) }, *old;
-
-	old = bpf_map_lookup_elem(&kvm_notifiers, &k);
-	if (old && old->tid == engine) {
-		thread_kick(engine, old->slot, now);
-		return;
-	}
-	if (old) {
-		struct thread_kicks *stale = bpf_map_lookup_elem(&thread_kicks, &old->tid);
-
-		if (stale && old->slot < KICK_SLOTS)
-			stale->ts[old->slot & (KICK_SLOTS - 1)] = 0;
-	}
-	e.slot = kick_slot(engine, e.queue);
-	bpf_map_update_elem(&kvm_notifiers, &k, &e, BPF_ANY);
-	thread_kick(engine, e.slot, now);
-}
+void learnt_kick(__u32 tgid, __u64 gpa, __u32 engine, __u64 now);
 
 #endif /* IOSPAN_KICKS_BPF_H */

@@ -31,28 +31,12 @@ extern wake_nesting_map_t wake_nesting SEC(".maps");
 
 /* The first program's mark, up while it runs (no two of it run on one
  * CPU: the kernel sees to that). */
-static __always_inline __u32 *nest_enter(__u32 slot)
-{
-	__u32 *mark = bpf_map_lookup_elem(&wake_nesting, &slot);
+__u32 *nest_enter(__u32 slot);
 
-	if (mark)
-		*mark = 1;
-	return mark;
-}
-
-static __always_inline void nest_leave(__u32 *mark)
-{
-	if (mark)
-		*mark = 0;
-}
+void nest_leave(__u32 *mark);
 
 /* In the second program: whether the first is running below it. */
-static __always_inline int nested_in(__u32 slot)
-{
-	__u32 *mark = bpf_map_lookup_elem(&wake_nesting, &slot);
-
-	return mark && *mark;
-}
+int nested_in(__u32 slot);
 
 /*
  * A wake-up tracepoint's two programs: `first` marks its CPU while `body`

@@ -17,20 +17,7 @@ struct fd_key {
 };
 
 /* The open file behind the current process's `fd` (0 if none). */
-static __always_inline __u64 fd_file(__u32 fd)
-{
-	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
-	struct fdtable *fdt = BPF_CORE_READ(t, files, fdt);
-	struct file **fds;
-	struct file *f = NULL;
-
-	if (!fdt || fd >= BPF_CORE_READ(fdt, max_fds))
-		return 0;
-	fds = BPF_CORE_READ(fdt, fd);
-	if (bpf_probe_read_kernel(&f, sizeof(f), &fds[fd]))
-		return 0;
-	return (__u64)f;
-}
+__u64 fd_file(__u32 fd);
 
 /* The queue notifiers of VMs started while the deep tier runs: (tgid, fd)
  * of each eventfd a vCPU thread created or any thread created once the
@@ -95,40 +82,14 @@ typedef struct {
 extern kvm_notify_addrs_map_t kvm_notify_addrs SEC(".maps");
 
 /* A queue notifier's first kick: from now on it counts as open. */
-static __always_inline void note_kicked(const struct fd_key *k, struct notifier *n)
-{
-	__s64 *open, first = 1;
-
-	if (n->kicked)
-		return;
-	n->kicked = 1;
-	open = bpf_map_lookup_elem(&vm_open_notifiers, &k->tgid);
-	if (open)
-		__sync_fetch_and_add(open, 1);
-	else
-		bpf_map_update_elem(&vm_open_notifiers, &k->tgid, &first, BPF_ANY);
-}
+void note_kicked(const struct fd_key *k, struct notifier *n);
 
 /* A kick on `file`: pending for the engine reading it, or, on a vhost
  * kick eventfd, for the VM's vhost worker. */
-static __always_inline void note_file_kick(__u32 tgid, __u64 file, __u16 queue)
-{
-	struct kick k = { .ts_ns = bpf_ktime_get_ns(), .queue = queue };
-
-	if (bpf_map_lookup_elem(&vhost_kick_files, &file))
-		bpf_map_update_elem(&vhost_kicks, &tgid, &k.ts_ns, BPF_NOEXIST);
-	else
-		bpf_map_update_elem(&file_kicks, &file, &k, BPF_NOEXIST);
-}
+void note_file_kick(__u32 tgid, __u64 file, __u16 queue);
 
 /* A guest's first kick: it runs (a stopped VM runs again only when a
  * queue notifier is made again). */
-static __always_inline void mark_started(__u32 tgid)
-{
-	struct vm_proc *p = vm_proc_of(tgid);
-
-	if (p && p->state == VM_PROC_STARTING)
-		vm_proc_set_state(p, VM_PROC_RUNNING);
-}
+void mark_started(__u32 tgid);
 
 #endif /* IOSPAN_NOTIFIERS_BPF_H */

@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: (GPL-2.0 OR Apache-2.0) */
 /*
  * Per-request accounting across issue, requeue, partial and final
- * completion. Pure functions over struct rq_slot so the same code runs in
- * bpf/block.bpf.c and, compiled natively, in the synthetic-stream tests
- * (tests/native/shim.c).
+ * completion. Pure functions over struct rq_slot (bpf/rq_account.c), so the
+ * same code runs in block.bpf.c's programs and, compiled natively, in the
+ * synthetic-stream tests (tests/native/shim.c).
  *
  * Timestamps: the kernel keeps rq->start_time_ns whenever iostats or an I/O
  * scheduler is on, and rq->io_start_time_ns whenever blk-stat is on; both are
@@ -15,10 +15,6 @@
 #define IOSPAN_RQ_ACCOUNT_H
 
 #include "agent_abi.h"
-
-#ifndef __always_inline
-#define __always_inline inline __attribute__((always_inline))
-#endif
 
 /* What a completion tracepoint tells us about the request. */
 struct rq_completion {
@@ -48,26 +44,6 @@ struct rq_outcome {
 	__u32 _pad;
 };
 
-static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
-{
-	s->rq = rq;
-	s->start_ns = 0;
-	s->issue_ns = 0;
-	s->done_bytes = 0;
-	s->requeues = 0;
-	s->flags = 0;
-	s->vm = 0;
-	s->vdisk = 0;
-	s->kick_ns = 0;
-	s->pick_ns = 0;
-	s->pos = 0;
-	s->dev = 0;
-	s->op = 0;
-	s->queue = 0;
-	s->hv_wait_ns = 0;
-	s->eng_wait_ns = 0;
-}
-
 /* At block_io_start: the slot still holds an issued request of this key
  * that never finished, and its key (queue, context, tag) is being used
  * again by a new request: that request's
@@ -76,10 +52,7 @@ static __always_inline void rq_slot_reset(struct rq_slot *s, __u64 rq)
  * programs now and then without counting it anywhere, e.g. for a
  * completion in a softirq that interrupted some task: this is how such a
  * loss is seen, and whose request it was. */
-static __always_inline int rq_undelivered(const struct rq_slot *s, __u64 rq)
-{
-	return s->rq == rq && s->issue_ns && !(s->flags & (RQ_F_DONE | RQ_F_REQUEUE_PENDING));
-}
+int rq_undelivered(const struct rq_slot *s, __u64 rq);
 
 /* block_io_start (block_rq_insert before v6.5), in the submitter's context:
  * `now` is our start stamp (0 when the kernel keeps one), `vm` and `vdisk`
@@ -87,20 +60,8 @@ static __always_inline int rq_undelivered(const struct rq_slot *s, __u64 rq)
  * lost completion would be counted under — completions run in interrupt
  * context under whatever task was there, so identity is only ever taken
  * here. */
-static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 vm,
-					__u32 vdisk, __u64 kick_ns, __u64 pick_ns, __u64 pos,
-					__u32 dev, __u32 op)
-{
-	rq_slot_reset(s, rq);
-	s->start_ns = now;
-	s->dev = dev;
-	s->op = op;
-	s->vm = vm;
-	s->vdisk = vdisk;
-	s->kick_ns = kick_ns;
-	s->pick_ns = pick_ns;
-	s->pos = pos;
-}
+void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, __u32 vm, __u32 vdisk, __u64 kick_ns,
+		 __u64 pick_ns, __u64 pos, __u32 dev, __u32 op);
 
 /* block_rq_issue. A slot already holding this request belongs to the same
  * I/O if it was stamped at start and not issued yet, or was requeued, or is
@@ -109,107 +70,23 @@ static __always_inline void rq_on_start(struct rq_slot *s, __u64 rq, __u64 now, 
  * kernel re-issues some without a requeue event). Otherwise it is a
  * leftover of an earlier I/O of the same preallocated request (e.g. one
  * whose completion we did not see) and starts afresh. */
-static __always_inline void rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now)
-{
-	if (s->rq != rq || (s->flags & RQ_F_DONE) ||
-	    (s->issue_ns && !(s->flags & RQ_F_REQUEUE_PENDING) && !s->vm))
-		rq_slot_reset(s, rq);
-	s->flags &= ~RQ_F_REQUEUE_PENDING;
-	s->issue_ns = now;
-}
+void rq_on_issue(struct rq_slot *s, __u64 rq, __u64 now);
 
 /* block_rq_requeue: the request goes back to the queue and will be issued
  * again; its queue segment grows by the failed attempt. */
-static __always_inline void rq_on_requeue(struct rq_slot *s, __u64 rq)
-{
-	if (s->rq != rq || (s->flags & RQ_F_DONE))
-		return;
-	s->requeues++;
-	s->flags |= RQ_F_REQUEUE_PENDING | RQ_F_REQUEUED;
-}
+void rq_on_requeue(struct rq_slot *s, __u64 rq);
 
 /* block_rq_merge: a started request merged into another before issue ends
  * inside it. Returns whether the slot held it, open (and now done). */
-static __always_inline int rq_on_merge(struct rq_slot *s, __u64 rq)
-{
-	if (s->rq != rq || (s->flags & RQ_F_DONE))
-		return 0;
-	s->flags = RQ_F_DONE;
-	return 1;
-}
+int rq_on_merge(struct rq_slot *s, __u64 rq);
 
 /* block_rq_complete. Returns 0 for a partial completion (more bytes remain:
  * the request stays in flight) and 1 for the final one, filling *out and
  * marking the slot done. `s` may be NULL when no slot could be found. */
-static __always_inline int rq_on_complete(struct rq_slot *s, const struct rq_completion *c,
-					  struct rq_outcome *out)
-{
-	int mine = s && s->rq == c->rq && s->rq != 0 && !(s->flags & RQ_F_DONE);
-
-	if (c->nr_bytes < c->remaining) {
-		if (mine) {
-			s->done_bytes += c->nr_bytes;
-			s->flags |= RQ_F_PARTIAL;
-		}
-		return 0;
-	}
-
-	out->bytes = c->nr_bytes;
-	out->start_ns = c->kstart_ns;
-	out->issue_ns = c->kissue_ns;
-	out->requeues = 0;
-	out->flags = 0;
-	out->vm = 0;
-	out->vdisk = 0;
-	out->kick_ns = 0;
-	out->pick_ns = 0;
-	out->pos = 0;
-	out->queue = 0;
-	out->hv_wait_ns = 0;
-	out->eng_wait_ns = 0;
-	if (mine) {
-		out->bytes += s->done_bytes;
-		if (!out->start_ns)
-			out->start_ns = s->start_ns;
-		/* Ours first: inside a plug the kernel's io_start_time_ns is the
-		 * plug's cached clock (blk_time_get_ns), often equal to the start
-		 * time however long the request waited. */
-		if (s->issue_ns)
-			out->issue_ns = s->issue_ns;
-		out->requeues = s->requeues;
-		out->flags = s->flags & (RQ_F_PARTIAL | RQ_F_REQUEUED | RQ_F_POLLED);
-		out->vm = s->vm;
-		out->vdisk = s->vdisk;
-		out->kick_ns = s->kick_ns;
-		out->pick_ns = s->pick_ns;
-		out->pos = s->pos;
-		out->queue = s->queue;
-		out->hv_wait_ns = s->hv_wait_ns;
-		out->eng_wait_ns = s->eng_wait_ns;
-		s->flags = RQ_F_DONE;
-	}
-	/* Stamps from the future are another request's: distrust them. */
-	if (out->issue_ns > c->now_ns)
-		out->issue_ns = 0;
-	if (out->start_ns > c->now_ns || (out->issue_ns && out->start_ns > out->issue_ns))
-		out->start_ns = 0;
-	if (!out->issue_ns)
-		out->flags |= RQ_F_NO_ISSUE;
-	if (!out->start_ns)
-		out->flags |= RQ_F_NO_START;
-	return 1;
-}
+int rq_on_complete(struct rq_slot *s, const struct rq_completion *c, struct rq_outcome *out);
 
 /* Segment durations of a finished request; a segment whose ends are unknown
  * gets ~0 (not counted). Total falls back to issue -> complete. */
-static __always_inline void rq_segments(const struct rq_outcome *o, __u64 now,
-					__u64 seg[BLK_NR_SEGS])
-{
-	__u64 from = o->start_ns ? o->start_ns : o->issue_ns;
-
-	seg[BLK_SEG_TOTAL] = from ? now - from : ~0ULL;
-	seg[BLK_SEG_QUEUE] = (o->start_ns && o->issue_ns) ? o->issue_ns - o->start_ns : ~0ULL;
-	seg[BLK_SEG_SERVICE] = o->issue_ns ? now - o->issue_ns : ~0ULL;
-}
+void rq_segments(const struct rq_outcome *o, __u64 now, __u64 seg[BLK_NR_SEGS]);
 
 #endif /* IOSPAN_RQ_ACCOUNT_H */

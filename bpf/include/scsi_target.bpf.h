@@ -40,39 +40,18 @@ typedef struct {
 extern acting_for_map_t acting_for SEC(".maps");
 
 /* The command the current task executes for a VM, if any. */
-static __always_inline const struct vhost_cmd *acting_cmd(__u64 pid_tgid)
-{
-	__u32 tid = (__u32)pid_tgid;
-
-	if (!targ_scsi_target)
-		return 0;
-	return bpf_map_lookup_elem(&acting_for, &tid);
-}
+const struct vhost_cmd *acting_cmd(__u64 pid_tgid);
 
 /* The process a request of the current task is submitted for: a VM's
  * where the task is executing that VM's SCSI command (`cmd`), else its
  * own. */
-static __always_inline __u32 submitter_tgid(__u64 pid_tgid, const struct vhost_cmd *cmd)
-{
-	return cmd ? cmd->tgid : pid_tgid >> 32;
-}
+__u32 submitter_tgid(__u64 pid_tgid, const struct vhost_cmd *cmd);
 
 #define PF_KTHREAD_FLAG 0x00200000
 
 /* The VM process the current vhost worker serves: its own since 6.4;
  * before, a kernel thread using the VM's memory, whose owner is the VM's
  * process (with memory cgroups: else not known, 0). */
-static __always_inline __u32 served_tgid(void)
-{
-	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
-	struct mm_struct *mm;
-
-	if (!(BPF_CORE_READ(t, flags) & PF_KTHREAD_FLAG))
-		return bpf_get_current_pid_tgid() >> 32;
-	mm = BPF_CORE_READ(t, mm);
-	if (!mm || !bpf_core_field_exists(mm->owner))
-		return 0;
-	return BPF_CORE_READ(mm, owner, tgid);
-}
+__u32 served_tgid(void);
 
 #endif /* IOSPAN_SCSI_TARGET_BPF_H */

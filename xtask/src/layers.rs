@@ -14,6 +14,8 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
+pub mod bpf;
+
 /// Bottom up. A new folder of `agent/src` goes here, and in
 /// docs/architecture.md, at the height of what it may use.
 pub const LAYERS: &[&str] = &[
@@ -356,12 +358,18 @@ fn cycles(edges: &BTreeMap<String, BTreeMap<String, (String, usize)>>) -> Vec<Ve
 
 /// `cargo xtask layers`.
 pub fn main() -> Result<()> {
-    let src = crate::sh::root().join("agent/src");
-    let problems = check_tree(&src)?;
+    let root = crate::sh::root();
+    let mut problems = check_tree(&root.join("agent/src"))?;
+    let (bpf_problems, files, edges) = bpf::check_tree(&root.join("bpf"))?;
+    problems.extend(bpf_problems);
     if problems.is_empty() {
         eprintln!(
             "xtask: layers: every module of agent/src uses only the layers below it ({})",
             LAYERS.join(" < ")
+        );
+        eprintln!(
+            "xtask: layers: bpf/'s headers declare, its {files} files define, and their \
+             {edges} uses of each other make no circle"
         );
         return Ok(());
     }
@@ -369,7 +377,7 @@ pub fn main() -> Result<()> {
         eprintln!("{p}");
     }
     bail!(
-        "{} layering problem(s) in agent/src (see docs/architecture.md)",
+        "{} layering problem(s) in agent/src and bpf/ (see docs/architecture.md)",
         problems.len()
     )
 }

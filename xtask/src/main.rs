@@ -79,7 +79,9 @@ enum Cmd {
     /// every PromQL expression (promtool).
     Dashboards,
     /// Check that every module of agent/src uses only the layers below its own
-    /// and that no units of one layer reach each other in a circle.
+    /// and that no units of one layer reach each other in a circle; and that
+    /// bpf/'s headers only declare and its files take nothing from each
+    /// other in a circle.
     Layers,
     /// Make the README's pictures from a real run: `iospan top` beside the rig
     /// guest (docs/pictures/top.svg) and, with --jaeger-ui, one of its traces

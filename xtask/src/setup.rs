@@ -10,9 +10,14 @@ use crate::sh;
 const BUILD: &[(Need, &str)] = &[
     (Need::Tool("clang"), "clang"),
     (Need::Tool("llvm-strip"), "llvm"),
-    // The host object is linked from one program file per concern.
+    // The host object is linked from one file per concern, optimized once,
+    // then made BPF (agent/build.rs); `cargo xtask layers` reads each
+    // file's symbols.
     (Need::Tool("llvm-link"), "llvm"),
+    (Need::Tool("llvm-dis"), "llvm"),
+    (Need::Tool("opt"), "llvm"),
     (Need::Tool("llc"), "llvm"),
+    (Need::Tool("llvm-nm"), "llvm"),
     (Need::File("/usr/include/bpf/bpf_helpers.h"), "libbpf-dev"),
     (Need::File("/usr/include/linux/types.h"), "linux-libc-dev"),
     (Need::Tool("bpftool"), "bpftool"),
