@@ -447,14 +447,24 @@ impl<'b> VmDisk<'b> {
         // ours: 1.62 × our engine + device on a boot where it merged 40 %
         // of them. Our means are therefore taken per QEMU request, each
         // request of ours weighed by its bytes (QEMU's requests are the
-        // guest's 4 KiB): 1.01 on that boot. Reads held 15 % above, as
-        // before merges were weighed (see docs/verify.md, "Checked
-        // against QEMU's own accounting").
+        // guest's 4 KiB): 1.01 on that boot. Reads held 15 % above (25 %
+        // where QEMU merged, below; see docs/verify.md, "Checked against
+        // QEMU's own accounting").
         if let Some(qm) = vm["qemu"]["mean_us"].as_f64() {
             let per_request = per_qemu_request(&b.events, a, n);
             let upper = per_request.engine_device;
             let lower = per_request.pickup_to_done.min(upper);
-            let over = if a.rw == "read" { 0.15 } else { 0.1 };
+            // Where QEMU merged, the weighing is the rough part: a few long
+            // merged requests (engine + device up to ~2 ms against a mean
+            // of ~90 µs) each stand for several guest requests, whose own
+            // clocks QEMU started at their own takes. Over nine sequential
+            // boots QEMU's mean came at 0.89-1.18 of ours (median 1.01).
+            let merged = vm["qemu"]["merged_allowance"].as_u64().unwrap_or(0) > 0;
+            let over = match (a.rw == "read", merged) {
+                (true, true) => 0.25,
+                (true, false) => 0.15,
+                _ => 0.1,
+            };
             assert!(
                 qm >= 0.9 * lower && qm <= (1.0 + over) * upper,
                 "QEMU's mean {qm} µs vs our pickup → completion {lower} µs and engine + device \

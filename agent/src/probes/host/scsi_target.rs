@@ -76,7 +76,7 @@ impl BlockProbes {
                     program: program.into(),
                 }),
                 Err(e) => {
-                    log::info!(
+                    log::warn!(
                         "kprobe {program} on {function}: {e}: a vhost-scsi worker's commands {without}"
                     );
                     self.unload(probes);
