@@ -161,12 +161,12 @@ fn kept_symbols(ir: &str) -> Vec<String> {
     let inline_groups: Vec<&str> = ir
         .lines()
         .filter_map(|l| l.strip_prefix("attributes #"))
-        .filter(|l| l.contains("{ alwaysinline ") || l.contains(" alwaysinline "))
+        .filter(|l| l.contains(" alwaysinline "))
         .filter_map(|l| l.split(' ').next())
         .collect();
+    let external = |rest: &str| !rest.starts_with("internal ") && !rest.starts_with("private ");
     let mut kept = Vec::new();
     for line in ir.lines() {
-        let external = |rest: &str| !rest.starts_with("internal ") && !rest.starts_with("private ");
         if let Some(rest) = line.strip_prefix("define ") {
             let Some(name) = symbol_name(rest) else {
                 continue;
