@@ -30,6 +30,7 @@ vm_undelivered_map_t vm_undelivered SEC(".maps");
 vm_disks_map_t vm_disks SEC(".maps");
 file_kicks_map_t file_kicks SEC(".maps");
 thread_kicks_map_t thread_kicks SEC(".maps");
+threads_kicked_map_t threads_kicked SEC(".maps");
 thread_picks_map_t thread_picks SEC(".maps");
 vm_last_pick_map_t vm_last_pick SEC(".maps");
 thread_pops_map_t thread_pops SEC(".maps");
@@ -154,6 +155,30 @@ __inline_linked __u64 current_nvcsw(void)
 	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
 
 	return BPF_CORE_READ(t, nvcsw);
+}
+
+static __always_inline __u64 *kicked_word(__u32 tid)
+{
+	__u32 idx = (tid / 64) % (THREADS_KICKED_BITS / 64);
+
+	return bpf_map_lookup_elem(&threads_kicked, &idx);
+}
+
+__inline_linked struct thread_kicks *thread_kicks_of(__u32 tid)
+{
+	__u64 *w = kicked_word(tid);
+
+	if (!w || !(*w & (1ULL << (tid % 64))))
+		return 0;
+	return bpf_map_lookup_elem(&thread_kicks, &tid);
+}
+
+__inline_linked void mark_thread_kicked(__u32 tid)
+{
+	__u64 *w = kicked_word(tid), bit = 1ULL << (tid % 64);
+
+	if (w && !(*w & bit))
+		__sync_fetch_and_or(w, bit);
 }
 
 __inline_linked struct vm_counts *vm_counts_of(__u32 vm)

@@ -31,7 +31,7 @@ static __always_inline __u16 queue_of_gpa(__u64 gpa)
  * first one since its last pickup counts. */
 static __always_inline void thread_kick(__u32 tid, __u32 slot, __u64 now)
 {
-	struct thread_kicks *k = bpf_map_lookup_elem(&thread_kicks, &tid);
+	struct thread_kicks *k = thread_kicks_of(tid);
 
 	if (!k || slot >= KICK_SLOTS || k->ts[slot])
 		return;
@@ -50,6 +50,7 @@ static __always_inline __u32 kick_slot(__u32 tid, __u16 queue)
 
 	if (!k)
 		return KICK_SLOTS;
+	mark_thread_kicked(tid);
 	for (i = 0; i < KICK_SLOTS; i++) {
 		if (k->queue[i] == queue)
 			return i;

@@ -17,14 +17,11 @@
 #include "notifiers.bpf.h"
 #include "nesting.bpf.h"
 
-__inline_linked void kicks_read_by_sleep(__u32 tid)
+__inline_linked void kicks_read_by_sleep(struct thread_kicks *k)
 {
-	struct thread_kicks *k = bpf_map_lookup_elem(&thread_kicks, &tid);
 	__u64 now;
 	__u32 i;
 
-	if (!k || !k->pending)
-		return;
 	now = bpf_ktime_get_ns();
 	for (i = 0; i < KICK_SLOTS; i++) {
 		__u64 t = k->ts[i];
@@ -160,7 +157,7 @@ static __always_inline void pick_up(__u32 tgid, __u32 tid, __u64 kick_ns, __u32 
  * in the middle of a call, see pick_after_sleep). */
 __noinline int pick_up_thread_kick(__u32 tgid, __u32 tid, __u64 now, __u64 nvcsw)
 {
-	struct thread_kicks *k = bpf_map_lookup_elem(&thread_kicks, &tid);
+	struct thread_kicks *k = thread_kicks_of(tid);
 	__u64 best = 0, kick_ns;
 	__u32 i, slot = KICK_SLOTS, pending;
 

@@ -105,37 +105,8 @@ static __always_inline void waits_at_switch(__u32 prev_tgid, __u32 prev_tid, int
 	}
 }
 
-/* A CPU switching from prev to next. The always-on tier: next, an engine
- * thread a kick is waiting for (it slept, and the kick woke it), picks it
- * up as it is switched in — unless pickups come from its eventfd read
- * (fentry or kprobes). One lookup per switch on the whole host, missed
- * unless a kick waits. */
-static __always_inline void on_switch(__u32 prev_tgid, __u32 prev_tid, int preempted,
-				      __u32 next_tgid, __u32 next_tid, struct task_struct *next,
-				      __u64 next_nvcsw)
-{
-	struct tier_state *t = tier_now();
-	__u64 now = 0;
-
-	if (!targ_vm_segments || !t)
-		return;
-	if (t->deep)
-		waits_at_switch(prev_tgid, prev_tid, preempted, next_tgid, next_tid, next, &now);
-	if (!t->pick_at_read && !preempted)
-		kicks_read_by_sleep(prev_tid);
-	if (!t->pick_at_read) {
-		struct thread_kicks *k = bpf_map_lookup_elem(&thread_kicks, &next_tid);
-
-		if (k && k->pending) {
-			if (!now)
-				now = bpf_ktime_get_ns();
-			pick_after_sleep(next_tgid, next_tid, now, next_nvcsw);
-		}
-	}
-}
-
 /* The task's state as it leaves the CPU: TASK_RUNNING (0) is a preemption.
- * `__state` since v5.14, `state` before. */
+ * Kernels before 5.14 (2f064a59a11f) name the field `state`. */
 struct task_struct___pre514 {
 	long state;
 } __attribute__((preserve_access_index));
@@ -147,6 +118,39 @@ static __always_inline int still_runnable(struct task_struct *t)
 	return BPF_CORE_READ((struct task_struct___pre514 *)t, state) == 0;
 }
 
+/* A CPU switching from prev to next. The always-on tier: next, an engine
+ * thread a kick is waiting for (it slept, and the kick woke it), picks it
+ * up as it is switched in — unless pickups come from its eventfd read
+ * (fentry or kprobes). Threads no kick was ever for (threads_kicked) cost
+ * a switch two array reads: prev's state and next's switch count are read
+ * only for a thread that may have kicks waiting. `btf`: a constant per
+ * inlined call site, choosing direct or probe reads. */
+static __always_inline void on_switch(struct task_struct *prev, __u32 prev_tgid, __u32 prev_tid,
+				      struct task_struct *next, __u32 next_tgid, __u32 next_tid,
+				      int btf)
+{
+	struct tier_state *t = tier_now();
+	struct thread_kicks *k;
+	__u64 now = 0;
+
+	if (!targ_vm_segments || !t)
+		return;
+	if (t->deep)
+		waits_at_switch(prev_tgid, prev_tid, still_runnable(prev), next_tgid, next_tid,
+				next, &now);
+	if (t->pick_at_read)
+		return;
+	k = thread_kicks_of(prev_tid);
+	if (k && k->pending && !still_runnable(prev))
+		kicks_read_by_sleep(k);
+	k = thread_kicks_of(next_tid);
+	if (k && k->pending) {
+		if (!now)
+			now = bpf_ktime_get_ns();
+		pick_after_sleep(next_tgid, next_tid, now, READ(btf, next, nvcsw));
+	}
+}
+
 /* Each with its second program (nesting.bpf.h). */
 NESTED_WAKE_PROGRAMS("tp_btf/sched_wakeup", sched_wakeup_btf, sched_wakeup_nested_btf, NEST_WAKEUP,
 		     CNT_NESTED_WAKEUP, on_wakeup(p->tgid, p->pid))
@@ -156,17 +160,15 @@ NESTED_WAKE_PROGRAMS("raw_tp/sched_wakeup", sched_wakeup, sched_wakeup_nested, N
 SEC("tp_btf/sched_switch")
 int BPF_PROG(sched_switch_btf, bool preempt, struct task_struct *prev, struct task_struct *next)
 {
-	on_switch(prev->tgid, prev->pid, still_runnable(prev), next->tgid, next->pid, next,
-		  next->nvcsw);
+	on_switch(prev, prev->tgid, prev->pid, next, next->tgid, next->pid, 1);
 	return 0;
 }
 
 SEC("raw_tp/sched_switch")
 int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_struct *next)
 {
-	on_switch(BPF_CORE_READ(prev, tgid), BPF_CORE_READ(prev, pid), still_runnable(prev),
-		  BPF_CORE_READ(next, tgid), BPF_CORE_READ(next, pid), next,
-		  BPF_CORE_READ(next, nvcsw));
+	on_switch(prev, BPF_CORE_READ(prev, tgid), BPF_CORE_READ(prev, pid), next,
+		  BPF_CORE_READ(next, tgid), BPF_CORE_READ(next, pid), 0);
 	return 0;
 }
 

@@ -212,6 +212,27 @@ typedef struct {
 } thread_kicks_map_t;
 extern thread_kicks_map_t thread_kicks SEC(".maps");
 
+/* A bit per thread id (modulo THREADS_KICKED_BITS) that has ever had an
+ * entry in thread_kicks: a context switch or a request start of any other
+ * thread (most of a host's) looks no further than this one word, where a
+ * miss in the hash costs it a lookup. Never cleared: a bit left by a gone
+ * thread, or shared by two ids, costs that thread the lookup, no more. */
+#define THREADS_KICKED_BITS (1 << 16)
+
+typedef struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, THREADS_KICKED_BITS / 64);
+	__type(key, __u32);
+	__type(value, __u64);
+} threads_kicked_map_t;
+extern threads_kicked_map_t threads_kicked SEC(".maps");
+
+/* Thread `tid`'s kicks waiting, if it may have any (threads_kicked). */
+struct thread_kicks *thread_kicks_of(__u32 tid);
+
+/* Thread `tid` has an entry in thread_kicks. */
+void mark_thread_kicked(__u32 tid);
+
 /* The last kick each engine thread picked up: tid -> {kick, pickup}. The
  * requests that thread submits next belong to that notification: those of
  * all it submits until it picks up the next. A polling engine (QEMU's

@@ -71,11 +71,16 @@ pub struct VmArgs {
     /// what the change did to the cost, as ratios of one run.
     #[arg(long, value_name = "IOSPAN")]
     against: Option<PathBuf>,
+    /// Only these traced arms (comma-separated; all by default): a shorter
+    /// run while working on one of them. The untraced slices are always run.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    arms: Vec<Arm>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 enum Arm {
+    #[value(skip)]
     Off,
     BlockOnly,
     AlwaysOn,
@@ -102,6 +107,9 @@ impl Arm {
         let mut arms = Arm::TRACED.to_vec();
         if a.against.is_some() {
             arms.push(Arm::Against);
+        }
+        if !a.arms.is_empty() {
+            arms.retain(|arm| a.arms.contains(arm));
         }
         arms
     }
