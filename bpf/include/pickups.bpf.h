@@ -24,10 +24,10 @@ __u32 waited_within(__u32 tid, __u64 from, __u64 to);
 int pick_up_thread_kick(__u32 tgid, __u32 tid, __u64 now, __u64 nvcsw);
 
 /* A thread going to sleep with kicks waiting (`k`, its thread_kicks): an
- * engine sleeps only once every notifier ready before it has been read, so each kick waiting for it came before
- * and was taken — by a batch, or by a read that found the queue already
- * served (a guest may queue more requests, and kick again, between the
- * engine's read and its pop). Such a kick never has a submitting call of
+ * engine sleeps only once every notifier ready before it has been read,
+ * so each kick waiting for it came before and was taken — by a batch, or
+ * by a read that found the queue already served (a guest may queue more
+ * requests, and kick again, between the engine's read and its pop). Such a kick never has a submitting call of
  * its own: without this, the queue's next batch would take it. */
 void kicks_read_by_sleep(struct thread_kicks *k);
 

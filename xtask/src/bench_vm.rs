@@ -268,6 +268,9 @@ pub fn vm(a: &VmArgs) -> Result<()> {
     if a.seconds == 0 || a.slices == 0 || a.reps == 0 {
         bail!("--seconds, --slices and --reps must be at least 1");
     }
+    if a.arms.contains(&Arm::Against) && a.against.is_none() {
+        bail!("--arms against: give the other build with --against IOSPAN");
+    }
     if let Some(other) = a.against.as_deref().filter(|p| !p.is_file()) {
         bail!(
             "--against {}: no such file (give a release build of iospan, e.g. a copy of target/release/iospan built at another commit)",
