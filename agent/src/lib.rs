@@ -21,7 +21,18 @@ pub mod abi;
 pub mod api;
 pub mod cmd;
 pub mod discover;
+// What a guest, a local user or the kernel's records make of the figures
+// never panics here: no indexing, no arithmetic that can overflow or divide
+// by zero (tests aside).
+#[cfg_attr(
+    not(test),
+    deny(clippy::indexing_slicing, clippy::arithmetic_side_effects)
+)]
 pub mod model;
 pub mod output;
+#[cfg_attr(
+    not(test),
+    deny(clippy::indexing_slicing, clippy::arithmetic_side_effects)
+)]
 pub mod pipeline;
 pub mod probes;

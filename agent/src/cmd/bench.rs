@@ -197,7 +197,7 @@ pub fn run_command(
     Ok(match outcome.child_status.and_then(|s| s.code()) {
         Some(0) | None if checked => ExitCode::SUCCESS,
         Some(0) | None => ExitCode::from(1),
-        Some(c) => ExitCode::from(c.clamp(1, 255) as u8),
+        Some(c) => ExitCode::from(c.max(1).min(255) as u8),
     })
 }
 

@@ -81,6 +81,8 @@ pub async fn serve(opts: ServiceOptions) -> Result<()> {
     let watchdog = sd_notify::watchdog_enabled();
     let mut ping = tokio::time::interval(watchdog.map_or(Duration::from_secs(3600), |d| d / 2));
     let mut ready = false;
+    // The frame the watchdog was last told of: alive means a newer one.
+    let mut pinged_at_s = f64::NEG_INFINITY;
     loop {
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut frames = shared.frames.subscribe();
@@ -120,9 +122,11 @@ pub async fn serve(opts: ServiceOptions) -> Result<()> {
                     }
                 }
                 _ = ping.tick(), if watchdog.is_some() => {
-                    // Alive only while the run still makes frames.
-                    let fresh = frames.borrow().as_ref().is_some();
-                    if fresh {
+                    // Alive only while the run still makes frames: a stalled
+                    // loop is restarted by systemd, not covered for.
+                    let at_s = frames.borrow().as_ref().map(|f| f.at_s);
+                    if let Some(at_s) = at_s.filter(|&t| t > pinged_at_s) {
+                        pinged_at_s = at_s;
                         notify(&[NotifyState::Watchdog]);
                     }
                 }
@@ -186,6 +190,10 @@ pub fn main(opts: ServiceOptions, check_only: bool) -> Result<std::process::Exit
         return Ok(std::process::ExitCode::SUCCESS);
     }
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    rt.block_on(serve(opts))?;
+    let served = rt.block_on(serve(opts));
+    // A blocking read still under way (a monitor's exchange, which ends by
+    // its own deadline) does not hold the stop up.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    served?;
     Ok(std::process::ExitCode::SUCCESS)
 }

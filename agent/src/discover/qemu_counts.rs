@@ -8,16 +8,17 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    io::{BufRead, BufReader, Write},
-    os::unix::net::UnixStream,
-    path::{Path, PathBuf},
+    path::PathBuf,
     time::Duration,
 };
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::discover::vms::{channel_socket, Vm};
+use crate::discover::{
+    qmp::{Capped, Session},
+    vms::{channel_socket, Vm},
+};
 
 /// One virtual disk's counters, as QEMU keeps them (since it started).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -180,40 +181,48 @@ pub fn describe_all(sources: &[Source]) -> String {
         .join("; ")
 }
 
-/// A monitor's reply, at most this long: QEMU's answers for hundreds of
-/// disks fit many times over.
-const MAX_REPLY: usize = 4 << 20;
-/// Each step of a QMP exchange, at most this long.
-const QMP_TIMEOUT: Duration = Duration::from_secs(2);
+/// libvirt's client, for a domain's counters: at most this long, this
+/// much output (a domain of hundreds of disks prints a few hundred KiB).
+const VIRSH_WITHIN: Duration = Duration::from_secs(2);
+const VIRSH_OUTPUT: usize = 4 << 20;
 
-/// The counters of `vm`'s virtual disks that `source` serves, now. Each
-/// QMP read is a session of its own, closed at once: a QMP monitor serves
-/// one client at a time, and the VM's manager (Proxmox's `qm`, a script,
-/// an operator) must find it free; a session costs QEMU about a
-/// millisecond.
-pub fn read(source: &Source, vm: &Vm) -> Result<Counts> {
+/// The counters of `vm`'s virtual disks that `source` serves, now, read
+/// `within` this long. Each QMP read is a session of its own, closed at
+/// once: a QMP monitor serves one client at a time, and the VM's manager
+/// (Proxmox's `qm`, a script, an operator) must find it free; a session
+/// costs QEMU about a millisecond.
+pub fn read(source: &Source, vm: &Vm, within: Duration) -> Result<Counts> {
     match source {
         Source::Qmp { socket, pid } => {
-            let stats = Session::open(socket, *pid)?.blockstats(false)?;
-            Ok(parse_blockstats(&stats, vm))
+            let stats: Capped<qmp_answers::BlockStats> = Session::open(socket, *pid, within)?
+                .execute("{\"execute\":\"query-blockstats\"}")?;
+            Ok(parse_blockstats(&stats.0, vm))
         }
         Source::Engine {
             socket, pid, nodes, ..
         } => {
             // An export's block backend has no name: its node is found
             // only among the nodes.
-            let stats = Session::open(socket, *pid)?.blockstats(true)?;
-            Ok(parse_node_blockstats(&stats, nodes))
+            let stats: Capped<qmp_answers::BlockStats> = Session::open(socket, *pid, within)?
+                .execute(
+                    "{\"execute\":\"query-blockstats\",\"arguments\":{\"query-nodes\":true}}",
+                )?;
+            Ok(parse_node_blockstats(&stats.0, nodes))
         }
         Source::Libvirt { domain } => {
-            let out = std::process::Command::new("virsh")
-                .args(["-q", "domstats", "--block", "--", domain])
-                .output()
-                .context("running virsh domstats (libvirt's client)")?;
+            let mut cmd = std::process::Command::new("virsh");
+            cmd.args(["-q", "domstats", "--block", "--", domain]);
+            let out = crate::discover::child::output_within(
+                &mut cmd,
+                within.min(VIRSH_WITHIN),
+                VIRSH_OUTPUT,
+            )
+            .context("virsh domstats (libvirt's client)")?;
             if !out.status.success() {
                 bail!(
-                    "virsh domstats --block {domain}: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
+                    "virsh domstats --block {}: {}",
+                    crate::model::text::printable(domain),
+                    crate::model::text::printable(String::from_utf8_lossy(&out.stderr).trim())
                 );
             }
             Ok(parse_domstats(&String::from_utf8_lossy(&out.stdout), vm))
@@ -222,35 +231,10 @@ pub fn read(source: &Source, vm: &Vm) -> Result<Counts> {
     }
 }
 
-/// QMP's messages, as much of each as is read here (QEMU's QAPI schema
-/// names them; its generated bindings would be a large crate for three
-/// messages).
-mod qmp {
+/// QMP's answers, as much of each as is read here (QEMU's QAPI schema
+/// names them).
+mod qmp_answers {
     use serde::Deserialize;
-
-    /// The monitor's greeting: `{"QMP": {"version": …, "capabilities": …}}`.
-    #[derive(Debug, Deserialize)]
-    pub struct Greeting {
-        #[serde(rename = "QMP")]
-        pub _qmp: serde::de::IgnoredAny,
-    }
-
-    /// A message after the greeting: a command's `return` or `error`, or
-    /// an event (neither).
-    #[derive(Debug, Deserialize)]
-    pub struct Reply {
-        #[serde(rename = "return")]
-        pub ret: Option<serde_json::Value>,
-        pub error: Option<Error>,
-    }
-
-    #[derive(Debug, Deserialize)]
-    pub struct Error {
-        #[serde(default)]
-        pub class: String,
-        #[serde(default)]
-        pub desc: String,
-    }
 
     /// One entry of `query-blockstats` (`BlockStats`): a block backend by
     /// its drive and device, or with `query-nodes` a node by its name.
@@ -302,81 +286,6 @@ mod qmp {
     }
 }
 
-/// The peer's pid of a connected unix socket.
-fn peer_pid(s: &UnixStream) -> Option<u32> {
-    let cred = rustix::net::sockopt::socket_peercred(s).ok()?;
-    Some(cred.pid.as_raw_nonzero().get() as u32)
-}
-
-/// A QMP session with a monitor, capabilities negotiated.
-struct Session {
-    socket: PathBuf,
-    w: UnixStream,
-    r: BufReader<UnixStream>,
-}
-
-impl Session {
-    /// Connects to the monitor at `socket`, served by process `pid`.
-    fn open(socket: &Path, pid: u32) -> Result<Session> {
-        let s = UnixStream::connect(socket)
-            .with_context(|| format!("connecting to the QMP monitor {}", socket.display()))?;
-        // The socket is the VM's (or its engine's) own, not one put in its place.
-        if peer_pid(&s) != Some(pid) {
-            bail!("{} is not served by process {pid}", socket.display());
-        }
-        s.set_read_timeout(Some(QMP_TIMEOUT))?;
-        s.set_write_timeout(Some(QMP_TIMEOUT))?;
-        let w = s.try_clone()?;
-        let mut session = Session {
-            socket: socket.to_path_buf(),
-            w,
-            r: BufReader::new(s),
-        };
-        // A monitor takes one client at a time: another one's session shows
-        // as no greeting within the timeout.
-        let greeting = next_message(&mut session.r).with_context(|| {
-            format!(
-                "{}: no QMP greeting (another client may hold the monitor)",
-                socket.display()
-            )
-        })?;
-        if let Err(e) = serde_json::from_slice::<qmp::Greeting>(&greeting) {
-            bail!("{}: not a QMP monitor: {e}", socket.display());
-        }
-        session.execute::<serde::de::IgnoredAny>("{\"execute\":\"qmp_capabilities\"}")?;
-        Ok(session)
-    }
-
-    fn blockstats(&mut self, nodes: bool) -> Result<Vec<qmp::BlockStats>> {
-        self.execute(if nodes {
-            "{\"execute\":\"query-blockstats\",\"arguments\":{\"query-nodes\":true}}"
-        } else {
-            "{\"execute\":\"query-blockstats\"}"
-        })
-    }
-
-    /// One command's `return`, as `T`; events before it are passed over.
-    fn execute<T: serde::de::DeserializeOwned>(&mut self, cmd: &str) -> Result<T> {
-        let socket = self.socket.display();
-        writeln!(self.w, "{cmd}")
-            .with_context(|| format!("writing to the QMP monitor {socket}"))?;
-        loop {
-            let line =
-                next_message(&mut self.r).with_context(|| format!("QMP monitor {socket}"))?;
-            let reply: qmp::Reply = serde_json::from_slice(&line)
-                .with_context(|| format!("QMP monitor {socket}: a message that is not QMP's"))?;
-            if let Some(e) = reply.error {
-                bail!("{socket}: {cmd}: {} ({})", e.desc, e.class);
-            }
-            if let Some(ret) = reply.ret {
-                return serde_json::from_value(ret).with_context(|| {
-                    format!("{socket}: {cmd}: an answer not as QEMU documents it")
-                });
-            }
-        }
-    }
-}
-
 /// A virtual disk's throttle as QEMU holds it now: limits by QMP's names
 /// (none set: empty) and its group.
 pub type Throttle = (Vec<(String, u64)>, Option<String>);
@@ -384,14 +293,19 @@ pub type Throttle = (Vec<(String, u64)>, Option<String>);
 /// Each virtual disk's throttle as QEMU holds it now (QMP `query-block`),
 /// through its own monitor; None for a source that is not one (libvirt's
 /// domains carry theirs in their XML, `<iotune>`).
-pub fn throttles(source: &Source, vm: &Vm) -> Option<Result<BTreeMap<String, Throttle>>> {
+pub fn throttles(
+    source: &Source,
+    vm: &Vm,
+    within: Duration,
+) -> Option<Result<BTreeMap<String, Throttle>>> {
     let Source::Qmp { socket, pid } = source else {
         return None;
     };
     let read = || -> Result<BTreeMap<String, Throttle>> {
-        let info: Vec<qmp::BlockInfo> =
-            Session::open(socket, *pid)?.execute("{\"execute\":\"query-block\"}")?;
+        let info: Capped<qmp_answers::BlockInfo> =
+            Session::open(socket, *pid, within)?.execute("{\"execute\":\"query-block\"}")?;
         Ok(info
+            .0
             .iter()
             .filter_map(|b| {
                 let id = vdisk_of(vm, &b.device, &b.qdev)?;
@@ -419,21 +333,6 @@ pub fn throttles(source: &Source, vm: &Vm) -> Option<Result<BTreeMap<String, Thr
     Some(read())
 }
 
-/// One message of a QMP stream (a line), at most `MAX_REPLY` bytes.
-fn next_message<R: BufRead>(r: &mut R) -> Result<Vec<u8>> {
-    let mut line = Vec::new();
-    let n = <&mut R as std::io::Read>::take(r, MAX_REPLY as u64 + 1)
-        .read_until(b'\n', &mut line)
-        .context("reading the QMP monitor")?;
-    if n == 0 {
-        bail!("the QMP monitor closed the connection");
-    }
-    if line.len() > MAX_REPLY {
-        bail!("a QMP message over {MAX_REPLY} bytes");
-    }
-    Ok(line)
-}
-
 /// The virtual disk a blockstats entry belongs to: by the device's QOM
 /// path (`/machine/peripheral/ID/…`, or the id itself), else by its drive
 /// (`device`: a `-drive` id, which is the disk's id when its device has
@@ -451,7 +350,7 @@ fn vdisk_of<'a>(vm: &'a Vm, device: &str, qdev: &str) -> Option<&'a str> {
 
 /// `query-blockstats`'s answer as counters per virtual disk of `vm`
 /// (entries that are no disk of its command line are left out).
-fn parse_blockstats(ret: &[qmp::BlockStats], vm: &Vm) -> Counts {
+fn parse_blockstats(ret: &[qmp_answers::BlockStats], vm: &Vm) -> Counts {
     let mut out = Counts::new();
     for e in ret {
         let Some(id) = vdisk_of(vm, &e.device, &e.qdev) else {
@@ -464,7 +363,10 @@ fn parse_blockstats(ret: &[qmp::BlockStats], vm: &Vm) -> Counts {
 
 /// `query-blockstats` with `query-nodes` as counters per virtual disk:
 /// each entry whose node is one of `nodes` (node name → virtual disk).
-fn parse_node_blockstats(ret: &[qmp::BlockStats], nodes: &BTreeMap<String, String>) -> Counts {
+fn parse_node_blockstats(
+    ret: &[qmp_answers::BlockStats],
+    nodes: &BTreeMap<String, String>,
+) -> Counts {
     let mut out = Counts::new();
     for e in ret {
         let Some(vdisk) = nodes.get(&e.node_name) else {
@@ -479,7 +381,7 @@ fn parse_node_blockstats(ret: &[qmp::BlockStats], nodes: &BTreeMap<String, Strin
 /// `*_operations`, one merged into another (virtio-blk merges adjacent
 /// ones it takes from the ring together) as well: `*_merged` counts the
 /// merges, not more requests.
-fn counts_of(s: &qmp::BlockDeviceStats) -> DiskCounts {
+fn counts_of(s: &qmp_answers::BlockDeviceStats) -> DiskCounts {
     DiskCounts {
         rd_ops: s.rd_operations,
         rd_bytes: s.rd_bytes,
@@ -549,6 +451,12 @@ pub fn parse_domstats(text: &str, vm: &Vm) -> Counts {
 
 #[cfg(test)]
 mod tests {
+    use std::{
+        io::{BufRead, BufReader, Write},
+        os::unix::net::UnixStream,
+        path::Path,
+    };
+
     use super::*;
     use crate::discover::vms::from_args;
 
@@ -710,22 +618,25 @@ mod tests {
         };
         // The monitor serves one client at a time: were a session kept, the
         // other client here (a VM manager) would wait for ever.
-        drop(Session::open(&path, std::process::id()).expect("the monitor greets"));
+        let within = crate::discover::qmp::EXCHANGE;
+        drop(Session::open(&path, std::process::id(), within).expect("the monitor greets"));
         let ops: Vec<u64> = (0..3)
-            .map(|_| read(&source, &v).unwrap()["vd0"].rd_ops)
+            .map(|_| read(&source, &v, within).unwrap()["vd0"].rd_ops)
             .collect();
         // Capabilities then blockstats in each, after the manager's
         // capabilities: answers 3, 5, 7.
         assert_eq!(ops, [3, 5, 7]);
-        let mut m = Session::open(&path, std::process::id()).expect("the monitor is free");
-        assert_eq!(m.blockstats(false).unwrap()[0].stats.rd_operations, 9);
+        let mut m = Session::open(&path, std::process::id(), within).expect("the monitor is free");
+        let stats: Capped<qmp_answers::BlockStats> =
+            m.execute("{\"execute\":\"query-blockstats\"}").unwrap();
+        assert_eq!(stats.0[0].stats.rd_operations, 9);
         drop(m);
         // A monitor not served by the process named is refused.
         let other = Source::Qmp {
             socket: path.clone(),
             pid: 1,
         };
-        let e = read(&other, &v).unwrap_err();
+        let e = read(&other, &v, within).unwrap_err();
         assert!(
             format!("{e:#}").contains("not served by process 1"),
             "{e:#}"

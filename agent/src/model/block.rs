@@ -153,8 +153,8 @@ impl BlockSnapshot {
         let mut out: BTreeMap<u32, VmFinished> = BTreeMap::new();
         for (k, s) in &self.vm_stats {
             let f = out.entry(k.vm).or_default();
-            f.done += s.ios + s.undelivered;
-            f.undelivered += s.undelivered;
+            f.done = f.done.saturating_add(s.ios.saturating_add(s.undelivered));
+            f.undelivered = f.undelivered.saturating_add(s.undelivered);
         }
         out
     }

@@ -14,7 +14,9 @@ use crate::abi::{HIST_MAX_LOG2, HIST_SUB_BITS};
 /// Sub-bucket bits of the user-space layout.
 pub const FINE_SUB_BITS: u32 = 6;
 
-/// Buckets of a layout with 2^`bits` sub-buckets per power of two.
+/// Buckets of a layout with 2^`bits` sub-buckets per power of two (`bits`
+/// is one of the two layouts' constants, far below `HIST_MAX_LOG2`).
+#[allow(clippy::arithmetic_side_effects)]
 const fn buckets_for(bits: u32) -> usize {
     ((HIST_MAX_LOG2 - bits + 2) << bits) as usize
 }
@@ -29,6 +31,10 @@ pub fn bucket_bounds(b: usize) -> (u64, u64) {
     bounds_in(b, HIST_SUB_BITS)
 }
 
+// `bits` is a layout's (3 or 6, checked where a histogram is read in:
+// `Hist`'s `try_from`), `v >= 2^(bits + 1)` past the first test, so `e`
+// lies in `bits + 1 ..= 63`: no shift or subtraction here leaves its range.
+#[allow(clippy::arithmetic_side_effects)]
 fn bucket_in(v: u64, bits: u32) -> usize {
     let sub = 1u64 << bits;
     if v < 2 * sub {
@@ -42,8 +48,12 @@ fn bucket_in(v: u64, bits: u32) -> usize {
     (((e - bits + 1) as u64) * sub + s) as usize
 }
 
+// A bucket index below `buckets_for(bits)`, or the next one (a caller's
+// end bound): `e` stays within `bits + 1 ..= HIST_MAX_LOG2 + 1`. An index
+// past that (a corrupt histogram's) is given the top bucket's bounds.
+#[allow(clippy::arithmetic_side_effects)]
 fn bounds_in(b: usize, bits: u32) -> (u64, u64) {
-    let b = b as u64;
+    let b = (b as u64).min(buckets_for(bits) as u64);
     let sub = 1u64 << bits;
     if b < 2 * sub {
         return (b, b + 1);
@@ -55,6 +65,7 @@ fn bounds_in(b: usize, bits: u32) -> (u64, u64) {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "HistFields")]
 pub struct Hist {
     /// Sub-bucket bits of this histogram's layout.
     sub_bits: u32,
@@ -62,6 +73,44 @@ pub struct Hist {
     pub count: u64,
     pub sum_ns: u64,
     pub max_ns: u64,
+}
+
+/// A histogram as read from a file (a stored run, a report): taken only in
+/// one of the two layouts, with that layout's number of buckets.
+#[derive(Deserialize)]
+struct HistFields {
+    sub_bits: u32,
+    buckets: Vec<u64>,
+    count: u64,
+    sum_ns: u64,
+    max_ns: u64,
+}
+
+impl TryFrom<HistFields> for Hist {
+    type Error = String;
+
+    fn try_from(f: HistFields) -> Result<Self, String> {
+        if f.sub_bits != HIST_SUB_BITS && f.sub_bits != FINE_SUB_BITS {
+            return Err(format!(
+                "a histogram of {} sub-bucket bits (only {HIST_SUB_BITS} and {FINE_SUB_BITS} exist)",
+                f.sub_bits
+            ));
+        }
+        if f.buckets.len() != buckets_for(f.sub_bits) {
+            return Err(format!(
+                "a histogram of {} buckets (its layout has {})",
+                f.buckets.len(),
+                buckets_for(f.sub_bits)
+            ));
+        }
+        Ok(Hist {
+            sub_bits: f.sub_bits,
+            buckets: f.buckets,
+            count: f.count,
+            sum_ns: f.sum_ns,
+            max_ns: f.max_ns,
+        })
+    }
 }
 
 /// The kernel's layout: what its per-CPU histograms are summed into.
@@ -100,8 +149,10 @@ impl Hist {
     }
 
     pub fn record(&mut self, v: u64) {
-        self.buckets[bucket_in(v, self.sub_bits)] += 1;
-        self.count += 1;
+        if let Some(n) = self.buckets.get_mut(bucket_in(v, self.sub_bits)) {
+            *n = n.saturating_add(1);
+        }
+        self.count = self.count.saturating_add(1);
         // Values can come from a guest: a sum that would wrap stays at the top.
         self.sum_ns = self.sum_ns.saturating_add(v);
         self.max_ns = self.max_ns.max(v);
@@ -114,9 +165,9 @@ impl Hist {
             "merging histograms of two layouts"
         );
         for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
-            *a += b;
+            *a = a.saturating_add(*b);
         }
-        self.count += other.count;
+        self.count = self.count.saturating_add(other.count);
         self.sum_ns = self.sum_ns.saturating_add(other.sum_ns);
         self.max_ns = self.max_ns.max(other.max_ns);
     }
@@ -129,8 +180,8 @@ impl Hist {
             "a kernel histogram into a fine one"
         );
         for (a, &b) in self.buckets.iter_mut().zip(buckets) {
-            *a += b;
-            self.count += b;
+            *a = a.saturating_add(b);
+            self.count = self.count.saturating_add(b);
         }
         self.sum_ns = self.sum_ns.saturating_add(sum_ns);
         self.max_ns = self.max_ns.max(max_ns);
@@ -144,7 +195,12 @@ impl Hist {
         }
         let mut out = Hist::default();
         for (b, &n) in self.buckets.iter().enumerate().filter(|(_, n)| **n > 0) {
-            out.buckets[bucket_of(bounds_in(b, self.sub_bits).0)] += n;
+            if let Some(c) = out
+                .buckets
+                .get_mut(bucket_of(bounds_in(b, self.sub_bits).0))
+            {
+                *c = c.saturating_add(n);
+            }
         }
         out.count = self.count;
         out.sum_ns = self.sum_ns;
@@ -205,26 +261,28 @@ impl Hist {
     /// The q-quantile (0..=1) in nanoseconds, interpolated linearly inside
     /// its bucket and never above the observed maximum.
     pub fn quantile_ns(&self, q: f64) -> f64 {
-        let total: u64 = self.buckets.iter().sum();
+        let total = self.buckets.iter().fold(0u64, |a, &n| a.saturating_add(n));
         if total == 0 {
             return 0.0;
         }
-        let rank = (q.clamp(0.0, 1.0) * total as f64).max(1.0);
+        // NaN asks for the median: no rank at all is no answer.
+        let q = if q.is_nan() { 0.5 } else { q.max(0.0).min(1.0) };
+        let rank = (q * total as f64).max(1.0);
         let mut seen = 0u64;
         for (b, &n) in self.buckets.iter().enumerate() {
             if n == 0 {
                 continue;
             }
-            if (seen + n) as f64 >= rank {
+            if seen.saturating_add(n) as f64 >= rank {
                 let (lo, hi) = bounds_in(b, self.sub_bits);
                 // The top bucket ends at the largest value seen, not at
                 // its bound: the slowest values are the ones asked for most.
                 let hi = hi.min(self.max_ns.saturating_add(1)).max(lo);
                 let frac = (rank - seen as f64) / n as f64;
-                let v = lo as f64 + frac * (hi - lo) as f64;
+                let v = lo as f64 + frac * hi.saturating_sub(lo) as f64;
                 return v.min(self.max_ns as f64);
             }
-            seen += n;
+            seen = seen.saturating_add(n);
         }
         self.max_ns as f64
     }
@@ -256,6 +314,7 @@ impl Hist {
 }
 
 /// Bucket upper bounds, ns: 2^10 (≈1 µs) to 2^34 (≈17 s), four per octave.
+#[allow(clippy::arithmetic_side_effects)] // constants: e in 10..34
 pub fn bounds_ns() -> Vec<u64> {
     (10..34)
         .flat_map(|e| (0..4).map(move |q| (1u64 << e) + q * (1u64 << (e - 2))))

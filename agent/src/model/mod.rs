@@ -154,12 +154,12 @@ pub struct DiskOpStats {
 impl DiskOpStats {
     /// Adds another window's figures (a retired table entry's).
     pub fn merge(&mut self, o: &DiskOpStats) {
-        self.ios += o.ios;
-        self.bytes += o.bytes;
-        self.errors += o.errors;
-        self.requeued += o.requeued;
-        self.partial += o.partial;
-        self.undelivered += o.undelivered;
+        self.ios = self.ios.saturating_add(o.ios);
+        self.bytes = self.bytes.saturating_add(o.bytes);
+        self.errors = self.errors.saturating_add(o.errors);
+        self.requeued = self.requeued.saturating_add(o.requeued);
+        self.partial = self.partial.saturating_add(o.partial);
+        self.undelivered = self.undelivered.saturating_add(o.undelivered);
         for (h, oh) in self.segments.iter_mut().zip(o.segments.iter()) {
             h.merge(oh);
         }
@@ -167,23 +167,24 @@ impl DiskOpStats {
 
     /// Adds one share of the kernel's statistics (a CPU's, or the nested updates').
     pub fn add_cpu(&mut self, s: &BlkStats) {
-        self.ios += s.ios;
-        self.bytes += s.bytes;
-        self.errors += s.errors;
-        self.requeued += s.requeued;
-        self.partial += s.partial;
-        for (i, h) in self.segments.iter_mut().enumerate() {
-            for (a, &b) in h.buckets.iter_mut().zip(s.hist[i].iter()) {
-                *a += b;
-                h.count += b;
-            }
-            h.sum_ns += s.sum_ns[i];
-            h.max_ns = h.max_ns.max(s.max_ns[i]);
+        self.ios = self.ios.saturating_add(s.ios);
+        self.bytes = self.bytes.saturating_add(s.bytes);
+        self.errors = self.errors.saturating_add(s.errors);
+        self.requeued = self.requeued.saturating_add(s.requeued);
+        self.partial = self.partial.saturating_add(s.partial);
+        let kernel = s.hist.iter().zip(&s.sum_ns).zip(&s.max_ns);
+        for (h, ((buckets, &sum), &max)) in self.segments.iter_mut().zip(kernel) {
+            h.add_kernel(buckets, sum, max);
         }
     }
 
     pub fn segment(&self, s: BlkSegment) -> &Hist {
-        &self.segments[s as usize]
+        let [total, queue, service] = &self.segments;
+        match s {
+            BlkSegment::Total => total,
+            BlkSegment::Queue => queue,
+            BlkSegment::Service => service,
+        }
     }
 }
 
@@ -211,16 +212,17 @@ impl Default for JoinedWindows {
 impl JoinedWindows {
     /// Adds one CPU's entry.
     pub fn add_cpu(&mut self, s: &VmSplitStats) {
-        self.count += s.count;
-        self.bytes += s.bytes;
-        for (i, h) in self.segments.iter_mut().enumerate() {
-            h.add_kernel(&s.hist[i], s.sum_ns[i], s.max_ns[i]);
+        self.count = self.count.saturating_add(s.count);
+        self.bytes = self.bytes.saturating_add(s.bytes);
+        let kernel = s.hist.iter().zip(&s.sum_ns).zip(&s.max_ns);
+        for (h, ((buckets, &sum), &max)) in self.segments.iter_mut().zip(kernel) {
+            h.add_kernel(buckets, sum, max);
         }
     }
 
     pub fn merge(&mut self, o: &JoinedWindows) {
-        self.count += o.count;
-        self.bytes += o.bytes;
+        self.count = self.count.saturating_add(o.count);
+        self.bytes = self.bytes.saturating_add(o.bytes);
         for (a, b) in self.segments.iter_mut().zip(&o.segments) {
             a.merge(b);
         }

@@ -90,7 +90,12 @@ impl IoSpan {
             kick_ns: ev.kick_ns,
             pick_ns: ev.pick_ns,
             start_ns: ev.start_ns,
-            issue_ns: ev.issue_ns.clamp(ev.start_ns, ev.done_ns),
+            // Stamps out of order (a clock read on another CPU) kept inside
+            // the request's own start and end, whichever way they came.
+            issue_ns: ev
+                .issue_ns
+                .max(ev.start_ns)
+                .min(ev.done_ns.max(ev.start_ns)),
             done_ns: ev.done_ns,
             signal_ns,
             clock_offset_ns: None,

@@ -65,7 +65,7 @@ impl SplitWindow {
 
     /// One request: its span's `total_ns` is the window this view tiles.
     pub fn record(&mut self, sp: &IoSpan) {
-        self.bytes += u64::from(sp.bytes);
+        self.bytes = self.bytes.saturating_add(u64::from(sp.bytes));
         if let Some(g) = &mut self.guest {
             g.record(sp.guest_ns);
         }
@@ -83,7 +83,7 @@ impl SplitWindow {
 
     /// Another window of the same view added.
     pub fn merge(&mut self, o: &SplitWindow) {
-        self.bytes += o.bytes;
+        self.bytes = self.bytes.saturating_add(o.bytes);
         if let (Some(a), Some(b)) = (&mut self.guest, &o.guest) {
             a.merge_any(b);
         }

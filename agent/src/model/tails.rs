@@ -78,7 +78,7 @@ pub fn bands(kept: &[Parts]) -> Vec<Band> {
             Some(Band {
                 from_pct: pct,
                 ios: tail.len() as u64,
-                threshold_us: f64::from(tail[0][0]) / 1e3,
+                threshold_us: tail.first().map_or(0.0, |p| f64::from(p[0]) / 1e3),
                 mean_us,
             })
         })
@@ -88,19 +88,21 @@ pub fn bands(kept: &[Parts]) -> Vec<Band> {
 pub fn cdf(kept: &[Parts]) -> Vec<Vec<(f64, f64)>> {
     (0..5)
         .map(|i| {
-            let mut v: Vec<u32> = kept.iter().map(|p| p[i]).collect();
+            let mut v: Vec<u32> = kept.iter().filter_map(|p| p.get(i).copied()).collect();
             v.sort_unstable();
             let n = v.len();
-            if n == 0 {
+            let Some(&last) = v.last() else {
                 return Vec::new();
-            }
+            };
             // 200 points spread over the ranks, plus the last.
-            let step = (n / 200).max(1);
-            let mut pts: Vec<(f64, f64)> = (0..n)
+            let step = n.checked_div(200).unwrap_or(0).max(1);
+            let mut pts: Vec<(f64, f64)> = v
+                .iter()
+                .enumerate()
                 .step_by(step)
-                .map(|k| (f64::from(v[k]) / 1e3, (k + 1) as f64 / n as f64))
+                .map(|(k, &x)| (f64::from(x) / 1e3, (k as f64 + 1.0) / n as f64))
                 .collect();
-            pts.push((f64::from(v[n - 1]) / 1e3, 1.0));
+            pts.push((f64::from(last) / 1e3, 1.0));
             pts
         })
         .collect()

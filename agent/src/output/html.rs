@@ -266,7 +266,7 @@ struct LogAxis {
 
 impl LogAxis {
     fn x(&self, v: f64) -> f64 {
-        let v = v.clamp(self.lo, self.hi);
+        let v = v.max(self.lo).min(self.hi);
         self.x0 + (v / self.lo).ln() / (self.hi / self.lo).ln().max(1e-9) * self.width
     }
 }

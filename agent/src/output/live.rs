@@ -68,6 +68,10 @@ pub struct Frame {
     /// limits it, why, and the setting that would move it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub diagnoses: Vec<crate::model::diagnosis::FrameDiagnosis>,
+    /// The VMs' monitors failing now (QMP, libvirt's client): not read
+    /// until their back-off is over.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub monitors: Vec<crate::discover::monitors::Misbehaving>,
 }
 
 /// One VM's own counters beside a frame.
@@ -133,6 +137,7 @@ pub fn frame(at_s: f64, snap: &BlockSnapshot, corr: &Correlator, known: &Registr
         unmatched: stitch.counters.unmatched_guest + stitch.counters.unmatched_host,
         qemu: None,
         diagnoses: Vec::new(),
+        monitors: Vec::new(),
     }
 }
 

@@ -35,6 +35,8 @@ pub struct View<'a> {
     /// The kernel side's tables: (map, entries, capacity).
     pub maps: &'a [(&'static str, u32, u32)],
     pub cpu_s: (f64, f64),
+    /// The VMs' monitors: failed exchanges by reason, and those failing now.
+    pub monitors: Option<&'a crate::discover::monitors::Monitors>,
 }
 
 /// The two text expositions a scraper may ask for.
@@ -486,6 +488,54 @@ fn agent_families(out: &mut String, v: &View<'_>, f: Format) {
             let _ = writeln!(out, "{name}{{map=\"{}\"}} {}", m.0, pick(m));
         }
     }
+    if let Some(m) = v.monitors {
+        monitor_families(out, m, f);
+    }
+}
+
+/// The VMs' monitors that failed: every exchange by reason, and how many
+/// are waiting out a back-off now.
+fn monitor_families(out: &mut String, m: &crate::discover::monitors::Monitors, f: Format) {
+    family(
+        out,
+        f,
+        "iospan_qemu_monitor_failures_total",
+        "counter",
+        "Exchanges with a VM's monitor (QMP, libvirt's client) that failed, by reason.",
+    );
+    let failures = m.failures();
+    for reason in [
+        "busy",
+        "timeout",
+        "closed",
+        "too_much",
+        "not_qmp",
+        "not_its_own",
+        "refused",
+        "io",
+        "other",
+    ] {
+        let n = failures
+            .iter()
+            .find(|(r, _)| *r == reason)
+            .map_or(0, |(_, n)| *n);
+        let _ = writeln!(
+            out,
+            "iospan_qemu_monitor_failures_total{{reason=\"{reason}\"}} {n}"
+        );
+    }
+    family(
+        out,
+        f,
+        "iospan_qemu_monitors_failing",
+        "gauge",
+        "VMs' monitors failing now, tried again only after a back-off.",
+    );
+    let _ = writeln!(
+        out,
+        "iospan_qemu_monitors_failing {}",
+        m.misbehaving().len()
+    );
 }
 
 fn lost(out: &mut String, f: Format, c: &Counters) {

@@ -56,14 +56,16 @@ pub async fn follow(
             // QEMU not listening yet, or gone: try again, less often.
             tokio::select! {
                 _ = tokio::time::sleep(backoff) => {
-                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                    backoff = backoff.saturating_mul(2).min(BACKOFF_MAX);
                     continue;
                 }
                 _ = stop.changed() => return,
             }
         };
         let connected = tokio::time::Instant::now();
-        with_stats(&correlator, vm, |s| s.connections += 1);
+        with_stats(&correlator, vm, |s| {
+            s.connections = s.connections.saturating_add(1)
+        });
         let (mut rd, wr) = stream.into_split();
         // Whatever the guest agent wrote that nobody acknowledged (a host
         // agent before this one, a broken connection) comes again.
@@ -85,7 +87,8 @@ pub async fn follow(
                 tokio::select! {
                     r = rd.read(&mut buf) => r.unwrap_or(0),
                     _ = stop.changed() => {
-                        stopping = Some(tokio::time::Instant::now() + Duration::from_millis(300));
+                        let now = tokio::time::Instant::now();
+                        stopping = Some(now.checked_add(Duration::from_millis(300)).unwrap_or(now));
                         continue;
                     }
                 }
@@ -93,7 +96,7 @@ pub async fn follow(
             if n == 0 {
                 break;
             }
-            reader.push(&buf[..n]);
+            reader.push(buf.get(..n).unwrap_or_default());
             take_frames(vm, &mut reader, &mut warned, &path, &known, &correlator);
             // Handled: the guest agent may forget them. (Again after each
             // read: frames resent after a crossing acknowledgement are
@@ -115,7 +118,7 @@ pub async fn follow(
             backoff = BACKOFF_MIN;
         } else {
             tokio::select! {
-                _ = tokio::time::sleep(backoff) => backoff = (backoff * 2).min(BACKOFF_MAX),
+                _ = tokio::time::sleep(backoff) => backoff = backoff.saturating_mul(2).min(BACKOFF_MAX),
                 _ = stop.changed() => return,
             }
         }
@@ -151,7 +154,9 @@ fn take_frames(
                         }
                     );
                 }
-                with_stats(correlator, vm, |s| s.decode_errors += 1);
+                with_stats(correlator, vm, |s| {
+                    s.decode_errors = s.decode_errors.saturating_add(1)
+                });
             }
         }
     }
@@ -180,7 +185,7 @@ impl RateLimited {
         let now = std::time::Instant::now();
         match self.last {
             Some(t) if now.duration_since(t) < LOG_EVERY => {
-                self.held += 1;
+                self.held = self.held.saturating_add(1);
                 None
             }
             _ => {
@@ -232,7 +237,8 @@ fn handle(vm: u32, frame: Frame, known: &Mutex<Registry>, correlator: &Mutex<Cor
         }
         Frame::Records(recs) => {
             let mut c = correlator.lock().unwrap_or_else(|p| p.into_inner());
-            c.stitch.channels.entry(vm).or_default().records += recs.len() as u64;
+            let stats = c.stitch.channels.entry(vm).or_default();
+            stats.records = stats.records.saturating_add(recs.len() as u64);
             for r in recs {
                 c.stitch.on_guest(vm, r);
             }
@@ -278,8 +284,8 @@ fn disk_map(vm: u32, hello: &Hello, known: &Registry) -> Vec<(u32, u32)> {
         .iter()
         .filter(|d| nvme_head_of(&d.name).is_none())
         .collect();
-    if out.is_empty() && slots.len() == 1 && heads.len() == 1 {
-        out.extend(real.iter().map(|d| (d.dev, slots[0].0)));
+    if let ([only], [_], true) = (slots.as_slice(), heads.as_slice(), out.is_empty()) {
+        out.extend(real.iter().map(|d| (d.dev, only.0)));
     }
     // A head's paths are its disk.
     let paths: Vec<(u32, u32)> = real

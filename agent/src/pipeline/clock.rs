@@ -45,8 +45,17 @@ struct OffsetInterval {
 }
 
 impl OffsetInterval {
+    /// Halves first: both ends come from a guest's stamps, and their sum
+    /// may not fit.
     fn mid(&self) -> i64 {
-        self.low / 2 + self.high / 2
+        (self.low / 2).saturating_add(self.high / 2)
+    }
+
+    /// Half its width, at most i64's top (its ends may lie i64's whole
+    /// range apart).
+    fn half_width(&self) -> i64 {
+        let w = i128::from(self.high).saturating_sub(i128::from(self.low)) / 2;
+        i64::try_from(w).unwrap_or(i64::MAX)
     }
 }
 
@@ -79,8 +88,11 @@ fn best_interval(lower: &[i64], upper: &[i64]) -> Option<OffsetInterval> {
     let mut cands: Vec<i64> = lo.iter().chain(hi.iter()).copied().collect();
     cands.sort_unstable();
     cands.dedup();
-    let viol =
-        |t: i64| (lo.len() - lo.partition_point(|&l| l <= t)) + hi.partition_point(|&u| u < t);
+    let viol = |t: i64| {
+        lo.len()
+            .saturating_sub(lo.partition_point(|&l| l <= t))
+            .saturating_add(hi.partition_point(|&u| u < t))
+    };
     let best = cands.iter().map(|&t| viol(t)).min()?;
     let at: Vec<i64> = cands.iter().copied().filter(|&t| viol(t) == best).collect();
     Some(OffsetInterval {
@@ -92,8 +104,8 @@ fn best_interval(lower: &[i64], upper: &[i64]) -> Option<OffsetInterval> {
 
 impl Clock {
     pub(super) fn add(&mut self, host_ns: u64, lo: Option<i64>, hi: Option<i64>) {
-        self.pairs += 1;
-        let start = host_ns - host_ns % WINDOW_NS;
+        self.pairs = self.pairs.saturating_add(1);
+        let start = host_ns.saturating_sub(host_ns.checked_rem(WINDOW_NS).unwrap_or(0));
         if self.windows.back().is_none_or(|w| w.start_ns != start) {
             self.windows.push_back(BoundsWindow {
                 start_ns: start,
@@ -142,10 +154,12 @@ impl Clock {
         });
         Some(ClockEstimate {
             offset_ns: last.mid(),
-            uncertainty_ns: (last.high - last.low) / 2,
+            uncertainty_ns: last.half_width(),
             drift_ppm: if sxx > 0.0 { sxy / sxx * 1e6 } else { 0.0 },
             pairs: self.pairs,
-            contradicting_bounds: fits.iter().map(|(_, i)| i.violations).sum(),
+            contradicting_bounds: fits
+                .iter()
+                .fold(0u64, |a, (_, i)| a.saturating_add(i.violations)),
         })
     }
 

@@ -37,16 +37,25 @@ pub struct SplitKey {
 
 /// Windows the kernel joined (the always-on tier: no CPU waits).
 fn add_joined(s: &mut SplitWindow, w: &JoinedWindows) {
-    s.bytes += w.bytes;
-    let seg = |i: usize| &w.segments[i];
-    s.hypervisor.merge_any(seg(vm_seg::HYPERVISOR));
-    s.engine.merge_any(seg(vm_seg::ENGINE));
-    s.device.merge_any(seg(vm_seg::DEVICE));
-    s.window.merge_any(seg(vm_seg::WINDOW));
+    s.bytes = s.bytes.saturating_add(w.bytes);
+    // In `vm_seg` order (held below).
+    let [hypervisor, engine, device, window, pickup_to_done] = &w.segments;
+    s.hypervisor.merge_any(hypervisor);
+    s.engine.merge_any(engine);
+    s.device.merge_any(device);
+    s.window.merge_any(window);
     if let Some(h) = &mut s.host {
-        h.pickup_to_done.merge_any(seg(vm_seg::PICKUP_TO_DONE));
+        h.pickup_to_done.merge_any(pickup_to_done);
     }
 }
+
+const _: () = assert!(
+    vm_seg::HYPERVISOR == 0
+        && vm_seg::ENGINE == 1
+        && vm_seg::DEVICE == 2
+        && vm_seg::WINDOW == 3
+        && vm_seg::PICKUP_TO_DONE == 4
+);
 
 /// An engine's signal to the guest, with the signalling thread's last
 /// waits for a CPU (start, end; newest first).
@@ -96,7 +105,7 @@ impl Signals {
             .q
             .iter()
             .rposition(|s| s.ts_ns <= sig.ts_ns)
-            .map_or(0, |i| i + 1);
+            .map_or(0, |i| i.saturating_add(1));
         let (lo, hi) = self.full;
         if sig.has_room() && lo <= sig.ts_ns && sig.ts_ns < hi {
             self.full.1 = sig.ts_ns;
@@ -239,14 +248,14 @@ impl Correlator {
     pub fn on_io(&mut self, ev: VmIoEvent, followed: bool) {
         self.latest_ns = self.latest_ns.max(ev.done_ns);
         if !followed {
-            self.deep_counters.not_followed += 1;
+            self.deep_counters.not_followed = self.deep_counters.not_followed.saturating_add(1);
             return;
         }
         let split = if ev.flags & RQ_F_POLLED != 0 {
-            self.deep_counters.polled += 1;
+            self.deep_counters.polled = self.deep_counters.polled.saturating_add(1);
             false
         } else if ev.kick_ns == 0 {
-            self.deep_counters.no_kick += 1;
+            self.deep_counters.no_kick = self.deep_counters.no_kick.saturating_add(1);
             false
         } else {
             true
@@ -295,13 +304,15 @@ impl Correlator {
         for (k, u) in unsplit {
             let c = &mut view.counters;
             if followed(k.vdisk) {
-                c.no_kick += u.no_kick;
-                c.polled += u.polled;
+                c.no_kick = c.no_kick.saturating_add(u.no_kick);
+                c.polled = c.polled.saturating_add(u.polled);
             } else {
-                c.not_followed += u.no_kick + u.polled;
+                c.not_followed = c
+                    .not_followed
+                    .saturating_add(u.no_kick.saturating_add(u.polled));
             }
-            c.no_signal += u.no_signal;
-            c.unordered += u.unordered;
+            c.no_signal = c.no_signal.saturating_add(u.no_signal);
+            c.unordered = c.unordered.saturating_add(u.unordered);
         }
         self.kernel = view;
         self.refresh();
@@ -338,11 +349,11 @@ impl Correlator {
         self.queue_splits = both(&self.deep_queue_splits, &self.kernel.queue_splits);
         let (d, k) = (&self.deep_counters, &self.kernel.counters);
         self.counters = SplitCounters {
-            no_kick: d.no_kick + k.no_kick,
-            no_signal: d.no_signal + k.no_signal,
-            unordered: d.unordered + k.unordered,
-            not_followed: d.not_followed + k.not_followed,
-            polled: d.polled + k.polled,
+            no_kick: d.no_kick.saturating_add(k.no_kick),
+            no_signal: d.no_signal.saturating_add(k.no_signal),
+            unordered: d.unordered.saturating_add(k.unordered),
+            not_followed: d.not_followed.saturating_add(k.not_followed),
+            polled: d.polled.saturating_add(k.polled),
         };
     }
 
@@ -407,14 +418,16 @@ impl Correlator {
                 .get_mut(&vm)
                 .filter(|_| !unseen)
                 .and_then(|q| q.take_after(done));
-            let waited = all || unseen || self.latest_ns >= done + self.hold_ns;
+            let waited = all || unseen || self.latest_ns >= done.saturating_add(self.hold_ns);
             if sig.is_none() && !waited {
                 break;
             }
             let (ev, split) = self.pending.pop_front().expect("front exists");
             match sig {
                 Some(sig) if split => self.record(&ev, sig),
-                None if split => self.deep_counters.no_signal += 1,
+                None if split => {
+                    self.deep_counters.no_signal = self.deep_counters.no_signal.saturating_add(1);
+                }
                 _ => {}
             }
         }
@@ -435,7 +448,7 @@ impl Correlator {
         let signal_wait_ns = signal.waited_since(ev.done_ns);
         let (kick, pick, start, done) = (ev.kick_ns, ev.pick_ns, ev.start_ns, ev.done_ns);
         if !(kick <= pick && pick <= start && start <= done && done <= sig) {
-            self.deep_counters.unordered += 1;
+            self.deep_counters.unordered = self.deep_counters.unordered.saturating_add(1);
             return;
         }
         let key = SplitKey {
@@ -502,12 +515,12 @@ impl Correlator {
         if order >= base {
             return base;
         }
-        let shift = u32::from(base - order);
+        let shift = u32::from(base.saturating_sub(order));
         self.deep_queue_splits = std::mem::take(&mut self.deep_queue_splits)
             .into_iter()
             .map(|((k, q), s)| {
                 let mine = k.vm == vm && k.vdisk == vdisk;
-                ((k, if mine { q + shift } else { q }), s)
+                ((k, if mine { q.saturating_add(shift) } else { q }), s)
             })
             .collect();
         self.order_base.insert((vm, vdisk), order);

@@ -51,7 +51,7 @@ impl Reaper {
     /// A completed request: passed on at once unless a call submitted it.
     pub fn on_io(&mut self, ev: GuestIoEvent, out: &mut Vec<GuestIoEvent>) {
         if ev.flags & GUEST_F_SYSCALL == 0 || ev.tgid == 0 {
-            self.stats.no_syscall += 1;
+            self.stats.no_syscall = self.stats.no_syscall.saturating_add(1);
             out.push(ev);
             return;
         }
@@ -72,7 +72,7 @@ impl Reaper {
             }
             ev.reap_ns = r.ts_ns;
             ev.flags |= GUEST_F_REAPED;
-            self.stats.reaped += 1;
+            self.stats.reaped = self.stats.reaped.saturating_add(1);
             out.push(ev);
         }
         if q.is_empty() {
@@ -83,9 +83,12 @@ impl Reaper {
     /// Sends what waited longer than the hold at `now_ns` (guest clock).
     pub fn expire(&mut self, now_ns: u64, out: &mut Vec<GuestIoEvent>) {
         self.waiting.retain(|_, q| {
-            while q.front().is_some_and(|ev| ev.done_ns + HOLD_NS <= now_ns) {
+            while q
+                .front()
+                .is_some_and(|ev| ev.done_ns.saturating_add(HOLD_NS) <= now_ns)
+            {
                 if let Some(ev) = q.pop_front() {
-                    self.stats.unreaped += 1;
+                    self.stats.unreaped = self.stats.unreaped.saturating_add(1);
                     out.push(ev);
                 }
             }
@@ -95,14 +98,16 @@ impl Reaper {
 
     /// Everything still waiting (the agent is stopping).
     pub fn flush(&mut self, out: &mut Vec<GuestIoEvent>) {
-        self.expire(u64::MAX - HOLD_NS, out);
+        self.expire(u64::MAX, out);
     }
 }
 
 /// The guest's monotonic clock: the clock of the kernel's stamps.
 pub fn monotonic_ns() -> u64 {
     let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
 }
 
 #[cfg(test)]

@@ -134,7 +134,7 @@ impl GivenUp {
             Reason::OverCap => &mut self.over_cap,
             Reason::AtEnd => &mut self.at_end,
         };
-        *n += 1;
+        *n = n.saturating_add(1);
     }
 }
 
@@ -331,7 +331,7 @@ impl Stitcher {
             self.join(&io, &g, Side::Guest, offset);
         } else {
             let w = self.waiting.entry(key.vm).or_default();
-            w.hosts += 1;
+            w.hosts = w.hosts.saturating_add(1);
             w.host
                 .push_back(Arrival::now(self.latest_ns, key, io.ev.done_ns));
             self.host.entry(key).or_default().push_back(io);
@@ -341,13 +341,13 @@ impl Stitcher {
 
     pub fn on_guest(&mut self, vm: u32, g: GuestIoEvent) {
         let Some(&vdisk) = self.disks.get(&(vm, g.dev)) else {
-            self.counters.unknown_disk += 1;
+            self.counters.unknown_disk = self.counters.unknown_disk.saturating_add(1);
             return;
         };
         // The guest's sector is the guest's to say: one past any file
         // offset joins nothing.
         let Some(pos) = g.sector.checked_mul(512) else {
-            self.counters.unmatched_guest += 1;
+            self.counters.unmatched_guest = self.counters.unmatched_guest.saturating_add(1);
             return;
         };
         let key = JoinKey {
@@ -372,10 +372,10 @@ impl Stitcher {
                 self.evict(vm, false);
                 let w = self.waiting.entry(vm).or_default();
                 if w.guests >= MAX_WAITING_GUEST {
-                    self.counters.guest_over_cap += 1;
+                    self.counters.guest_over_cap = self.counters.guest_over_cap.saturating_add(1);
                     return;
                 }
-                w.guests += 1;
+                w.guests = w.guests.saturating_add(1);
                 w.guest.push_back(Arrival::now(self.latest_ns, key, 0));
                 self.guest.entry(key).or_default().push_back(WaitingGuest {
                     stream_ns: self.latest_ns,
@@ -398,7 +398,8 @@ impl Stitcher {
         let i = best(
             q.iter().map(|w| w.event.kick_ns),
             h.ev.kick_ns,
-            offset.map(|o| -o),
+            // i64::MIN has no negation: no shift, the oldest.
+            offset.and_then(i64::checked_neg),
         )?;
         let g = q.remove(i).map(|w| w.event);
         if q.is_empty() {
@@ -454,15 +455,17 @@ impl Stitcher {
             .checked_sub(host_side)
             .filter(|_| total <= MAX_GUEST_TOTAL_NS)
         else {
-            self.counters.inconsistent += 1;
+            self.counters.inconsistent = self.counters.inconsistent.saturating_add(1);
             return;
         };
         if from_block {
-            self.counters.guest_ends_from_block_layer += 1;
+            self.counters.guest_ends_from_block_layer =
+                self.counters.guest_ends_from_block_layer.saturating_add(1);
         }
         let app_from_block = g.flags & GUEST_F_SYSCALL == 0 || g.flags & GUEST_F_REAPED == 0;
         if app_from_block {
-            self.counters.app_ends_from_block_layer += 1;
+            self.counters.app_ends_from_block_layer =
+                self.counters.app_ends_from_block_layer.saturating_add(1);
         }
         let clock = self.clocks.entry(ev.vm).or_default();
         let offset = clock.offset();
@@ -541,7 +544,7 @@ impl Stitcher {
             if let Some(i) = position(&self.guest, &a.key, |g| g.stream_ns == a.stream_ns) {
                 remove_at(&mut self.guest, &a.key, i);
                 w.guests = w.guests.saturating_sub(1);
-                self.counters.unmatched_guest += 1;
+                self.counters.unmatched_guest = self.counters.unmatched_guest.saturating_add(1);
             }
         }
         while let Some(&a) = w.host.front() {
@@ -562,7 +565,7 @@ impl Stitcher {
             if let Some(i) = position(&self.host, &a.key, |h| h.ev.done_ns == a.done_ns) {
                 remove_at(&mut self.host, &a.key, i);
                 w.hosts = w.hosts.saturating_sub(1);
-                self.counters.unmatched_host += 1;
+                self.counters.unmatched_host = self.counters.unmatched_host.saturating_add(1);
                 self.counters.unmatched_host_by.count(reason);
             }
         }
@@ -591,7 +594,7 @@ impl Stitcher {
         if queue < limit {
             Some(queue)
         } else {
-            self.counters.queue_out_of_range += 1;
+            self.counters.queue_out_of_range = self.counters.queue_out_of_range.saturating_add(1);
             None
         }
     }
@@ -628,14 +631,14 @@ fn remove_at<T>(waiting: &mut HashMap<JoinKey, VecDeque<T>>, key: &JoinKey, i: u
 /// else its partner's.
 fn reported_to(host_done_ns: u64, guest_done_ns: u64, offset: Option<i64>) -> u64 {
     offset
-        .and_then(|o| u64::try_from(i128::from(guest_done_ns) + i128::from(o)).ok())
+        .and_then(|o| u64::try_from(i128::from(guest_done_ns).saturating_add(i128::from(o))).ok())
         .map_or(host_done_ns, |g| g.min(host_done_ns))
 }
 
 /// host − guest, where it fits the clock's offsets (a guest stamp no
 /// clock could give is no bound).
 fn bound(host_ns: u64, guest_ns: u64) -> Option<i64> {
-    i64::try_from(i128::from(host_ns) - i128::from(guest_ns)).ok()
+    i64::try_from(i128::from(host_ns).saturating_sub(i128::from(guest_ns))).ok()
 }
 
 /// The candidate kick nearest to `reference + shift` (a kick moved to the
@@ -644,10 +647,10 @@ fn best(mut kicks: impl Iterator<Item = u64>, reference: u64, shift: Option<i64>
     let Some(shift) = shift.filter(|_| reference != 0) else {
         return kicks.next().map(|_| 0);
     };
-    let want = i128::from(reference) + i128::from(shift);
+    let want = i128::from(reference).saturating_add(i128::from(shift));
     kicks
         .enumerate()
-        .min_by_key(|&(_, k)| (i128::from(k) - want).unsigned_abs())
+        .min_by_key(|&(_, k)| i128::from(k).saturating_sub(want).unsigned_abs())
         .map(|(i, _)| i)
 }
 

@@ -26,7 +26,7 @@ struct Reservoir {
 
 impl Reservoir {
     fn add(&mut self, p: Parts) {
-        self.seen += 1;
+        self.seen = self.seen.saturating_add(1);
         if self.kept.len() < KEEP {
             self.kept.push(p);
             return;
@@ -36,9 +36,9 @@ impl Reservoir {
         self.rng ^= self.rng << 13;
         self.rng ^= self.rng >> 7;
         self.rng ^= self.rng << 17;
-        let j = self.rng % self.seen;
-        if (j as usize) < KEEP {
-            self.kept[j as usize] = p;
+        let j = self.rng.checked_rem(self.seen).unwrap_or(0);
+        if let Some(slot) = usize::try_from(j).ok().and_then(|j| self.kept.get_mut(j)) {
+            *slot = p;
         }
     }
 }

@@ -113,8 +113,8 @@ impl ControlReader {
         loop {
             let Some(at) = find(&self.buf, &CONTROL_MAGIC) else {
                 // Keep a possible start of a magic.
-                let keep = self.buf.len().min(CONTROL_MAGIC.len() - 1);
-                self.buf.advance(self.buf.len() - keep);
+                let keep = self.buf.len().min(CONTROL_MAGIC.len().saturating_sub(1));
+                self.buf.advance(self.buf.len().saturating_sub(keep));
                 return out;
             };
             self.buf.advance(at);
@@ -250,11 +250,15 @@ pub struct FrameCodec;
 
 impl FrameCodec {
     fn resync(src: &mut BytesMut) {
-        let skip = find(&src[1..], &MAGIC).map_or_else(
-            || src.len().saturating_sub(MAGIC.len() - 1).max(1),
-            |i| i + 1,
+        let skip = find(src.get(1..).unwrap_or_default(), &MAGIC).map_or_else(
+            || {
+                src.len()
+                    .saturating_sub(MAGIC.len().saturating_sub(1))
+                    .max(1)
+            },
+            |i| i.saturating_add(1),
         );
-        src.advance(skip);
+        src.advance(skip.min(src.len()));
     }
 }
 
@@ -280,8 +284,10 @@ impl Decoder for FrameCodec {
             Self::resync(src);
             return Err(DecodeError::TooLong(len));
         }
-        if src.len() < HEADER_LEN + len {
-            src.reserve(HEADER_LEN + len - src.len());
+        // `len` is at most `MAX_PAYLOAD`: the frame's size fits.
+        let whole = HEADER_LEN.saturating_add(len);
+        if src.len() < whole {
+            src.reserve(whole.saturating_sub(src.len()));
             return Ok(None);
         }
         src.advance(HEADER_LEN);
@@ -312,7 +318,7 @@ impl Encoder<Numbered<'_>> for FrameCodec {
             seq: item.seq.into(),
             len: (payload.len() as u32).into(),
         };
-        dst.reserve(HEADER_LEN + payload.len());
+        dst.reserve(HEADER_LEN.saturating_add(payload.len()));
         dst.extend_from_slice(header.as_bytes());
         dst.extend_from_slice(&payload);
         Ok(())
@@ -380,7 +386,7 @@ impl FrameReader {
         // loop: any number of them costs no stack.
         while let Some(raw) = self.codec.decode(&mut self.buf)? {
             match self.place(raw.sender, raw.seq) {
-                Place::Duplicate => self.duplicates += 1,
+                Place::Duplicate => self.duplicates = self.duplicates.saturating_add(1),
                 Place::New(h) => {
                     self.heard = Some(h);
                     if let Some(frame) = Self::decode(raw.kind, &raw.payload)? {
@@ -403,7 +409,7 @@ impl FrameReader {
             return Place::New(fresh);
         };
         if h.sender != sender {
-            self.restarts += 1;
+            self.restarts = self.restarts.saturating_add(1);
             self.backfill = None;
             return Place::New(fresh);
         }
@@ -414,7 +420,7 @@ impl FrameReader {
             return Place::Duplicate;
         }
         // The sequence is the guest's to say: none of it may wrap.
-        self.lost_frames = self.lost_frames.saturating_add(seq - h.next);
+        self.lost_frames = self.lost_frames.saturating_add(seq.saturating_sub(h.next));
         Place::New(Heard {
             next: seq.saturating_add(1),
             ..h

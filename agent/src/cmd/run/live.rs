@@ -36,24 +36,20 @@ pub(super) async fn serve_metrics(addr: std::net::SocketAddr) -> Result<Arc<crat
     bail!("--metrics-listen {addr}: this iospan was built without the HTTP server (the `serve` feature)")
 }
 
-/// The figures so far, to a live view.
+/// QEMU's counters read at a run's edge, by VM name.
+pub(super) type EdgeCounts = BTreeMap<String, crate::output::live::FrameQemu>;
+
+/// The figures so far, to a live view; `qemu`: QEMU's counters read just
+/// before (QEMU's first, then ours: a request QEMU counted has passed our
+/// probes already).
 pub(super) fn send_frame(
     feed: &LiveFeed,
     at_s: f64,
     probes: &BlockProbes,
     (correlator, known): (&Mutex<Correlator>, &Mutex<Registry>),
-    with_qemu: bool,
-    diagnoses: &Mutex<Diagnoses>,
+    qemu: Option<EdgeCounts>,
+    (diagnoses, monitors): (&Mutex<Diagnoses>, &crate::discover::monitors::Monitors),
 ) {
-    // QEMU's first, then ours: a request QEMU counted has passed our
-    // probes already.
-    let qemu = with_qemu.then(|| {
-        let ours = probes
-            .vm_counts_reader()
-            .map_err(|e| log::warn!("{}", crate::probes::error_chain(&e)))
-            .ok();
-        super::qemu::read_all(known, ours.as_ref())
-    });
     let Ok(mut snap) = probes.snapshot() else {
         return;
     };
@@ -70,6 +66,7 @@ pub(super) fn send_frame(
         }
         frame.qemu = Some(q);
     }
+    frame.monitors = monitors.misbehaving();
     let tier = probes.tier.tier;
     diagnoses
         .lock()
@@ -112,7 +109,7 @@ impl Diagnoses {
                 .observer
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .take(super::observe::Reader::Window, false);
+                .take(super::observe::Reader::Window);
             let now_disks = diskstats::read_all();
             let depths = diskstats::delta(&disks, &now_disks)
                 .into_iter()
@@ -134,9 +131,9 @@ impl Diagnoses {
 pub(super) fn refresh_metrics(
     m: &crate::api::Shared,
     probes: &BlockProbes,
-    correlator: &Mutex<Correlator>,
-    known: &Mutex<Registry>,
+    (correlator, known): (&Mutex<Correlator>, &Mutex<Registry>),
     export: Option<&crate::output::export::ExportShared>,
+    monitors: &crate::discover::monitors::Monitors,
 ) {
     use crate::output::metrics::Format;
     let Ok(mut snap) = probes.snapshot() else {
@@ -156,6 +153,7 @@ pub(super) fn refresh_metrics(
         exemplars: exemplars.as_deref(),
         maps: &maps,
         cpu_s: preflight::self_cpu(),
+        monitors: Some(monitors),
     };
     let prometheus = crate::output::metrics::render(&view, Format::Prometheus);
     let openmetrics = crate::output::metrics::render(&view, Format::OpenMetrics);

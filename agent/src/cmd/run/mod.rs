@@ -185,7 +185,7 @@ pub async fn run(opts: RunOptions) -> Result<RunOutcome> {
             s.known.clone(),
             stop_rx.clone(),
             ours,
-            observer,
+            (observer, s.monitors.clone()),
             every,
         ))
     });
@@ -377,6 +377,9 @@ impl Session {
         // while it waits: its firmware may read soon after its vCPUs run.
         let mut start_tick = tokio::time::interval(START_LOOK);
         start_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        // QEMU's counters being read for an API run's edge: its frame
+        // waits for them, the loop does not.
+        let mut edge: Option<tokio::task::JoinHandle<EdgeCounts>> = None;
         let ending = loop {
             tokio::select! {
                 status = async { child.as_mut().expect("guarded").wait().await }, if child.is_some() => {
@@ -410,14 +413,22 @@ impl Session {
                         self.name_vms(stop_rx);
                     }
                 }
-                _ = live_tick.tick(), if feed.is_some() => {
+                // While an edge's read is under way its frame is the next.
+                _ = live_tick.tick(), if feed.is_some() && edge.is_none() => {
                     if let Some(feed) = feed.as_ref() {
-                        self.send_frame(feed, start.at.elapsed().as_secs_f64());
+                        self.frame_or_edge(feed, start, &mut edge);
                     }
                 }
-                _ = async { api.as_ref().expect("guarded").frame_asked.notified().await }, if api.is_some() => {
+                _ = async { api.as_ref().expect("guarded").frame_asked.notified().await }, if api.is_some() && edge.is_none() => {
                     if let Some(feed) = feed.as_ref() {
-                        self.send_frame(feed, start.at.elapsed().as_secs_f64());
+                        self.frame_or_edge(feed, start, &mut edge);
+                        live_tick.reset();
+                    }
+                }
+                q = async { edge.as_mut().expect("guarded").await }, if edge.is_some() => {
+                    edge = None;
+                    if let Some(feed) = feed.as_ref() {
+                        self.send_frame(feed, start.at.elapsed().as_secs_f64(), q.ok());
                         live_tick.reset();
                     }
                 }
@@ -432,6 +443,20 @@ impl Session {
             terminate(c).await;
         }
         Ok(c.wait().await.ok())
+    }
+
+    /// A frame now, or, where an API run asked for QEMU's counters, their
+    /// read begun (its frame follows it).
+    fn frame_or_edge(
+        &self,
+        feed: &LiveFeed,
+        start: &Start,
+        edge: &mut Option<tokio::task::JoinHandle<EdgeCounts>>,
+    ) {
+        match self.edge_read() {
+            Some(read) => *edge = Some(read),
+            None => self.send_frame(feed, start.at.elapsed().as_secs_f64(), None),
+        }
     }
 
     /// Once a second: progress from the kernel's own counters (reading

@@ -14,6 +14,7 @@ use tokio::sync::watch;
 
 use crate::{
     discover::{
+        monitors::Monitors,
         qemu_counts,
         threads::{self, Sample},
         vms::{self, Registry, Vm},
@@ -62,8 +63,6 @@ const READERS: usize = 2;
 /// between them (so a boot or an idle spell, with no I/O, weighs nothing).
 #[derive(Default)]
 struct Samples {
-    prev: Option<Sample>,
-    looks: u32,
     /// Per reader, by tid.
     sums: [BTreeMap<u32, Weighted>; READERS],
 }
@@ -77,37 +76,22 @@ struct Weighted {
 }
 
 impl Samples {
-    /// Its threads now: in full at the first look and every
-    /// `FULL_EVERY`th, light between.
-    fn look(&mut self, pid: u32, requests: u64) {
-        let full = self.looks.is_multiple_of(FULL_EVERY);
-        self.looks = self.looks.wrapping_add(1);
-        let now = threads::sample(pid, self.prev.as_ref(), full);
-        self.add(now, requests);
-    }
-
-    fn add(&mut self, s: Sample, requests: u64) {
-        if s.threads.is_empty() {
-            return;
-        }
-        if let (Some(prev), true) = (&self.prev, requests > 0) {
-            let w = requests as f64;
-            for l in s.since(prev) {
-                for sums in &mut self.sums {
-                    let acc = sums.entry(l.tid).or_insert_with(|| Weighted {
-                        last: l.clone(),
-                        busy: 0.0,
-                        waiting: 0.0,
-                        weight: 0.0,
-                    });
-                    acc.busy += l.busy * w;
-                    acc.waiting += l.waiting * w;
-                    acc.weight += w;
-                    acc.last = l.clone();
-                }
+    fn add(&mut self, loads: &[threads::ThreadLoad], requests: u64) {
+        let w = requests as f64;
+        for l in loads {
+            for sums in &mut self.sums {
+                let acc = sums.entry(l.tid).or_insert_with(|| Weighted {
+                    last: l.clone(),
+                    busy: 0.0,
+                    waiting: 0.0,
+                    weight: 0.0,
+                });
+                acc.busy += l.busy * w;
+                acc.waiting += l.waiting * w;
+                acc.weight += w;
+                acc.last = l.clone();
             }
         }
-        self.prev = Some(s);
     }
 
     /// The loads `reader` has not taken yet, its sums started afresh.
@@ -124,63 +108,142 @@ impl Samples {
     }
 }
 
-/// One VM as watched.
+/// A process's last look, kept by the looker alone.
 #[derive(Default)]
-struct Watched {
-    name: String,
-    /// Its process and the engines serving its disks, by pid.
-    procs: BTreeMap<u32, Samples>,
-    throttles: Option<BTreeMap<String, qemu_counts::Throttle>>,
-    passes: u32,
-    /// Its requests submitted at the last look, and per reader how long,
-    /// of the time between looks, that count grew ...
-    submitted: Option<u64>,
-    busy_s: [f64; READERS],
-    last_look: Option<Instant>,
-    /// ... and in how many looks.
-    io_looks: [u32; READERS],
+struct Looked {
+    prev: Option<Sample>,
+    looks: u32,
 }
 
-impl Watched {
-    fn look(&mut self, vm: &Vm, ours: Option<&VmCountsReader>, slot: u32, first: bool) {
+impl Looked {
+    /// Its threads now: in full at the first look and every
+    /// `FULL_EVERY`th, light between; their loads since the last look.
+    fn look(&mut self, pid: u32) -> Vec<threads::ThreadLoad> {
+        let full = self.looks.is_multiple_of(FULL_EVERY);
+        self.looks = self.looks.wrapping_add(1);
+        let now = threads::sample(pid, self.prev.as_ref(), full);
+        if now.threads.is_empty() {
+            return Vec::new();
+        }
+        let loads = self.prev.as_ref().map(|p| now.since(p)).unwrap_or_default();
+        self.prev = Some(now);
+        loads
+    }
+}
+
+/// What one look at a VM saw, handed to the observer.
+struct Seen {
+    name: String,
+    /// Per process: its threads' loads since the last look.
+    loads: BTreeMap<u32, Vec<threads::ThreadLoad>>,
+    /// Its requests since the last look, and the time between the looks.
+    requests: u64,
+    spell_s: Option<f64>,
+    throttles: Option<BTreeMap<String, qemu_counts::Throttle>>,
+}
+
+/// One VM as the looker follows it: its processes' last looks, its
+/// requests at the last look.
+#[derive(Default)]
+struct Followed {
+    procs: BTreeMap<u32, Looked>,
+    passes: u32,
+    submitted: Option<u64>,
+    last_look: Option<Instant>,
+}
+
+impl Followed {
+    /// A look at `vm`: /proc, and a QMP exchange every `THROTTLES_EVERY`
+    /// looks, under no lock anyone else takes.
+    fn look(
+        &mut self,
+        vm: &Vm,
+        ours: Option<&VmCountsReader>,
+        slot: u32,
+        monitors: &Monitors,
+    ) -> Seen {
         let now = Instant::now();
-        self.name.clone_from(&vm.name);
+        let first = self.last_look.is_none();
         // Its requests since the last look: that spell was busy.
         let submitted = ours.and_then(|o| o.submitted(slot));
         let requests = match (submitted, self.submitted, self.last_look) {
             (Some(n), before, Some(_)) => n.saturating_sub(before.unwrap_or(0)),
             _ => 0,
         };
-        if let (true, Some(then)) = (requests > 0, self.last_look) {
-            let spell = now.duration_since(then).as_secs_f64();
-            self.busy_s.iter_mut().for_each(|b| *b += spell);
-            self.io_looks.iter_mut().for_each(|n| *n += 1);
-        }
+        let spell_s = self
+            .last_look
+            .map(|then| now.duration_since(then).as_secs_f64());
         self.submitted = submitted.or(self.submitted);
         self.last_look = Some(now);
+        let mut loads = BTreeMap::new();
         // A VM with no I/O since the last look is not read: its threads'
         // loads would weigh nothing.
         if requests > 0 || first {
-            let mut pids = vec![vm.pid];
-            pids.extend(
+            let pids = std::iter::once(vm.pid).chain(
                 vm.disks
                     .iter()
                     .filter_map(|d| d.engine.as_ref().map(|e| e.pid)),
             );
             for pid in pids {
-                self.procs.entry(pid).or_default().look(pid, requests);
+                let l = self.procs.entry(pid).or_default().look(pid);
+                if requests > 0 && !l.is_empty() {
+                    loads.insert(pid, l);
+                }
             }
         }
+        let mut throttles = None;
         if self.passes.is_multiple_of(THROTTLES_EVERY) {
             for src in qemu_counts::sources_of(vm) {
-                match qemu_counts::throttles(&src, vm) {
-                    Some(Ok(t)) => self.throttles = Some(t),
+                match monitors.throttles(&src, vm, crate::discover::qmp::EXCHANGE) {
+                    Some(Ok(t)) => throttles = Some(t),
                     Some(Err(e)) => log::debug!("{}: its throttles: {e:#}", vm.name),
                     None => {}
                 }
             }
         }
-        self.passes += 1;
+        self.passes = self.passes.wrapping_add(1);
+        Seen {
+            name: vm.name.clone(),
+            loads,
+            requests,
+            spell_s,
+            throttles,
+        }
+    }
+}
+
+/// One VM as watched: the sums each reader has still to take.
+#[derive(Default)]
+struct Watched {
+    name: String,
+    /// Its process and the engines serving its disks, by pid.
+    procs: BTreeMap<u32, Samples>,
+    throttles: Option<BTreeMap<String, qemu_counts::Throttle>>,
+    /// Per reader, how long, of the time between looks, its request count
+    /// grew ...
+    busy_s: [f64; READERS],
+    /// ... and in how many looks.
+    io_looks: [u32; READERS],
+}
+
+impl Watched {
+    fn add(&mut self, seen: Seen) {
+        self.name = seen.name;
+        if let (true, Some(spell)) = (seen.requests > 0, seen.spell_s) {
+            self.busy_s.iter_mut().for_each(|b| *b += spell);
+            self.io_looks
+                .iter_mut()
+                .for_each(|n| *n = n.saturating_add(1));
+        }
+        for (pid, loads) in &seen.loads {
+            self.procs
+                .entry(*pid)
+                .or_default()
+                .add(loads, seen.requests);
+        }
+        if seen.throttles.is_some() {
+            self.throttles = seen.throttles;
+        }
     }
 
     /// What was watched since `reader`'s last take, its sums started
@@ -207,46 +270,66 @@ impl Watched {
     }
 }
 
-/// The VMs as watched, shared by the task that looks and whoever takes
-/// what it saw (the report at a run's end, the live feed every window).
+/// What the looks saw, shared by the task that looks and whoever takes
+/// it (the report at a run's end, the live feed every window). Only sums
+/// are kept here: a look's reads of /proc and QMP happen before its lock
+/// is taken, so a slow monitor never holds up a frame.
 #[derive(Default)]
 pub(super) struct Observer {
     vms: BTreeMap<u32, Watched>,
 }
 
 impl Observer {
-    fn look(&mut self, live: Vec<(u32, Vm)>, ours: Option<&VmCountsReader>) {
-        for (slot, vm) in live {
-            let first = !self.vms.contains_key(&slot);
-            self.vms
-                .entry(slot)
-                .or_default()
-                .look(&vm, ours, slot, first);
+    fn add(&mut self, seen: Vec<(u32, Seen)>) {
+        for (slot, s) in seen {
+            self.vms.entry(slot).or_default().add(s);
         }
     }
 
-    /// What was watched since `reader`'s last take; with `beside`, what
-    /// ran beside the threads that waited too (a quarter-second look at
-    /// the host's CPUs: not on an async runtime's thread).
-    pub(super) fn take(&mut self, reader: Reader, beside: bool) -> Watch {
-        let mut w = Watch {
+    /// What was watched since `reader`'s last take.
+    pub(super) fn take(&mut self, reader: Reader) -> Watch {
+        Watch {
             vms: self
                 .vms
                 .values_mut()
                 .map(|v| (v.name.clone(), v.take(reader)))
                 .collect(),
             host_cpus: threads::online_cpus(),
-        };
-        if beside {
-            look_beside(&mut w);
         }
-        w
     }
 
     /// VMs gone from the registry let go (their last window was taken).
     fn forget_gone(&mut self, known: &Mutex<Registry>) {
         let k = known.lock().unwrap_or_else(|p| p.into_inner());
         self.vms.retain(|slot, _| k.vms.contains_key(slot));
+    }
+}
+
+/// The looks themselves: each VM's last looks, owned by the watching task.
+#[derive(Default)]
+struct Looker {
+    vms: BTreeMap<u32, Followed>,
+}
+
+impl Looker {
+    fn look(
+        &mut self,
+        live: &[(u32, Vm)],
+        ours: Option<&VmCountsReader>,
+        monitors: &Monitors,
+    ) -> Vec<(u32, Seen)> {
+        self.vms
+            .retain(|slot, _| live.iter().any(|(s, _)| s == slot));
+        live.iter()
+            .map(|(slot, vm)| {
+                let seen = self
+                    .vms
+                    .entry(*slot)
+                    .or_default()
+                    .look(vm, ours, *slot, monitors);
+                (*slot, seen)
+            })
+            .collect()
     }
 }
 
@@ -300,10 +383,11 @@ pub(super) async fn watch(
     known: Arc<Mutex<Registry>>,
     mut stop: watch::Receiver<bool>,
     ours: Option<VmCountsReader>,
-    observer: Arc<Mutex<Observer>>,
+    (observer, monitors): (Arc<Mutex<Observer>>, Arc<Monitors>),
     every: Duration,
 ) -> Watch {
     let ours = ours.map(Arc::new);
+    let mut looker = Looker::default();
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -312,21 +396,31 @@ pub(super) async fn watch(
             r = stop.wait_for(|s| *s) => { let _ = r; true }
         };
         let live = alive(&known);
-        let (ours, observer, known) = (ours.clone(), observer.clone(), known.clone());
-        // /proc and QMP reads: off the runtime's threads.
+        let (ours, observer, known, monitors) = (
+            ours.clone(),
+            observer.clone(),
+            known.clone(),
+            monitors.clone(),
+        );
+        // /proc and QMP reads: off the runtime's threads, and outside the
+        // observer's lock.
         let pass = tokio::task::spawn_blocking(move || {
+            let seen = looker.look(&live, ours.as_deref(), &monitors);
             let mut o = observer.lock().unwrap_or_else(|p| p.into_inner());
-            o.look(live, ours.as_deref());
+            o.add(seen);
             if done {
-                return Some(o.take(Reader::Run, true));
+                let mut w = o.take(Reader::Run);
+                drop(o);
+                look_beside(&mut w);
+                return (looker, Some(w));
             }
             o.forget_gone(&known);
-            None
+            (looker, None)
         })
         .await;
         match pass {
-            Ok(None) => {}
-            Ok(Some(w)) => return w,
+            Ok((l, None)) => looker = l,
+            Ok((_, Some(w))) => return w,
             Err(_) => return Watch::default(),
         }
     }
@@ -353,16 +447,22 @@ mod tests {
         }
     }
 
+    /// `sample`'s loads since `prev`, as a look hands them over.
+    fn add(s: &mut Samples, prev: &Sample, now: &Sample, requests: u64) {
+        if requests > 0 {
+            s.add(&now.since(prev), requests);
+        }
+    }
+
     #[test]
     fn a_window_taken_leaves_the_runs_sums_whole() {
         let mut s = Samples::default();
-        s.add(sample(0, 0, 0), 0);
         // 1 s: busy a tenth, waiting half; then 1 s busy a tenth, waiting none.
-        s.add(sample(1, 100, 500), 10);
+        add(&mut s, &sample(0, 0, 0), &sample(1, 100, 500), 10);
         let window = s.take(Reader::Window);
         assert_eq!(window.len(), 1);
         assert!((window[0].waiting - 0.5).abs() < 1e-9);
-        s.add(sample(2, 200, 500), 10);
+        add(&mut s, &sample(1, 100, 500), &sample(2, 200, 500), 10);
         let window = s.take(Reader::Window);
         assert!(window[0].waiting.abs() < 1e-9, "{window:?}");
         let run = s.take(Reader::Run);
@@ -375,10 +475,9 @@ mod tests {
     #[test]
     fn looks_without_io_weigh_nothing() {
         let mut s = Samples::default();
-        s.add(sample(0, 0, 0), 0);
-        s.add(sample(1, 900, 0), 0);
+        add(&mut s, &sample(0, 0, 0), &sample(1, 900, 0), 0);
         assert!(s.take(Reader::Run).is_empty());
-        s.add(sample(2, 1000, 0), 5);
+        add(&mut s, &sample(1, 900, 0), &sample(2, 1000, 0), 5);
         let run = s.take(Reader::Run);
         assert!((run[0].busy - 0.1).abs() < 1e-9, "{run:?}");
     }

@@ -15,7 +15,9 @@ use std::{
 use tokio::sync::watch;
 
 use crate::{
+    discover::monitors::Monitors,
     discover::qemu_counts::{self, Counts, Source},
+    discover::qmp::EXCHANGE,
     discover::vms::{self, Registry, Vm},
     output::qemu_check::VmQemu,
     probes::host::VmCountsReader,
@@ -96,11 +98,103 @@ impl WatchedVm {
             self.sources = kept;
         }
     }
+
+    /// Each of its sources due at tick `ticks` read once.
+    fn read(
+        &mut self,
+        slot: u32,
+        vm: &Vm,
+        (ticks, last): (u64, bool),
+        ours: Option<&VmCountsReader>,
+    ) {
+        let predates_run = self.predates_run;
+        for src in &mut self.sources {
+            match &src.source {
+                Source::None { .. } => continue,
+                Source::Libvirt { .. } if !last && ticks % LIBVIRT_EVERY != 1 => continue,
+                _ => {}
+            }
+            if !last && ticks < src.next_try {
+                continue;
+            }
+            // What QEMU has counted at least: it counts a request as
+            // it completes, and its read may take tens of ms.
+            let finished_before = ours.and_then(|o| o.finished(slot));
+            // A domain libvirt already counts as stopped (its process
+            // still exiting) answers with no disk at all: no reading.
+            let read = qemu_counts::read(&src.source, vm, EXCHANGE).and_then(|c| {
+                if c.is_empty() && !vm.disks.is_empty() {
+                    anyhow::bail!("the answer names none of its disks (stopping?)")
+                }
+                Ok(c)
+            });
+            match read {
+                Ok(c) => src.answered(
+                    c,
+                    predates_run,
+                    ours.and_then(|o| o.submitted(slot)),
+                    finished_before,
+                ),
+                Err(e) => src.failed(&e, ticks, &self.name),
+            }
+        }
+    }
+}
+
+impl Watched {
+    fn answered(
+        &mut self,
+        c: Counts,
+        predates_run: bool,
+        submitted: Option<u64>,
+        finished_before: Option<u64>,
+    ) {
+        self.failures = 0;
+        self.error = None;
+        if self.first.is_none() {
+            // Started within the run: from zero, as QEMU began.
+            self.first = Some(if predates_run {
+                c.clone()
+            } else {
+                Counts::new()
+            });
+        }
+        // Disk by disk: one missing from an answer keeps its last reading.
+        let mut last = self.last.take().unwrap_or_default();
+        last.extend(c);
+        self.last = Some(last);
+        self.last_at = Some(Instant::now());
+        self.submitted_at_last = submitted.or(Some(0));
+        self.unfinished_at_last = self
+            .submitted_at_last
+            .zip(finished_before)
+            .map(|(s, f)| s.saturating_sub(f));
+        if self.submitted_at_first.is_none() {
+            self.submitted_at_first = self.submitted_at_last;
+        }
+    }
+
+    fn failed(&mut self, e: &anyhow::Error, ticks: u64, vm: &str) {
+        self.failures += 1;
+        self.error = Some(format!("{e:#}"));
+        // Kept trying while the VM lives, less and less often: a monitor
+        // slow under load answers again.
+        self.next_try = ticks + (1u64 << self.failures.min(5)).min(MAX_BACKOFF_TICKS);
+        if self.failures >= LOG_AFTER && !self.logged {
+            self.logged = true;
+            log::info!(
+                "QEMU's own counts of {vm}: {} (tried again less often)",
+                self.error.as_deref().unwrap_or("")
+            );
+        }
+    }
 }
 
 impl State {
     /// One pass over the VMs alive now; `last`: the run's closing one, which
-    /// reads every VM whatever its pace or its failures.
+    /// reads every VM whatever its pace or its failures. The VMs are read
+    /// side by side: a monitor that answers late delays the pass by one
+    /// exchange's deadline, however many VMs there are.
     fn pass(&mut self, live: Vec<(u32, Vm)>, last: bool, ours: Option<&VmCountsReader>) {
         self.ticks += 1;
         let now = Instant::now();
@@ -110,6 +204,7 @@ impl State {
                 w.gone_at = Some(now);
             }
         }
+        let mut due = Vec::new();
         for (slot, vm) in live {
             let predates_run = self.at_start.contains(&slot);
             let w = self.vms.entry(slot).or_insert_with(|| WatchedVm {
@@ -121,74 +216,19 @@ impl State {
             // Seen again: not gone.
             w.gone_at = None;
             w.refresh_sources(&vm);
-            for src in &mut w.sources {
-                match &src.source {
-                    Source::None { .. } => continue,
-                    Source::Libvirt { .. } if !last && self.ticks % LIBVIRT_EVERY != 1 => continue,
-                    _ => {}
-                }
-                if !last && self.ticks < src.next_try {
-                    continue;
-                }
-                // What QEMU has counted at least: it counts a request as
-                // it completes, and its read may take tens of ms.
-                let finished_before = ours.and_then(|o| o.finished(slot));
-                // A domain libvirt already counts as stopped (its process
-                // still exiting) answers with no disk at all: no reading.
-                let read = qemu_counts::read(&src.source, &vm).and_then(|c| {
-                    if c.is_empty() && !vm.disks.is_empty() {
-                        anyhow::bail!("the answer names none of its disks (stopping?)")
-                    }
-                    Ok(c)
-                });
-                match read {
-                    Ok(c) => {
-                        src.failures = 0;
-                        src.error = None;
-                        if src.first.is_none() {
-                            // Started within the run: from zero, as QEMU began.
-                            src.first = Some(if predates_run {
-                                c.clone()
-                            } else {
-                                Counts::new()
-                            });
-                        }
-                        // Disk by disk: one missing from an answer keeps
-                        // its last reading.
-                        let mut last = src.last.take().unwrap_or_default();
-                        last.extend(c);
-                        src.last = Some(last);
-                        src.last_at = Some(Instant::now());
-                        src.submitted_at_last = ours.and_then(|o| o.submitted(slot)).or(Some(0));
-                        src.unfinished_at_last = src
-                            .submitted_at_last
-                            .zip(finished_before)
-                            .map(|(s, f)| s.saturating_sub(f));
-                        if src.submitted_at_first.is_none() {
-                            src.submitted_at_first = src.submitted_at_last;
-                        }
-                    }
-                    Err(e) => {
-                        src.failures += 1;
-                        src.error = Some(format!("{e:#}"));
-                        // Kept trying while the VM lives, less and less often:
-                        // a monitor slow under load answers again.
-                        src.next_try =
-                            self.ticks + (1u64 << src.failures.min(5)).min(MAX_BACKOFF_TICKS);
-                        if src.failures >= LOG_AFTER && !src.logged {
-                            src.logged = true;
-                            log::info!(
-                                "QEMU's own counts of {}: {} (tried again less often)",
-                                w.name,
-                                src.error.as_deref().unwrap_or("")
-                            );
-                        }
-                    }
+            due.push((slot, vm));
+        }
+        let ticks = self.ticks;
+        let mut by_slot: BTreeMap<u32, &mut WatchedVm> =
+            self.vms.iter_mut().map(|(s, w)| (*s, w)).collect();
+        std::thread::scope(|scope| {
+            for (slot, vm) in &due {
+                if let Some(w) = by_slot.remove(slot) {
+                    scope.spawn(move || w.read(*slot, vm, (ticks, last), ours));
                 }
             }
-        }
+        });
     }
-
     fn finish(self) -> BTreeMap<String, VmQemu> {
         self.vms
             .into_values()
@@ -252,39 +292,68 @@ impl State {
     }
 }
 
-/// Every live VM's counters now, each source read once: beside an API
-/// run's first and last frames. The VMs are read side by side, so that a
-/// monitor slow to answer (or held by another client) delays the frame
-/// by one read's timeout at most, whatever the number of VMs.
-pub(super) fn read_all(
-    known: &Mutex<Registry>,
-    ours: Option<&VmCountsReader>,
-) -> BTreeMap<String, crate::output::live::FrameQemu> {
-    let vms: Vec<(u64, Vm)> = alive(known)
+/// How long a run's edge waits for QEMU's counters: an API run's start
+/// and stop are answered within a second, whatever a VM's monitor does.
+pub(super) const EDGE_WAIT: Duration = Duration::from_millis(750);
+
+/// The VMs alive now, each with our count of its requests submitted so
+/// far: what an edge's read of QEMU's counters is set beside.
+pub(super) fn edge_vms(known: &Mutex<Registry>, ours: Option<&VmCountsReader>) -> Vec<(u64, Vm)> {
+    alive(known)
         .into_iter()
         .map(|(slot, vm)| (ours.and_then(|o| o.submitted(slot)).unwrap_or(0), vm))
-        .collect();
-    std::thread::scope(|scope| {
-        let reads: Vec<_> = vms
-            .iter()
-            .map(|(submitted, vm)| scope.spawn(move || read_one(vm, *submitted)))
-            .collect();
-        reads
-            .into_iter()
-            .zip(&vms)
-            .map(|(h, (_, vm))| {
-                let f = h.join().unwrap_or_else(|_| crate::output::live::FrameQemu {
-                    error: Some("its read failed".into()),
+        .collect()
+}
+
+/// Every VM's counters now, each source read once: beside an API run's
+/// first and last frames. The VMs are read side by side and waited for
+/// `EDGE_WAIT` at most: a VM whose monitor has not answered by then is
+/// said so (its own exchange ends by the same deadline), and one whose
+/// monitor failed before is not asked until its back-off is over.
+pub(super) fn read_all(
+    vms: Vec<(u64, Vm)>,
+    monitors: &Arc<Monitors>,
+) -> BTreeMap<String, crate::output::live::FrameQemu> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (i, (submitted, vm)) in vms.iter().cloned().enumerate() {
+        let (tx, monitors) = (tx.clone(), monitors.clone());
+        std::thread::spawn(move || {
+            let _ = tx.send((i, read_one(&vm, submitted, &monitors)));
+        });
+    }
+    drop(tx);
+    let until = Instant::now() + EDGE_WAIT + Duration::from_millis(50);
+    let mut got = BTreeMap::new();
+    while got.len() < vms.len() {
+        match rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            Ok((i, f)) => {
+                got.insert(i, f);
+            }
+            Err(_) => break,
+        }
+    }
+    vms.iter()
+        .enumerate()
+        .map(|(i, (submitted, vm))| {
+            let f = got
+                .remove(&i)
+                .unwrap_or_else(|| crate::output::live::FrameQemu {
+                    source: qemu_counts::describe_all(&qemu_counts::sources_of(vm)),
+                    submitted_before_read: *submitted,
+                    error: Some(format!("its monitor gave no answer within {EDGE_WAIT:?}")),
                     ..Default::default()
                 });
-                (vm.name.clone(), f)
-            })
-            .collect()
-    })
+            (vm.name.clone(), f)
+        })
+        .collect()
 }
 
 /// One VM's counters from each of its sources.
-fn read_one(vm: &Vm, submitted_before_read: u64) -> crate::output::live::FrameQemu {
+fn read_one(
+    vm: &Vm,
+    submitted_before_read: u64,
+    monitors: &Monitors,
+) -> crate::output::live::FrameQemu {
     let sources = qemu_counts::sources_of(vm);
     let mut f = crate::output::live::FrameQemu {
         source: qemu_counts::describe_all(&sources),
@@ -296,7 +365,7 @@ fn read_one(vm: &Vm, submitted_before_read: u64) -> crate::output::live::FrameQe
         if matches!(s, Source::None { .. }) {
             continue;
         }
-        match qemu_counts::read(&s, vm) {
+        match monitors.read(&s, vm, EDGE_WAIT) {
             Ok(c) => {
                 if s.is_engine() {
                     f.engine_disks.extend(c.keys().cloned());

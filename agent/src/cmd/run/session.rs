@@ -82,6 +82,8 @@ pub(super) struct Session {
     thresholds: Thresholds,
     /// Every disk's diagnosis for the live feed, window by window.
     pub diagnoses: Mutex<super::live::Diagnoses>,
+    /// The VMs' monitors that misbehaved, tried again only after a back-off.
+    pub monitors: Arc<crate::discover::monitors::Monitors>,
 }
 
 /// What the end of the trace hands the report.
@@ -123,6 +125,7 @@ impl Session {
             streams: Streams::of(opts, tracer),
             thresholds: Thresholds::default(),
             diagnoses: Mutex::default(),
+            monitors: Arc::default(),
         }
     }
 
@@ -357,20 +360,39 @@ impl Session {
     }
 
     /// The figures so far, to a live view.
-    pub(super) fn send_frame(&self, feed: &LiveFeed, at_s: f64) {
-        let with_qemu = self.metrics.as_ref().is_some_and(|m| {
-            m.qemu_wanted
-                .swap(false, std::sync::atomic::Ordering::Relaxed)
-        });
+    pub(super) fn send_frame(&self, feed: &LiveFeed, at_s: f64, qemu: Option<EdgeCounts>) {
         self.refresh_kernel();
         send_frame(
             feed,
             at_s,
             &self.probes,
             (&self.correlator, &self.known),
-            with_qemu,
-            &self.diagnoses,
+            qemu,
+            (&self.diagnoses, &self.monitors),
         );
+    }
+
+    /// Where an API run's start or stop asked for QEMU's counters: their
+    /// read, off the loop (the frame follows when it is done, `EDGE_WAIT`
+    /// at most).
+    pub(super) fn edge_read(&self) -> Option<JoinHandle<EdgeCounts>> {
+        let m = self.metrics.as_ref()?;
+        if !m
+            .qemu_wanted
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            return None;
+        }
+        let ours = self
+            .probes
+            .vm_counts_reader()
+            .map_err(|e| log::warn!("{}", crate::probes::error_chain(&e)))
+            .ok();
+        let vms = super::qemu::edge_vms(&self.known, ours.as_ref());
+        let monitors = self.monitors.clone();
+        Some(tokio::task::spawn_blocking(move || {
+            super::qemu::read_all(vms, &monitors)
+        }))
     }
 
     pub(super) fn refresh_metrics(&self, m: &crate::api::Shared) {
@@ -378,9 +400,9 @@ impl Session {
         refresh_metrics(
             m,
             &self.probes,
-            &self.correlator,
-            &self.known,
+            (&self.correlator, &self.known),
             self.export_shared.as_ref(),
+            &self.monitors,
         );
     }
 

@@ -97,6 +97,7 @@ fn state() -> State {
         unmatched: 7,
         qemu: None,
         diagnoses: vec![throttled("db-primary", "vd1", Op::Write)],
+        monitors: Vec::new(),
     };
     let (vms, disks, secs) = interval(Some(&prev), &cur);
     State {

@@ -481,7 +481,7 @@ fn queues_of(o: &[(String, String)]) -> Option<u32> {
     ["num-queues", "num_queues", "max_ioqpairs"]
         .iter()
         .find_map(|k| get(o, k)?.parse::<u32>().ok())
-        .map(|n| n.clamp(1, MAX_QUEUES))
+        .map(|n| n.max(1).min(MAX_QUEUES))
 }
 
 /// `-smp N` or `-smp cpus=N,…`: the vCPUs at start.
@@ -490,7 +490,7 @@ fn smp_cpus(v: &str) -> Option<u32> {
     get(&o, "cpus")
         .or_else(|| get(&o, ""))
         .and_then(|n| n.parse::<u32>().ok())
-        .map(|n| n.clamp(1, MAX_QUEUES))
+        .map(|n| n.max(1).min(MAX_QUEUES))
 }
 
 /// A `-blockdev` (JSON or key=value): node name, file name, child node

@@ -132,7 +132,7 @@ pub fn since_boot() -> std::time::Duration {
     let ts = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
     std::time::Duration::new(
         ts.tv_sec.max(0) as u64,
-        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+        ts.tv_nsec.max(0).min(999_999_999) as u32,
     )
 }
 

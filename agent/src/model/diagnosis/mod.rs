@@ -112,7 +112,7 @@ pub struct CpuWait {
 
 impl Figures {
     pub fn segment(&self, s: Segment) -> Option<Stat> {
-        self.segments[s as usize]
+        self.segments.get(s as usize).copied().flatten()
     }
 
     /// A segment's share of the mean latency.
@@ -126,7 +126,8 @@ impl Figures {
     /// A segment's share of the p99+ tail's latency, where kept.
     pub fn tail_share(&self, s: Segment) -> Option<f64> {
         let (t, total) = (self.tail?, self.tail_total_us?);
-        (total > 0.0).then(|| t[s as usize] / total)
+        let part = t.get(s as usize)?;
+        (total > 0.0).then(|| part / total)
     }
 
     /// Requests in flight on average (Little's law: rate × latency).
@@ -449,5 +450,7 @@ pub fn pct(v: f64) -> String {
     format!("{:.0} %", v * 100.0)
 }
 
+#[cfg(test)]
+mod props;
 #[cfg(test)]
 mod tests;

@@ -17,6 +17,20 @@ fn guest_capacity(d: &VmDisk) -> Option<f64> {
     Some(f64::from(size) * f64::from(d.queues.unwrap_or(1).max(1)))
 }
 
+/// The queue size (per queue) with room for the workload's depth and half
+/// again, as a power of two: at least twice today's, at most virtio's 1024.
+/// Whatever the figures (a guest's stamps make `in_guest`), never out of
+/// that range.
+fn larger_queue_size(cap: f64, queues: Option<u32>, in_guest: f64) -> u32 {
+    const VIRTIO_MAX: f64 = 1024.0;
+    let queues = f64::from(queues.unwrap_or(1).max(1));
+    let size = cap / queues;
+    let wanted = (1.5 * in_guest / queues).ceil();
+    // f64's max and min pass NaN over: the bounds hold for any figure.
+    let want = wanted.max(size * 2.0).min(VIRTIO_MAX).max(1.0);
+    (want as u32).next_power_of_two().min(VIRTIO_MAX as u32)
+}
+
 /// (g) The guest's own queueing: more requests in flight in the guest than
 /// its queues let reach the host, so they wait in the guest before its
 /// driver kicks (the guest segment; the guest agent sees it).
@@ -32,9 +46,7 @@ pub(super) fn guest_queue(f: &Figures, d: &VmDisk) -> Option<Finding> {
         return None;
     }
     let (dom, dev) = libvirt_names(d);
-    // Room for the workload's depth and half again, as a power of two.
-    let want = (1.5 * in_guest).ceil().clamp(cap * 2.0, 1024.0) as u32;
-    let want = want.next_power_of_two().min(1024);
+    let want = larger_queue_size(cap, d.queues, in_guest);
     let now = match d.queue_size {
         Some(s) => format!("queue-size={s}"),
         None => "queue-size 256 (QEMU's default)".into(),
