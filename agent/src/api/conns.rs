@@ -1,10 +1,14 @@
 //! The API's connection slots. A full house evicts, it does not refuse:
 //! when every slot is taken, a new connection takes the slot of the oldest
 //! one that holds no request (its TLS handshake or its request headers not
-//! yet done, or kept alive between requests). A connection serving a
-//! request is kept. The deadline of a connection that holds no request
-//! tightens as the slots fill, so a flood that never speaks costs its
-//! sender more connections a second than it costs the agent slots.
+//! yet done, or kept alive between requests) of the peer (a local user,
+//! a remote address: `peer`) that holds the most such connections — a
+//! flood evicts its own connections, not a slow client's of another peer.
+//! A connection serving a request is kept while its reader reads: one
+//! whose response has made no progress for `WRITE_STALL` is closed. The
+//! deadline of a connection that holds no request tightens as the slots
+//! fill, so a flood that never speaks costs its sender more connections a
+//! second than it costs the agent slots.
 
 use std::{
     collections::{BTreeSet, HashMap},
@@ -16,6 +20,8 @@ use std::{
 };
 
 use tokio::sync::oneshot;
+
+pub use super::peer::Peer;
 
 /// What a connection that holds no request is waiting for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,7 +53,14 @@ pub enum Closed {
     Evicted(Waiting),
     /// It held no request past its deadline.
     Deadline(Waiting),
+    /// Its reader took nothing of a response for `WRITE_STALL`.
+    SlowReader,
 }
+
+/// A response (a stream's frames among them) whose reader takes none of
+/// it for this long is dropped with its connection: a client that stops
+/// reading holds neither a slot nor the agent's buffers for long.
+pub const WRITE_STALL: Duration = Duration::from_secs(10);
 
 /// The deadline of a connection that holds no request while at most half
 /// the slots are taken.
@@ -74,6 +87,7 @@ pub fn deadline(open: usize, cap: usize) -> Duration {
 pub struct ClosedCounts {
     evicted: [AtomicU64; 3],
     deadline: [AtomicU64; 3],
+    slow_readers: AtomicU64,
 }
 
 impl ClosedCounts {
@@ -81,8 +95,17 @@ impl ClosedCounts {
         let (side, w) = match c {
             Closed::Evicted(w) => (&self.evicted, w),
             Closed::Deadline(w) => (&self.deadline, w),
+            Closed::SlowReader => {
+                self.slow_readers.fetch_add(1, Relaxed);
+                return;
+            }
         };
         side[w as usize].fetch_add(1, Relaxed);
+    }
+
+    /// Connections closed because their reader stopped reading.
+    pub fn slow_readers(&self) -> u64 {
+        self.slow_readers.load(Relaxed)
     }
 
     /// (reason, waiting for, count), every pair.
@@ -116,27 +139,34 @@ impl ClosedCounts {
 }
 
 struct Conn {
+    peer: Peer,
     /// While it holds no request: since when, and for what.
     waiting: Option<(Instant, Waiting)>,
     /// Requests in flight (a response not yet sent whole).
     busy: u32,
+    /// Since when its writes have waited for the reader (`Stall`).
+    stall: Arc<Stall>,
     close: Option<oneshot::Sender<Closed>>,
 }
 
 #[derive(Default)]
 struct House {
     conns: HashMap<u64, Conn>,
-    /// The connections that hold no request, oldest first.
+    /// The connections that hold no request, oldest first ...
     waiting: BTreeSet<(Instant, u64)>,
+    /// ... the same per peer ...
+    waiting_of: HashMap<Peer, BTreeSet<(Instant, u64)>>,
+    /// ... and the peers by how many they hold.
+    peers: BTreeSet<(usize, Peer)>,
     next_id: u64,
 }
 
 impl House {
     fn close(&mut self, id: u64, why: Closed, counts: &ClosedCounts) {
+        if self.conns.contains_key(&id) {
+            self.set_waiting(id, None);
+        }
         if let Some(mut c) = self.conns.remove(&id) {
-            if let Some((since, _)) = c.waiting {
-                self.waiting.remove(&(since, id));
-            }
             counts.add(why);
             if let Some(tx) = c.close.take() {
                 let _ = tx.send(why);
@@ -148,12 +178,21 @@ impl House {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        if let Some((since, _)) = c.waiting {
-            self.waiting.remove(&(since, id));
-        }
+        let (old, peer) = (c.waiting, c.peer);
         c.waiting = w;
+        let mut of_peer = self.waiting_of.remove(&peer).unwrap_or_default();
+        self.peers.remove(&(of_peer.len(), peer));
+        if let Some((since, _)) = old {
+            self.waiting.remove(&(since, id));
+            of_peer.remove(&(since, id));
+        }
         if let Some((since, _)) = w {
             self.waiting.insert((since, id));
+            of_peer.insert((since, id));
+        }
+        if !of_peer.is_empty() {
+            self.peers.insert((of_peer.len(), peer));
+            self.waiting_of.insert(peer, of_peer);
         }
     }
 
@@ -163,12 +202,45 @@ impl House {
         let w = self.conns.get(&id)?.waiting?.1;
         Some((since, id, w))
     }
+
+    /// The oldest connection holding no request of the peer that holds
+    /// the most such connections: a full house's eviction.
+    fn to_evict(&self) -> Option<(u64, Waiting)> {
+        let &(_, peer) = self.peers.last()?;
+        let &(_, id) = self.waiting_of.get(&peer)?.first()?;
+        Some((id, self.conns.get(&id)?.waiting?.1))
+    }
+}
+
+/// Since when a connection's writes have waited for its reader: 0 while
+/// they do not, else the wait's start in ms from the slots' epoch (plus
+/// one). Set by its socket's writes (`Connection`), read by the sweep.
+#[derive(Debug, Default)]
+pub struct Stall(AtomicU64);
+
+impl Stall {
+    /// A write found the socket full: the wait starts, if it had not.
+    pub fn waiting(&self, ms: u64) {
+        let _ = self
+            .0
+            .compare_exchange(0, ms.saturating_add(1), Relaxed, Relaxed);
+    }
+
+    /// A write went through: no wait.
+    pub fn flowing(&self) {
+        self.0.store(0, Relaxed);
+    }
+
+    fn since_ms(&self) -> Option<u64> {
+        self.0.load(Relaxed).checked_sub(1)
+    }
 }
 
 /// The slots, shared by the accept loop, the connections and the sweep.
 pub struct Slots {
     house: Mutex<House>,
     cap: usize,
+    epoch: Instant,
     pub closed: ClosedCounts,
 }
 
@@ -185,6 +257,9 @@ pub struct Admission {
 pub struct Slot {
     slots: Arc<Slots>,
     id: u64,
+    /// Its writes' wait for the reader.
+    pub stall: Arc<Stall>,
+    pub peer: Peer,
 }
 
 impl std::fmt::Debug for Slots {
@@ -201,6 +276,7 @@ impl Slots {
         Arc::new(Self {
             house: Mutex::new(House::default()),
             cap,
+            epoch: Instant::now(),
             closed: ClosedCounts::default(),
         })
     }
@@ -218,24 +294,33 @@ impl Slots {
         self.cap
     }
 
-    /// A slot for a new connection, first waiting for `first`: evicting
-    /// the oldest connection that holds no request when every slot is
-    /// taken, None when every one holds a request.
-    pub fn admit(self: &Arc<Self>, first: Waiting, now: Instant) -> Option<Admission> {
+    /// Milliseconds since the slots began, for `Stall`.
+    pub fn ms(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.epoch).as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// A slot for a new connection of `peer`, first waiting for `first`:
+    /// when every slot is taken, evicting the oldest connection that holds
+    /// no request of the peer holding the most; None when every one holds
+    /// a request.
+    pub fn admit(self: &Arc<Self>, first: Waiting, now: Instant, peer: Peer) -> Option<Admission> {
         let mut h = self.house();
         let evicted = h.conns.len() >= self.cap;
         if evicted {
-            let (_, id, w) = h.oldest_waiting()?;
+            let (id, w) = h.to_evict()?;
             h.close(id, Closed::Evicted(w), &self.closed);
         }
         let id = h.next_id;
         h.next_id += 1;
         let (tx, rx) = oneshot::channel();
+        let stall = Arc::new(Stall::default());
         h.conns.insert(
             id,
             Conn {
+                peer,
                 waiting: None,
                 busy: 0,
+                stall: stall.clone(),
                 close: Some(tx),
             },
         );
@@ -244,6 +329,8 @@ impl Slots {
         let slot = Slot {
             slots: self.clone(),
             id,
+            stall,
+            peer,
         };
         Some(Admission {
             slot,
@@ -253,7 +340,8 @@ impl Slots {
     }
 
     /// Closes every connection that has held no request past the deadline
-    /// the slots' fill sets now; returns how many.
+    /// the slots' fill sets now, and every one whose reader has taken
+    /// nothing for `WRITE_STALL`; returns how many.
     pub fn sweep(&self, now: Instant) -> usize {
         let mut h = self.house();
         let limit = deadline(h.conns.len(), self.cap);
@@ -263,6 +351,17 @@ impl Slots {
                 break;
             }
             h.close(id, Closed::Deadline(w), &self.closed);
+            n += 1;
+        }
+        let stalled_before = self.ms(now).saturating_sub(WRITE_STALL.as_millis() as u64);
+        let stalled: Vec<u64> = h
+            .conns
+            .iter()
+            .filter(|(_, c)| c.stall.since_ms().is_some_and(|s| s < stalled_before))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stalled {
+            h.close(id, Closed::SlowReader, &self.closed);
             n += 1;
         }
         n
@@ -294,11 +393,8 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut h = self.slots.house();
-        if let Some(c) = h.conns.remove(&self.id) {
-            if let Some((since, _)) = c.waiting {
-                h.waiting.remove(&(since, self.id));
-            }
-        }
+        h.set_waiting(self.id, None);
+        h.conns.remove(&self.id);
     }
 }
 
@@ -330,8 +426,10 @@ mod tests {
         t0 + Duration::from_millis(ms)
     }
 
+    const FLOOD: Peer = Peer::Uid(65534);
+
     fn admit(slots: &Arc<Slots>, w: Waiting, now: Instant) -> (Slot, oneshot::Receiver<Closed>) {
-        let a = slots.admit(w, now).expect("a slot");
+        let a = slots.admit(w, now, FLOOD).expect("a slot");
         (a.slot, a.closed)
     }
 
@@ -353,7 +451,7 @@ mod tests {
         let (c, _c_rx) = admit(&slots, Waiting::Headers, at(t0, 2));
         // `a` sent a request: it is kept; `b` is then the oldest waiting.
         let _req = a.busy();
-        let d = slots.admit(Waiting::Headers, at(t0, 3)).unwrap();
+        let d = slots.admit(Waiting::Headers, at(t0, 3), FLOOD).unwrap();
         assert!(d.evicted);
         assert_eq!(b_rx.try_recv(), Ok(Closed::Evicted(Waiting::Headers)));
         assert!(
@@ -373,7 +471,7 @@ mod tests {
         let (a, _a_rx) = admit(&slots, Waiting::Headers, t0);
         let (b, _b_rx) = admit(&slots, Waiting::Headers, t0);
         let (_ra, _rb) = (a.busy(), b.busy());
-        assert!(slots.admit(Waiting::Headers, t0).is_none());
+        assert!(slots.admit(Waiting::Headers, t0, FLOOD).is_none());
         assert_eq!(slots.closed.evicted(), 0);
         assert_eq!(slots.open(), 2);
     }
@@ -420,5 +518,61 @@ mod tests {
         assert_eq!(slots.sweep(at(t0, 6000)), 0);
         assert_eq!(slots.sweep(at(t0, 9000)), 1);
         assert_eq!(rx.try_recv(), Ok(Closed::Deadline(Waiting::Headers)));
+    }
+}
+
+#[cfg(test)]
+mod fairness {
+    use super::*;
+
+    #[test]
+    fn a_flood_of_one_peer_evicts_its_own_not_anothers_slow_client() {
+        let t0 = Instant::now();
+        let slots = Slots::new(4);
+        let flood = Peer::Uid(65534);
+        let mut held = Vec::new();
+        let a = slots.admit(Waiting::Headers, t0, flood).unwrap();
+        held.push(a);
+        // The slow client, older than the rest of the flood.
+        let slow = slots
+            .admit(
+                Waiting::Headers,
+                t0 + Duration::from_millis(1),
+                Peer::Uid(0),
+            )
+            .unwrap();
+        for i in 2..200u64 {
+            let a = slots
+                .admit(Waiting::Headers, t0 + Duration::from_millis(i), flood)
+                .unwrap();
+            held.push(a);
+        }
+        let mut slow_closed = slow.closed;
+        assert!(
+            slow_closed.try_recv().is_err(),
+            "the slow client was evicted"
+        );
+        assert_eq!(slots.open(), 4);
+        assert_eq!(slots.closed.evicted(), 196);
+    }
+
+    #[test]
+    fn a_reader_that_stops_reading_is_closed_after_the_stall() {
+        let t0 = Instant::now();
+        let slots = Slots::new(4);
+        let a = slots.admit(Waiting::Headers, t0, Peer::Uid(1)).unwrap();
+        let _busy = a.slot.busy();
+        a.slot.stall.waiting(slots.ms(t0));
+        assert_eq!(
+            slots.sweep(t0 + WRITE_STALL - Duration::from_millis(200)),
+            0
+        );
+        let mut rx = a.closed;
+        assert_eq!(
+            slots.sweep(t0 + WRITE_STALL + Duration::from_millis(200)),
+            1
+        );
+        assert_eq!(rx.try_recv(), Ok(Closed::SlowReader));
+        assert_eq!(slots.closed.slow_readers(), 1);
     }
 }

@@ -6,7 +6,12 @@
 //! `/api/v1/stream` (frames as server-sent events, for `top --connect`),
 //! `/api/v1/runs` (labelled benchmark runs: start, stop, report).
 
+#[cfg(feature = "serve")]
+mod bodies;
 pub mod conns;
+#[cfg(feature = "serve")]
+mod io;
+pub mod peer;
 #[cfg(any(feature = "serve", feature = "tui"))]
 pub mod tls;
 
@@ -35,8 +40,8 @@ pub struct Tls {
 pub struct Shared {
     /// The last /metrics refresh, in each format, and whether a scrape
     /// asked since it was made.
-    pub prometheus: Mutex<String>,
-    pub openmetrics: Mutex<String>,
+    pub prometheus: Mutex<bytes::Bytes>,
+    pub openmetrics: Mutex<bytes::Bytes>,
     pub wanted: AtomicBool,
     /// An API run starts or stops: the next frame carries QEMU's own
     /// counters.
@@ -62,8 +67,15 @@ pub struct Shared {
     pub refused: Refused,
     /// The open connections' slots, and those the agent closed.
     pub slots: Arc<conns::Slots>,
-    /// The frame streams' places (`MAX_STREAMS`).
+    /// The frame streams' places (`MAX_STREAMS`), and each peer's share
+    /// of them (`MAX_STREAMS_A_PEER`).
     pub streams: Arc<tokio::sync::Semaphore>,
+    pub streams_of: Arc<Mutex<std::collections::HashMap<peer::Peer, usize>>>,
+    /// The current frame's JSON and the runs' list, rendered once for all.
+    #[cfg(feature = "serve")]
+    frame_json: bodies::FrameJson,
+    #[cfg(feature = "serve")]
+    runs_json: bodies::Cached,
 }
 
 /// Requests and connections the API turned away, counted.
@@ -104,8 +116,12 @@ pub enum Access {
 /// takes the slot of the oldest one that holds no request (`conns`).
 pub const MAX_CONNECTIONS: usize = 4096;
 /// Frame streams served at once: a connection serving one is never evicted,
-/// so streams may hold only a quarter of the slots.
+/// so streams may hold only a quarter of the slots ...
 pub const MAX_STREAMS: usize = MAX_CONNECTIONS / 4;
+/// ... and one peer (a local user but root, a remote address) a quarter of
+/// those: a user who opens streams without end leaves the others'
+/// `top --connect` its place.
+pub const MAX_STREAMS_A_PEER: usize = MAX_STREAMS / 4;
 /// Labelled runs kept: past it the oldest stopped one goes.
 pub const MAX_RUNS: usize = 1024;
 /// A run label's length, at most.
@@ -155,8 +171,8 @@ impl Shared {
 
     pub fn new(access: Access) -> Arc<Self> {
         Arc::new(Self {
-            prometheus: Mutex::new(String::new()),
-            openmetrics: Mutex::new(String::new()),
+            prometheus: Mutex::new(bytes::Bytes::new()),
+            openmetrics: Mutex::new(bytes::Bytes::new()),
             wanted: AtomicBool::new(true),
             qemu_wanted: AtomicBool::new(false),
             deep_runs: std::sync::atomic::AtomicU32::new(0),
@@ -168,6 +184,11 @@ impl Shared {
             refused: Refused::default(),
             slots: conns::Slots::new(MAX_CONNECTIONS),
             streams: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS)),
+            streams_of: Arc::default(),
+            #[cfg(feature = "serve")]
+            frame_json: bodies::FrameJson::default(),
+            #[cfg(feature = "serve")]
+            runs_json: bodies::Cached::default(),
         })
     }
 
@@ -181,8 +202,9 @@ impl Shared {
             f,
             "iospan_api_connections_closed_total",
             "counter",
-            "Connections the API closed while they held no request: evicted for a new one \
-             (every slot taken) or past their deadline, by what they waited for.",
+            "Connections the API closed: while they held no request, evicted for a new one \
+             (every slot taken) or past their deadline, by what they waited for; or because \
+             their reader took nothing of a response for 10 s.",
         );
         for (reason, waiting, n) in self.slots.closed.each() {
             out.push_str(&format!(
@@ -190,6 +212,11 @@ impl Shared {
                 labels(&[("reason", reason), ("waiting", waiting.as_str())])
             ));
         }
+        out.push_str(&format!(
+            "iospan_api_connections_closed_total{{{}}} {}\n",
+            labels(&[("reason", "slow_reader"), ("waiting", "response")]),
+            self.slots.closed.slow_readers()
+        ));
         let open = self.slots.open();
         for (name, help, v) in [
             (

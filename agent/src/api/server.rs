@@ -10,19 +10,17 @@ use axum::{
     extract::{Path, Query, State},
     http::{header, HeaderMap, Method, StatusCode},
     middleware::{self, Next},
-    response::{
-        sse::{Event, KeepAlive, Sse},
-        IntoResponse, Response,
-    },
+    response::{IntoResponse, Response},
     routing::{get, post},
     Json, Router,
 };
-use futures_util::stream;
+use bytes::Bytes;
+use futures_util::{stream, StreamExt};
 
 use super::{
     bench_report,
-    conns::{self, Waiting},
-    BenchRun, Shared, MAX_CONNECTIONS, MAX_LABEL, MAX_RUNS, MAX_STREAMS,
+    conns::{self, Peer, Waiting},
+    BenchRun, Shared, MAX_CONNECTIONS, MAX_LABEL, MAX_RUNS, MAX_STREAMS, MAX_STREAMS_A_PEER,
 };
 use crate::{output::live::Frame, output::metrics::Format};
 use hyper_util::rt::TokioIo;
@@ -130,17 +128,21 @@ async fn accept_loop(
     use std::sync::atomic::Ordering::Relaxed;
     let mut http = hyper::server::conn::http1::Builder::new();
     // A backstop only: the slots' sweep closes a connection waiting
-    // for its headers first, and counts it.
+    // for its headers first, and counts it. A request's head is at most
+    // `MAX_HEAD` (hyper's own default, ~400 KiB, times the slots would be
+    // gigabytes of half-sent heads).
     http.timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(conns::IDLE_DEADLINE * 2);
+        .header_read_timeout(conns::IDLE_DEADLINE * 2)
+        .max_buf_size(MAX_HEAD)
+        .max_headers(MAX_HEADERS);
     tokio::spawn(sweep(shared.clone()));
     let first = match tls {
         Some(_) => Waiting::Handshake,
         None => Waiting::Headers,
     };
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+        let (stream, client) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // Out of descriptors, most likely: back off, do not spin.
                 log::debug!("HTTP API: accept: {e}");
@@ -148,7 +150,12 @@ async fn accept_loop(
                 continue;
             }
         };
-        let Some(admitted) = shared.slots.admit(first, Instant::now()) else {
+        let peer = stream
+            .local_addr()
+            .map_or(super::peer::Peer::Addr(client.ip()), |local| {
+                super::peer::of(client, local)
+            });
+        let Some(admitted) = shared.slots.admit(first, Instant::now(), peer) else {
             shared.refused.connections.fetch_add(1, Relaxed);
             drop(stream);
             continue;
@@ -158,6 +165,7 @@ async fn accept_loop(
         }
         let conn = Connection {
             slot: Arc::new(admitted.slot),
+            slots: shared.slots.clone(),
             app: app.clone(),
             http: http.clone(),
         };
@@ -227,9 +235,15 @@ impl Flooded {
     }
 }
 
+/// A request's head (its line and headers), at most: a real client's
+/// with its token is under 1 KiB.
+const MAX_HEAD: usize = 16 << 10;
+const MAX_HEADERS: usize = 64;
+
 /// One connection: its slot, the routes, the HTTP server.
 struct Connection {
     slot: Arc<conns::Slot>,
+    slots: Arc<conns::Slots>,
     app: Router,
     http: hyper::server::conn::http1::Builder,
 }
@@ -248,6 +262,7 @@ impl Connection {
     }
 
     async fn speak(self, stream: tokio::net::TcpStream, tls: Option<tokio_rustls::TlsAcceptor>) {
+        let stream = super::io::Watched::new(stream, self.slot.stall.clone(), self.slots);
         let routes = Answering {
             app: self.app,
             slot: self.slot.clone(),
@@ -286,9 +301,10 @@ impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Answerin
         Box<dyn std::future::Future<Output = Result<Self::Response, Infallible>> + Send>,
     >;
 
-    fn call(&self, req: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+    fn call(&self, mut req: hyper::Request<hyper::body::Incoming>) -> Self::Future {
         use tower_service::Service as _;
         let busy = self.slot.busy();
+        req.extensions_mut().insert(self.slot.peer);
         let mut app = self.app.clone();
         Box::pin(async move {
             let resp = app.call(req).await?;
@@ -423,17 +439,30 @@ async fn metrics(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
         Format::Prometheus => &s.prometheus,
         Format::OpenMetrics => &s.openmetrics,
     };
-    let mut body = text.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    // The run's exposition is the last refresh's, shared by every scrape;
+    // only the API's own few lines are this request's.
+    let run = text.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let mut ours = s.api_exposition(f);
     if let Some(frame) = current(&s) {
         crate::output::metrics::diagnoses(&mut ours, f, &frame.diagnoses);
     }
     // OpenMetrics ends with `# EOF`: the API's own lines go before it.
-    match body.strip_suffix("# EOF\n") {
-        Some(head) => body = format!("{head}{ours}# EOF\n"),
-        None => body.push_str(&ours),
-    }
-    ([(header::CONTENT_TYPE, f.content_type())], body).into_response()
+    const EOF: &[u8] = b"# EOF\n";
+    let (head, tail) = match run.strip_suffix(EOF) {
+        Some(head) => (run.slice(..head.len()), Bytes::from_static(EOF)),
+        None => (run, Bytes::new()),
+    };
+    let chunks = [head, Bytes::from(ours), tail].map(Ok::<_, Infallible>);
+    (
+        [(header::CONTENT_TYPE, f.content_type())],
+        axum::body::Body::from_stream(stream::iter(chunks)),
+    )
+        .into_response()
+}
+
+/// A body of shared bytes as JSON.
+fn json_body(json: Bytes) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], json).into_response()
 }
 
 fn current(s: &Shared) -> Option<Arc<Frame>> {
@@ -449,41 +478,101 @@ async fn healthz(State(s): State<Arc<Shared>>) -> Response {
 
 async fn snapshot(State(s): State<Arc<Shared>>) -> Response {
     match current(&s) {
-        Some(f) => Json(f.as_ref().clone()).into_response(),
+        Some(f) => json_body(s.frame_json.of(&f)),
         None => (StatusCode::SERVICE_UNAVAILABLE, "no figures yet\n").into_response(),
     }
 }
 
-/// Frames as server-sent events, while one of `MAX_STREAMS` places is
-/// free: each stream keeps its connection busy for as long as it runs.
-async fn stream_frames(State(s): State<Arc<Shared>>) -> Response {
-    let Ok(place) = s.streams.clone().try_acquire_owned() else {
-        s.refused
-            .streams
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("{MAX_STREAMS} frame streams are open, the most served at once: try again\n"),
-        )
-            .into_response();
+/// A stream's place, given back when the stream ends: one of
+/// `MAX_STREAMS`, and one of its peer's `MAX_STREAMS_A_PEER`.
+struct StreamPlace {
+    _place: tokio::sync::OwnedSemaphorePermit,
+    peer: Peer,
+    of: Arc<std::sync::Mutex<std::collections::HashMap<Peer, usize>>>,
+}
+
+impl StreamPlace {
+    fn take(s: &Shared, peer: Peer) -> Result<Self, String> {
+        let mut of = s.streams_of.lock().unwrap_or_else(|p| p.into_inner());
+        let mine = of.entry(peer).or_default();
+        // Root, who could stop the agent anyway, has no share to keep to.
+        if *mine >= MAX_STREAMS_A_PEER && peer != Peer::Uid(0) {
+            return Err(format!(
+                "{MAX_STREAMS_A_PEER} frame streams of yours are open, the most served to one \
+                 user or address: close one\n"
+            ));
+        }
+        let place = s.streams.clone().try_acquire_owned().map_err(|_| {
+            format!("{MAX_STREAMS} frame streams are open, the most served at once: try again\n")
+        })?;
+        *mine += 1;
+        Ok(Self {
+            _place: place,
+            peer,
+            of: s.streams_of.clone(),
+        })
+    }
+}
+
+impl Drop for StreamPlace {
+    fn drop(&mut self) {
+        let mut of = self.of.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = of.get_mut(&self.peer) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                of.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// How often a quiet stream says it is alive (an SSE comment).
+const STREAM_KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+/// Frames as server-sent events (`event: frame`, the frame's JSON as its
+/// data), while a place is free: each stream keeps its connection busy for
+/// as long as it runs. Every stream sends the same rendering of a frame.
+async fn stream_frames(
+    State(s): State<Arc<Shared>>,
+    peer: Option<axum::Extension<Peer>>,
+) -> Response {
+    let peer = peer.map_or(Peer::Uid(u32::MAX), |p| p.0);
+    let place = match StreamPlace::take(&s, peer) {
+        Ok(p) => p,
+        Err(why) => {
+            s.refused
+                .streams
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return (StatusCode::SERVICE_UNAVAILABLE, why).into_response();
+        }
     };
     let mut rx = s.frames.subscribe();
     rx.mark_changed();
-    let frames = stream::unfold((rx, place), |(mut rx, place)| async move {
+    let frames = stream::unfold((rx, place, s), |(mut rx, place, s)| async move {
         loop {
-            rx.changed().await.ok()?;
+            match tokio::time::timeout(STREAM_KEEP_ALIVE, rx.changed()).await {
+                Err(_) => return Some((vec![Bytes::from_static(b":\n\n")], (rx, place, s))),
+                Ok(r) => r.ok()?,
+            }
             let frame = rx.borrow_and_update().clone();
             if let Some(f) = frame {
-                let ev = match serde_json::to_string(f.as_ref()) {
-                    Ok(json) => Event::default().event("frame").data(json),
-                    Err(e) => Event::default().comment(format!("unencodable frame: {e}")),
-                };
-                return Some((Ok::<_, Infallible>(ev), (rx, place)));
+                let event = vec![
+                    Bytes::from_static(b"event: frame\ndata: "),
+                    s.frame_json.of(&f),
+                    Bytes::from_static(b"\n\n"),
+                ];
+                return Some((event, (rx, place, s)));
             }
         }
-    });
-    Sse::new(frames)
-        .keep_alive(KeepAlive::default())
+    })
+    .flat_map(|chunks| stream::iter(chunks.into_iter().map(Ok::<_, Infallible>)));
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        axum::body::Body::from_stream(frames),
+    )
         .into_response()
 }
 
@@ -613,6 +702,7 @@ async fn start_run(State(s): State<Arc<Shared>>, Query(q): Query<StartQuery>) ->
         report: None,
     };
     runs.push(run.clone());
+    s.runs_json.forget();
     deep.keep();
     (StatusCode::CREATED, Json(run)).into_response()
 }
@@ -666,6 +756,7 @@ async fn stop_run(State(s): State<Arc<Shared>>, Path(id): Path<u64>) -> Response
     }
     run.stopped_s = Some(end.at_s);
     run.report = Some(bench_report(&run.start, &end));
+    s.runs_json.forget();
     if run.tier.is_deep() {
         s.deep_runs
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
@@ -674,7 +765,12 @@ async fn stop_run(State(s): State<Arc<Shared>>, Path(id): Path<u64>) -> Response
 }
 
 async fn list_runs(State(s): State<Arc<Shared>>) -> Response {
-    Json(s.runs.lock().unwrap_or_else(|p| p.into_inner()).clone()).into_response()
+    // Rendered once until a run starts or stops: a thousand runs' reports
+    // are megabytes, not to be made again for every client that asks.
+    json_body(s.runs_json.get_or(|| {
+        let runs = s.runs.lock().unwrap_or_else(|p| p.into_inner());
+        serde_json::to_vec(&*runs).map_or_else(|_| Bytes::from_static(b"[]"), Bytes::from)
+    }))
 }
 
 async fn one_run(State(s): State<Arc<Shared>>, Path(id): Path<u64>) -> Response {

@@ -30,8 +30,9 @@ pub fn run_dirs() -> Vec<(PathBuf, Option<u32>)> {
     v
 }
 
-/// A status file larger than this is not libvirt's.
-const STATUS_CAP: u64 = 8 << 20;
+/// A status file larger than this is not libvirt's (a domain of hundreds
+/// of disks writes a few hundred KiB).
+const STATUS_CAP: u64 = 4 << 20;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Domain {
@@ -125,6 +126,10 @@ pub struct DomainChannel {
     pub path: Option<String>,
 }
 
+fn shown(s: &str) -> String {
+    crate::model::text::printable(s).into_owned()
+}
+
 /// Reads one status file's text: the pid it records and the domain.
 pub fn parse_status(xml: &str) -> Option<(u32, Domain)> {
     let doc = roxmltree::Document::parse(xml).ok()?;
@@ -139,8 +144,10 @@ pub fn parse_status(xml: &str) -> Option<(u32, Domain)> {
     fn child<'a, 'i>(n: roxmltree::Node<'a, 'i>, tag: &str) -> Option<roxmltree::Node<'a, 'i>> {
         n.children().find(|c| c.has_tag_name(tag))
     }
+    // A session domain's file is its user's to write: every name in it
+    // kept printable only.
     let text =
-        |n: Option<roxmltree::Node<'_, '_>>| n.and_then(|n| n.text()).map(|t| t.trim().to_string());
+        |n: Option<roxmltree::Node<'_, '_>>| n.and_then(|n| n.text()).map(|t| shown(t.trim()));
     let name = text(child(dom, "name"))?;
     let uuid = text(child(dom, "uuid"));
     let mut d = Domain {
@@ -164,8 +171,8 @@ pub fn parse_status(xml: &str) -> Option<(u32, Domain)> {
                             .map(str::to_string)
                     });
                     d.disks.push(DomainDisk {
-                        alias: alias.to_string(),
-                        target_dev: target.to_string(),
+                        alias: shown(alias),
+                        target_dev: shown(target),
                         kind: n.attribute("type").unwrap_or("file").to_string(),
                         source,
                         driver: driver_attrs(n),
@@ -177,7 +184,7 @@ pub fn parse_status(xml: &str) -> Option<(u32, Domain)> {
                         continue;
                     };
                     d.channels.push(DomainChannel {
-                        name: name.to_string(),
+                        name: shown(name),
                         path: child(n, "source")
                             .and_then(|s| s.attribute("path"))
                             .map(str::to_string),
@@ -190,27 +197,46 @@ pub fn parse_status(xml: &str) -> Option<(u32, Domain)> {
     Some((pid, d))
 }
 
-/// Every running domain libvirt has a status file for: its pid, the
-/// domain, and the user the file belongs to.
-pub fn domains() -> Vec<(u32, Domain, u32)> {
-    let mut out = Vec::new();
-    for (dir, user) in run_dirs() {
-        out.extend(
-            domains_in(&dir)
-                .into_iter()
-                .filter(|(_, _, owner)| *owner == user.unwrap_or(0)),
-        );
-    }
-    out.sort_by_key(|(pid, _, _)| *pid);
-    out
+/// Status files looked at in one directory, at most: a host runs
+/// hundreds of domains, a user's session directory holds that user's.
+const MAX_STATUS_FILES: usize = 1024;
+/// Of a status file, the head read for its pid before it is parsed.
+const STATUS_HEAD: u64 = 4096;
+
+/// The status files of `dir` that belong to `owner`, at most
+/// `MAX_STATUS_FILES` of them, owner checked before anything is read.
+fn status_files(dir: &Path, owner: u32) -> Vec<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .take(MAX_STATUS_FILES)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "xml"))
+        .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.uid() == owner))
+        .collect()
 }
 
+/// The pid a status file's head records (`<domstatus … pid='N'>`).
+fn pid_in_head(head: &[u8]) -> Option<u32> {
+    let text = String::from_utf8_lossy(head);
+    let tag = text.split("<domstatus").nth(1)?.split('>').next()?;
+    let at = tag.find("pid=")?;
+    let rest = tag.get(at + 4..)?;
+    let quote = rest.chars().next().filter(|c| *c == '\'' || *c == '"')?;
+    rest.get(1..)?.split_once(quote)?.0.parse().ok()
+}
+
+/// Every domain with a status file in `dir`: its pid, the domain, and the
+/// user the file belongs to.
 pub fn domains_in(dir: &Path) -> Vec<(u32, Domain, u32)> {
     use std::os::unix::fs::MetadataExt;
     let Ok(rd) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
     rd.flatten()
+        .take(MAX_STATUS_FILES)
         .filter(|e| e.path().extension().is_some_and(|x| x == "xml"))
         .filter_map(|e| {
             let owner = std::fs::symlink_metadata(e.path()).ok()?.uid();
@@ -223,13 +249,26 @@ pub fn domains_in(dir: &Path) -> Vec<(u32, Domain, u32)> {
 
 /// The domain running as process `pid`, if libvirt runs it: told by a
 /// status file root wrote, or, for a session domain, the user the process
-/// runs as (a user's file speaks only for that user's processes).
+/// runs as (a user's file speaks only for that user's processes). Only
+/// the files that may speak for it are opened, and of those only the one
+/// whose head names its pid is parsed: another user's hundred files cost
+/// nothing, a hundred of its own user's a head each.
 pub fn domain_of(pid: u32) -> Option<Domain> {
     use std::os::unix::fs::MetadataExt;
     let proc_uid = std::fs::metadata(format!("/proc/{pid}")).ok()?.uid();
-    domains()
+    run_dirs()
         .into_iter()
-        .find_map(|(p, d, owner)| (p == pid && (owner == 0 || owner == proc_uid)).then_some(d))
+        .filter(|(_, user)| user.is_none_or(|u| u == proc_uid))
+        .flat_map(|(dir, user)| status_files(&dir, user.unwrap_or(0)))
+        .find_map(|path| {
+            let head = crate::discover::procfs::read_head(&path, STATUS_CAP, STATUS_HEAD).ok()?;
+            if pid_in_head(&head)? != pid {
+                return None;
+            }
+            let bytes = crate::discover::procfs::read_regular(&path, STATUS_CAP).ok()?;
+            let (p, d) = parse_status(std::str::from_utf8(&bytes).ok()?)?;
+            (p == pid).then_some(d)
+        })
 }
 
 #[cfg(test)]
@@ -320,6 +359,52 @@ OVERWRITTEN AND LOST.
         assert!(parse_status("<domstatus pid='7'></domstatus>").is_none());
         assert!(parse_status("not xml <<<").is_none());
         assert!(parse_status("").is_none());
+    }
+
+    #[test]
+    fn names_in_a_status_file_are_kept_printable() {
+        let xml = STATUS
+            .replace("<name>db01</name>", "<name>db&#10;01\u{202e}; id #</name>")
+            .replace("dev='vda'", "dev='vd\u{2066}a'");
+        let (_, d) = parse_status(&xml).unwrap();
+        assert_eq!(d.name, "db\\u{a}01\\u{202e}; id #");
+        assert!(
+            d.disks.iter().any(|k| k.target_dev == "vd\\u{2066}a"),
+            "{d:?}"
+        );
+    }
+
+    #[test]
+    fn a_status_files_pid_is_read_from_its_head() {
+        assert_eq!(pid_in_head(STATUS.as_bytes()), Some(12215));
+        assert_eq!(
+            pid_in_head(b"<domstatus state=\"running\" pid=\"7\">"),
+            Some(7)
+        );
+        assert_eq!(pid_in_head(b"<domain><name>x</name>"), None);
+        assert_eq!(pid_in_head(b"<domstatus pid='12"), None);
+    }
+
+    /// Another user's hundreds of big files beside root's one: only root's
+    /// is opened (the owner is checked first), and in a blink.
+    #[test]
+    fn another_users_status_files_are_never_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let big = format!("<domstatus pid='1'>{}", "x".repeat(3 << 20));
+        for i in 0..100 {
+            let p = dir.path().join(format!("u{i}.xml"));
+            std::fs::write(&p, &big).unwrap();
+            rustix::fs::chown(&p, Some(rustix::fs::Uid::from_raw(65534)), None).unwrap();
+        }
+        std::fs::write(dir.path().join("db01.xml"), STATUS).unwrap();
+        let t = std::time::Instant::now();
+        let mine = status_files(dir.path(), rustix::process::geteuid().as_raw());
+        assert_eq!(mine, vec![dir.path().join("db01.xml")]);
+        assert!(
+            t.elapsed() < std::time::Duration::from_millis(200),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[test]

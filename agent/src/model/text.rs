@@ -36,6 +36,19 @@ pub fn printable(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// `s` as one word of a shell command: printable, and quoted where a
+/// shell would read it as more than a word (`'db 01'`, `'a'\''b'`), so a
+/// suggested command copied from a report runs on the name it names and
+/// nothing else.
+pub fn shell_word(s: &str) -> Cow<'_, str> {
+    let p = printable(s);
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_@%+=:,./-".contains(c);
+    if !p.is_empty() && p.chars().all(plain) {
+        return p;
+    }
+    Cow::Owned(format!("'{}'", p.replace('\'', "'\\''")))
+}
+
 /// `printable`, owned, in place.
 pub fn make_printable(s: &mut String) {
     if let Cow::Owned(p) = printable(s) {
@@ -65,5 +78,15 @@ mod tests {
         let mut s = String::from("\u{1b}]0;title\u{7}");
         make_printable(&mut s);
         assert_eq!(s, "\\u{1b}]0;title\\u{7}");
+    }
+
+    #[test]
+    fn a_name_is_one_shell_word_whatever_it_holds() {
+        assert_eq!(shell_word("web01"), "web01");
+        assert_eq!(shell_word("/dev/vda"), "/dev/vda");
+        assert_eq!(shell_word("db; id #"), "'db; id #'");
+        assert_eq!(shell_word("it's"), "'it'\\''s'");
+        assert_eq!(shell_word(""), "''");
+        assert_eq!(shell_word("x\u{1b}[2J$(id)"), "'x\\u{1b}[2J$(id)'");
     }
 }

@@ -420,28 +420,14 @@ impl Stitcher {
             Side::Host => w.hosts = w.hosts.saturating_sub(1),
             Side::Guest => w.guests = w.guests.saturating_sub(1),
         }
-        let begin = if g.flags & GUEST_F_SYSCALL != 0 && g.sys_ns != 0 {
-            g.sys_ns.min(g.start_ns)
-        } else {
-            g.start_ns
-        };
-        let end = if g.flags & GUEST_F_REAPED != 0 {
-            g.reap_ns.max(g.done_ns)
-        } else {
-            g.done_ns
-        };
+        let GuestEnds {
+            begin,
+            end,
+            kick,
+            irq,
+        } = GuestEnds::of(g);
         let total = end.saturating_sub(begin);
         let from_block = g.flags & (GUEST_F_NO_KICK | GUEST_F_NO_IRQ) != 0;
-        let kick = if g.flags & GUEST_F_NO_KICK != 0 {
-            g.issue_ns
-        } else {
-            g.kick_ns
-        };
-        let irq = if g.flags & GUEST_F_NO_IRQ != 0 {
-            g.done_ns
-        } else {
-            g.irq_ns
-        };
         // The guest's stamps are the guest's to say: no sum of them may wrap.
         let guest = kick
             .saturating_sub(begin)
@@ -633,6 +619,48 @@ fn reported_to(host_done_ns: u64, guest_done_ns: u64, offset: Option<i64>) -> u6
     offset
         .and_then(|o| u64::try_from(i128::from(guest_done_ns).saturating_add(i128::from(o))).ok())
         .map_or(host_done_ns, |g| g.min(host_done_ns))
+}
+
+/// A guest I/O's ends as the guest saw them: from the application's
+/// call (or the block layer's start) to its reap (or the completion), and
+/// the kick and interrupt between (the block layer's issue and completion
+/// where the guest saw neither).
+struct GuestEnds {
+    begin: u64,
+    end: u64,
+    kick: u64,
+    irq: u64,
+}
+
+impl GuestEnds {
+    fn of(g: &GuestIoEvent) -> Self {
+        let begin = if g.flags & GUEST_F_SYSCALL != 0 && g.sys_ns != 0 {
+            g.sys_ns.min(g.start_ns)
+        } else {
+            g.start_ns
+        };
+        let end = if g.flags & GUEST_F_REAPED != 0 {
+            g.reap_ns.max(g.done_ns)
+        } else {
+            g.done_ns
+        };
+        let kick = if g.flags & GUEST_F_NO_KICK != 0 {
+            g.issue_ns
+        } else {
+            g.kick_ns
+        };
+        let irq = if g.flags & GUEST_F_NO_IRQ != 0 {
+            g.done_ns
+        } else {
+            g.irq_ns
+        };
+        Self {
+            begin,
+            end,
+            kick,
+            irq,
+        }
+    }
 }
 
 /// host − guest, where it fits the clock's offsets (a guest stamp no

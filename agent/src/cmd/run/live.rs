@@ -157,8 +157,8 @@ pub(super) fn refresh_metrics(
     };
     let prometheus = crate::output::metrics::render(&view, Format::Prometheus);
     let openmetrics = crate::output::metrics::render(&view, Format::OpenMetrics);
-    *m.prometheus.lock().unwrap_or_else(|p| p.into_inner()) = prometheus;
-    *m.openmetrics.lock().unwrap_or_else(|p| p.into_inner()) = openmetrics;
+    *m.prometheus.lock().unwrap_or_else(|p| p.into_inner()) = prometheus.into();
+    *m.openmetrics.lock().unwrap_or_else(|p| p.into_inner()) = openmetrics.into();
 }
 
 #[cfg(test)]

@@ -413,6 +413,9 @@ impl Parsed {
         }
         for d in &mut disks {
             make_printable(&mut d.id);
+            if let Some(t) = d.iothread.as_mut() {
+                make_printable(t);
+            }
         }
         let channel = self.channel_dev.as_deref().and_then(|c| self.socket_of(c));
         let monitor = match &self.qmp {

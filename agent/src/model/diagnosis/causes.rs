@@ -65,9 +65,11 @@ pub(super) fn libvirt_iothread(id: &str) -> Option<u32> {
 
 /// The disk as libvirt names it, and the domain.
 pub(super) fn libvirt_names(d: &VmDisk) -> (String, String) {
+    // Names another user may have chosen: each one shell word.
+    let word = |s: &str| crate::model::text::shell_word(s).into_owned();
     (
-        d.domain.clone().unwrap_or_else(|| "DOMAIN".into()),
-        d.target_dev.clone().unwrap_or_else(|| d.disk.clone()),
+        d.domain.as_deref().map_or_else(|| "DOMAIN".into(), word),
+        word(d.target_dev.as_deref().unwrap_or(&d.disk)),
     )
 }
 
@@ -262,7 +264,11 @@ pub(super) fn engine_cpu_wait(f: &Figures, d: &VmDisk) -> Option<Finding> {
             )),
         ),
         (Some(id), Some(cpus)) => (
-            Some(format!("taskset -pc {cpus} {} (the iothread {id})", t.tid)),
+            Some(format!(
+                "taskset -pc {cpus} {} (the iothread {})",
+                t.tid,
+                crate::model::text::shell_word(id)
+            )),
             Some(match libvirt_iothread(id) {
                 Some(n) => format!(
                     "virsh iothreadpin {dom} {n} {cpus} --live, or \

@@ -146,8 +146,11 @@ pub(super) fn host_queue(f: &Figures, hd: Option<&HostDisk>) -> Option<Finding> 
             qemu: None,
             libvirt: None,
             host: Some(format!(
-                "echo {want} > /sys/block/{}/queue/nr_requests (a udev rule keeps it)",
-                hd.name
+                "echo {want} > {} (a udev rule keeps it)",
+                crate::model::text::shell_word(&format!(
+                    "/sys/block/{}/queue/nr_requests",
+                    hd.name
+                ))
             )),
             live: true,
             expect: "the wait for a host tag goes: the device sees the workload's depth, and \

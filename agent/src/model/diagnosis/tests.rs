@@ -89,6 +89,25 @@ fn a_throttle_at_its_limit_is_named_with_its_knob_in_both_words() {
     assert_eq!(x.confidence, Confidence::High);
 }
 
+/// Names another user chose (a session domain's, a command line's) reach
+/// the suggested commands as one shell word each, printable.
+#[test]
+fn a_hostile_domain_name_is_one_quoted_word_of_the_command() {
+    let f = figures(49.8, [300.0, 150.0, 19_500.0, 250.0]);
+    let mut d = vm();
+    d.throttle = vec![("iops".into(), 50)];
+    d.throttle_from = Some("QMP query-block".into());
+    d.domain = Some("web\u{1b}[2J; id #".into());
+    d.target_dev = Some("vda $(reboot)".into());
+    let x = diagnose(&f, Some(&d), None);
+    let virsh = x.knob.as_ref().and_then(|k| k.libvirt.clone()).unwrap();
+    assert!(
+        virsh.starts_with("virsh blkdeviotune 'web\\u{1b}[2J; id #' 'vda $(reboot)' "),
+        "{virsh}"
+    );
+    assert!(!x.text().contains('\u{1b}'), "{}", x.text());
+}
+
 /// As measured under libvirt at depth 4 behind 200 IOPS: the held
 /// requests' wait mostly in the hypervisor segment (their pickup dated from
 /// a later request's read), the engine's a fifth.

@@ -103,8 +103,10 @@ fn vcpu_pin_knob(d: &VmDisk, t: &Thread, wait: f64) -> Knob {
         .name
         .strip_prefix("CPU ")
         .and_then(|r| r.split('/').next())
-        .unwrap_or("N")
-        .to_string();
+        .map_or_else(
+            || "N".into(),
+            |v| crate::model::text::shell_word(v).into_owned(),
+        );
     Knob {
         now: format!("{} may run on CPUs {}", t.name, t.cpus),
         qemu: pin
